@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make demo` and `make test` (both create .venv/ when missing).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+DEMO_OUT ?= sinklab-demo
+
+.PHONY: venv demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab scan builtin:minilm --out $(DEMO_OUT)/minilm
+	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab scan builtin:tiny-llama --out $(DEMO_OUT)/tiny-llama
+	@echo "reports: $(DEMO_OUT)/minilm/report.html $(DEMO_OUT)/tiny-llama/report.html"
+
+test: venv
+	HF_HUB_OFFLINE=1 $(PY) -m pytest
+
+bench: venv
+	$(PY) benchmarks/bench_scan.py
+
+clean:
+	rm -rf $(VENV) $(DEMO_OUT) sinklab-out .pytest_cache

@@ -1,0 +1,41 @@
+"""sinklab — find, explain, use and fix attention sinks in transformer models.
+
+Main entry points::
+
+    import sinklab
+    loaded = sinklab.load_model("builtin:minilm")
+    result = sinklab.scan(loaded.model, loaded.tokenizer, ["some text", ...], seq_len=64)
+    result.sink_rate(0)          # Gu et al.'s Sink_1^0.3 in percent, at this seq_len
+    result.save("out/")          # scan.json, PNG figures, report.html
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from . import metrics  # noqa: E402
+from .capture import AttentionCapture, CaptureBatch, CaptureConfig  # noqa: E402
+from .errors import InputError, ModelWeightsError, SinklabError, UnsupportedModelError  # noqa: E402
+from .models import BUILTIN_MODELS, LoadedModel, load_model  # noqa: E402
+from .registry import REGISTRY, MetricRow  # noqa: E402
+from .scan import ScanResult, scan, scan_inputs  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "metrics",
+    "AttentionCapture",
+    "CaptureBatch",
+    "CaptureConfig",
+    "SinklabError",
+    "InputError",
+    "ModelWeightsError",
+    "UnsupportedModelError",
+    "BUILTIN_MODELS",
+    "LoadedModel",
+    "load_model",
+    "REGISTRY",
+    "MetricRow",
+    "ScanResult",
+    "scan",
+    "scan_inputs",
+]

@@ -1,0 +1,263 @@
+"""Every touch of transformers internals and per-architecture layouts lives here.
+
+The rest of sinklab talks to models through this module only: registering an attention function
+(with its matching mask function), switching a model's attention implementation and back, finding the
+stack of transformer blocks, and reading the query/key/output projection weights in the layouts the
+supported architectures use (separate ``q_proj``/``k_proj``, fused ``qkv_proj`` (Phi-3), per-head
+fused ``query_key_value`` (GPT-NeoX), ``Conv1D`` ``c_attn``/``c_proj`` (GPT-2), BERT/ViT ``query``/``key``
+with the output dense in a sibling module, DINOv2's LayerScale).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .errors import UnsupportedModelError
+
+ATTN_IMPLEMENTATION = "sinklab_capture"
+
+_Q_NAMES = ("q_proj", "query", "q", "wq")
+_K_NAMES = ("k_proj", "key", "k", "wk")
+_O_NAMES = ("o_proj", "out_proj", "c_proj", "dense", "wo")
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def register_attention(name: str, fn: Callable) -> None:
+    """Register ``fn`` as attention backend ``name`` with the boolean SDPA-style mask function.
+
+    Registering the mask too matters: without it transformers hands the backend no mask at all.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def get_attn_implementation(model: nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None)
+
+
+def set_attn_implementation(model: nn.Module, name: str) -> None:
+    """Switch ``model`` (and its sub-models) to attention backend ``name``; raise if it cannot."""
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is not a transformers PreTrainedModel; sinklab needs one to capture attention."
+        )
+    try:
+        setter(name)
+    except (ValueError, KeyError, AttributeError) as exc:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} refused attention implementation {name!r}: {exc}"
+        ) from exc
+    if get_attn_implementation(model) != name:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, "
+            "so sinklab cannot observe it without copying its modeling code (which it never does)."
+        )
+
+
+def config_get(config: object, *names: str, default: object = None) -> object:
+    """First attribute of ``config`` (or its ``text_config``) among ``names`` that is set."""
+    for cfg in (config, getattr(config, "text_config", None), getattr(config, "get_text_config", lambda: None)()):
+        if cfg is None:
+            continue
+        for name in names:
+            value = getattr(cfg, name, None)
+            if value is not None:
+                return value
+    return default
+
+
+def num_layers(config: object) -> int | None:
+    value = config_get(config, "num_hidden_layers", "n_layer", "num_layers")
+    return int(value) if value is not None else None
+
+
+def find_layers(model: nn.Module) -> nn.ModuleList:
+    """The ``nn.ModuleList`` of transformer blocks (``model.layers``, ``encoder.layer``, ``transformer.h`` …).
+
+    Chosen as the shallowest ``ModuleList`` whose length equals the config's layer count.
+    """
+    n = num_layers(getattr(model, "config", None))
+    candidates = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and (n is None or len(module) == n):
+            candidates.append((name.count("."), name, module))
+    if not candidates:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: found no list of {n} transformer blocks; sinklab supports transformers "
+            "models whose blocks live in one nn.ModuleList (Llama, Qwen, Mistral, Gemma, Phi-3, GPT-NeoX, "
+            "GPT-2, OPT, BERT, ViT, DINOv2, gpt-oss …)."
+        )
+    candidates.sort(key=lambda c: (c[0], c[1]))
+    return candidates[0][2]
+
+
+def block_hidden_states(output: object) -> Tensor:
+    """The hidden-state tensor in a block's forward output (a tensor or a tuple led by one)."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return output[0]
+    hidden = getattr(output, "hidden_states", None) or getattr(output, "last_hidden_state", None)
+    if isinstance(hidden, Tensor):
+        return hidden
+    raise UnsupportedModelError(f"cannot find hidden states in a block output of type {type(output).__name__}")
+
+
+def block_input(args: tuple, kwargs: dict) -> Tensor:
+    """The hidden-state tensor a block receives (positional or ``hidden_states=``)."""
+    if args and isinstance(args[0], Tensor):
+        return args[0]
+    hidden = kwargs.get("hidden_states")
+    if isinstance(hidden, Tensor):
+        return hidden
+    raise UnsupportedModelError("cannot find the hidden-states input of a transformer block")
+
+
+def _linear_weight(module: nn.Module) -> Tensor:
+    """Weight as ``[out, in]`` for ``nn.Linear`` and transformers' ``Conv1D`` (stored ``[in, out]``)."""
+    if isinstance(module, nn.Linear):
+        return module.weight
+    if type(module).__name__ == "Conv1D":
+        return module.weight.t()
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, Tensor) and weight.dim() == 2:
+        return weight
+    raise UnsupportedModelError(f"cannot read a projection weight from {type(module).__name__}")
+
+
+def _child(module: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
+    for name in names:
+        sub = getattr(module, name, None)
+        if isinstance(sub, nn.Module):
+            return sub
+    return None
+
+
+def _ancestors(layer: nn.Module, target: nn.Module) -> list[nn.Module]:
+    """Modules from ``target`` up to ``layer`` (inclusive), innermost first."""
+    parent: dict[int, nn.Module] = {}
+    for module in layer.modules():
+        for child in module.children():
+            parent.setdefault(id(child), module)
+    chain = [target]
+    while id(chain[-1]) in parent and chain[-1] is not layer:
+        chain.append(parent[id(chain[-1])])
+    return chain
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    """Projection weights of one layer's attention, split by head (all ``float64``).
+
+    ``wq`` ``[H, dh, d]``, ``wk`` ``[Hkv, dh, d]``, ``wo`` ``[H, d, dh]`` (``u_j = wo[h] @ v_j``, with
+    LayerScale folded in), or ``None`` where the layout is not recognised.
+    """
+
+    wq: Tensor | None
+    wk: Tensor | None
+    wo: Tensor | None
+
+
+def _split_qk(attn: nn.Module, n_heads: int, n_kv: int, head_dim: int) -> tuple[Tensor, Tensor] | None:
+    q_mod, k_mod = _child(attn, _Q_NAMES), _child(attn, _K_NAMES)
+    if q_mod is not None and k_mod is not None:
+        wq = _linear_weight(q_mod)[: n_heads * head_dim]
+        wk = _linear_weight(k_mod)[: n_kv * head_dim]
+        return wq.reshape(n_heads, head_dim, -1), wk.reshape(n_kv, head_dim, -1)
+    if isinstance(getattr(attn, "qkv_proj", None), nn.Module):  # Phi-3: [q | k | v] rows
+        w = _linear_weight(attn.qkv_proj)
+        wq = w[: n_heads * head_dim]
+        wk = w[n_heads * head_dim : (n_heads + n_kv) * head_dim]
+        return wq.reshape(n_heads, head_dim, -1), wk.reshape(n_kv, head_dim, -1)
+    if isinstance(getattr(attn, "query_key_value", None), nn.Module):  # GPT-NeoX: per head [q | k | v]
+        w = _linear_weight(attn.query_key_value).reshape(n_heads, 3 * head_dim, -1)
+        return w[:, :head_dim], w[:, head_dim : 2 * head_dim]
+    if isinstance(getattr(attn, "c_attn", None), nn.Module):  # GPT-2: [q | k | v] columns of Conv1D
+        w = _linear_weight(attn.c_attn)
+        width = n_heads * head_dim
+        return w[:width].reshape(n_heads, head_dim, -1), w[width : 2 * width].reshape(n_heads, head_dim, -1)
+    return None
+
+
+def _output_weight(layer: nn.Module, attn: nn.Module) -> Tensor | None:
+    """``[d, H·dh]`` output projection of ``attn``: on the module, or in an enclosing ``output.dense``."""
+    for module in _ancestors(layer, attn):
+        direct = _child(module, _O_NAMES)
+        if direct is not None and module is attn:
+            return _linear_weight(direct)
+        output = getattr(module, "output", None)
+        if isinstance(output, nn.Module) and isinstance(getattr(output, "dense", None), nn.Module):
+            return _linear_weight(output.dense)
+    return None
+
+
+def _layer_scale(layer: nn.Module) -> Tensor | None:
+    """DINOv2-style LayerScale γ applied to the attention branch, if the block has one."""
+    scale = getattr(layer, "layer_scale1", None)
+    if scale is None:
+        return None
+    for name in ("lambda1", "gamma", "weight"):
+        value = getattr(scale, name, None)
+        if isinstance(value, Tensor):
+            return value
+    return None
+
+
+@torch.no_grad()
+def head_weights(layer: nn.Module, attn: nn.Module, n_heads: int, n_kv: int, head_dim: int) -> HeadWeights:
+    """Read ``attn``'s projections split per head; unknown layouts give ``None`` fields."""
+    qk = _split_qk(attn, n_heads, n_kv, head_dim)
+    wq, wk = (None, None) if qk is None else (qk[0].double().cpu(), qk[1].double().cpu())
+    wo = _output_weight(layer, attn)
+    if wo is not None and wo.shape[1] == n_heads * head_dim:
+        wo = wo.double().cpu()
+        gamma = _layer_scale(layer)
+        if gamma is not None:
+            wo = gamma.double().cpu()[:, None] * wo
+        wo = wo.reshape(wo.shape[0], n_heads, head_dim).permute(1, 0, 2).contiguous()  # (H, d, dh)
+    else:
+        wo = None
+    return HeadWeights(wq=wq, wk=wk, wo=wo)
+
+
+def embedding_rows(model: nn.Module) -> int | None:
+    """Number of rows of the input token embedding (None for models without one, e.g. ViT)."""
+    getter = getattr(model, "get_input_embeddings", None)
+    if getter is None:
+        return None
+    try:
+        emb = getter()
+    except (NotImplementedError, AttributeError):
+        return None
+    weight = getattr(emb, "weight", None)
+    if isinstance(emb, nn.Embedding) or isinstance(weight, Tensor):
+        return int(weight.shape[0]) if weight is not None else None
+    return None
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Device the inputs must live on (the input embedding's, under ``device_map`` dispatch too)."""
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = getter() if getter is not None else None
+    except (NotImplementedError, AttributeError):
+        emb = None
+    weight = getattr(emb, "weight", None)
+    if isinstance(weight, Tensor):
+        return weight.device
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")

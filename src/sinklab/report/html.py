@@ -1,0 +1,93 @@
+"""Self-contained HTML report (images embedded as base64 PNG, every token string HTML-escaped)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import matplotlib.pyplot as plt
+
+from ..registry import REGISTRY
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..scan import ScanResult
+
+__all__ = ["write_report", "render_html"]
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:1100px;color:#222}
+table{border-collapse:collapse;font-size:.85rem}td,th{border:1px solid #ccc;padding:.25rem .5rem;text-align:right}
+th{background:#f3f3f7}code{background:#f3f3f7;padding:0 .2rem}img{max-width:100%;margin:.5rem 0}
+.tok{display:inline-block;border:1px solid #ddd;border-radius:3px;margin:1px;padding:0 .2rem;font-family:monospace}
+"""
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _fmt(value: float | None, fmt: str) -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def render_html(result: ScanResult, images: dict[str, bytes]) -> str:
+    """The report as one HTML string; ``images`` maps figure stems to PNG bytes."""
+    esc = html.escape
+    meta = result.meta
+    table = result.per_layer()
+    pos, label = result.top_sink()
+    head = "".join(f"<th title='{esc(r.description)}'>{esc(r.title)}</th>" for r in REGISTRY)
+    rows = []
+    for layer in range(result.num_layers):
+        cells = "".join(f"<td>{_fmt(table[r.name][layer], r.fmt)}</td>" for r in REGISTRY)
+        rows.append(f"<tr><th>{layer}</th>{cells}</tr>")
+    mass0 = result.column_mass[0].nanmean(dim=(0, 1))  # (T,) sample 0, mean over layers and heads
+    toks = []
+    for i, tok in enumerate(result.tokens[0]):
+        alpha = 0.0 if mass0[i] != mass0[i] else min(1.0, float(mass0[i]) * 2)
+        toks.append(f"<span class='tok' style='background:rgba(220,60,60,{alpha:.2f})' "
+                    f"title='position {i}, mean column mass {float(mass0[i]):.3f}'>{esc(tok)}</span>")
+    figs = "".join(
+        f"<h3>{esc(name.replace('_', ' '))}</h3><img alt='{esc(name)}' src='data:image/png;base64,"
+        f"{base64.b64encode(data).decode()}'>" for name, data in images.items()
+    )
+    provenance = esc(json.dumps(meta, indent=2, default=str))
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>sinklab scan — {esc(str(meta.get('model')))}</title>
+<style>{_CSS}</style></head><body>
+<h1>sinklab scan: {esc(str(meta.get('model')))}</h1>
+<p>{result.num_samples} samples × {result.seq_len} tokens, {result.num_layers} layers × {result.num_heads} heads.
+Sink<sub>0</sub><sup>ε={meta['thresholds']['eps']}</sup> = <b>{result.sink_rate(0):.1f} %</b> of layer×head pairs
+(T = {meta['seq_len']}). Most common sink: position {pos} (<code>{esc(label)}</code>).</p>
+<h2>Per layer</h2><table><tr><th>layer</th>{head}</tr>{''.join(rows)}</table>
+<h2>Sample 0 tokens (shaded by mean column mass)</h2><p>{''.join(toks)}</p>
+<h2>Figures</h2>{figs}
+<h2>Provenance</h2><pre>{provenance}</pre>
+</body></html>"""
+
+
+def write_report(result: ScanResult, out_dir: Path) -> Path:
+    """Write ``scan.json``, ``*.png`` and ``report.html`` to ``out_dir`` atomically (temp dir, then move)."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".sinklab-", dir=out_dir.parent))
+    try:
+        images = {name: _png(fig) for name, fig in result.figures().items()}
+        for name, data in images.items():
+            (tmp / f"{name}.png").write_bytes(data)
+        (tmp / "scan.json").write_text(json.dumps(result.to_json(), indent=1, default=str))
+        (tmp / "report.html").write_text(render_html(result, images), encoding="utf-8")
+        out_dir.mkdir(exist_ok=True)
+        for item in tmp.iterdir():
+            shutil.move(str(item), str(out_dir / item.name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir / "report.html"

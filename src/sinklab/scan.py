@@ -1,0 +1,310 @@
+"""``sinklab.scan``: run a model over texts (or prepared inputs) and collect sink statistics."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from . import __version__, _compat, metrics
+from .capture import AttentionCapture, CaptureBatch, CaptureConfig
+from .errors import InputError
+from .models import check_vocab, check_weights
+from .registry import REGISTRY, per_layer_table
+from .texts import default_texts, tokenize_windows
+
+__all__ = ["ScanResult", "scan", "scan_inputs", "SCHEMA_VERSION", "DEFAULT_THRESHOLDS"]
+
+SCHEMA_VERSION = "sinklab.scan/1"
+
+DEFAULT_THRESHOLDS = {
+    "eps": 0.3,  # sink-rate ε (Gu et al.)
+    "eps_event": 0.2,  # strict ε-sink event: min_i A_is ≥ 1 − eps_event
+    "relaxed_share": 0.9,  # relaxed rule: share of queries with A_is ≥ 0.5
+    "route_threshold": 0.5,
+    "massive_abs": 100.0,
+    "massive_ratio": 1000.0,
+    "high_norm_k": 5.0,  # norm > median + k · 1.4826 · MAD
+}
+
+_PER_SAMPLE = (
+    "column_mass", "column_min", "routed_fraction", "candidate_attention", "value_norm", "value_norm_out",
+    "update_norm", "update_spectrum", "common_mode", "learned_sink_mass", "hidden_norm", "hidden_max_abs",
+    "hidden_max_dim", "hidden_median_abs", "token_mask",
+)
+
+
+@dataclass
+class ScanResult:
+    """Per-sample sink statistics of one model. ``S`` samples, ``L`` layers, ``H`` heads, ``T`` positions.
+
+    Per-position arrays are NaN where a sample has no token. See :class:`~sinklab.capture.CaptureBatch`
+    for every field's meaning; ``tokens`` holds each sample's token strings and ``meta`` the
+    provenance written into ``scan.json``.
+    """
+
+    column_mass: Tensor  # (S, L, H, T)
+    column_min: Tensor  # (S, L, H, T)
+    routed_fraction: Tensor  # (S, L, H, T)
+    candidate_attention: Tensor  # (S, L, H, T, K)
+    value_norm: Tensor  # (S, L, H, T)
+    value_norm_out: Tensor  # (S, L, H, T)
+    update_norm: Tensor  # (S, L, H, T)
+    update_spectrum: Tensor  # (S, L, H, r)
+    common_mode: Tensor  # (S, L, H)
+    learned_sink_mass: Tensor  # (S, L, H)
+    hidden_norm: Tensor  # (S, L+1, T)
+    hidden_max_abs: Tensor  # (S, L+1, T)
+    hidden_max_dim: Tensor  # (S, L+1, T)
+    hidden_median_abs: Tensor  # (S, L+1)
+    token_mask: Tensor  # (S, T)
+    attention_maps: Tensor | None  # (L, H, m, m) for sample 0
+    qk_spectrum: Tensor  # (L, H, dh)
+    output_space: list[bool]
+    tokens: list[list[str]]
+    candidates: tuple[int, ...]
+    meta: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ shape helpers
+    @property
+    def num_samples(self) -> int:
+        return self.column_mass.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.column_mass.shape[1]
+
+    @property
+    def num_heads(self) -> int:
+        return self.column_mass.shape[2]
+
+    @property
+    def seq_len(self) -> int:
+        return self.column_mass.shape[3]
+
+    # ------------------------------------------------------------------ derived metrics
+    def sink_rate(self, position: int = 0, eps: float | None = None) -> float:
+        """Sink^ε at ``position`` in percent (mean over samples; reported with ``meta['seq_len']``)."""
+        return metrics.sink_rate(self.column_mass, position, self.meta["thresholds"]["eps"] if eps is None else eps)
+
+    def sink_rate_per_layer(self, position: int = 0, eps: float | None = None) -> Tensor:
+        """``[L]`` Sink^ε at ``position`` per layer, in percent."""
+        eps = self.meta["thresholds"]["eps"] if eps is None else eps
+        return metrics.sink_rate_per_layer(self.column_mass, position, eps)
+
+    def dominant_columns(self) -> Tensor:
+        """``[S, L, H]`` position of each head's largest column mass in each sample."""
+        return self.column_mass.nan_to_num(-1.0).argmax(dim=-1)
+
+    def sink_strength(self) -> Tensor:
+        """``[S, L, H]`` the dominant column's mass (Fesser et al.'s sink strength)."""
+        return self.column_mass.nan_to_num(-1.0).amax(dim=-1)
+
+    def token_label(self, sample: int, position: int) -> str:
+        toks = self.tokens[sample]
+        return toks[position] if 0 <= position < len(toks) else f"#{position}"
+
+    def top_sink(self) -> tuple[int, str]:
+        """The most common dominant position over all samples, layers and heads, and its token in sample 0."""
+        pos = int(self.dominant_columns().flatten().mode().values)
+        return pos, self.token_label(0, pos)
+
+    def per_layer(self) -> dict[str, list[float | None]]:
+        """Registry table: ``{metric: [value per layer]}``."""
+        return per_layer_table(self)
+
+    # ------------------------------------------------------------------ output
+    def to_json(self) -> dict:
+        """JSON-ready dict: schema, provenance, per-layer registry table, sink rates, per-sample arrays."""
+        n_first = min(self.seq_len, 8)
+        rates = {str(p): _finite(self.sink_rate(p)) for p in range(n_first)}
+        pos, label = self.top_sink()
+        return {
+            "schema": SCHEMA_VERSION,
+            "meta": self.meta,
+            "metrics": [{"name": r.name, "title": r.title, "description": r.description} for r in REGISTRY],
+            "per_layer": self.per_layer(),
+            "sink_rate": {"eps": self.meta["thresholds"]["eps"], "seq_len": self.meta["seq_len"], "by_position": rates},
+            "top_sink": {"position": pos, "token": label},
+            "tokens": self.tokens,
+            "column_mass": _nested(self.column_mass),
+            "dominant_columns": self.dominant_columns().tolist(),
+            "sink_strength": _nested(self.sink_strength()),
+            "qk_sigma_ratio": _nested(metrics.sigma_ratio(self.qk_spectrum.double())),
+        }
+
+    def figures(self) -> dict:
+        """Matplotlib figures keyed by file stem (see :mod:`sinklab.report.figures`)."""
+        from .report.figures import scan_figures
+
+        return scan_figures(self)
+
+    def save(self, out_dir: str | Path) -> Path:
+        """Write ``scan.json``, the PNG figures and a self-contained ``report.html`` into ``out_dir``.
+
+        Everything is written to a temporary folder first and moved in place at the end, so a failure
+        leaves no partial report behind.
+        """
+        from .report.html import write_report
+
+        return write_report(self, Path(out_dir))
+
+
+def _finite(x: float) -> float | None:
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
+def _nested(t: Tensor) -> list:
+    """Tensor → nested lists with NaN/inf as ``None`` (valid JSON), 4 significant digits."""
+    flat = [None if not math.isfinite(v) else float(f"{v:.4g}") for v in t.double().flatten().tolist()]
+    for size in reversed(t.shape[1:]):
+        flat = [flat[i : i + size] for i in range(0, len(flat), size)]
+    return flat
+
+
+def _pad_cat(parts: list[Tensor], dim: int, width: int, fill: float) -> Tensor:
+    padded = []
+    for p in parts:
+        missing = width - p.shape[dim]
+        if missing > 0:
+            shape = list(p.shape)
+            shape[dim] = missing
+            p = torch.cat([p, torch.full(shape, fill, dtype=p.dtype)], dim=dim)
+        padded.append(p)
+    return torch.cat(padded, dim=0)
+
+
+def _merge(batches: list[CaptureBatch]) -> dict:
+    width = max(b.token_mask.shape[-1] for b in batches)
+    position_dim = {"candidate_attention": 3, "hidden_norm": 2, "hidden_max_abs": 2, "hidden_max_dim": 2, "token_mask": 1}
+    merged = {}
+    for name in _PER_SAMPLE:
+        parts = [getattr(b, name) for b in batches]
+        if name in ("update_spectrum", "common_mode", "learned_sink_mass", "hidden_median_abs"):
+            merged[name] = torch.cat(parts, dim=0)
+            continue
+        dim = position_dim.get(name, 3)
+        fill = {"hidden_max_dim": -1, "token_mask": False}.get(name, math.nan)
+        merged[name] = _pad_cat(parts, dim, width, fill)
+    merged["attention_maps"] = batches[0].attention_maps
+    merged["qk_spectrum"] = batches[0].qk_spectrum
+    merged["output_space"] = batches[0].output_space
+    return merged
+
+
+def _provenance(model: nn.Module, source: str | None, revision: str | None, **extra) -> dict:
+    import transformers
+
+    config = getattr(model, "config", None)
+    param = next(model.parameters(), None)
+    return {
+        "model": source or getattr(config, "_name_or_path", None) or type(model).__name__,
+        "model_class": type(model).__name__,
+        "model_type": getattr(config, "model_type", None),
+        "revision": revision,
+        "dtype": str(param.dtype).replace("torch.", "") if param is not None else None,
+        "versions": {
+            "sinklab": __version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
+        **extra,
+    }
+
+
+def scan_inputs(
+    model: nn.Module,
+    batches: Iterable[dict[str, Tensor]],
+    tokens: list[list[str]],
+    *,
+    candidates: tuple[int, ...] = (0, 1, 2, 3),
+    map_len: int = 64,
+    thresholds: dict | None = None,
+    progress: Callable[[int], None] | None = None,
+    meta: dict | None = None,
+) -> ScanResult:
+    """Scan prepared model inputs (e.g. ``pixel_values`` for a ViT) and return a :class:`ScanResult`.
+
+    ``batches`` yields keyword dicts for ``model(**batch)``; ``tokens`` labels every sample's positions.
+    ``progress`` is called with the number of samples finished after each batch.
+    """
+    thresholds = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
+    for key in ("eps", "eps_event", "route_threshold"):
+        if not 0.0 <= thresholds[key] <= 1.0:
+            raise InputError(f"threshold {key} must be in [0, 1], got {thresholds[key]}")
+    check_weights(model)
+    cfg = CaptureConfig(candidates=tuple(candidates), map_len=map_len, route_threshold=thresholds["route_threshold"])
+    results: list[CaptureBatch] = []
+    with AttentionCapture(model, cfg) as cap:
+        for batch in batches:
+            results.append(cap.run(**batch))
+            if progress is not None:
+                progress(results[-1].token_mask.shape[0])
+    if not results:
+        raise InputError("no inputs to scan")
+    merged = _merge(results)
+    seq_len = merged["token_mask"].shape[-1]
+    info = {"thresholds": thresholds, "seq_len": seq_len, "num_samples": merged["column_mass"].shape[0],
+            "candidates": list(candidates), "hidden_state_index_0": "input of block 0 (embeddings)",
+            "output_space": merged["output_space"], **(meta or {})}
+    return ScanResult(**merged, tokens=tokens, candidates=tuple(candidates), meta=info)
+
+
+def scan(
+    model: nn.Module,
+    tokenizer,
+    texts: str | list[str] | None = None,
+    *,
+    seq_len: int = 64,
+    samples: int = 16,
+    batch_size: int = 8,
+    candidates: tuple[int, ...] = (0, 1, 2, 3),
+    map_len: int = 64,
+    thresholds: dict | None = None,
+    seed: int = 0,
+    source: str | None = None,
+    revision: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> ScanResult:
+    """Scan ``model`` on ``texts`` (default: English paragraphs shipped with Python) for attention sinks.
+
+    Texts are cut into at most ``samples`` windows of ``seq_len`` tokens (the tokenizer's special tokens
+    included, right-padded). Nothing of size L×H×T×T is materialised: statistics are reduced per query
+    chunk inside the attention function. Returns a :class:`ScanResult`; ``result.sink_rate(0)`` is Gu
+    et al.'s Sink_1^ε at this ``seq_len``.
+    """
+    if isinstance(texts, str):
+        texts = [texts]
+    if texts is None:
+        texts = default_texts()
+        corpus = "pydoc_data.topics (Python standard library documentation)"
+    else:
+        corpus = "user text"
+    if batch_size < 1:
+        raise InputError(f"batch_size must be ≥ 1, got {batch_size}")
+    torch.manual_seed(seed)
+    windows = tokenize_windows(tokenizer, texts, seq_len, samples)
+    check_vocab(model, tokenizer, windows.input_ids)
+    device = _compat.input_device(model)
+    batches = (
+        {k: v.to(device) for k, v in batch.items()} for _, batch in windows.batches(batch_size)
+    )
+    meta = _provenance(model, source, revision, seed=seed, requested_seq_len=seq_len, corpus=corpus,
+                       tokenizer_added_bos=windows.added_bos, tokenizer_class=type(tokenizer).__name__)
+    return scan_inputs(model, batches, windows.tokens, candidates=candidates, map_len=map_len,
+                       thresholds=thresholds, progress=progress, meta=meta)
+
+
+def load_json(path: str | Path) -> dict:
+    """Read a ``scan.json`` and check its schema version."""
+    data = json.loads(Path(path).read_text())
+    if data.get("schema") != SCHEMA_VERSION:
+        raise InputError(f"{path} is not a {SCHEMA_VERSION} file (schema: {data.get('schema')!r})")
+    return data

@@ -1,0 +1,100 @@
+"""Inputs for a scan: the embedded default corpus and tokenisation into fixed-length windows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .errors import InputError
+
+__all__ = ["default_texts", "TokenBatch", "tokenize_windows", "special_affixes"]
+
+
+def default_texts(limit: int | None = None) -> list[str]:
+    """English paragraphs that ship with Python itself (``pydoc_data.topics``): no download, deterministic."""
+    from pydoc_data.topics import topics
+
+    texts = []
+    for key in sorted(topics):
+        body = " ".join(topics[key].split())
+        if len(body) >= 400:
+            texts.append(body)
+    return texts if limit is None else texts[:limit]
+
+
+def special_affixes(tokenizer) -> tuple[list[int], list[int]]:
+    """Special token ids the tokenizer puts before and after a text (e.g. ``[CLS]``/``[SEP]`` or ``<s>``)."""
+    probe = "sinklab probe text"
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    full = tokenizer(probe, add_special_tokens=True)["input_ids"]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return list(full[:start]), list(full[start + len(plain) :])
+    return [], []
+
+
+@dataclass
+class TokenBatch:
+    """Right-padded token windows: ``input_ids``/``attention_mask`` ``[S, T]`` and token strings."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    tokens: list[list[str]]
+    added_bos: bool
+
+    def batches(self, batch_size: int):
+        """Yield ``(slice, {'input_ids', 'attention_mask'})`` trimmed to each batch's longest sample."""
+        for start in range(0, self.input_ids.shape[0], batch_size):
+            stop = min(start + batch_size, self.input_ids.shape[0])
+            mask = self.attention_mask[start:stop]
+            width = int(mask.sum(-1).max())
+            yield slice(start, stop), {
+                "input_ids": self.input_ids[start:stop, :width],
+                "attention_mask": mask[:, :width],
+            }
+
+
+def tokenize_windows(tokenizer, texts: list[str], seq_len: int, samples: int) -> TokenBatch:
+    """Cut ``texts`` into at most ``samples`` windows of at most ``seq_len`` tokens (special tokens included).
+
+    Windows are taken round-robin: the first window of every text, then the second of every text …
+    so a handful of long texts still gives varied samples. Each window gets the tokenizer's own
+    special tokens (BOS or [CLS] … [SEP]) as a normal encoding would.
+    """
+    if seq_len < 2:
+        raise InputError(f"--seq-len must be at least 2 tokens to measure attention sinks, got {seq_len}")
+    if samples < 1:
+        raise InputError(f"--samples must be at least 1, got {samples}")
+    texts = [t for t in texts if t is not None]
+    if not texts or all(not t.strip() for t in texts):
+        raise InputError("the input text is empty; pass --text/--file with some text, or omit both for the default corpus")
+    prefix, suffix = special_affixes(tokenizer)
+    body = seq_len - len(prefix) - len(suffix)
+    if body < 1:
+        raise InputError(f"--seq-len {seq_len} leaves no room for text after {len(prefix) + len(suffix)} special tokens")
+    per_text = [tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"] for t in texts if t.strip()]
+    chunks = [[ids[i : i + body] for i in range(0, len(ids), body)] for ids in per_text]
+    windows: list[list[int]] = []
+    depth = 0
+    while len(windows) < samples and any(depth < len(c) for c in chunks):
+        for c in chunks:
+            if depth < len(c) and len(windows) < samples:
+                windows.append(prefix + list(c[depth]) + suffix)
+        depth += 1
+    if not windows:
+        raise InputError("the input text produced no tokens")
+    if max(len(w) for w in windows) < 2:
+        raise InputError("every sample has fewer than 2 tokens; give longer text")
+    width = max(len(w) for w in windows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.full((len(windows), width), int(pad), dtype=torch.long)
+    mask = torch.zeros((len(windows), width), dtype=torch.long)
+    for row, w in enumerate(windows):
+        ids[row, : len(w)] = torch.tensor(w, dtype=torch.long)
+        mask[row, : len(w)] = 1
+    tokens = [tokenizer.convert_ids_to_tokens(w) for w in windows]
+    bos_ids = {tokenizer.bos_token_id, getattr(tokenizer, "cls_token_id", None)} - {None}
+    added_bos = bool(prefix) and prefix[0] in bos_ids
+    return TokenBatch(input_ids=ids, attention_mask=mask, tokens=tokens, added_bos=added_bos)

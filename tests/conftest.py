@@ -1,0 +1,26 @@
+"""Shared test set-up: deterministic torch, offline hub, tiny models built from configs in code."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    import sinklab
+
+    return sinklab.load_model("builtin:minilm")
