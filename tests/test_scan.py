@@ -1,0 +1,177 @@
+"""scan(): the real MiniLM encoder, the JSON/report outputs, the CLI and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from typer.testing import CliRunner
+
+import sinklab
+from sinklab import metrics
+from sinklab.cli import app
+from sinklab.errors import InputError, ModelWeightsError, UnsupportedModelError
+from sinklab.models import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def minilm_scan(minilm):
+    return sinklab.scan(minilm.model, minilm.tokenizer, seq_len=64, samples=16, source="builtin:minilm")
+
+
+def test_minilm_cls_is_the_dominant_sink_in_middle_layers(minilm_scan):
+    r = minilm_scan
+    assert r.tokens[0][0] == "[CLS]" and r.meta["tokenizer_added_bos"] is True
+    assert r.column_mass.shape == (16, 6, 12, 64)
+    share = (r.column_mass[..., 0] > 0.3).double().mean(dim=(0, 2))  # per layer: heads with α_[CLS] > 0.3
+    # Measured (16 pydoc samples, T=64): layer 0 ≈ 0 %, layers 1–3 ≈ 73–85 %, layer 4 ≈ 54 %, layer 5 ≈ 4 %.
+    # Tolerance ±15 points: the share moves by a few points with the corpus and sample count.
+    assert float(share[0]) < 0.1
+    assert all(float(share[layer]) > 0.6 for layer in (1, 2, 3))
+    assert float(share[5]) < 0.2
+    dominant = r.dominant_columns()  # (S, L, H): [CLS] is the dominant column of nearly every head in 1–4
+    for layer in (1, 2, 3, 4):
+        assert float((dominant[:, layer] == 0).double().mean()) > 0.85
+    # [CLS]'s output-space value norm is far below the others' in the sink layers (NOP-like, measured 0.03–0.10).
+    table = r.per_layer()
+    assert all(table["value_norm_ratio_out"][layer] < 0.2 for layer in (1, 2, 3, 4))
+    # sink_rate is the registry/per-layer mean of the same count.
+    assert r.sink_rate(0) == pytest.approx(100 * float(share.mean()), abs=1e-9)
+
+
+def test_scan_json_report_and_escaping(minilm_scan, tmp_path):
+    r = minilm_scan
+    r.tokens[0][1] = "<script>alert(1)</script>"
+    try:
+        report = r.save(tmp_path / "out")
+    finally:
+        r.tokens[0][1] = "the"
+    text = report.read_text()
+    assert "<script>alert(1)</script>" not in text and "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+    assert text.count("data:image/png;base64,") == 4 and "src='http" not in text
+    data = json.loads((tmp_path / "out" / "scan.json").read_text())
+    assert data["schema"] == "sinklab.scan/1"
+    meta = data["meta"]
+    for key in ("model", "revision", "versions", "dtype", "seed", "seq_len", "thresholds", "tokenizer_added_bos"):
+        assert key in meta
+    assert meta["versions"]["transformers"] and meta["seq_len"] == 64
+    assert set(data["per_layer"]) == {row.name for row in sinklab.REGISTRY}
+    assert data["sink_rate"]["by_position"]["0"] == pytest.approx(r.sink_rate(0))
+    for name in ("sink_heatmap", "attention_map", "hidden_norms", "sink_rate"):
+        assert (tmp_path / "out" / f"{name}.png").stat().st_size > 1000
+
+
+def test_short_samples_are_nan_padded_and_excluded():
+    model = tiny_llama(num_hidden_layers=2)
+    from sinklab.models import _minilm_tokenizer
+
+    tok = _minilm_tokenizer()
+    r = sinklab.scan(model, tok, ["a much longer sentence with many more words in it", "short"], seq_len=32)
+    assert r.num_samples == 2 and bool(r.token_mask[1].sum() == 3)  # [CLS] short [SEP]
+    assert torch.isnan(r.column_mass[1, :, :, 3:]).all() and not torch.isnan(r.column_mass[1, :, :, :3]).any()
+    # Per-sample column mass equals a scan of the short sample alone (padding changes nothing).
+    alone = sinklab.scan(model, tok, ["short"], seq_len=32)
+    torch.testing.assert_close(r.column_mass[1, :, :, :3], alone.column_mass[0], atol=1e-6, rtol=0)
+    # Long input is cut into windows of seq_len tokens, round-robin over texts.
+    r2 = sinklab.scan(model, tok, ["word " * 200], seq_len=16, samples=5)
+    assert r2.column_mass.shape[0] == 5 and r2.seq_len == 16
+    assert all(t[0] == "[CLS]" and t[-1] == "[SEP]" for t in r2.tokens)
+
+
+@pytest.mark.parametrize("texts,seq_len,match", [
+    ([""], 64, "empty"),
+    (["   \n"], 64, "empty"),
+    (["hello world"], 1, "at least 2"),
+])
+def test_bad_text_input(texts, seq_len, match, minilm):
+    with pytest.raises(InputError, match=match):
+        sinklab.scan(minilm.model, minilm.tokenizer, texts, seq_len=seq_len)
+
+
+def test_nan_weights_are_rejected_by_name(minilm):
+    model = tiny_llama(num_hidden_layers=2)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = math.nan
+    with pytest.raises(ModelWeightsError, match="layers.1.mlp.up_proj.weight"):
+        sinklab.scan(model, minilm.tokenizer, ["hello world"])
+
+
+def test_tokenizer_larger_than_embedding_is_rejected(minilm):
+    model = tiny_llama(num_hidden_layers=2, vocab_size=1000)
+    with pytest.raises(ModelWeightsError, match="1000 rows"):
+        sinklab.scan(model, minilm.tokenizer, ["hello world"])
+
+
+class _OpaqueConfig(PretrainedConfig):
+    model_type = "sinklab-opaque"
+
+    def __init__(self, num_hidden_layers=2, **kw):
+        super().__init__(**kw)
+        self.num_hidden_layers = num_hidden_layers
+
+
+class OpaqueModel(PreTrainedModel):
+    """Attention computed inline (no AttentionInterface): sinklab cannot observe it."""
+
+    config_class = _OpaqueConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.emb = nn.Embedding(50, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(config.num_hidden_layers))
+
+    def forward(self, input_ids, attention_mask=None, **kw):
+        x = self.emb(input_ids)
+        for layer in self.layers:
+            x = x + torch.softmax(x @ x.transpose(1, 2), -1) @ layer(x)
+        return x
+
+
+def test_unknown_architecture_names_the_model_class(tmp_path):
+    from sinklab.texts import TokenBatch
+
+    model = OpaqueModel(_OpaqueConfig())
+    batch = TokenBatch(torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long), [["a"] * 4], False)
+    with pytest.raises(UnsupportedModelError, match="OpaqueModel"):
+        sinklab.scan_inputs(model, (b for _, b in batch.batches(1)), batch.tokens)
+    assert model.config._attn_implementation != "sinklab_capture"
+
+
+def test_bad_thresholds_are_rejected(minilm):
+    with pytest.raises(InputError, match="eps"):
+        sinklab.scan(minilm.model, minilm.tokenizer, ["hello world"], thresholds={"eps": 1.5})
+
+
+def test_cli_scan_writes_outputs_and_fails_cleanly(tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "tiny"
+    res = runner.invoke(app, ["scan", "builtin:tiny-llama", "--samples", "3", "--seq-len", "24", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "per layer" in res.output and (out / "report.html").exists() and (out / "scan.json").exists()
+    data = json.loads((out / "scan.json").read_text())
+    assert data["meta"]["num_samples"] == 3 and data["meta"]["model"] == "builtin:tiny-llama"
+    bad = tmp_path / "bad"
+    res = runner.invoke(app, ["scan", "builtin:minilm", "--text", "", "--out", str(bad)])
+    assert res.exit_code == 2 and "empty" in res.output
+    assert not bad.exists()  # no partial report left behind
+    res = runner.invoke(app, ["scan", "builtin:nope", "--out", str(bad)])
+    assert res.exit_code == 2 and "unknown built-in model" in res.output
+    assert not bad.exists()
+
+
+def test_vision_scan_on_dinov2_with_registers():
+    from tiny_models import build
+
+    model = build("dinov2-registers")
+    pixels = torch.randn(2, 3, 16, 16)
+    labels = ["[CLS]"] + [f"reg{i}" for i in range(4)] + [f"patch{i}" for i in range(16)]
+    r = sinklab.scan_inputs(model, [{"pixel_values": pixels}], [labels, labels])
+    assert r.column_mass.shape == (2, 2, 4, 21)
+    # Bidirectional: every column is averaged over all 21 queries, so each head's masses sum to 1.
+    torch.testing.assert_close(r.column_mass.sum(-1), torch.ones(2, 2, 4), atol=1e-5, rtol=0)
+    assert r.sink_rate(0) == pytest.approx(metrics.sink_rate(r.column_mass, 0))
+
