@@ -221,8 +221,12 @@ def _layer_scale(layer: nn.Module) -> Tensor | None:
 def head_weights(layer: nn.Module, attn: nn.Module, n_heads: int, n_kv: int, head_dim: int) -> HeadWeights:
     """Read ``attn``'s projections split per head; unknown layouts give ``None`` fields."""
     qk = _split_qk(attn, n_heads, n_kv, head_dim)
+    if qk is not None and any(w.device.type == "meta" for w in qk):  # offloaded (accelerate): not readable
+        qk = None
     wq, wk = (None, None) if qk is None else (qk[0].double().cpu(), qk[1].double().cpu())
     wo = _output_weight(layer, attn)
+    if wo is not None and wo.device.type == "meta":
+        wo = None
     if wo is not None and wo.shape[1] == n_heads * head_dim:
         wo = wo.double().cpu()
         gamma = _layer_scale(layer)

@@ -31,7 +31,7 @@ class CaptureConfig:
 
     candidates: tuple[int, ...] = (0, 1, 2, 3)  # positions whose per-query attention is kept
     map_len: int = 128  # keep sample 0's attention maps over its first map_len positions (0: none)
-    chunk_elements: int = 1 << 22  # score entries per query chunk (bounds the temporaries)
+    chunk_elements: int = 1 << 21  # score entries per query chunk (bounds the temporaries)
     route_threshold: float = 0.5  # A_ij at or above this counts a query as routed to column j
 
     def __post_init__(self) -> None:
@@ -66,6 +66,9 @@ class CaptureBatch:
     attention_maps: Tensor | None  # (L, H, m, m) sample 0's attention over its first m positions
     qk_spectrum: Tensor  # (L, H, dh) singular values of Wq_h^T Wk_h (NaN if layout unknown)
     output_space: list[bool] = field(default_factory=list)  # per layer: W_O found
+
+
+_FLOOR = torch.finfo(torch.float32).min
 
 
 def _repeat_kv(x: Tensor, n_rep: int) -> Tensor:
@@ -160,7 +163,8 @@ class AttentionCapture:
             kwargs = dict(inputs)
             if "input_ids" in kwargs or "inputs_embeds" in kwargs:
                 kwargs.setdefault("use_cache", False)
-            self.model(**kwargs)
+            # The base model skips the LM head: logits (T × vocab) are never needed for the statistics.
+            getattr(self.model, "base_model", self.model)(**kwargs)
         finally:
             self.model.train(was_training)
         missing = [i for i in range(len(self._layers)) if i not in self._records]
@@ -309,35 +313,59 @@ class AttentionCapture:
         amap = torch.zeros(h, m, m, device=dev) if cfg.map_len > 0 else None
         chunk = max(1, min(tq, cfg.chunk_elements // max(1, b * h * tk)))
 
+        # Fast path (no mask tensor, no padding): only the causal diagonal block needs masking, and
+        # every column left of it is seen by every query of the chunk.
+        fast = attention_mask is None and bool(qmask.all())
+        offset = tk - tq
+        qweight = qmask.float()[:, None, None, :]  # (B, 1, 1, Tq) for matmul reductions over queries
         for c0 in range(0, tq, chunk):
             c1 = min(tq, c0 + chunk)
             allowed, additive = _chunk_mask(attention_mask, is_causal, b, c0, c1, tq, tk, dev)
-            kend = _last_visible(allowed, tk)
+            if attention_mask is None:  # causal rows c0..c1 see keys up to c1 - 1 + offset
+                kend = min(tk, c1 + offset) if is_causal and tq > 1 else tk
+            else:
+                kend = _last_visible(allowed, tk)
             allowed = allowed[..., :kend]
-            scores = torch.matmul(query[:, :, c0:c1].float(), k[:, :, :kend].transpose(-1, -2)) * scale
+            full = (min(kend, c0 + offset + 1) if is_causal and tq > 1 else kend) if fast else 0
+            scores = torch.matmul(query[:, :, c0:c1].float() * scale, k[:, :, :kend].transpose(-1, -2))
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
             if bias is not None:
                 scores = scores + bias[..., c0:c1, :kend].float()
             if additive is not None:
                 scores = scores + additive[..., :kend]
-            scores = scores.masked_fill(~allowed, -math.inf)
+            # A finite floor (as eager attention uses) keeps rows with no visible key finite; their
+            # queries are padding and excluded below.
+            scores[..., full:].masked_fill_(~allowed[..., full:], _FLOOR)
             if sinks is not None:
                 sink = sinks.float().to(dev).reshape(1, h, 1, 1)
                 top = torch.maximum(scores.amax(-1, keepdim=True), sink)
                 e = torch.exp(scores - top)
                 probs = e / (e.sum(-1, keepdim=True) + torch.exp(sink - top))
+                row_mass[:, :, c0:c1] = probs.sum(-1)
             else:
                 probs = torch.softmax(scores, dim=-1)
-            probs = torch.nan_to_num(probs, nan=0.0)  # rows with no visible key
+                row_mass[:, :, c0:c1] = 1.0
+            del scores
             out[:, :, c0:c1] = torch.matmul(probs, v[:, :, :kend])
 
-            vis = allowed & qmask[:, None, c0:c1, None]  # (B, 1, C, kend)
-            col_sum[..., :kend] += (probs * vis).sum(2)
-            col_cnt[:, :kend] += vis[:, 0].sum(1)
-            col_min[..., :kend] = torch.minimum(col_min[..., :kend], probs.masked_fill(~vis, math.inf).amin(2))
-            col_hit[..., :kend] += ((probs >= cfg.route_threshold) & vis).sum(2)
-            row_mass[:, :, c0:c1] = probs.sum(-1)
+            # Disallowed entries are exactly 0, so sums over queries only need the query mask.
+            hits = probs >= cfg.route_threshold
+            if fast:
+                col_sum[..., :kend] += probs.sum(2)
+                col_hit[..., :kend] += hits.sum(2)
+                col_cnt[:, :full] += c1 - c0
+                col_min[..., :full] = torch.minimum(col_min[..., :full], probs[..., :full].amin(2))
+                diag = allowed[..., full:]
+                col_cnt[:, full:kend] += diag[:, 0].sum(1)
+            else:
+                qw = qweight[..., c0:c1]  # (B, 1, 1, C)
+                col_sum[..., :kend] += torch.matmul(qw, probs)[:, :, 0]
+                col_hit[..., :kend] += torch.matmul(qw, hits.float())[:, :, 0]
+                col_cnt[:, :kend] += torch.matmul(qw[:, 0], allowed[:, 0].float())[:, 0]
+                diag = allowed & qmask[:, None, c0:c1, None]  # (B, 1, C, kend)
+            low = probs[..., full:].masked_fill(~diag, math.inf).amin(2)
+            col_min[..., full:kend] = torch.minimum(col_min[..., full:kend], low)
             for j, p in enumerate(cands):
                 if p < kend:
                     cand[:, :, c0:c1, j] = probs[..., p]
