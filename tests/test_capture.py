@@ -126,8 +126,12 @@ def _value_and_output(name: str, layer, x: torch.Tensor, n_heads: int, dh: int):
         v = layer.attn.c_attn(layer.ln_1(x))[..., 2 * d :]
         wo = layer.attn.c_proj.weight.t()
     elif name == "dinov2":
-        v = layer.attention.v_proj(layer.norm1(x))
-        wo = layer.layer_scale1.lambda1[:, None] * layer.attention.o_proj.weight
+        attn = layer.attention
+        if hasattr(attn, "v_proj"):  # transformers ≥ 5.x refactor
+            v, wo = attn.v_proj(layer.norm1(x)), attn.o_proj.weight
+        else:  # earlier 5.x: ViT-style attention.attention.value / attention.output.dense
+            v, wo = attn.attention.value(layer.norm1(x)), attn.output.dense.weight
+        wo = layer.layer_scale1.lambda1[:, None] * wo
     v = v.reshape(b, t, -1, dh).transpose(1, 2).double()
     return v, wo.double().reshape(d, n_heads, dh).permute(1, 0, 2)
 

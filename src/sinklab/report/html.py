@@ -9,6 +9,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
@@ -18,7 +19,7 @@ from ..registry import REGISTRY
 if TYPE_CHECKING:  # pragma: no cover
     from ..scan import ScanResult
 
-__all__ = ["write_report", "render_html"]
+__all__ = ["write_report", "write_outputs", "render_html", "page", "images_html"]
 
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:1100px;color:#222}
@@ -56,38 +57,58 @@ def render_html(result: ScanResult, images: dict[str, bytes]) -> str:
         alpha = 0.0 if mass0[i] != mass0[i] else min(1.0, float(mass0[i]) * 2)
         toks.append(f"<span class='tok' style='background:rgba(220,60,60,{alpha:.2f})' "
                     f"title='position {i}, mean column mass {float(mass0[i]):.3f}'>{esc(tok)}</span>")
-    figs = "".join(
-        f"<h3>{esc(name.replace('_', ' '))}</h3><img alt='{esc(name)}' src='data:image/png;base64,"
-        f"{base64.b64encode(data).decode()}'>" for name, data in images.items()
-    )
+    figs = images_html(images)
     provenance = esc(json.dumps(meta, indent=2, default=str))
-    return f"""<!doctype html><html><head><meta charset="utf-8"><title>sinklab scan — {esc(str(meta.get('model')))}</title>
-<style>{_CSS}</style></head><body>
-<h1>sinklab scan: {esc(str(meta.get('model')))}</h1>
+    body = f"""<h1>sinklab scan: {esc(str(meta.get('model')))}</h1>
 <p>{result.num_samples} samples × {result.seq_len} tokens, {result.num_layers} layers × {result.num_heads} heads.
 Sink<sub>0</sub><sup>ε={meta['thresholds']['eps']}</sup> = <b>{result.sink_rate(0):.1f} %</b> of layer×head pairs
 (T = {meta['seq_len']}). Most common sink: position {pos} (<code>{esc(label)}</code>).</p>
 <h2>Per layer</h2><table><tr><th>layer</th>{head}</tr>{''.join(rows)}</table>
 <h2>Sample 0 tokens (shaded by mean column mass)</h2><p>{''.join(toks)}</p>
 <h2>Figures</h2>{figs}
-<h2>Provenance</h2><pre>{provenance}</pre>
-</body></html>"""
+<h2>Provenance</h2><pre>{provenance}</pre>"""
+    return page(f"sinklab scan — {meta.get('model')}", body)
 
 
-def write_report(result: ScanResult, out_dir: Path) -> Path:
-    """Write ``scan.json``, ``*.png`` and ``report.html`` to ``out_dir`` atomically (temp dir, then move)."""
+def write_outputs(out_dir: Path, data: dict, figures: dict, render: Callable[[dict[str, bytes]], str],
+                  json_name: str) -> Path:
+    """Write ``json_name``, one PNG per figure and ``report.html`` into ``out_dir`` atomically.
+
+    Everything goes to a temporary folder beside ``out_dir`` first and is moved in place at the end, so
+    a failure leaves no partial report behind. ``render`` turns ``{stem: PNG bytes}`` into the HTML.
+    """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".sinklab-", dir=out_dir.parent))
     try:
-        images = {name: _png(fig) for name, fig in result.figures().items()}
-        for name, data in images.items():
-            (tmp / f"{name}.png").write_bytes(data)
-        (tmp / "scan.json").write_text(json.dumps(result.to_json(), indent=1, default=str))
-        (tmp / "report.html").write_text(render_html(result, images), encoding="utf-8")
+        images = {name: _png(fig) for name, fig in figures.items()}
+        for name, png in images.items():
+            (tmp / f"{name}.png").write_bytes(png)
+        (tmp / json_name).write_text(json.dumps(data, indent=1, default=str))
+        (tmp / "report.html").write_text(render(images), encoding="utf-8")
         out_dir.mkdir(exist_ok=True)
         for item in tmp.iterdir():
             shutil.move(str(item), str(out_dir / item.name))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir / "report.html"
+
+
+def write_report(result: ScanResult, out_dir: Path) -> Path:
+    """Write a scan's ``scan.json``, ``*.png`` and ``report.html`` to ``out_dir`` (atomically)."""
+    return write_outputs(out_dir, result.to_json(), result.figures(), lambda images: render_html(result, images),
+                         "scan.json")
+
+
+def page(title: str, body: str) -> str:
+    """A complete HTML document with sinklab's stylesheet; ``title`` is escaped, ``body`` must already be."""
+    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            f"<style>{_CSS}</style></head><body>{body}</body></html>")
+
+
+def images_html(images: dict[str, bytes]) -> str:
+    """Embedded ``<img>`` tags (base64 PNG) with escaped captions."""
+    return "".join(
+        f"<h3>{html.escape(name.replace('_', ' '))}</h3><img alt='{html.escape(name)}' src='data:image/png;base64,"
+        f"{base64.b64encode(png).decode()}'>" for name, png in images.items()
+    )
