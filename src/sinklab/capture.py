@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from . import _compat, metrics
 from .errors import UnsupportedModelError
 
-__all__ = ["CaptureConfig", "CaptureBatch", "AttentionCapture"]
+__all__ = ["CaptureConfig", "CaptureBatch", "AttentionCapture", "ValueEdit", "EDIT_MODES"]
 
 _ACTIVE: contextvars.ContextVar[AttentionCapture | None] = contextvars.ContextVar("sinklab_capture", default=None)
 
@@ -71,6 +71,33 @@ class CaptureBatch:
 _FLOOR = torch.finfo(torch.float32).min
 
 
+EDIT_MODES = ("record", "zero", "replace", "remove_column")
+
+
+@dataclass
+class ValueEdit:
+    """A causal edit of one head's attention at one key position per sample.
+
+    ``mode``: ``"record"`` stores the head's value vectors at ``positions`` in ``recorded`` (``[B, dh]``);
+    ``"zero"`` sets them to 0; ``"replace"`` sets them to ``replacement`` (``[B, dh]`` or ``[dh]``);
+    ``"remove_column"`` masks the column for this head so each row renormalises over the rest.
+    ``positions`` is a ``[B]`` long tensor (one key position per sample).
+    """
+
+    layer: int
+    head: int
+    positions: Tensor
+    mode: str = "record"
+    replacement: Tensor | None = None
+    recorded: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in EDIT_MODES:
+            raise ValueError(f"unknown edit mode {self.mode!r}; choose one of {EDIT_MODES}")
+        if self.mode == "replace" and self.replacement is None:
+            raise ValueError("mode 'replace' needs a replacement vector")
+
+
 def _repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     if n_rep == 1:
         return x
@@ -96,9 +123,11 @@ class AttentionCapture:
     torch.Size([B, L, H, T])
     """
 
-    def __init__(self, model: nn.Module, config: CaptureConfig | None = None) -> None:
+    def __init__(self, model: nn.Module, config: CaptureConfig | None = None, edit: ValueEdit | None = None) -> None:
         self.model = model
         self.config = config or CaptureConfig()
+        self.edit = edit  # applied during every forward while set (see ValueEdit)
+        self.last_output: object = None
         self._layers: nn.ModuleList | None = None
         self._layer_of: dict[int, int] = {}
         self._handles: list = []
@@ -149,8 +178,12 @@ class AttentionCapture:
 
     # ------------------------------------------------------------------ running
     @torch.no_grad()
-    def run(self, **inputs: Tensor) -> CaptureBatch:
-        """Run one forward pass (no cache) and return its statistics."""
+    def run(self, *, full_model: bool = False, **inputs: Tensor) -> CaptureBatch:
+        """Run one forward pass (no cache) and return its statistics.
+
+        The base model runs by default (no LM head); ``full_model=True`` runs the whole model and keeps
+        its output in ``self.last_output`` (e.g. for logits under a :class:`ValueEdit`).
+        """
         if self._layers is None:
             raise RuntimeError("AttentionCapture.run() must be called inside `with AttentionCapture(model):`")
         self._records.clear()
@@ -164,7 +197,8 @@ class AttentionCapture:
             if "input_ids" in kwargs or "inputs_embeds" in kwargs:
                 kwargs.setdefault("use_cache", False)
             # The base model skips the LM head: logits (T × vocab) are never needed for the statistics.
-            getattr(self.model, "base_model", self.model)(**kwargs)
+            target = self.model if full_model else getattr(self.model, "base_model", self.model)
+            self.last_output = target(**kwargs)
         finally:
             self.model.train(was_training)
         missing = [i for i in range(len(self._layers)) if i not in self._records]
@@ -243,6 +277,26 @@ class AttentionCapture:
         return mask[:, -t:].to(device) if mask.shape[-1] != t else mask.to(device)
 
     # ------------------------------------------------------------------ attention
+    def _apply_edit(self, index: int, v: Tensor) -> tuple[int, Tensor] | None:
+        """Apply ``self.edit`` to layer ``index``'s per-head values ``v`` ``[B, H, Tk, dv]``.
+
+        Returns ``(head, positions)`` for a column removal (done on the mask), else ``None``.
+        """
+        edit = self.edit
+        if edit is None or edit.layer != index:
+            return None
+        rows = torch.arange(v.shape[0], device=v.device)
+        pos = edit.positions.to(v.device).long()
+        if edit.mode == "record":
+            edit.recorded = v[rows, edit.head, pos].detach().cpu().clone()
+        elif edit.mode == "zero":
+            v[rows, edit.head, pos] = 0.0
+        elif edit.mode == "replace":
+            v[rows, edit.head, pos] = edit.replacement.to(v.device, v.dtype).expand(v.shape[0], v.shape[-1])
+        elif edit.mode == "remove_column":
+            return edit.head, pos
+        return None
+
     def _layer_info(self, index: int, module: nn.Module, h: int, hkv: int, dh: int, device: torch.device) -> _LayerInfo:
         key = (index, str(device))
         info = self._info.get(key)
@@ -296,7 +350,8 @@ class AttentionCapture:
         sinks = kwargs.get("s_aux")
         bias = kwargs.get("position_bias")
         k = _repeat_kv(key.float(), h // hkv)  # (B, H, Tk, dh)
-        v = _repeat_kv(value.float(), h // hkv)  # (B, H, Tk, dv)
+        v = _repeat_kv(value.float(), h // hkv).clone()  # (B, H, Tk, dv), private: edits write into it
+        drop = self._apply_edit(index, v)  # may edit v in place (it is a private float copy)
         qmask = self._positions_mask(b, tk, dev)[:, tk - tq :]  # (B, Tq)
         if attention_mask is not None:
             attention_mask = attention_mask[..., :tk]
@@ -315,7 +370,7 @@ class AttentionCapture:
 
         # Fast path (no mask tensor, no padding): only the causal diagonal block needs masking, and
         # every column left of it is seen by every query of the chunk.
-        fast = attention_mask is None and bool(qmask.all())
+        fast = attention_mask is None and bool(qmask.all()) and drop is None
         offset = tk - tq
         qweight = qmask.float()[:, None, None, :]  # (B, 1, 1, Tq) for matmul reductions over queries
         for c0 in range(0, tq, chunk):
@@ -326,6 +381,10 @@ class AttentionCapture:
             else:
                 kend = _last_visible(allowed, tk)
             allowed = allowed[..., :kend]
+            if drop is not None:  # remove_column: this head no longer sees the column
+                allowed = allowed.expand(b, h, c1 - c0, kend).clone()
+                keep = drop[1] < kend
+                allowed[torch.arange(b, device=dev)[keep], drop[0], :, drop[1][keep]] = False
             full = (min(kend, c0 + offset + 1) if is_causal and tq > 1 else kend) if fast else 0
             scores = torch.matmul(query[:, :, c0:c1].float() * scale, k[:, :, :kend].transpose(-1, -2))
             if softcap is not None:

@@ -43,6 +43,23 @@ def _print_table(result) -> None:
                   f"most common sink: position {pos} ({label!r})", markup=True, highlight=False)
 
 
+def _read_texts(text: str | None, file: Path | None) -> list[str] | None:
+    if text is not None and file is not None:
+        raise SinklabError("give either --text or --file, not both")
+    if text is not None:
+        return [text]
+    if file is not None:
+        if not file.is_file():
+            raise SinklabError(f"--file {file}: no such file")
+        return [file.read_text(encoding="utf-8")]
+    return None
+
+
+def _progress(total: int) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err, transient=True)
+
+
 @app.command()
 def scan(
     model: Annotated[str, typer.Argument(help="builtin:minilm, builtin:tiny-llama, a local path or a hub id")],
@@ -64,21 +81,12 @@ def scan(
     from .scan import scan as run_scan
 
     try:
-        if text is not None and file is not None:
-            raise SinklabError("give either --text or --file, not both")
-        texts = None
-        if text is not None:
-            texts = [text]
-        elif file is not None:
-            if not file.is_file():
-                raise SinklabError(f"--file {file}: no such file")
-            texts = [file.read_text(encoding="utf-8")]
+        texts = _read_texts(text, file)
         with console.status(f"loading {model} …"):
             loaded = load_model(model, dtype=dtype, device=device, revision=revision,
                                 trust_remote_code=trust_remote_code)
-        with Progress(TextColumn("scanning"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err, transient=True) as progress:
-            task = progress.add_task("scan", total=samples)
+        with _progress(samples) as progress:
+            task = progress.add_task("scanning", total=samples)
             result = run_scan(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
                               batch_size=batch_size, thresholds={"eps": eps}, seed=seed, source=model,
                               revision=revision, progress=lambda n: progress.advance(task, n))
@@ -88,6 +96,73 @@ def scan(
     except SinklabError as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(code=2) from None
+
+
+@app.command()
+def diagnose(
+    model: Annotated[str, typer.Argument(help="builtin:minilm, builtin:tiny-llama, a local path or a hub id")],
+    text: Annotated[str | None, typer.Option("--text", help="text to diagnose")] = None,
+    file: Annotated[Path | None, typer.Option("--file", help="UTF-8 text file")] = None,
+    seq_len: Annotated[int, typer.Option("--seq-len")] = 64,
+    samples: Annotated[int, typer.Option("--samples")] = 16,
+    out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("sinklab-diagnose"),
+    rule: Annotated[str, typer.Option("--rule", help="mass | strict | relaxed")] = "mass",
+    sink_mass: Annotated[float, typer.Option("--sink-mass", help="rule 'mass': column mass above this")] = 0.3,
+    nop_max: Annotated[float, typer.Option("--nop-max", help="NOP if r_out ≤ this")] = 0.2,
+    broadcast_min: Annotated[float, typer.Option("--broadcast-min", help="broadcast if r_out ≥ this …")] = 0.5,
+    broadcast_srank: Annotated[float, typer.Option("--broadcast-srank", help="… and stable rank ≤ this")] = 1.5,
+    edits: Annotated[bool, typer.Option("--edits/--no-edits", help="run the causal value edits")] = True,
+    dtype: Annotated[str | None, typer.Option("--dtype")] = None,
+    device: Annotated[str | None, typer.Option("--device")] = None,
+    revision: Annotated[str | None, typer.Option("--revision")] = None,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+) -> None:
+    """Classify MODEL's sinks (NOP / broadcast), run causal value edits, write diagnosis.json and report.html."""
+    from .diagnose import diagnose as run_diagnose
+    from .models import load_model
+
+    try:
+        texts = _read_texts(text, file)
+        with console.status(f"loading {model} …"):
+            loaded = load_model(model, dtype=dtype, device=device, revision=revision,
+                                trust_remote_code=trust_remote_code)
+        rules = {"rule": rule, "sink_mass": sink_mass, "nop_max_ratio": nop_max,
+                 "broadcast_min_ratio": broadcast_min, "broadcast_max_srank": broadcast_srank}
+        with _progress(samples) as progress:
+            task = progress.add_task("diagnosing", total=samples)
+            d = run_diagnose(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples, rules=rules,
+                             edits=edits, seed=seed, source=model, revision=revision,
+                             progress=lambda n: progress.advance(task, n))
+        _print_diagnosis(d)
+        report = d.save(out)
+        console.print(f"wrote {out / 'diagnosis.json'}, figures and {report}")
+    except SinklabError as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(code=2) from None
+
+
+def _print_diagnosis(d) -> None:
+    if not d.found:
+        console.print(f"no sinks found (rule {d.rules['rule']!r}): no head's dominant column passed it")
+    table = Table(title=f"{d.scan.meta['model']} — sinks per layer ({len(d.records)} in {d.scan.num_samples} samples)")
+    for col in ("layer", "sink %", "nop", "broadcast", "unclass.", "top token", "med r_out", "med srank"):
+        table.add_column(col, justify="right")
+    for r in d.per_layer():
+        table.add_row(str(r["layer"]), f"{r['sink_pct']:.0f}", str(r["counts"]["nop"]), str(r["counts"]["broadcast"]),
+                      str(r["counts"]["unclassified"]), str(r["top_token"] or "–"),
+                      "–" if r["median_value_ratio_out"] is None else f"{r['median_value_ratio_out']:.3f}",
+                      "–" if r["median_stable_rank"] is None else f"{r['median_stable_rank']:.2f}")
+    console.print(table)
+    if d.edits:
+        edits = Table(title="causal value edits: relative RMS change of the final hidden states")
+        edits.add_column("head")
+        edits.add_column("class")
+        for name in d.edits[0].hidden:
+            edits.add_column(name, justify="right")
+        for e in d.edits:
+            edits.add_row(f"L{e.layer} H{e.head}", e.kind, *[f"{v:.4f}" for v in e.hidden.values()])
+        console.print(edits)
 
 
 def main() -> None:  # pragma: no cover - console-script entry point

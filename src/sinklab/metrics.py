@@ -51,6 +51,9 @@ __all__ = [
     "qk_spectrum",
     "sigma_ratio",
     "MAD_SCALE",
+    "SINK_KINDS",
+    "classify_sink",
+    "relative_rms",
 ]
 
 #: Scale that turns a median absolute deviation into a consistent estimate of a normal's σ.
@@ -321,3 +324,42 @@ def qk_spectrum(wq: Tensor, wk: Tensor) -> Tensor:
 def sigma_ratio(s: Tensor) -> Tensor:
     """``σ₁ / σ₂`` of descending singular values ``[..., r]`` (inf when σ₂ = 0)."""
     return s[..., 0] / s[..., 1]
+
+
+#: Sink classes in the order of :func:`classify_sink`'s codes.
+SINK_KINDS = ("unclassified", "nop", "broadcast")
+
+
+def classify_sink(
+    value_ratio_out: Tensor,
+    stable_rank: Tensor,
+    *,
+    nop_max_ratio: float = 0.2,
+    broadcast_min_ratio: float = 0.5,
+    broadcast_max_srank: float = 1.5,
+) -> Tensor:
+    """Fesser et al.'s classes as codes into :data:`SINK_KINDS`: 1 = NOP (``r_out ≤ nop_max_ratio``),
+    2 = broadcast (``r_out ≥ broadcast_min_ratio`` and ``srank ≤ broadcast_max_srank``), else 0.
+
+    ``value_ratio_out`` is the output-space value-norm ratio at the sink, ``stable_rank`` that of the
+    head's update; NaN inputs give 0 (unclassified).
+    """
+    if not 0.0 <= nop_max_ratio <= broadcast_min_ratio:
+        raise ValueError(f"need 0 ≤ nop_max_ratio ({nop_max_ratio}) ≤ broadcast_min_ratio ({broadcast_min_ratio})")
+    if broadcast_max_srank < 1.0:
+        raise ValueError(f"broadcast_max_srank must be ≥ 1 (a stable rank is ≥ 1), got {broadcast_max_srank}")
+    nop = value_ratio_out <= nop_max_ratio
+    broadcast = (value_ratio_out >= broadcast_min_ratio) & (stable_rank <= broadcast_max_srank)
+    codes = torch.zeros(value_ratio_out.shape, dtype=torch.long, device=value_ratio_out.device)
+    codes[nop] = 1
+    codes[broadcast & ~nop] = 2
+    return codes
+
+
+def relative_rms(edited: Tensor, base: Tensor, mask: Tensor | None = None) -> float:
+    """``rms(edited − base) / rms(base)`` over the rows selected by ``mask`` (``[..., T]`` over ``[..., T, d]``)."""
+    diff, ref = (edited.double() - base.double()) ** 2, base.double() ** 2
+    if mask is not None:
+        m = mask.bool()[..., None].expand(diff.shape)
+        diff, ref = diff[m], ref[m]
+    return float(diff.mean().sqrt() / ref.mean().sqrt())

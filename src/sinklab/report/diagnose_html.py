@@ -1,0 +1,49 @@
+"""HTML page of a diagnosis (self-contained; every token string escaped)."""
+
+from __future__ import annotations
+
+import html
+import json
+from typing import TYPE_CHECKING
+
+from .html import images_html, page
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..diagnose import Diagnosis
+
+__all__ = ["render_diagnosis"]
+
+
+def _f(x: float | None, fmt: str = "{:.3f}") -> str:
+    return "–" if x is None or x != x else fmt.format(x)
+
+
+def render_diagnosis(d: Diagnosis, images: dict[str, bytes]) -> str:
+    esc = html.escape
+    meta = d.scan.meta
+    layer_rows = "".join(
+        f"<tr><th>{r['layer']}</th><td>{r['sink_pct']:.0f}</td><td>{r['counts']['nop']}</td>"
+        f"<td>{r['counts']['broadcast']}</td><td>{r['counts']['unclassified']}</td>"
+        f"<td>{esc(str(r['dominant_kind']))}</td><td>{esc(str(r['top_token']))}</td>"
+        f"<td>{_f(r['median_value_ratio_out'])}</td><td>{_f(r['median_stable_rank'])}</td></tr>"
+        for r in d.per_layer()
+    )
+    edit_head = "".join(f"<th>{esc(n)}</th>" for n in (d.edits[0].hidden if d.edits else {}))
+    edit_rows = "".join(
+        f"<tr><th>L{e.layer} H{e.head}</th><td>{esc(e.kind)}</td>"
+        + "".join(f"<td>{_f(v)}</td>" for v in e.hidden.values()) + "</tr>"
+        for e in d.edits
+    )
+    status = ("" if d.found else "<p><b>No sinks found:</b> no head's dominant column passed the rule "
+              f"({esc(d.rules['rule'])}).</p>")
+    body = f"""<h1>sinklab diagnose: {esc(str(meta.get('model')))}</h1>{status}
+<p>{d.scan.num_samples} samples × {d.scan.seq_len} tokens; {len(d.records)} sinks. Rule: <code>{esc(d.rules['rule'])}</code>.
+NOP if r_out ≤ {d.rules['nop_max_ratio']}; broadcast if r_out ≥ {d.rules['broadcast_min_ratio']} and stable rank ≤
+{d.rules['broadcast_max_srank']}.</p>
+<h2>Per layer</h2><table><tr><th>layer</th><th>sink %</th><th>nop</th><th>broadcast</th><th>unclassified</th>
+<th>dominant</th><th>top token</th><th>median r_out</th><th>median srank</th></tr>{layer_rows}</table>
+<h2>Causal value edits (relative RMS change of the final hidden states)</h2>
+<table><tr><th>head</th><th>class</th>{edit_head}</tr>{edit_rows}</table>
+<h2>Figures</h2>{images_html(images)}
+<h2>Rules and provenance</h2><pre>{esc(json.dumps({'rules': d.rules, 'meta': meta}, indent=2, default=str))}</pre>"""
+    return page(f"sinklab diagnose — {meta.get('model')}", body)
