@@ -406,6 +406,8 @@ class AttentionCapture:
                 probs = torch.softmax(scores, dim=-1)
                 row_mass[:, :, c0:c1] = 1.0
             del scores
+            if drop is not None:  # a row whose only visible key was removed attends to nothing: output 0
+                probs = probs.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
             out[:, :, c0:c1] = torch.matmul(probs, v[:, :, :kend])
 
             # Disallowed entries are exactly 0, so sums over queries only need the query mask.

@@ -142,6 +142,51 @@ def diagnose(
         raise typer.Exit(code=2) from None
 
 
+@app.command()
+def synth(
+    task: Annotated[str, typer.Argument(help="nop (conditional damping) or broadcast (global broadcast)")],
+    steps: Annotated[int | None, typer.Option("--steps", help="training steps (default: 2000 nop, 3000 broadcast)")] = None,
+    batch: Annotated[int, typer.Option("--batch")] = 256,
+    lr: Annotated[float, typer.Option("--lr")] = 3e-3,
+    gamma: Annotated[float, typer.Option("--gamma", help="nop: active tokens' target is gamma·x")] = 0.0,
+    dim: Annotated[int, typer.Option("--dim", help="model width d")] = 64,
+    tokens: Annotated[int, typer.Option("--tokens", help="sequence length N")] = 32,
+    out: Annotated[Path | None, typer.Option("--out", help="output folder (default sinklab-synth-TASK)")] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+) -> None:
+    """Train a synthetic task on CPU, diagnose it with the same pipeline, write synth.json and the report."""
+    import json
+
+    from .synth import BroadcastTask, NopTask, run_broadcast, run_nop
+
+    try:
+        if task not in ("nop", "broadcast"):
+            raise SinklabError(f"unknown synthetic task {task!r}; choose 'nop' or 'broadcast'")
+        if (steps is not None and steps < 1) or batch < 1 or dim < 2 or tokens < 2:
+            raise SinklabError("--steps, --batch must be ≥ 1 and --dim, --tokens ≥ 2")
+        out = out or Path(f"sinklab-synth-{task}")
+        with console.status(f"training the {task} task on CPU …"):
+            if task == "nop":
+                result = run_nop(NopTask(d=dim, n=tokens, gamma=gamma, seed=seed), steps=steps or 2000, batch=batch,
+                                 lr=lr, seed=seed)
+            else:
+                result = run_broadcast(BroadcastTask(d=dim, n=tokens, seed=seed), steps=steps or 3000, batch=batch,
+                                       lr=lr, seed=seed)
+        _print_diagnosis(result.diagnosis)
+        table = Table(title=f"synthetic {task} task")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for key, value in result.metrics.items():
+            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+        console.print(table)
+        report = result.diagnosis.save(out)
+        (out / "synth.json").write_text(json.dumps({"task": task, "metrics": result.metrics, "log": result.log}, indent=1))
+        console.print(f"wrote {out / 'synth.json'}, {out / 'diagnosis.json'}, figures and {report}")
+    except SinklabError as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(code=2) from None
+
+
 def _print_diagnosis(d) -> None:
     if not d.found:
         console.print(f"no sinks found (rule {d.rules['rule']!r}): no head's dominant column passed it")

@@ -306,12 +306,14 @@ class Diagnosis:
             recs = [r for r in self.records if r.layer == layer]
             counts = Counter(r.kind for r in recs)
             tokens = Counter(r.token for r in recs)
+            roles = Counter(f"{r.role}:{r.kind}" for r in recs)
             out.append({
                 "layer": layer,
                 "sink_pct": 100.0 * len(recs) / (s * h),
                 "counts": {k: counts.get(k, 0) for k in metrics.SINK_KINDS},
                 "dominant_kind": counts.most_common(1)[0][0] if recs else None,
                 "top_token": tokens.most_common(1)[0][0] if recs else None,
+                "roles": dict(roles.most_common()),  # "role:kind" -> count, e.g. "register:nop"
                 "median_value_ratio_out": _median([r.value_norm_ratio_out for r in recs]),
                 "median_stable_rank": _median([r.stable_rank for r in recs]),
             })
