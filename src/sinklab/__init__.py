@@ -15,6 +15,8 @@ __version__ = "0.1.0"
 
 from . import metrics  # noqa: E402
 from .capture import AttentionCapture, CaptureBatch, CaptureConfig  # noqa: E402
+from .capture import ValueEdit  # noqa: E402
+from .diagnose import Diagnosis, SinkRecord, diagnose, diagnose_inputs  # noqa: E402
 from .errors import InputError, ModelWeightsError, SinklabError, UnsupportedModelError  # noqa: E402
 from .models import BUILTIN_MODELS, LoadedModel, load_model  # noqa: E402
 from .registry import REGISTRY, MetricRow  # noqa: E402
@@ -38,4 +40,9 @@ __all__ = [
     "ScanResult",
     "scan",
     "scan_inputs",
+    "ValueEdit",
+    "Diagnosis",
+    "SinkRecord",
+    "diagnose",
+    "diagnose_inputs",
 ]
