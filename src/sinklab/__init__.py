@@ -21,6 +21,7 @@ from .errors import InputError, ModelWeightsError, SinklabError, UnsupportedMode
 from .models import BUILTIN_MODELS, LoadedModel, load_model  # noqa: E402
 from .registry import REGISTRY, MetricRow  # noqa: E402
 from .scan import ScanResult, scan, scan_inputs  # noqa: E402
+from .stream import SinkCache, StreamSession, stream_generate  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -45,4 +46,7 @@ __all__ = [
     "SinkRecord",
     "diagnose",
     "diagnose_inputs",
+    "SinkCache",
+    "StreamSession",
+    "stream_generate",
 ]

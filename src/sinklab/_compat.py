@@ -265,3 +265,78 @@ def input_device(model: nn.Module) -> torch.device:
         return weight.device
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
+
+
+_ABSOLUTE_POSITION_TYPES = {"gpt2", "opt", "bert", "roberta", "gpt_neo", "bart", "xglm", "biogpt", "vit", "dinov2"}
+_ALIBI_TYPES = {"bloom", "mpt", "falcon"}
+
+
+def rope_spec(model: nn.Module):
+    """The model's rotary embedding as a :class:`sinklab.rope.RopeSpec`, or an explanatory error.
+
+    Reads the public ``inv_freq``/``attention_scaling`` of the model's rotary-embedding module (Llama,
+    Qwen2/3, Mistral, Gemma, Phi-3, GPT-NeoX with partial rotary, gpt-oss …) or, for GPT-J's interleaved
+    sinusoid table, rebuilds the frequencies from ``config.rotary_dim``.
+    """
+    from .rope import RopeSpec
+
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", "")
+    name = type(model).__name__
+    if model_type in _ALIBI_TYPES and getattr(config, "alibi", model_type != "falcon"):
+        raise UnsupportedModelError(
+            f"{name} uses ALiBi position biases; sinklab's streaming re-positions RoPE keys by cache slot and does "
+            "not yet re-bias ALiBi scores. Use a RoPE model (Llama, Qwen, Mistral, Phi-3, Gemma, GPT-NeoX, GPT-J)."
+        )
+    if model_type in ("gptj", "codegen"):
+        dim = int(config.rotary_dim or config.n_embd // config.n_head)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        return RopeSpec(inv_freq=inv, interleaved=True, attention_scaling=1.0)
+    found = []
+    for module in model.modules():
+        inv = getattr(module, "inv_freq", None)
+        if isinstance(inv, Tensor) and inv.dim() == 1:
+            found.append(module)
+    if not found:
+        why = ("learned absolute position embeddings" if model_type in _ABSOLUTE_POSITION_TYPES
+               else "no rotary position embedding sinklab can find")
+        raise UnsupportedModelError(
+            f"{name} ({model_type or 'unknown type'}) has {why}: positions by cache slot need RoPE, whose scores depend "
+            "only on distances, so evicted tokens can be skipped. A model with absolute position embeddings would see "
+            "its sinks and window at positions it was trained to read differently, so it cannot stream this way."
+        )
+    freqs = {tuple(m.inv_freq.tolist()) for m in found}
+    if len(freqs) > 1:
+        raise UnsupportedModelError(
+            f"{name} uses several rotary embeddings (e.g. local and global layers); streaming supports one."
+        )
+    rope_type = getattr(found[0], "rope_type", "default")
+    if rope_type == "dynamic":
+        raise UnsupportedModelError(f"{name} uses dynamic NTK RoPE, whose frequencies change with sequence length; "
+                                    "streaming needs fixed frequencies.")
+    module = found[0]
+    original = getattr(module, "original_inv_freq", None)
+    inv = module.inv_freq if original is None or rope_type != "dynamic" else original
+    return RopeSpec(inv_freq=inv.detach().double().cpu(), interleaved=False,
+                    attention_scaling=float(getattr(module, "attention_scaling", 1.0)))
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The decoder stack that takes ``position_ids`` (``model.model``, ``gpt_neox``, ``transformer`` …)."""
+    return getattr(model, "base_model", model)
+
+
+def cache_kwarg_name(model: nn.Module) -> str:
+    """``cache`` on transformers versions that renamed it, else ``past_key_values``."""
+    import inspect
+
+    params = inspect.signature(base_model(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_argument(kwargs: dict) -> tuple[str | None, object]:
+    """The cache a forward call received, under transformers' new (``cache``) or old (``past_key_values``) name."""
+    for key in ("cache", "past_key_values"):
+        if kwargs.get(key) is not None:
+            return key, kwargs[key]
+    return None, None

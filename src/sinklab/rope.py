@@ -1,0 +1,59 @@
+"""Pure rotary-position-embedding (RoPE) algebra used by streaming: rotate vectors by a position delta.
+
+RoPE rotates each pair of dimensions ``f`` of a query/key by the angle ``position · ω_f``. Attention
+scores depend only on position differences, so a key stored rotated at position ``o`` can be scored as
+if it sat at position ``o + Δ`` by rotating it (or, equivalently, the query by ``−Δ``). ``rotate``
+applies a pure rotation (no attention-scaling factor: YaRN/longrope's ``mscale`` is applied once, by
+the model, when the key is first rotated).
+
+Layouts: ``half`` (Llama/NeoX ``rotate_half``: pair ``(d, d + r/2)``) and ``interleaved`` (GPT-J:
+pair ``(2f, 2f + 1)``); only the first ``rot_dim`` dimensions rotate (partial rotary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["RopeSpec", "rotate", "angles"]
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """How a model rotates its queries/keys: frequencies ``inv_freq`` ``[r/2]``, layout and rotated width."""
+
+    inv_freq: Tensor  # (r/2,) float64
+    interleaved: bool = False
+    attention_scaling: float = 1.0  # applied by the model at insertion; never re-applied here
+
+    @property
+    def rot_dim(self) -> int:
+        return 2 * self.inv_freq.shape[0]
+
+
+def angles(spec: RopeSpec, delta: Tensor) -> tuple[Tensor, Tensor]:
+    """``cos``/``sin`` of ``delta[..., None] · ω`` in float64: each ``[..., r/2]``."""
+    theta = delta.double()[..., None] * spec.inv_freq.to(delta.device)
+    return theta.cos(), theta.sin()
+
+
+def rotate(x: Tensor, spec: RopeSpec, delta: Tensor) -> Tensor:
+    """Rotate ``x`` ``[..., dh]`` by position ``delta`` (broadcast against ``x.shape[:-1]``).
+
+    Computed in float64 and returned in ``x``'s dtype. ``rotate(rotate(x, d), −d) == x``.
+    """
+    cos, sin = angles(spec, delta)  # (..., r/2)
+    r = spec.rot_dim
+    xr = x[..., :r].double()
+    if spec.interleaved:
+        even, odd = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+    else:
+        first, second = xr[..., : r // 2], xr[..., r // 2 :]
+        out = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+    if r == x.shape[-1]:
+        return out.to(x.dtype)
+    rest = x[..., r:].expand(*out.shape[:-1], x.shape[-1] - r)  # pass-through dims, broadcast like the angles
+    return torch.cat([out.to(x.dtype), rest], dim=-1)

@@ -1,0 +1,80 @@
+"""The attention function registered while a stream is open.
+
+Scores are computed against every key the layer handed over (buffer, or buffer ⧺ chunk) and masked
+by metadata: a query sees its row's anchored tokens (sinks, pinned) up to itself and the ``W`` most
+recent free tokens up to itself. Window keys sit at their true distance already; anchored keys are
+scored at their slot distance ``D_ij`` by rotating each one by ``a_ij = v_i − D_ij − o_j`` for each
+query (exact for every query of a chunk). Sinks and window share one softmax (equivalent to merging
+two partial softmaxes by log-sum-exp).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+
+import torch
+from torch import Tensor, nn
+
+from ..rope import rotate
+
+__all__ = ["stream_attention", "ACTIVE_STREAM", "ATTN_NAME"]
+
+ATTN_NAME = "sinklab_stream"
+ACTIVE_STREAM: contextvars.ContextVar = contextvars.ContextVar("sinklab_stream", default=None)
+_PAIR_BUDGET = 1 << 15  # (query, anchored key) pairs rotated at once
+
+
+def _anchored_scores(q: Tensor, keys: Tensor, view, idx: Tensor, window: int, rope, scale: float) -> Tensor:
+    """Scores of queries ``q`` ``[B, Hkv, rep, C, dh]`` against anchored key slots ``idx`` at slot distance."""
+    b, hkv, rep, c, dh = q.shape
+    k = keys[:, :, idx].double()  # (B, Hkv, nA, dh)
+    k_a, k_f, k_o = view.k_a[:, idx], view.k_f[:, idx], view.k_o[:, idx]  # (B, nA)
+    out = []
+    step = max(1, _PAIR_BUDGET // max(1, idx.numel()))
+    for c0 in range(0, c, step):
+        c1 = min(c, c0 + step)
+        q_a, q_f, q_v = view.q_a[:, c0:c1, None], view.q_f[:, c0:c1, None], view.q_v[:, c0:c1, None]
+        dist = q_a - k_a[:, None] + torch.clamp(q_f - k_f[:, None], max=window)  # (B, C', nA)
+        shift = q_v - dist - k_o[:, None]  # rotate key j by this for query i
+        kr = rotate(k[:, :, None], rope, shift[:, None])  # (B, Hkv, C', nA, dh)
+        out.append(torch.einsum("bgrcd,bgcjd->bgrcj", q[:, :, :, c0:c1].double(), kr) * scale)
+    return torch.cat(out, dim=3).float()
+
+
+def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                     scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+    """Attention over a stream's kept tokens with positions by cache slot. Output ``[B, C, H, dv]``."""
+    stream = ACTIVE_STREAM.get()
+    if stream is None:
+        raise RuntimeError("sinklab's stream attention ran outside an open SinkCache; restore the model's "
+                           "attention implementation or open `with sinklab.SinkCache(model, ...)`")
+    state, rope = stream.state, stream.rope
+    view = state.view
+    b, h, c, dh = query.shape
+    hkv, k_len = key.shape[1], key.shape[2]
+    rep = h // hkv
+    scale = dh**-0.5 if scaling is None else float(scaling)
+    q = query.float().view(b, hkv, rep, c, dh)
+    scores = torch.matmul(q * scale, key.float()[:, :, None].transpose(-1, -2))  # (B, Hkv, rep, C, K)
+    anchored_any = view.k_anchored.any(0).nonzero()[:, 0]
+    if anchored_any.numel():
+        rotated = _anchored_scores(q, key, view, anchored_any, state.window, rope, scale)
+        scores[..., anchored_any] = rotated
+    softcap = kwargs.get("softcap")
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    causal = view.k_sidx[:, None, :] <= view.q_sidx[:, :, None]  # (B, C, K)
+    recent = (view.q_f[:, :, None] - view.k_f[:, None, :]) < state.window
+    visible = view.k_valid[:, None, :] & view.q_valid[:, :, None] & causal & (view.k_anchored[:, None, :] | recent)
+    scores = scores.masked_fill(~visible[:, None, None], -math.inf)
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:  # learned sink logits (gpt-oss): an extra column dropped after softmax
+        extra = sinks.float().view(1, hkv, rep, 1, 1).expand(b, hkv, rep, c, 1)
+        probs = torch.softmax(torch.cat([scores, extra], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)  # padding queries see nothing
+    out = torch.matmul(probs, value.float()[:, :, None])  # (B, Hkv, rep, C, dv)
+    out = out.reshape(b, h, c, -1).transpose(1, 2).contiguous()
+    return out.to(query.dtype), None

@@ -1,0 +1,94 @@
+"""``SinkWindowLayer``: a transformers cache *layer* holding sinks, pinned spans and a ring-buffer window.
+
+Storage is preallocated at the first update (``[B, Hkv, S + P + W, dh]``); a decoded token is written
+into its slot in O(1) and the buffer itself is handed to attention (no copy, no reordering: the
+attention function masks by metadata, and softmax does not care about slot order). A multi-token
+chunk is attended over ``buffer ⧺ chunk`` and then written, so the buffer never exceeds its budget.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import CacheLayerMixin
+
+from ..rope import RopeSpec, rotate
+from .state import StreamState
+
+__all__ = ["SinkWindowLayer"]
+
+
+class SinkWindowLayer(CacheLayerMixin):
+    """One layer's StreamingLLM cache; all layers of a stream share one :class:`StreamState`."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, state: StreamState, rope: RopeSpec) -> None:
+        super().__init__()
+        self.state = state
+        self.rope = rope
+        state.layers.append(self)
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        b, hkv, _, dh = key_states.shape
+        cap = self.state.capacity
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.keys = torch.zeros(b, hkv, cap, dh, dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(b, hkv, cap, value_states.shape[-1], dtype=value_states.dtype,
+                                  device=value_states.device)
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Store the new keys/values; return what attention should see (the buffer, or buffer ⧺ chunk)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        plan = self.state.plan
+        if self.state.view.from_buffer:
+            self._write(key_states, value_states, plan)
+            return self.keys, self.values
+        keys = torch.cat([self.keys, key_states], dim=-2)
+        values = torch.cat([self.values, value_states], dim=-2)
+        self._write(key_states, value_states, plan)
+        return keys, values
+
+    def _write(self, key_states: Tensor, value_states: Tensor, plan: dict) -> None:
+        rows, cols, slots = plan["rows"], plan["cols"], plan["slots"]
+        if rows.numel():
+            self.keys[rows, :, slots] = key_states[rows, :, cols]
+            self.values[rows, :, slots] = value_states[rows, :, cols]
+
+    def rotate_ring(self, ring: slice, delta: Tensor) -> None:
+        """Rotate the ring's keys by ``delta`` ``[B]`` positions (used when the stream re-bases)."""
+        if self.is_initialized:
+            shift = delta.to(self.keys.device)[:, None, None]  # (B, 1, 1) broadcast over heads and slots
+            self.keys[:, :, ring] = rotate(self.keys[:, :, ring], self.rope, shift)
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.state.columns
+
+    def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
+        return self.state.capacity + (query_length if isinstance(query_length, int) else 1), 0
+
+    def get_max_length(self) -> int:
+        return -1  # the stream is unbounded; the memory is bounded by S + P + W
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def reset(self) -> None:  # pragma: no cover - streams are started afresh instead
+        raise NotImplementedError("a SinkCache cannot be reset; open a new `with SinkCache(...)` block")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search is not supported by SinkCache; use greedy or sampling")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("num_return_sequences > 1 is not supported by SinkCache; run one stream per sequence")
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        raise NotImplementedError("selecting batch rows is not supported by SinkCache")
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("a SinkCache cannot be cropped (assisted decoding is not supported)")

@@ -1,0 +1,200 @@
+"""``StreamSession`` and ``stream_generate``: unbounded streams in constant memory, with save/resume.
+
+``model.generate`` grows its own per-step tensors (``input_ids``, ``attention_mask``) with the stream;
+a session keeps only the cache and the last token, so a stream can run for millions of tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from .. import _compat
+from ..errors import InputError
+from .cache import SinkCache
+
+__all__ = ["StreamSession", "stream_generate"]
+
+_FORMAT = "sinklab.stream/1"
+
+
+class StreamSession:
+    """An open stream: ``feed`` token ids (chunked), ``step`` one token per row, ``save`` / ``load`` the state.
+
+    >>> with StreamSession(model, num_sinks=4, window=1020) as s:   # doctest: +SKIP
+    ...     logits = s.feed(prompt_ids)          # [B, vocab] at the last position
+    ...     logits = s.step(logits.argmax(-1))   # one new token per row
+    """
+
+    def __init__(self, model: nn.Module, num_sinks: int = 4, window: int = 1020, pinned=None,
+                 start_position: int = 0, chunk_size: int = 256, rebase_every: int | None = None) -> None:
+        if chunk_size < 1:
+            raise InputError(f"chunk_size must be ≥ 1, got {chunk_size}")
+        self.model = model
+        self.chunk_size = chunk_size
+        self.sink = SinkCache(model, num_sinks, window, pinned, start_position, rebase_every)
+        self.cache = None
+        self._cache_kwarg = _compat.cache_kwarg_name(model)
+        self.tokens_seen = 0
+        self._restore: dict[str, Tensor] | None = None
+
+    def __enter__(self) -> StreamSession:
+        self.cache = self.sink.__enter__()
+        if self._restore is not None:
+            self._load_tensors(self._restore)
+            self._restore = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sink.__exit__(*exc)
+
+    @property
+    def state(self):
+        return self.sink.state
+
+    def _forward(self, ids: Tensor, mask: Tensor | None) -> Tensor:
+        kwargs = {"input_ids": ids, "use_cache": True, self._cache_kwarg: self.cache}
+        if mask is not None:
+            kwargs["attention_mask"] = mask
+        return self.model(**kwargs).logits
+
+    @torch.no_grad()
+    def feed(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, all_logits: bool = False) -> Tensor:
+        """Feed ``[B, T]`` ids (left padding marked by ``attention_mask``) in chunks of ``chunk_size``.
+
+        Returns the logits at the last position ``[B, V]`` (or at every position ``[B, T, V]``); exactly what
+        feeding the ids one by one would give.
+        """
+        if self.cache is None:
+            raise RuntimeError("use the session as a context manager: `with StreamSession(...) as s:`")
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise InputError(f"input_ids must be [batch, tokens] with at least one token, got {tuple(input_ids.shape)}")
+        device = _compat.input_device(self.model)
+        input_ids = input_ids.to(device)
+        outs = []
+        for c0 in range(0, input_ids.shape[1], self.chunk_size):
+            c1 = min(input_ids.shape[1], c0 + self.chunk_size)
+            mask = None if attention_mask is None else attention_mask[:, c0:c1].to(device)
+            logits = self._forward(input_ids[:, c0:c1], mask)
+            outs.append(logits if all_logits else logits[:, -1:])
+        self.tokens_seen += input_ids.shape[1]
+        out = torch.cat(outs, dim=1)
+        return out if all_logits else out[:, -1]
+
+    @torch.no_grad()
+    def step(self, token_ids: Tensor) -> Tensor:
+        """Feed one token per row (``[B]``); returns the next-token logits ``[B, V]``."""
+        return self.feed(token_ids.reshape(-1, 1))
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: str | Path) -> Path:
+        """Write the cache and position counters to a safetensors file (resume with :meth:`load`)."""
+        tensors = dict(self.state.state_dict())
+        for i, layer in enumerate(self.cache.layers):
+            if layer.is_initialized:
+                tensors[f"layer.{i}.keys"] = layer.keys.contiguous()
+                tensors[f"layer.{i}.values"] = layer.values.contiguous()
+        meta = {"format": _FORMAT, "settings": self.state.settings(), "columns": self.state.columns,
+                "tokens_seen": self.tokens_seen, "chunk_size": self.chunk_size}
+        path = Path(path)
+        save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(path), metadata={"sinklab": json.dumps(meta)})
+        return path
+
+    @classmethod
+    def load(cls, model: nn.Module, path: str | Path) -> StreamSession:
+        """A session that resumes the saved stream when entered (``with StreamSession.load(m, p) as s:``)."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get("sinklab")
+        if raw is None:
+            raise InputError(f"{path} is not a sinklab stream file (no sinklab metadata)")
+        meta = json.loads(raw)
+        if meta.get("format") != _FORMAT:
+            raise InputError(f"{path}: unsupported stream format {meta.get('format')!r}")
+        s = meta["settings"]
+        session = cls(model, s["num_sinks"], s["window"], [tuple(p) for p in s["pinned"]], s["start_position"],
+                      meta["chunk_size"], s["rebase_every"])
+        tensors = load_file(str(path), device=str(_compat.input_device(model)))
+        tensors["__columns__"] = torch.tensor(meta["columns"])
+        session._restore = tensors
+        session.tokens_seen = meta["tokens_seen"]
+        return session
+
+    def _load_tensors(self, tensors: dict[str, Tensor]) -> None:
+        self.state.load_state_dict({k: v for k, v in tensors.items() if k.startswith("state.")},
+                                   int(tensors["__columns__"]))
+        for i, layer in enumerate(self.cache.layers):
+            if f"layer.{i}.keys" in tensors:
+                layer.keys = tensors[f"layer.{i}.keys"]
+                layer.values = tensors[f"layer.{i}.values"]
+                layer.device, layer.dtype = layer.keys.device, layer.keys.dtype
+                layer.is_initialized = True
+
+    def cache_tokens(self) -> int:
+        """Kept tokens per row (the cache's size in tokens, at most ``S + P + W``)."""
+        return int(self.state.s_valid.sum(1).max()) if self.state.batch is not None else 0
+
+
+def _sample(logits: Tensor, temperature: float, top_k: int, gen: torch.Generator | None) -> Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=gen)[:, 0].to(logits.device)
+
+
+def stream_generate(model: nn.Module, tokenizer, prompt: str | list[str], *, num_sinks: int = 4, window: int = 1020,
+                    pinned=None, pin_prompt: bool = False, max_new_tokens: int = 256, temperature: float = 0.0,
+                    top_k: int = 0, seed: int = 0, chunk_size: int = 256, stop_at_eos: bool = True,
+                    session: StreamSession | None = None) -> Iterator[str | list[str]]:
+    """Generate from ``prompt`` in constant memory, yielding each new piece of text as it comes.
+
+    A list of prompts is left-padded into one batch (each row's sinks are its own first real tokens) and
+    yields a list of pieces per step. ``pin_prompt`` keeps the whole prompt forever (the longest one in a
+    batch decides the span). Pass an open ``session`` to continue a stream.
+    """
+    batch = isinstance(prompt, list)
+    prompts = prompt if batch else [prompt]
+    if not prompts or any(not p for p in prompts):
+        raise InputError("the prompt is empty")
+    if max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
+    encoded = [tokenizer(p)["input_ids"] for p in prompts]
+    width = max(len(e) for e in encoded)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.full((len(encoded), width), int(pad), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, e in enumerate(encoded):
+        ids[row, width - len(e):] = torch.tensor(e)
+        mask[row, width - len(e):] = 1
+    if pin_prompt:
+        pinned = list(pinned or []) + [(0, max(len(e) for e in encoded))]
+    own = session is None
+    session = session or StreamSession(model, num_sinks, window, pinned, chunk_size=chunk_size)
+    gen = torch.Generator().manual_seed(seed)
+    eos = tokenizer.eos_token_id
+    if own:
+        session.__enter__()
+    try:
+        logits = session.feed(ids, mask if not bool(mask.all()) else None)
+        done = torch.zeros(len(encoded), dtype=torch.bool)
+        for _ in range(max_new_tokens):
+            token = _sample(logits, temperature, top_k, gen)
+            pieces = [tokenizer.decode([int(t)]) if not d else "" for t, d in zip(token.tolist(), done.tolist())]
+            if eos is not None and stop_at_eos:
+                done |= token.cpu() == eos
+            yield pieces if batch else pieces[0]
+            if stop_at_eos and bool(done.all()):
+                break
+            logits = session.step(token)
+    finally:
+        if own:
+            session.__exit__(None, None, None)

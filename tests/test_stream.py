@@ -1,0 +1,281 @@
+"""Streaming (StreamingLLM) against an independent float64 reference, DynamicCache, and known peer bugs."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+import transformers as tf
+from transformers import AttentionInterface, DynamicCache
+
+import sinklab
+from sinklab import rope
+from sinklab.errors import InputError, UnsupportedModelError
+from sinklab.stream import SinkCache, StreamSession, stream_generate
+
+from tiny_models import TEXT_MODELS, build
+
+V = 97
+
+
+def build_llama_yarn():
+    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                          "original_max_position_embeddings": 16})
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(1)
+    return tf.LlamaForCausalLM(cfg).eval()
+
+
+def model_for(name: str):
+    return build_llama_yarn() if name == "llama-yarn" else build(name)
+
+
+class Reference:
+    """StreamingLLM written separately: a float64 copy of the model whose attention keeps its own store of
+    pre-RoPE keys and re-applies RoPE at slot positions (0 … n−1 over the kept tokens) at every step, with the
+    model's own rotary module and ``apply_rotary_pos_emb``."""
+
+    def __init__(self, model, num_sinks: int, window: int, pinned=()):
+        self.model = copy.deepcopy(model).double()
+        self.s, self.w, self.pinned = num_sinks, window, list(pinned)
+        self.store: dict[int, list] = {}
+        self.t = -1
+        modeling = sys.modules[type(model).__module__]
+        self.apply = modeling.apply_rotary_pos_emb
+        self.rotary = next(m for m in self.model.modules() if hasattr(m, "inv_freq"))
+        self.mscale = float(getattr(self.rotary, "attention_scaling", 1.0))
+        AttentionInterface.register("sinklab_test_reference", self._attend)
+        self.model.set_attn_implementation("sinklab_test_reference")
+
+    def _anchored(self, t: int) -> bool:
+        return t < self.s or any(a <= t < b for a, b in self.pinned)
+
+    def _attend(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        store = self.store.setdefault(module.layer_idx, [])
+        # Position 0 is the identity rotation (times the attention scaling), so these are pre-RoPE keys.
+        store.append((self.t, key[0, :, 0] / self.mscale, value[0, :, 0]))
+        free = [e for e in store if not self._anchored(e[0])]
+        drop = {e[0] for e in free[: max(0, len(free) - self.w)]}
+        store[:] = [e for e in store if e[0] not in drop]
+        n = len(store)
+        keys = torch.stack([e[1] for e in store], dim=1)[None]  # (1, Hkv, n, dh)
+        values = torch.stack([e[2] for e in store], dim=1)[None]
+        positions = torch.arange(n)[None]
+        cos, sin = self.rotary(keys, positions)
+        q = (query / self.mscale).expand(1, -1, n, -1)  # the query sits at the last slot
+        q_rot, k_rot = self.apply(q, keys, cos.double(), sin.double())
+        q_rot = q_rot[:, :, -1:]
+        rep = q_rot.shape[1] // k_rot.shape[1]
+        k_rot, values = k_rot.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
+        probs = torch.softmax((q_rot @ k_rot.transpose(-1, -2)) * scaling, dim=-1)
+        return (probs @ values).transpose(1, 2), None
+
+    @torch.no_grad()
+    def step(self, token: int) -> torch.Tensor:
+        self.t += 1
+        ids = torch.tensor([[token]])
+        return self.model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits[0, -1]
+
+
+def _tokens(n: int, seed: int = 3) -> torch.Tensor:
+    return torch.randint(2, V, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+REFERENCE_CASES = [(arch, s) for arch in ("llama-gqa", "qwen2", "gpt-neox-partial-rotary", "phi3") for s in (0, 1, 4)]
+REFERENCE_CASES += [("gemma", 4), ("llama-yarn", 2)]
+
+
+@pytest.mark.parametrize("arch,num_sinks", REFERENCE_CASES)
+def test_matches_float64_reference_past_eviction(arch, num_sinks):
+    model = model_for(arch)
+    window, steps = 6, 320
+    ref = Reference(model, num_sinks, window)
+    tokens = _tokens(steps)
+    worst = 0.0
+    with StreamSession(model, num_sinks=num_sinks, window=window) as s:
+        first = s.feed(tokens[None, :5], all_logits=True)[0]  # a chunk that already overflows the window
+        for i in range(5):
+            worst = max(worst, _rel(first[i], ref.step(int(tokens[i]))))
+        for i in range(5, steps):
+            worst = max(worst, _rel(s.step(tokens[i : i + 1])[0], ref.step(int(tokens[i]))))
+        assert s.cache_tokens() == num_sinks + window
+    assert worst < 1e-4, worst
+
+
+def test_pinned_spans_match_reference():
+    model = build("llama-gqa")
+    pinned = [(8, 11), (30, 32)]
+    ref = Reference(model, 2, 5, pinned)
+    tokens = _tokens(120, seed=5)
+    with StreamSession(model, num_sinks=2, window=5, pinned=pinned, chunk_size=9) as s:
+        ours = s.feed(tokens[None], all_logits=True)[0]
+        assert s.cache_tokens() == 2 + 5 + 5
+    for i in range(120):
+        assert _rel(ours[i], ref.step(int(tokens[i]))) < 1e-4
+
+
+def test_identical_to_dynamic_cache_before_eviction():
+    model = build("llama-gqa")
+    ids = _tokens(12)[None]
+    kwargs = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                  eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        plain = model.generate(ids, cache=DynamicCache(config=model.config), **kwargs)
+        with SinkCache(model, num_sinks=4, window=40) as cache:
+            ours = model.generate(ids, cache=cache, **kwargs)
+    assert torch.equal(plain.sequences, ours.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(plain.logits, ours.logits)) < 1e-5
+
+
+def test_generate_with_prompt_longer_than_window_equals_token_by_token():
+    """attention-sinks #22 / transformers #35350 (long prompts) and the Hub sink_cache discussion 2
+    (generate() passing absolute query positions while keys are slot-positioned)."""
+    model = build("qwen2")
+    prompt = _tokens(30)[None]
+    kwargs = dict(max_new_tokens=40, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                  eos_token_id=None, pad_token_id=0)
+    with torch.no_grad(), SinkCache(model, num_sinks=4, window=8) as cache:
+        out = model.generate(prompt, cache=cache, **kwargs)
+        assert cache.layers[0].keys.shape[2] == 12  # never past the budget, even for a 30-token chunk
+    with StreamSession(model, num_sinks=4, window=8, chunk_size=1) as s:
+        logits = s.feed(prompt)
+        for i, step_logits in enumerate(out.logits):
+            assert _rel(step_logits[0], logits[0]) < 1e-5
+            logits = s.step(out.sequences[:, 30 + i])
+    with torch.no_grad(), SinkCache(model, num_sinks=4, window=8) as cache:  # past_key_values= still works
+        again = model.generate(prompt, past_key_values=cache, **kwargs)
+    assert torch.equal(again.sequences, out.sequences)
+
+
+def test_chunked_prompt_equals_token_by_token_and_budget_holds():
+    model = build("gpt-neox-partial-rotary")
+    tokens = _tokens(90)[None]
+    with StreamSession(model, num_sinks=3, window=7, chunk_size=25) as s:
+        chunked = s.feed(tokens, all_logits=True)
+        assert all(layer.keys.shape[2] == 10 for layer in s.cache.layers)
+    with StreamSession(model, num_sinks=3, window=7, chunk_size=1) as s:
+        single = s.feed(tokens, all_logits=True)
+    torch.testing.assert_close(chunked, single, atol=2e-5, rtol=1e-5)
+
+
+def test_left_padded_batch_equals_each_row_alone():
+    model = build("llama-gqa")
+    a, b = _tokens(9, seed=11), _tokens(14, seed=12)
+    ids = torch.zeros(2, 14, dtype=torch.long)
+    mask = torch.zeros(2, 14, dtype=torch.long)
+    ids[0, 5:], mask[0, 5:] = a, 1
+    ids[1], mask[1] = b, 1
+    follow = _tokens(30, seed=13).view(15, 2)
+    with StreamSession(model, num_sinks=2, window=5, chunk_size=4) as s:
+        batch_logits = [s.feed(ids, mask)]
+        batch_logits += [s.step(follow[i]) for i in range(15)]
+    for row, prompt in enumerate((a, b)):
+        with StreamSession(model, num_sinks=2, window=5, chunk_size=4) as s:
+            alone = [s.feed(prompt[None])]
+            alone += [s.step(follow[i, row : row + 1]) for i in range(15)]
+        for x, y in zip(batch_logits, alone):
+            assert _rel(x[row], y[0]) < 1e-5
+
+
+def test_save_and_resume_equal_an_uninterrupted_stream(tmp_path):
+    model = build("phi3")
+    tokens = _tokens(80)
+    with StreamSession(model, num_sinks=4, window=10, rebase_every=24) as s:
+        s.feed(tokens[None, :50])
+        path = s.save(tmp_path / "stream.safetensors")
+        straight = [s.step(tokens[i : i + 1]) for i in range(50, 80)]
+    with StreamSession.load(model, path) as s:
+        resumed = [s.step(tokens[i : i + 1]) for i in range(50, 80)]
+        assert s.state.columns == 80
+    for x, y in zip(straight, resumed):
+        torch.testing.assert_close(x, y, atol=0, rtol=0)
+
+
+def test_start_position_four_million_stays_float64_accurate():
+    model = build("llama-gqa")
+    tokens = _tokens(60, seed=7)
+    ref = Reference(model, 4, 8)
+    worst = 0.0
+    with StreamSession(model, num_sinks=4, window=8, start_position=4_000_000, rebase_every=32) as s:
+        for i in range(60):
+            worst = max(worst, _rel(s.step(tokens[i : i + 1])[0], ref.step(int(tokens[i]))))
+        assert int(s.state.base[0]) >= 4_000_000  # positions were re-based, never fed to RoPE at 4e6
+    assert worst < 1e-4
+
+
+def test_rotate_matches_the_models_own_rope():
+    cases = {"llama-gqa": False, "gpt-neox-partial-rotary": False}
+    for name in cases:
+        model = build(name)
+        spec = sinklab._compat.rope_spec(model)
+        rotary = next(m for m in model.modules() if hasattr(m, "inv_freq"))
+        modeling = sys.modules[type(model).__module__]
+        x = torch.randn(1, 2, 1, 8, dtype=torch.float64)
+        for p, delta in ((3, 5), (100, -40)):
+            cos, sin = rotary(x, torch.tensor([[p]]))
+            at_p, _ = modeling.apply_rotary_pos_emb(x, x, cos.double(), sin.double())
+            cos, sin = rotary(x, torch.tensor([[p + delta]]))
+            at_q, _ = modeling.apply_rotary_pos_emb(x, x, cos.double(), sin.double())
+            torch.testing.assert_close(rope.rotate(at_p, spec, torch.tensor(delta)), at_q, atol=1e-5, rtol=1e-5)
+    # GPT-J: interleaved pairs, partial rotary_dim, its own sinusoid table.
+    cfg = tf.GPTJConfig(vocab_size=V, n_embd=32, n_layer=1, n_head=2, rotary_dim=8, n_positions=256)
+    gptj = tf.GPTJForCausalLM(cfg)
+    spec = sinklab._compat.rope_spec(gptj)
+    from transformers.models.gptj import modeling_gptj as mg
+
+    table = mg.create_sinusoidal_positions(256, 8)
+    x = torch.randn(1, 4, 2, 16, dtype=torch.float64)  # (B, T, H, dh) as GPT-J rotates
+
+    def at(pos):
+        sin, cos = torch.split(table[pos].double()[None, None], 4, dim=-1)
+        sin = torch.repeat_interleave(sin, 2, dim=-1)[:, :, None]
+        cos = torch.repeat_interleave(cos, 2, dim=-1)[:, :, None]
+        rot = x[..., :8] * cos + mg.rotate_every_two(x[..., :8]) * sin
+        return torch.cat([rot, x[..., 8:]], dim=-1)
+
+    torch.testing.assert_close(rope.rotate(at(10), spec, torch.tensor(7)), at(17), atol=1e-5, rtol=1e-5)
+
+
+def test_stream_generate_yields_text_and_batches(minilm):
+    model = sinklab.models.tiny_llama(num_hidden_layers=2)
+    pieces = list(stream_generate(model, minilm.tokenizer, "hello streaming world", num_sinks=2, window=6,
+                                  max_new_tokens=12, stop_at_eos=False))
+    assert len(pieces) == 12 and all(isinstance(p, str) for p in pieces)
+    rows = list(stream_generate(model, minilm.tokenizer, ["a b", "a longer prompt here"], num_sinks=2, window=6,
+                                max_new_tokens=5, stop_at_eos=False))
+    assert len(rows) == 5 and all(len(r) == 2 for r in rows)
+    alone = list(stream_generate(model, minilm.tokenizer, "a b", num_sinks=2, window=6, max_new_tokens=5,
+                                 stop_at_eos=False))
+    assert [r[0] for r in rows] == alone
+
+
+def test_errors_are_clear():
+    gpt2 = build("gpt2")
+    with pytest.raises(UnsupportedModelError, match="absolute position"):
+        SinkCache(gpt2)
+    llama = build("llama-gqa")
+    with pytest.raises(InputError, match="window"):
+        SinkCache(llama, window=0)
+    with pytest.raises(InputError, match="overlap"):
+        SinkCache(llama, pinned=[(3, 9), (5, 12)])
+    with pytest.raises(InputError):
+        SinkCache(llama, pinned=[(5, 5)])
+    SinkCache(llama, num_sinks=0, window=3)  # S = 0 (window-only baseline) and S > W are allowed
+    SinkCache(llama, num_sinks=8, window=3)
+    ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    with torch.no_grad(), SinkCache(llama, window=4) as cache:
+        with pytest.raises(InputError, match="stream_generate"):
+            llama.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=3, pad_token_id=0)
+    with torch.no_grad(), SinkCache(llama, window=4) as cache:
+        with pytest.raises((NotImplementedError, InputError)):
+            llama.generate(ids[1:], cache=cache, max_new_tokens=3, num_beams=2, pad_token_id=0)
+    assert llama.config._attn_implementation == "sdpa"
