@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import warnings
 
 import pytest
 import torch
@@ -81,6 +82,11 @@ class Reference:
         return self.model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits[0, -1]
 
 
+def kw(model, cache) -> dict:
+    """The cache argument under the name this transformers version uses (``cache`` or ``past_key_values``)."""
+    return {sinklab._compat.cache_kwarg_name(model): cache}
+
+
 def _tokens(n: int, seed: int = 3) -> torch.Tensor:
     return torch.randint(2, V, (n,), generator=torch.Generator().manual_seed(seed))
 
@@ -128,9 +134,9 @@ def test_identical_to_dynamic_cache_before_eviction():
     kwargs = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True,
                   eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
-        plain = model.generate(ids, cache=DynamicCache(config=model.config), **kwargs)
+        plain = model.generate(ids, **kw(model, DynamicCache(config=model.config)), **kwargs)
         with SinkCache(model, num_sinks=4, window=40) as cache:
-            ours = model.generate(ids, cache=cache, **kwargs)
+            ours = model.generate(ids, **kw(model, cache), **kwargs)
     assert torch.equal(plain.sequences, ours.sequences)
     assert max(float((a - b).abs().max()) for a, b in zip(plain.logits, ours.logits)) < 1e-5
 
@@ -143,14 +149,15 @@ def test_generate_with_prompt_longer_than_window_equals_token_by_token():
     kwargs = dict(max_new_tokens=40, do_sample=False, output_logits=True, return_dict_in_generate=True,
                   eos_token_id=None, pad_token_id=0)
     with torch.no_grad(), SinkCache(model, num_sinks=4, window=8) as cache:
-        out = model.generate(prompt, cache=cache, **kwargs)
+        out = model.generate(prompt, **kw(model, cache), **kwargs)
         assert cache.layers[0].keys.shape[2] == 12  # never past the budget, even for a 30-token chunk
     with StreamSession(model, num_sinks=4, window=8, chunk_size=1) as s:
         logits = s.feed(prompt)
         for i, step_logits in enumerate(out.logits):
             assert _rel(step_logits[0], logits[0]) < 1e-5
             logits = s.step(out.sequences[:, 30 + i])
-    with torch.no_grad(), SinkCache(model, num_sinks=4, window=8) as cache:  # past_key_values= still works
+    with torch.no_grad(), SinkCache(model, num_sinks=4, window=8) as cache, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # past_key_values= is deprecated but still accepted
         again = model.generate(prompt, past_key_values=cache, **kwargs)
     assert torch.equal(again.sequences, out.sequences)
 
@@ -274,8 +281,8 @@ def test_errors_are_clear():
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
     with torch.no_grad(), SinkCache(llama, window=4) as cache:
         with pytest.raises(InputError, match="stream_generate"):
-            llama.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=3, pad_token_id=0)
+            llama.generate(ids, attention_mask=mask, **kw(llama, cache), max_new_tokens=3, pad_token_id=0)
     with torch.no_grad(), SinkCache(llama, window=4) as cache:
         with pytest.raises((NotImplementedError, InputError)):
-            llama.generate(ids[1:], cache=cache, max_new_tokens=3, num_beams=2, pad_token_id=0)
+            llama.generate(ids[1:], **kw(llama, cache), max_new_tokens=3, num_beams=2, pad_token_id=0)
     assert llama.config._attn_implementation == "sdpa"

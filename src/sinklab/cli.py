@@ -187,6 +187,120 @@ def synth(
         raise typer.Exit(code=2) from None
 
 
+@app.command()
+def stream(
+    model: Annotated[str, typer.Argument(help="a RoPE causal LM: builtin:tiny-llama, a local path or a hub id")],
+    prompt: Annotated[str | None, typer.Option("--prompt", help="prompt text")] = None,
+    file: Annotated[Path | None, typer.Option("--file", help="read the prompt from a UTF-8 file")] = None,
+    sinks: Annotated[int, typer.Option("--sinks", help="attention sinks kept forever (S)")] = 4,
+    window: Annotated[int, typer.Option("--window", help="recent tokens each query sees, itself included (W)")] = 1020,
+    pin_prompt: Annotated[bool, typer.Option("--pin-prompt", help="keep the whole prompt forever")] = False,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy")] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k")] = 0,
+    chunk_size: Annotated[int, typer.Option("--chunk-size", help="prompt tokens per prefill chunk")] = 256,
+    dtype: Annotated[str | None, typer.Option("--dtype")] = None,
+    device: Annotated[str | None, typer.Option("--device")] = None,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+) -> None:
+    """Generate with attention sinks + a sliding window in constant memory; tokens print as they come."""
+    import sys as _sys
+    import time
+
+    from .models import load_model
+    from .stream import StreamSession, stream_generate
+
+    try:
+        texts = _read_texts(prompt, file)
+        if texts is None:
+            raise SinklabError("give a prompt with --prompt or --file")
+        loaded = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        session = StreamSession(loaded.model, num_sinks=sinks, window=window, chunk_size=chunk_size)
+        start = time.perf_counter()
+        count = 0
+        with session:
+            for piece in stream_generate(loaded.model, loaded.tokenizer, texts[0], num_sinks=sinks, window=window,
+                                         pin_prompt=pin_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                                         top_k=top_k, seed=seed, session=session):
+                _sys.stdout.write(piece + " ")
+                _sys.stdout.flush()
+                count += 1
+                if count % 16 == 0 or count == max_new_tokens:
+                    rate = count / max(1e-9, time.perf_counter() - start)
+                    err.print(f"[{count} tokens, {rate:.1f} tok/s, cache {session.cache_tokens()} / "
+                              f"{session.state.capacity} tokens]", highlight=False)
+        _sys.stdout.write("\n")
+    except SinklabError as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(code=2) from None
+
+
+@app.command("eval-stream")
+def eval_stream(
+    model: Annotated[str, typer.Argument(help="a RoPE causal LM: builtin:tiny-llama, a local path or a hub id")],
+    file: Annotated[Path | None, typer.Option("--file", help="long UTF-8 text (default: Python's pydoc topics)")] = None,
+    tokens: Annotated[int, typer.Option("--tokens", help="tokens to evaluate")] = 4000,
+    sinks: Annotated[int, typer.Option("--sinks")] = 4,
+    window: Annotated[int, typer.Option("--window")] = 256,
+    dense_limit: Annotated[int, typer.Option("--dense-limit", help="dense attention stops here")] = 2048,
+    recompute_limit: Annotated[int, typer.Option("--recompute-limit", help="recompute is O(W)/token")] = 300,
+    out: Annotated[Path, typer.Option("--out")] = Path("sinklab-eval-stream"),
+    dtype: Annotated[str | None, typer.Option("--dtype")] = None,
+    device: Annotated[str | None, typer.Option("--device")] = None,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
+) -> None:
+    """Running perplexity over a long text: dense, window-only, recompute, sinks + window (JSON and a plot)."""
+    import json
+
+    import torch
+
+    from .models import load_model
+    from .stream.evaluate import evaluate_stream, running_ppl
+    from .texts import default_texts
+
+    try:
+        if tokens < 2 or window < 1 or sinks < 0:
+            raise SinklabError("--tokens must be ≥ 2, --window ≥ 1 and --sinks ≥ 0")
+        text = file.read_text(encoding="utf-8") if file is not None else "\n\n".join(default_texts())
+        if file is not None and not text.strip():
+            raise SinklabError(f"--file {file} is empty")
+        loaded = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        ids = torch.tensor(loaded.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"][:tokens])
+        with _progress(tokens) as progress:
+            task = progress.add_task("sinks + window", total=ids.numel() - 1)
+            result = evaluate_stream(loaded.model, ids, num_sinks=sinks, window=window, dense_limit=dense_limit,
+                                     recompute_limit=recompute_limit, progress=lambda n: progress.advance(task, n))
+        result["model"] = model
+        table = Table(title=f"{model}: running perplexity over {ids.numel()} tokens (S={sinks}, W={window})")
+        for col in ("method", "tokens", "PPL", "s/token"):
+            table.add_column(col, justify="right")
+        for name, curve in result["curves"].items():
+            table.add_row(name, str(curve["tokens"]), "–" if curve["ppl"] is None else f"{curve['ppl']:.2f}",
+                          f"{curve['seconds_per_token'] * 1e3:.2f} ms")
+        console.print(table)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "eval_stream.json").write_text(json.dumps(result, indent=1))
+        from .report.figures import plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, curve in result["curves"].items():
+            ppl = running_ppl(torch.tensor(curve["nll"]))
+            if ppl:
+                ax.plot(range(1, len(ppl) + 1), ppl, label=name)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("running perplexity")
+        ax.axvline(sinks + window, color="grey", ls=":", lw=1, label="first eviction")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "eval_stream.png", dpi=110)
+        console.print(f"wrote {out / 'eval_stream.json'} and {out / 'eval_stream.png'}")
+    except SinklabError as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(code=2) from None
+
+
 def _print_diagnosis(d) -> None:
     if not d.found:
         console.print(f"no sinks found (rule {d.rules['rule']!r}): no head's dominant column passed it")

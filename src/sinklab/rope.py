@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["RopeSpec", "rotate", "angles"]
+__all__ = ["RopeSpec", "rotate", "rotate_with", "angles"]
 
 
 @dataclass(frozen=True)
@@ -39,15 +39,11 @@ def angles(spec: RopeSpec, delta: Tensor) -> tuple[Tensor, Tensor]:
     return theta.cos(), theta.sin()
 
 
-def rotate(x: Tensor, spec: RopeSpec, delta: Tensor) -> Tensor:
-    """Rotate ``x`` ``[..., dh]`` by position ``delta`` (broadcast against ``x.shape[:-1]``).
-
-    Computed in float64 and returned in ``x``'s dtype. ``rotate(rotate(x, d), −d) == x``.
-    """
-    cos, sin = angles(spec, delta)  # (..., r/2)
-    r = spec.rot_dim
-    xr = x[..., :r].double()
-    if spec.interleaved:
+def rotate_with(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
+    """Rotate ``x`` ``[..., dh]`` with precomputed ``cos``/``sin`` ``[..., r/2]`` (broadcast), in their dtype."""
+    r = 2 * cos.shape[-1]
+    xr = x[..., :r].to(cos.dtype)
+    if interleaved:
         even, odd = xr[..., 0::2], xr[..., 1::2]
         out = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
     else:
@@ -57,3 +53,12 @@ def rotate(x: Tensor, spec: RopeSpec, delta: Tensor) -> Tensor:
         return out.to(x.dtype)
     rest = x[..., r:].expand(*out.shape[:-1], x.shape[-1] - r)  # pass-through dims, broadcast like the angles
     return torch.cat([out.to(x.dtype), rest], dim=-1)
+
+
+def rotate(x: Tensor, spec: RopeSpec, delta: Tensor) -> Tensor:
+    """Rotate ``x`` ``[..., dh]`` by position ``delta`` (broadcast against ``x.shape[:-1]``).
+
+    Angles and products in float64, result in ``x``'s dtype. ``rotate(rotate(x, d), −d) == x``.
+    """
+    cos, sin = angles(spec, delta)  # (..., r/2)
+    return rotate_with(x, cos, sin, spec.interleaved)

@@ -52,23 +52,23 @@ def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     state, rope = stream.state, stream.rope
     view = state.view
     b, h, c, dh = query.shape
-    hkv, k_len = key.shape[1], key.shape[2]
+    hkv = key.shape[1]
     rep = h // hkv
     scale = dh**-0.5 if scaling is None else float(scaling)
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if view.from_buffer and softcap is None and sinks is None:
+        # Decode: anchored slots were re-rotated in place, every visible slot is a plain key → fused SDPA.
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=view.visible[:, None, None, :], scale=scale, enable_gqa=rep > 1)
+        return out.transpose(1, 2).contiguous(), None
     q = query.float().view(b, hkv, rep, c, dh)
     scores = torch.matmul(q * scale, key.float()[:, :, None].transpose(-1, -2))  # (B, Hkv, rep, C, K)
-    anchored_any = view.k_anchored.any(0).nonzero()[:, 0]
-    if anchored_any.numel():
-        rotated = _anchored_scores(q, key, view, anchored_any, state.window, rope, scale)
-        scores[..., anchored_any] = rotated
-    softcap = kwargs.get("softcap")
+    if not view.from_buffer and view.anchor_idx.numel():
+        scores[..., view.anchor_idx] = _anchored_scores(q, key, view, view.anchor_idx, state.window, rope, scale)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    causal = view.k_sidx[:, None, :] <= view.q_sidx[:, :, None]  # (B, C, K)
-    recent = (view.q_f[:, :, None] - view.k_f[:, None, :]) < state.window
-    visible = view.k_valid[:, None, :] & view.q_valid[:, :, None] & causal & (view.k_anchored[:, None, :] | recent)
+    visible = view.visible if view.visible.dim() == 3 else view.visible[:, None, :]  # (B, C, K)
     scores = scores.masked_fill(~visible[:, None, None], -math.inf)
-    sinks = kwargs.get("s_aux")
     if sinks is not None:  # learned sink logits (gpt-oss): an extra column dropped after softmax
         extra = sinks.float().view(1, hkv, rep, 1, 1).expand(b, hkv, rep, c, 1)
         probs = torch.softmax(torch.cat([scores, extra], dim=-1), dim=-1)[..., :-1]

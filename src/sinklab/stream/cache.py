@@ -45,7 +45,7 @@ class SinkCache:
                  start_position: int = 0, rebase_every: int | None = None) -> None:
         self.model = model
         self.rope = _compat.rope_spec(model)
-        self.state = StreamState(num_sinks, window, pinned, start_position, rebase_every)
+        self.state = StreamState(num_sinks, window, pinned, start_position, rebase_every, rope=self.rope)
         n_layers = _compat.num_layers(model.config)
         self.cache = Cache(layers=[SinkWindowLayer(self.state, self.rope) for _ in range(n_layers)])
         self.cache.sinklab_stream = self  # lets sinklab find the stream from the cache object

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
-from ..rope import RopeSpec, rotate
+from ..rope import RopeSpec, rotate, rotate_with
 from .state import StreamState
 
 __all__ = ["SinkWindowLayer"]
@@ -39,17 +39,24 @@ class SinkWindowLayer(CacheLayerMixin):
         self.keys = torch.zeros(b, hkv, cap, dh, dtype=key_states.dtype, device=key_states.device)
         self.values = torch.zeros(b, hkv, cap, value_states.shape[-1], dtype=value_states.dtype,
                                   device=value_states.device)
+        # Anchored keys as first rotated (at virtual position o); the buffer's anchored slots hold them
+        # re-rotated for the current query.
+        self.anchor_keys = torch.zeros(b, hkv, self.state.anchor_capacity, dh, dtype=key_states.dtype,
+                                       device=key_states.device)
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Store the new keys/values; return what attention should see (the buffer, or buffer ⧺ chunk)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        plan = self.state.plan
-        if self.state.view.from_buffer:
+        plan, view = self.state.plan, self.state.view
+        n = self.state.anchor_capacity
+        if view.from_buffer:
             self._write(key_states, value_states, plan)
+            if n:
+                self.keys[:, :, :n] = rotate_with(self.anchor_keys, view.anchor_cos, view.anchor_sin, self.rope.interleaved)
             return self.keys, self.values
-        keys = torch.cat([self.keys, key_states], dim=-2)
+        keys = torch.cat([self.anchor_keys, self.keys[:, :, n:], key_states], dim=-2)
         values = torch.cat([self.values, value_states], dim=-2)
         self._write(key_states, value_states, plan)
         return keys, values
@@ -59,6 +66,10 @@ class SinkWindowLayer(CacheLayerMixin):
         if rows.numel():
             self.keys[rows, :, slots] = key_states[rows, :, cols]
             self.values[rows, :, slots] = value_states[rows, :, cols]
+            anchored = slots < self.state.anchor_capacity
+            if bool(anchored.any()):
+                r, c, sl = rows[anchored], cols[anchored], slots[anchored]
+                self.anchor_keys[r, :, sl] = key_states[r, :, c]
 
     def rotate_ring(self, ring: slice, delta: Tensor) -> None:
         """Rotate the ring's keys by ``delta`` ``[B]`` positions (used when the stream re-bases)."""

@@ -99,6 +99,7 @@ class StreamSession:
             if layer.is_initialized:
                 tensors[f"layer.{i}.keys"] = layer.keys.contiguous()
                 tensors[f"layer.{i}.values"] = layer.values.contiguous()
+                tensors[f"layer.{i}.anchor_keys"] = layer.anchor_keys.contiguous()
         meta = {"format": _FORMAT, "settings": self.state.settings(), "columns": self.state.columns,
                 "tokens_seen": self.tokens_seen, "chunk_size": self.chunk_size}
         path = Path(path)
@@ -133,6 +134,7 @@ class StreamSession:
             if f"layer.{i}.keys" in tensors:
                 layer.keys = tensors[f"layer.{i}.keys"]
                 layer.values = tensors[f"layer.{i}.values"]
+                layer.anchor_keys = tensors[f"layer.{i}.anchor_keys"]
                 layer.device, layer.dtype = layer.keys.device, layer.keys.dtype
                 layer.is_initialized = True
 

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
+from ..rope import angles
 
 __all__ = ["StreamState", "View"]
 
@@ -44,6 +45,10 @@ class View:
     q_f: Tensor
     q_v: Tensor
     from_buffer: bool  # True: keys are the buffer itself (decode); False: buffer ⧺ chunk
+    visible: Tensor | None = None  # (B, K) for decode, (B, C, K) for a chunk: what each query may attend to
+    anchor_idx: Tensor | None = None  # key positions holding anchored tokens (chunk path)
+    anchor_cos: Tensor | None = None  # (B, 1, A, r/2) decode: rotation of each anchored key to its slot distance
+    anchor_sin: Tensor | None = None
 
 
 def _check_pinned(pinned, num_sinks: int) -> list[tuple[int, int]]:
@@ -67,7 +72,7 @@ class StreamState:
     """Counters, buffer metadata and position plan for one stream (all layers share it)."""
 
     def __init__(self, num_sinks: int, window: int, pinned=None, start_position: int = 0,
-                 rebase_every: int | None = None) -> None:
+                 rebase_every: int | None = None, rope=None) -> None:
         if not isinstance(window, int) or window < 1:
             raise InputError(f"window must be an integer ≥ 1 (it includes the current token), got {window!r}")
         if not isinstance(num_sinks, int) or num_sinks < 0:
@@ -76,6 +81,7 @@ class StreamState:
             raise InputError(f"start_position must be ≥ 0, got {start_position}")
         self.num_sinks = num_sinks
         self.window = window
+        self.rope = rope
         self.pinned = _check_pinned(pinned, num_sinks)
         # Anchored capacity: sinks plus pinned tokens that are not already sinks.
         self.anchor_capacity = num_sinks + sum(max(0, e - max(s, num_sinks)) for s, e in self.pinned)
@@ -151,11 +157,24 @@ class StreamState:
             self._write_meta(rows, cols, slot, valid, sidx, q_a, q_f, q_v)
             self.view = View(self.s_valid, self.s_sidx, self.s_anchored, self.s_a, self.s_f, self.s_o,
                              from_buffer=True, **query)
+            # The ring holds exactly the W most recent free tokens, so every valid slot is visible; anchored
+            # keys are re-rotated to their slot distance from this query (O(S + P) per layer).
+            self.view.visible = self.s_valid & valid
+            n = self.anchor_capacity
+            if n:
+                dist = q_a - self.s_a[:, :n] + torch.clamp(q_f - self.s_f[:, :n], max=self.window)  # (B, A)
+                cos, sin = angles(self.rope, q_v - dist - self.s_o[:, :n])
+                self.view.anchor_cos, self.view.anchor_sin = cos.float()[:, None], sin.float()[:, None]
         else:  # chunk: keys are the buffer as it was, then the chunk
-            self.view = View(
+            view = View(
                 torch.cat([self.s_valid, valid], 1), torch.cat([self.s_sidx, sidx], 1),
                 torch.cat([self.s_anchored, anchored], 1), torch.cat([self.s_a, q_a], 1),
                 torch.cat([self.s_f, q_f], 1), torch.cat([self.s_o, q_v], 1), from_buffer=False, **query)
+            causal = view.k_sidx[:, None, :] <= sidx[:, :, None]  # (B, C, K)
+            recent = (q_f[:, :, None] - view.k_f[:, None, :]) < self.window
+            view.visible = view.k_valid[:, None, :] & valid[:, :, None] & causal & (view.k_anchored[:, None, :] | recent)
+            view.anchor_idx = view.k_anchored.any(0).nonzero()[:, 0]
+            self.view = view
             self._write_meta(rows, cols, slot, valid, sidx, q_a, q_f, q_v)
         self.n_real += valid.sum(1)
         self.n_anchor += anchored.sum(1)
