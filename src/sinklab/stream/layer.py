@@ -62,6 +62,13 @@ class SinkWindowLayer(CacheLayerMixin):
         return keys, values
 
     def _write(self, key_states: Tensor, value_states: Tensor, plan: dict) -> None:
+        if "slot" in plan:  # one token, same slot in every row
+            slot = plan["slot"]
+            self.keys[:, :, slot] = key_states[:, :, 0]
+            self.values[:, :, slot] = value_states[:, :, 0]
+            if slot < self.state.anchor_capacity:
+                self.anchor_keys[:, :, slot] = key_states[:, :, 0]
+            return
         rows, cols, slots = plan["rows"], plan["cols"], plan["slots"]
         if rows.numel():
             self.keys[rows, :, slots] = key_states[rows, :, cols]

@@ -40,6 +40,7 @@ class StreamSession:
         self.sink = SinkCache(model, num_sinks, window, pinned, start_position, rebase_every)
         self.cache = None
         self._cache_kwarg = _compat.cache_kwarg_name(model)
+        self._device = _compat.input_device(model)
         self.tokens_seen = 0
         self._restore: dict[str, Tensor] | None = None
 
@@ -89,7 +90,10 @@ class StreamSession:
     @torch.no_grad()
     def step(self, token_ids: Tensor) -> Tensor:
         """Feed one token per row (``[B]``); returns the next-token logits ``[B, V]``."""
-        return self.feed(token_ids.reshape(-1, 1))
+        if self.cache is None:
+            raise RuntimeError("use the session as a context manager: `with StreamSession(...) as s:`")
+        self.tokens_seen += 1
+        return self._forward(token_ids.reshape(-1, 1).to(self._device), None)[:, -1]
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path) -> Path:

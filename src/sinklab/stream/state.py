@@ -39,11 +39,11 @@ class View:
     k_a: Tensor
     k_f: Tensor
     k_o: Tensor  # virtual position each key was rotated at
-    q_valid: Tensor
-    q_sidx: Tensor
-    q_a: Tensor
-    q_f: Tensor
-    q_v: Tensor
+    q_valid: Tensor | None
+    q_sidx: Tensor | None
+    q_a: Tensor | None
+    q_f: Tensor | None
+    q_v: Tensor | None
     from_buffer: bool  # True: keys are the buffer itself (decode); False: buffer ⧺ chunk
     visible: Tensor | None = None  # (B, K) for decode, (B, C, K) for a chunk: what each query may attend to
     anchor_idx: Tensor | None = None  # key positions holding anchored tokens (chunk path)
@@ -112,6 +112,8 @@ class StreamState:
         anchored = torch.zeros(cap, dtype=torch.bool, device=device)
         anchored[: self.anchor_capacity] = True
         self.s_anchored = anchored.expand(batch, cap)
+        self.uniform = True  # every row has the same counters (no padding so far): scalar fast path
+        self.__dict__.pop("_scalar_cache", None)
 
     def _is_anchored(self, sidx: Tensor) -> Tensor:
         out = sidx < self.num_sinks
@@ -132,7 +134,12 @@ class StreamState:
                 "or sinklab.stream_generate for batches"
             )
         valid = valid.to(self.device).bool()
+        all_valid = bool(valid.all())
         self._maybe_rebase(c)
+        if c == 1 and all_valid and self.uniform:
+            return self._begin_uniform_step()
+        if not all_valid:
+            self.uniform = False  # rows now differ (left padding): keep the general per-row path
         sidx = self.n_real[:, None] + valid.long().cumsum(1) - 1  # (B, C)
         anchored = valid & self._is_anchored(sidx)
         free = valid & ~anchored
@@ -180,7 +187,47 @@ class StreamState:
         self.n_anchor += anchored.sum(1)
         self.n_free += free.sum(1)
         self.columns += c
+        self.__dict__.pop("_scalar_cache", None)
         return q_v
+
+    def _begin_uniform_step(self) -> Tensor:
+        """Decode one token in every row when all rows share their counters (the common case): scalar maths."""
+        t, n_anchor, n_free, base = self._scalars
+        anchored = t < self.num_sinks or any(a <= t < b for a, b in self.pinned)
+        if anchored:
+            slot, q_a, q_f = n_anchor, n_anchor + 1, n_free
+        else:
+            slot, q_a, q_f = self.anchor_capacity + n_free % self.window, n_anchor, n_free + 1
+        v = self.start_position + t - base
+        for name, value in (("s_valid", True), ("s_sidx", t), ("s_a", q_a), ("s_f", q_f), ("s_o", v)):
+            getattr(self, name)[:, slot] = value
+        self.plan = {"slot": slot}
+        view = View(self.s_valid, self.s_sidx, self.s_anchored, self.s_a, self.s_f, self.s_o,
+                    None, None, None, None, None, from_buffer=True, visible=self.s_valid)
+        n = self.anchor_capacity
+        if n:
+            dist = q_a - self.s_a[:, :n] + torch.clamp(q_f - self.s_f[:, :n], max=self.window)  # (B, A)
+            cos, sin = angles(self.rope, v - dist - self.s_o[:, :n])
+            view.anchor_cos, view.anchor_sin = cos.float()[:, None], sin.float()[:, None]
+        self.view = view
+        self.n_real += 1
+        (self.n_anchor if anchored else self.n_free).add_(1)
+        self._scalars = (t + 1, n_anchor + int(anchored), n_free + int(not anchored), base)
+        self.columns += 1
+        return torch.full((self.batch, 1), v, dtype=torch.long, device=self.device)
+
+    @property
+    def _scalars(self) -> tuple[int, int, int, int]:
+        """Row 0's counters as Python ints (valid while ``uniform``), cached to avoid device syncs."""
+        cached = self.__dict__.get("_scalar_cache")
+        if cached is None:
+            cached = (int(self.n_real[0]), int(self.n_anchor[0]), int(self.n_free[0]), int(self.base[0]))
+            self.__dict__["_scalar_cache"] = cached
+        return cached
+
+    @_scalars.setter
+    def _scalars(self, value: tuple[int, int, int, int]) -> None:
+        self.__dict__["_scalar_cache"] = value
 
     def _write_meta(self, rows, cols, slot, valid, sidx, q_a, q_f, q_v) -> None:
         slots = slot[rows, cols]
@@ -192,6 +239,10 @@ class StreamState:
 
     def _maybe_rebase(self, incoming: int) -> None:
         """Move each row's base so virtual positions stay below ``rebase_every`` (ring rotated once)."""
+        if self.uniform:
+            t, _, _, base = self._scalars
+            if self.start_position + t + incoming - 1 - base <= self.rebase_every:
+                return
         newest = self.start_position + self.n_real + incoming - 1 - self.base  # (B,) largest v this forward
         if not bool((newest > self.rebase_every).any()):
             return
@@ -204,6 +255,7 @@ class StreamState:
             layer.rotate_ring(ring, -delta)
         self.s_o[:, ring] -= delta[:, None]
         self.base += delta
+        self.__dict__.pop("_scalar_cache", None)
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Tensor]:
@@ -217,6 +269,9 @@ class StreamState:
             if key.startswith("state."):
                 getattr(self, key[6:]).copy_(value)
         self.columns = columns
+        self.__dict__.pop("_scalar_cache", None)
+        self.uniform = all(bool((getattr(self, n) == getattr(self, n)[0]).all())
+                           for n in ("n_real", "n_anchor", "n_free", "base"))
 
     def settings(self) -> dict:
         return {"num_sinks": self.num_sinks, "window": self.window, "pinned": self.pinned,

@@ -1,0 +1,193 @@
+"""Benchmark: StreamingLLM decoding — sinklab vs the DynamicCache floor, recompute, and peer packages.
+
+Same tiny random Llama (d 256, 4 layers, 4 heads, vocab 1024) and one fixed random token stream in every
+virtualenv. Methods:
+
+* sinklab          — this repo's SinkCache/StreamSession (main venv)
+* dynamic-floor    — DynamicCache holding S + W − 1 keys: decode one, crop back (the cost floor)
+* recompute        — sliding window with re-computation (re-encodes W tokens per token)
+* attention-sinks  — attention-sinks 0.4.0 on transformers 4.34.0 (throwaway venv)
+* hf-sinkcache     — transformers 4.52.4 SinkCache (throwaway venv)
+* kvpress          — kvpress 0.5.5 DecodingPress(StreamingLLMPress), compression every 64 steps, transformers 5.2.0
+
+Runs are interleaved and repeated (this machine is noisy); per-token latency median and p90 over all
+rounds. Also: teacher-forced logits of sinklab vs attention-sinks and vs HF SinkCache, and a long stream
+with RSS samples. Prints a table and writes benchmarks/results/bench_stream.json. Not a test.
+
+    python benchmarks/bench_stream.py [--windows 256 1020 4092] [--tokens 2000] [--rounds 3] [--no-peers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+VENVS = HERE / ".peer-venvs"
+WORKER = HERE / "_stream_worker.py"
+PEERS = {
+    "attention-sinks": ["attention-sinks==0.4.0", "transformers==4.34.0", "tokenizers<0.15", "einops", "safetensors"],
+    "hf-sinkcache": ["transformers==4.52.4", "safetensors"],
+    "kvpress": ["kvpress==0.5.5", "transformers==5.2.0", "safetensors"],
+}
+
+
+def peer_python(name: str) -> Path | None:
+    """Create (once) the throwaway venv for a peer; None if it cannot be installed here."""
+    venv = VENVS / name
+    py = venv / "bin" / "python"
+    marker = venv / ".ok"
+    if marker.exists():
+        return py
+    print(f"  creating venv for {name} …", flush=True)
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", *PEERS[name]], check=True)
+    except subprocess.CalledProcessError as exc:
+        print(f"  could not install {name}: {exc}", flush=True)
+        return None
+    marker.touch()
+    return py
+
+
+def run_worker(py: Path, method: str, files: dict, window: int, tokens: int, logits: Path | None = None) -> dict | None:
+    cmd = [str(py), str(WORKER), method, "--weights", str(files["weights"]), "--stream", str(files["stream"]),
+           "--window", str(window), "--tokens", str(tokens)]
+    if logits is not None:
+        cmd += ["--logits", str(logits)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        print(f"  {method} W={window} failed: {res.stderr.strip().splitlines()[-1] if res.stderr else res.returncode}")
+        return None
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def prepare(tokens: int) -> dict:
+    sys.path.insert(0, str(HERE))
+    from _stream_worker import CONFIG  # noqa: E402
+    from safetensors.torch import save_file
+    import transformers
+
+    RESULTS.mkdir(exist_ok=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    weights = RESULTS / "stream_model.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
+    stream = RESULTS / "stream_tokens.json"
+    gen = torch.Generator().manual_seed(1)
+    stream.write_text(json.dumps(torch.randint(0, CONFIG["vocab_size"], (tokens,), generator=gen).tolist()))
+    return {"weights": weights, "stream": stream}
+
+
+def long_stream(total: int, window: int) -> list[dict]:
+    """RSS every 10 % of a ``total``-token sinklab stream (flat memory)."""
+    import resource
+    import time
+
+    sys.path.insert(0, str(HERE.parent / "src"))
+    from _stream_worker import build_model  # noqa: E402
+    from sinklab import StreamSession  # noqa: E402
+
+    model = build_model(str(RESULTS / "stream_model.safetensors"))
+    samples = []
+    gen = torch.Generator().manual_seed(2)
+    t0 = time.perf_counter()
+    with torch.no_grad(), StreamSession(model, num_sinks=4, window=window) as s:
+        logits = s.feed(torch.randint(0, 1024, (1, 8), generator=gen))
+        for i in range(1, total + 1):
+            logits = s.step(logits.argmax(-1))
+            if i % max(1, total // 10) == 0:
+                rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+                samples.append({"tokens": i, "peak_rss_mb": round(rss, 1), "cache_tokens": s.cache_tokens(),
+                                "seconds": round(time.perf_counter() - t0, 1)})
+                print(f"    {i:>7} tokens: peak RSS {rss:.0f} MB, cache {s.cache_tokens()} tokens", flush=True)
+    return samples
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--windows", type=int, nargs="+", default=[256, 1020, 4092])
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--recompute-tokens", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--long", type=int, default=100_000, help="tokens of the flat-memory stream (0: skip)")
+    ap.add_argument("--no-peers", action="store_true")
+    args = ap.parse_args()
+    files = prepare(max(args.windows) + 4 + args.tokens + 8)
+    pythons = {m: Path(sys.executable) for m in ("sinklab", "dynamic-floor", "recompute")}
+    if not args.no_peers:
+        for peer in PEERS:
+            py = peer_python(peer)
+            if py is not None:
+                pythons[peer] = py
+    rows = []
+    for window in args.windows:
+        per_method: dict[str, dict] = {m: {"ms": [], "rss": []} for m in pythons}
+        for rnd in range(args.rounds):
+            order = list(pythons) if rnd % 2 == 0 else list(reversed(pythons))
+            for method in order:
+                n = args.recompute_tokens if method == "recompute" else args.tokens
+                out = run_worker(pythons[method], method, files, window, n)
+                if out:
+                    per_method[method]["ms"] += out["ms"]
+                    per_method[method]["rss"].append(out["peak_rss_mb"])
+                    per_method[method]["transformers"] = out["transformers"]
+            print(f"  W={window} round {rnd + 1}/{args.rounds} done", flush=True)
+        floor = statistics.median(per_method["dynamic-floor"]["ms"]) if per_method["dynamic-floor"]["ms"] else None
+        for method, data in per_method.items():
+            if not data["ms"]:
+                rows.append({"window": window, "method": method, "failed": True})
+                continue
+            ms = sorted(data["ms"])
+            med = statistics.median(ms)
+            rows.append({"window": window, "method": method, "median_ms": med, "p90_ms": ms[int(0.9 * (len(ms) - 1))],
+                         "peak_rss_mb": max(data["rss"]), "vs_floor": med / floor if floor else None,
+                         "tokens_measured": len(ms), "transformers": data.get("transformers")})
+    # Teacher-forced logits: sinklab vs attention-sinks 0.4.0 and HF SinkCache (W = 64, past eviction).
+    compare = {}
+    cmp_dir = RESULTS / "logits"
+    cmp_dir.mkdir(exist_ok=True)
+    ours = run_worker(pythons["sinklab"], "sinklab", files, 64, 400, cmp_dir / "sinklab.pt")
+    for peer in ("attention-sinks", "hf-sinkcache"):
+        if peer in pythons and ours:
+            if run_worker(pythons[peer], peer, files, 64, 400, cmp_dir / f"{peer}.pt"):
+                a, b = torch.load(cmp_dir / "sinklab.pt"), torch.load(cmp_dir / f"{peer}.pt")
+                diff = (a - b).abs().amax(-1)
+                compare[peer] = {"steps": int(diff.numel()), "max_abs_diff": float(diff.max()),
+                                 "median_abs_diff": float(diff.median()),
+                                 "first_step_above_1e-4": int((diff > 1e-4).nonzero()[0]) if bool((diff > 1e-4).any()) else None}
+    long = long_stream(args.long, 1020) if args.long else []
+    print("\n| W | method | transformers | median ms/token | p90 ms | × floor | peak RSS MB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r.get("failed"):
+            print(f"| {r['window']} | {r['method']} | – | failed | | | |")
+            continue
+        print(f"| {r['window']} | {r['method']} | {r['transformers']} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | "
+              f"{r['vs_floor']:.2f}× | {r['peak_rss_mb']:.0f} |")
+    for w in args.windows:
+        rec = next((r for r in rows if r["window"] == w and r["method"] == "recompute" and not r.get("failed")), None)
+        ours_row = next((r for r in rows if r["window"] == w and r["method"] == "sinklab" and not r.get("failed")), None)
+        if rec and ours_row:
+            print(f"recompute / sinklab at W={w}: {rec['median_ms'] / ours_row['median_ms']:.1f}×")
+    for peer, c in compare.items():
+        print(f"logits vs {peer}: max |Δ| {c['max_abs_diff']:.2e} over {c['steps']} steps "
+              f"(first step > 1e-4: {c['first_step_above_1e-4']})")
+    out = {"benchmark": "stream", "machine": {"platform": platform.platform(), "python": platform.python_version(),
+           "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": rows, "logits": compare,
+           "long_stream": long}
+    (RESULTS / "bench_stream.json").write_text(json.dumps(out, indent=1))
+    print(f"wrote {RESULTS / 'bench_stream.json'}")
+
+
+if __name__ == "__main__":
+    main()
