@@ -1,0 +1,342 @@
+"""Sink-aware attention variants, applied to Llama-style transformers models through public extension points.
+
+Each variant is a flag, off by default, with its paper:
+
+* ``sink_logit`` — a learned per-head sink logit appended to every row (gpt-oss, arXiv:2508.10925);
+* ``softmax1`` — the sink logit fixed at 0 ("Attention is off by one", Miller 2023);
+* ``kv_bias`` — a learned per-head key/value slot visible to every query (Sun et al. 2024, arXiv:2402.17762);
+* ``gate`` — output gating after attention, ``Y ⊙ σ(X W)`` with ``X`` the normalised block input:
+  ``"elementwise"`` (``d → H·dh``) or ``"headwise"`` (``d → H``) (Qiu et al. 2025, arXiv:2505.06708);
+* ``registers`` — ``n`` learnable placeholder tokens prepended to every sample, dropped at the output
+  (Darcet et al. 2024, arXiv:2309.16588; the learnable sink token of StreamingLLM, arXiv:2309.17453).
+
+``apply_variant(model, "gated+registers")`` adds the parameters to each attention module, registers an
+attention function (with its mask function) and hooks; ``handle.remove()`` undoes all of it.
+``save``/``load`` keep the variant with the weights (safetensors). The sink slot and the KV-bias slot
+are fed to PyTorch's fused SDPA as extra key columns (the sink logit through one extra key dimension),
+so no per-head Python loop and no T×T float mask in Python.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from . import _compat
+from .errors import InputError, ModelWeightsError, UnsupportedModelError
+
+__all__ = ["VariantConfig", "VARIANT_NAMES", "parse_variant", "apply_variant", "VariantHandle", "save", "load"]
+
+ATTN_NAME = "sinklab_variant"
+CONFIG_FILE = "sinklab_variant.json"
+_OFF_GATE_BIAS = 30.0  # σ(30) == 1.0 in float32: a gate initialised "off" passes everything
+
+
+@dataclass(frozen=True)
+class VariantConfig:
+    """Which variants are on. Incompatible combinations fail at construction."""
+
+    sink_logit: bool = False  # learned per-head sink logit (gpt-oss)
+    softmax1: bool = False  # sink logit fixed at 0 (softmax₁)
+    kv_bias: bool = False  # learned per-head key/value slot (Sun et al.)
+    gate: str | None = None  # None | "elementwise" | "headwise" (Qiu et al.)
+    registers: int = 0  # learnable placeholder tokens prepended to every sample
+
+    def __post_init__(self) -> None:
+        if self.sink_logit and self.softmax1:
+            raise InputError("softmax1 is the sink logit fixed at 0: choose either sink_logit or softmax1, not both")
+        if self.gate not in (None, "elementwise", "headwise"):
+            raise InputError(f"gate must be None, 'elementwise' or 'headwise', got {self.gate!r}")
+        if not isinstance(self.registers, int) or self.registers < 0:
+            raise InputError(f"registers must be an integer ≥ 0, got {self.registers!r}")
+        if not self.any:
+            raise InputError("no variant selected; choose at least one of sink_logit, softmax1, kv_bias, gate, registers")
+
+    @property
+    def any(self) -> bool:
+        return self.sink_logit or self.softmax1 or self.kv_bias or self.gate is not None or self.registers > 0
+
+
+VARIANT_NAMES = {
+    "sink-logit": {"sink_logit": True},
+    "softmax1": {"softmax1": True},
+    "kv-bias": {"kv_bias": True},
+    "gated": {"gate": "elementwise"},
+    "gated-headwise": {"gate": "headwise"},
+    "registers": {"registers": 4},
+}
+
+
+def parse_variant(spec: str | VariantConfig | dict, **overrides) -> VariantConfig:
+    """``"gated+registers"``, a dict of fields, or a :class:`VariantConfig` → :class:`VariantConfig`."""
+    if isinstance(spec, VariantConfig):
+        fields = asdict(spec)
+    elif isinstance(spec, dict):
+        fields = dict(spec)
+    else:
+        fields = {}
+        for name in str(spec).split("+"):
+            name = name.strip()
+            if name not in VARIANT_NAMES:
+                raise InputError(f"unknown variant {name!r}; choose from {sorted(VARIANT_NAMES)} (combine with '+')")
+            clash = set(fields) & set(VARIANT_NAMES[name])
+            if clash:
+                raise InputError(f"variant {name!r} sets {sorted(clash)} twice; e.g. 'gated' and 'gated-headwise' exclude each other")
+            fields.update(VARIANT_NAMES[name])
+    fields.update(overrides)
+    try:
+        return VariantConfig(**fields)
+    except TypeError as exc:
+        raise InputError(f"bad variant fields {fields}: {exc}") from exc
+
+
+# ----------------------------------------------------------------------------- attention function
+def _bool_mask(mask: Tensor | None, is_causal: bool, b: int, tq: int, tk: int, device) -> Tensor:
+    if mask is None:
+        if is_causal and tq > 1:
+            return torch.ones(tq, tk, dtype=torch.bool, device=device).tril(tk - tq)[None, None]
+        return torch.ones(1, 1, tq, tk, dtype=torch.bool, device=device)
+    if mask.dtype == torch.bool:
+        return mask[..., :tk]
+    return mask[..., :tk] > torch.finfo(mask.dtype).min / 2
+
+
+def variant_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+    """Registered attention: SDPA over ``[sink slot | kv-bias slot | keys]`` then the output gate.
+
+    The sink logit ``s_h`` enters as an extra key ``[0…0, s_h / scale]`` against queries padded with a
+    constant 1 in one extra dimension, so ``q·k_sink · scale = s_h`` for every query; its value is 0.
+    """
+    cfg: VariantConfig = module.sinklab_variant
+    b, h, tq, dh = query.shape
+    hkv = key.shape[1]
+    scale = dh**-0.5 if scaling is None else float(scaling)
+    is_causal = getattr(module, "is_causal", True)
+    mask = _bool_mask(attention_mask, is_causal, b, tq, key.shape[2], query.device)
+    k, v = key.repeat_interleave(h // hkv, dim=1), value.repeat_interleave(h // hkv, dim=1)  # (B, H, Tk, dh)
+    extra_k, extra_v = [], []
+    if cfg.kv_bias:
+        kb = module.sinklab_k_bias.repeat_interleave(h // hkv, dim=0)  # (H, dh)
+        vb = module.sinklab_v_bias.repeat_interleave(h // hkv, dim=0)
+        extra_k.append(kb[None, :, None].expand(b, h, 1, dh).to(k.dtype))
+        extra_v.append(vb[None, :, None].expand(b, h, 1, dh).to(v.dtype))
+    q = query
+    if cfg.sink_logit or cfg.softmax1:
+        logit = module.sinklab_sink_logit if cfg.sink_logit else torch.zeros(h, device=query.device)
+        q = torch.cat([query, query.new_ones(b, h, tq, 1)], dim=-1)
+        k = torch.cat([k, k.new_zeros(b, h, k.shape[2], 1)], dim=-1)
+        extra_k = [torch.cat([e, e.new_zeros(b, h, 1, 1)], dim=-1) for e in extra_k]
+        sink_key = torch.cat([k.new_zeros(b, h, 1, dh), (logit / scale).to(k.dtype).view(1, h, 1, 1).expand(b, h, 1, 1)], -1)
+        extra_k.insert(0, sink_key)
+        extra_v.insert(0, v.new_zeros(b, h, 1, v.shape[-1]))
+    if extra_k:
+        k = torch.cat([*extra_k, k], dim=2)
+        v = torch.cat([*extra_v, v], dim=2)
+        mask = torch.cat([mask.new_ones(*mask.shape[:-1], len(extra_k)).expand(*mask.shape[:-1], len(extra_k)),
+                          mask], dim=-1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                           dropout_p=dropout if module.training else 0.0)
+    out = out.transpose(1, 2)  # (B, Tq, H, dh)
+    if cfg.gate is not None:
+        gate = torch.sigmoid(module.sinklab_gate(module.sinklab_gate_input))  # (B, Tq, H·dh) or (B, Tq, H)
+        out = out * (gate.view(b, tq, h, dh) if cfg.gate == "elementwise" else gate.view(b, tq, h, 1))
+    return out.contiguous(), None
+
+
+# ----------------------------------------------------------------------------- applying
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    mods = []
+    for layer in _compat.find_layers(model):
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: variants need Llama-style attention (self_attn with q/k/v/o_proj); "
+                f"found {type(attn).__name__ if attn is not None else 'none'}"
+            )
+        mods.append(attn)
+    return mods
+
+
+class VariantHandle:
+    """What :func:`apply_variant` did to a model; ``remove()`` (or leaving the ``with`` block) undoes it."""
+
+    def __init__(self, model: nn.Module, config: VariantConfig, previous_impl: str | None) -> None:
+        self.model = model
+        self.config = config
+        self.previous_impl = previous_impl
+        self.hooks: list = []
+        self.added: list[tuple[nn.Module, str]] = []
+
+    def __enter__(self) -> VariantHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
+        for module, name in self.added:
+            if hasattr(module, name):
+                delattr(module, name)
+        self.added.clear()
+        if self.previous_impl is not None:
+            self.model.set_attn_implementation(self.previous_impl)
+        self.model.config.sinklab_variant = None
+        self.model.sinklab_variant_handle = None
+
+
+def _add(handle: VariantHandle, module: nn.Module, name: str, value) -> None:
+    if isinstance(value, nn.Module):
+        module.add_module(name, value)
+    elif isinstance(value, nn.Parameter):
+        module.register_parameter(name, value)
+    else:
+        setattr(module, name, value)
+    handle.added.append((module, name))
+
+
+def apply_variant(model: nn.Module, variant: str | VariantConfig | dict, *, init: str = "default",
+                  **overrides) -> VariantHandle:
+    """Add sink-aware attention to a Llama-style model in place; returns a handle that can undo it.
+
+    ``init="off"`` starts each variant at its identity (sink logit −inf, gate σ = 1) so a pretrained model's
+    outputs are unchanged; ``"default"`` is for training (sink logit 0, gate from ``nn.Linear`` init with
+    bias 0, KV slot 0). Registers start as small random vectors either way (they have no identity).
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    cfg = parse_variant(variant, **overrides)
+    if init not in ("default", "off"):
+        raise InputError(f"init must be 'default' or 'off', got {init!r}")
+    if getattr(model, "sinklab_variant_handle", None) is not None:
+        raise InputError("a variant is already applied to this model; call handle.remove() first")
+    mods = _attention_modules(model)
+    config = model.config
+    d = _compat.config_get(config, "hidden_size")
+    h = _compat.config_get(config, "num_attention_heads")
+    hkv = _compat.config_get(config, "num_key_value_heads", default=h)
+    dh = getattr(mods[0], "head_dim", d // h)
+    ref = mods[0].q_proj.weight
+    handle = VariantHandle(model, cfg, _compat.get_attn_implementation(model))
+    for attn in mods:
+        _add(handle, attn, "sinklab_variant", cfg)
+        if cfg.sink_logit:
+            start = -math.inf if init == "off" else 0.0
+            _add(handle, attn, "sinklab_sink_logit", nn.Parameter(torch.full((h,), start, dtype=ref.dtype, device=ref.device)))
+        if cfg.kv_bias:
+            _add(handle, attn, "sinklab_k_bias", nn.Parameter(torch.zeros(hkv, dh, dtype=ref.dtype, device=ref.device)))
+            _add(handle, attn, "sinklab_v_bias", nn.Parameter(torch.zeros(hkv, dh, dtype=ref.dtype, device=ref.device)))
+        if cfg.gate is not None:
+            gate = nn.Linear(d, h * dh if cfg.gate == "elementwise" else h, bias=True).to(ref.device, ref.dtype)
+            with torch.no_grad():
+                if init == "off":
+                    gate.weight.zero_()
+                    gate.bias.fill_(_OFF_GATE_BIAS)
+                else:
+                    gate.bias.zero_()
+            _add(handle, attn, "sinklab_gate", gate)
+
+            def stash(module, args, kwargs):
+                module.sinklab_gate_input = args[0] if args else kwargs["hidden_states"]
+
+            handle.hooks.append(attn.register_forward_pre_hook(stash, with_kwargs=True))
+            handle.added.append((attn, "sinklab_gate_input"))
+    if cfg.registers:
+        _add_registers(handle, model, cfg.registers, d, ref)
+    AttentionInterface.register(ATTN_NAME, variant_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    _compat.set_attn_implementation(model, ATTN_NAME)
+    model.config.sinklab_variant = asdict(cfg)
+    model.sinklab_variant_handle = handle
+    return handle
+
+
+def _add_registers(handle: VariantHandle, model: nn.Module, n: int, d: int, ref: Tensor) -> None:
+    """Prepend ``n`` learned vectors to every sample's embeddings; drop them from the base model's output."""
+    base = _compat.base_model(model)
+    gen = torch.Generator().manual_seed(0)
+    _add(handle, base, "sinklab_registers", nn.Parameter((torch.randn(n, d, generator=gen) * 0.02).to(ref.device, ref.dtype)))
+
+    def before(module, args, kwargs):
+        _, cache = _compat.cache_argument(kwargs)
+        if cache is not None or kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+            if cache is not None:
+                raise InputError("register tokens do not support KV-cache generation; run full forwards (use_cache=False)")
+        ids = kwargs.pop("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None:
+            embeds = module.get_input_embeddings()(ids)
+        b = embeds.shape[0]
+        kwargs["inputs_embeds"] = torch.cat([module.sinklab_registers.expand(b, n, -1).to(embeds.dtype), embeds], 1)
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, Tensor) and mask.dim() == 2:
+            kwargs["attention_mask"] = torch.cat([mask.new_ones(b, n), mask], dim=1)
+        kwargs.pop("position_ids", None)
+        return (), kwargs
+
+    def after(module, args, kwargs, output):
+        output.last_hidden_state = output.last_hidden_state[:, n:]
+        if getattr(output, "hidden_states", None) is not None:
+            output.hidden_states = tuple(hs[:, n:] for hs in output.hidden_states)
+        return output
+
+    handle.hooks.append(base.register_forward_pre_hook(before, with_kwargs=True))
+    handle.hooks.append(base.register_forward_hook(after, with_kwargs=True))
+
+
+# ----------------------------------------------------------------------------- persistence
+def save(model: nn.Module, path: str | Path) -> Path:
+    """Save a model with its variant: safetensors weights (extra parameters included) + ``sinklab_variant.json``."""
+    handle = getattr(model, "sinklab_variant_handle", None)
+    path = Path(path)
+    model.save_pretrained(str(path), safe_serialization=True)
+    if handle is not None:
+        (path / CONFIG_FILE).write_text(json.dumps({"format": "sinklab.variant/1", "variant": asdict(handle.config)}))
+    return path
+
+
+def load(path: str | Path, *, dtype=None) -> nn.Module:
+    """Load a model saved by :func:`save`, re-applying its variant and loading the extra weights.
+
+    (Plain ``from_pretrained`` would drop the variant's weights — transformers warns about unused weights.)
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not path.is_dir() or not files:
+        raise ModelWeightsError(f"{path}: no safetensors checkpoint here (sinklab loads its checkpoints with safetensors only)")
+    try:
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle_f:
+                list(handle_f.keys())
+    except Exception as exc:  # safetensors raises several error types for corrupt headers
+        raise ModelWeightsError(f"{path}: corrupt safetensors file ({exc})") from exc
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+    meta_file = path / CONFIG_FILE
+    if meta_file.exists():
+        meta = json.loads(meta_file.read_text())
+        apply_variant(model, VariantConfig(**meta["variant"]), init="off")
+        extra = {}
+        for f in files:
+            extra.update({k: v for k, v in load_file(str(f)).items() if "sinklab_" in k})
+        missing = [k for k, _ in model.named_parameters() if "sinklab_" in k and k not in extra]
+        if missing:
+            raise ModelWeightsError(f"{path}: the variant's weights are missing from the checkpoint: {missing[:3]} …")
+        model.load_state_dict(extra, strict=False)
+    return model.eval()

@@ -1,0 +1,190 @@
+"""Sink-aware attention variants vs a naive float64 implementation (values and gradients), off-state, save/load."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers as tf
+
+import sinklab
+from sinklab.attention import sink_mass, softmax_with_sink
+from sinklab.errors import InputError, ModelWeightsError, UnsupportedModelError
+from sinklab.variants import VariantConfig, apply_variant, load, parse_variant, save
+
+from tiny_models import build
+
+V = 97
+
+
+def tiny_llama(heads=4, kv=2, layers=2):
+    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(4)
+    return tf.LlamaForCausalLM(cfg).double()
+
+
+def test_softmax_with_sink_closed_forms_and_seed_example():
+    z = torch.randn(3, 5, dtype=torch.float64)
+    torch.testing.assert_close(softmax_with_sink(z, -math.inf), torch.softmax(z, -1))
+    w1 = softmax_with_sink(z, 0.0)  # softmax₁
+    torch.testing.assert_close(w1, z.exp() / (1 + z.exp().sum(-1, keepdim=True)))
+    w = softmax_with_sink(torch.zeros(6), 3.0)
+    assert float(sink_mass(w)) == pytest.approx(math.exp(3) / (math.exp(3) + 6))  # 0.770
+    values = torch.tensor([[0.83, 0.0]]).repeat(6, 1)
+    assert float((w @ values).norm()) == pytest.approx(0.83 * 6 / (math.exp(3) + 6))  # 0.191
+    # Per-head sinks broadcast over [B, H, Tq, Tk]; masked entries (−inf) get nothing.
+    scores = torch.randn(2, 3, 4, 4, dtype=torch.float64).masked_fill(torch.ones(4, 4).triu(1).bool(), -math.inf)
+    s = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64).view(3, 1)
+    w = softmax_with_sink(scores, s)
+    assert float(w[..., torch.ones(4, 4).triu(1).bool()].abs().max()) == 0.0
+    ref = scores.exp() / (scores.exp().sum(-1, keepdim=True) + s.exp()[None, :, :, None].squeeze(-1)[..., None])
+    torch.testing.assert_close(w, ref)
+
+
+def _naive_forward(model, ids, cfg: VariantConfig):
+    """Independent float64 forward of a Llama block stack with the variants, written from the papers."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    m = model.model
+    x = m.embed_tokens(ids)
+    if cfg.registers:
+        x = torch.cat([m.sinklab_registers[None].expand(ids.shape[0], -1, -1), x], dim=1)
+    t = x.shape[1]
+    pos = torch.arange(t)[None]
+    cos, sin = m.rotary_emb(x, pos)
+    for layer in m.layers:
+        a = layer.self_attn
+        h_in = layer.input_layernorm(x)
+        nh, dh = model.config.num_attention_heads, a.head_dim
+        nkv = model.config.num_key_value_heads
+        q = a.q_proj(h_in).view(1, t, nh, dh).transpose(1, 2)
+        k = a.k_proj(h_in).view(1, t, nkv, dh).transpose(1, 2)
+        v = a.v_proj(h_in).view(1, t, nkv, dh).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        outs = []
+        for head in range(nh):  # deliberately naive: one head at a time
+            kh, vh = k[0, head // (nh // nkv)], v[0, head // (nh // nkv)]
+            if cfg.kv_bias:
+                kh = torch.cat([a.sinklab_k_bias[head // (nh // nkv)][None], kh])
+                vh = torch.cat([a.sinklab_v_bias[head // (nh // nkv)][None], vh])
+            z = q[0, head] @ kh.T / math.sqrt(dh)
+            causal = torch.ones(t, t).tril().bool()
+            if cfg.kv_bias:
+                causal = torch.cat([torch.ones(t, 1, dtype=torch.bool), causal], dim=1)
+            z = z.masked_fill(~causal, -math.inf)
+            logits = list(z.unbind(-1))
+            if cfg.sink_logit or cfg.softmax1:
+                s = a.sinklab_sink_logit[head] if cfg.sink_logit else torch.tensor(0.0, dtype=z.dtype)
+                e = torch.exp(z)
+                wts = e / (e.sum(-1, keepdim=True) + torch.exp(s))
+            else:
+                wts = torch.softmax(torch.stack(logits, -1), -1)
+            outs.append(wts @ vh)
+        o = torch.stack(outs, dim=1)  # (T, H, dh)
+        if cfg.gate == "elementwise":
+            o = o * torch.sigmoid(a.sinklab_gate(h_in[0])).view(t, nh, dh)
+        elif cfg.gate == "headwise":
+            o = o * torch.sigmoid(a.sinklab_gate(h_in[0])).view(t, nh, 1)
+        x = x + a.o_proj(o.reshape(1, t, nh * dh))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    x = m.norm(x)
+    if cfg.registers:
+        x = x[:, cfg.registers:]
+    return model.lm_head(x)
+
+
+CASES = ["sink-logit", "softmax1", "kv-bias", "gated", "gated-headwise", "registers", "sink-logit+gated",
+         "gated+registers", "kv-bias+sink-logit"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_variant_matches_naive_float64_values_and_gradients(name):
+    model = tiny_llama()
+    handle = apply_variant(model, name)
+    with torch.no_grad():  # move every new parameter away from its initial value
+        for pname, p in model.named_parameters():
+            if "sinklab_" in pname:
+                p.add_(torch.randn_like(p) * 0.5)
+    ids = torch.randint(0, V, (1, 9), generator=torch.Generator().manual_seed(0))
+    ours = model(input_ids=ids, use_cache=False).logits
+    ref = _naive_forward(model, ids, handle.config)
+    torch.testing.assert_close(ours, ref, atol=1e-10, rtol=1e-9)
+    params = [p for _, p in model.named_parameters()]  # the variant's own and the model's weights
+    g_ours = torch.autograd.grad(ours.square().sum(), params, allow_unused=True)
+    g_ref = torch.autograd.grad(ref.square().sum(), params, allow_unused=True)
+    for a, b in zip(g_ours, g_ref):
+        if a is None or b is None:
+            assert a is None and b is None
+            continue
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-8)
+    handle.remove()
+    assert model.config._attn_implementation == "sdpa" and not any("sinklab_" in n for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("name", ["sink-logit", "gated", "gated-headwise", "sink-logit+gated"])
+def test_off_initialisation_leaves_outputs_unchanged(name):
+    model = tiny_llama().float()
+    ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        with apply_variant(model, name, init="off"):
+            during = model(input_ids=ids).logits
+        after = model(input_ids=ids).logits
+    torch.testing.assert_close(during, before, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+
+
+def test_kv_bias_at_zero_is_softmax1():
+    """A zero key/value slot adds logit 0 with value 0: exactly softmax₁ (no exact 'off' state exists)."""
+    model = tiny_llama()
+    ids = torch.randint(0, V, (1, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        with apply_variant(model, "kv-bias"):
+            a = model(input_ids=ids).logits
+        with apply_variant(model, "softmax1"):
+            b = model(input_ids=ids).logits
+    torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = tiny_llama().float()
+    apply_variant(model, "sink-logit+gated")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "sinklab_" in n:
+                p.normal_()
+    ids = torch.randint(0, V, (1, 8))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    save(model, tmp_path / "m")
+    loaded = sinklab.variants.load(tmp_path / "m")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, ref)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelWeightsError, match="corrupt"):
+        load(tmp_path / "bad")
+    (tmp_path / "pt").mkdir()
+    torch.save({}, tmp_path / "pt" / "pytorch_model.bin")
+    with pytest.raises(ModelWeightsError, match="safetensors"):
+        load(tmp_path / "pt")
+
+
+def test_bad_variants_are_rejected():
+    with pytest.raises(InputError, match="unknown variant"):
+        parse_variant("sinky")
+    with pytest.raises(InputError, match="either sink_logit or softmax1"):
+        parse_variant("sink-logit+softmax1")
+    with pytest.raises(InputError, match="twice"):
+        parse_variant("gated+gated-headwise")
+    with pytest.raises(InputError):
+        VariantConfig()
+    with pytest.raises(UnsupportedModelError, match="Llama-style"):
+        apply_variant(build("gpt2"), "gated")
+    model = tiny_llama()
+    apply_variant(model, "gated")
+    with pytest.raises(InputError, match="already applied"):
+        apply_variant(model, "sink-logit")
