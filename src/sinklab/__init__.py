@@ -22,6 +22,9 @@ from .models import BUILTIN_MODELS, LoadedModel, load_model  # noqa: E402
 from .registry import REGISTRY, MetricRow  # noqa: E402
 from .scan import ScanResult, scan, scan_inputs  # noqa: E402
 from .stream import SinkCache, StreamSession, stream_generate  # noqa: E402
+from .variants import VariantConfig, apply_variant, load, save  # noqa: E402
+from .attention import softmax_with_sink  # noqa: E402
+from .monitor import SinkMonitor  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -49,4 +52,10 @@ __all__ = [
     "SinkCache",
     "StreamSession",
     "stream_generate",
+    "VariantConfig",
+    "apply_variant",
+    "load",
+    "save",
+    "softmax_with_sink",
+    "SinkMonitor",
 ]

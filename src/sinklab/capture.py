@@ -349,6 +349,14 @@ class AttentionCapture:
         softcap = kwargs.get("softcap")
         sinks = kwargs.get("s_aux")
         bias = kwargs.get("position_bias")
+        variant = getattr(module, "sinklab_variant", None)  # sinklab.variants applied to this model
+        if variant is not None:
+            if variant.kv_bias:
+                raise UnsupportedModelError("capturing a model with the kv-bias variant is not supported yet")
+            if variant.sink_logit:
+                sinks = module.sinklab_sink_logit
+            elif variant.softmax1:
+                sinks = torch.zeros(h, device=query.device)
         k = _repeat_kv(key.float(), h // hkv)  # (B, H, Tk, dh)
         v = _repeat_kv(value.float(), h // hkv).clone()  # (B, H, Tk, dv), private: edits write into it
         drop = self._apply_edit(index, v)  # may edit v in place (it is a private float copy)
@@ -436,6 +444,9 @@ class AttentionCapture:
                 r1 = min(c1, m)
                 amap[:, c0:r1, : min(m, kend)] = probs[0, :, : r1 - c0, :m]
 
+        if variant is not None and variant.gate is not None:  # output gate σ(X W) on each head's output
+            gate = torch.sigmoid(module.sinklab_gate(module.sinklab_gate_input).float())  # (B, Tq, H·dv | H)
+            out = out * gate.view(b, tq, h, -1).transpose(1, 2)
         seen = col_cnt[:, None] > 0  # (B, 1, Tk)
         nan = torch.full((), math.nan, device=dev)
         info = self._layer_info(index, module, h, hkv, dv, dev)

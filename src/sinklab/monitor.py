@@ -1,0 +1,124 @@
+"""Watch sinks appear during training: a monitor for any training loop (and a transformers callback).
+
+At chosen steps the monitor scans a fixed probe batch with :func:`sinklab.scan_inputs` and logs, per
+layer: Sink_1^ε (sink rate at position 0), the mean attention each head gives position 0, position 0's
+hidden-norm ratio (block output over the median of the other tokens), massive activations — plus the
+loss and tokens seen. Records go to a JSONL file; :meth:`SinkMonitor.figure` draws the emergence figure
+(metrics vs tokens seen, one line per layer).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from . import metrics
+
+__all__ = ["SinkMonitor", "SinkMonitorCallback", "emergence_figure"]
+
+
+class SinkMonitor:
+    """Log sink metrics of ``model`` on ``probe`` (``{"input_ids": [B, T], ...}``) every ``every`` steps."""
+
+    def __init__(self, model: nn.Module, probe: dict[str, Tensor], *, every: int = 100,
+                 path: str | Path | None = None, eps: float = 0.3) -> None:
+        if every < 1:
+            raise ValueError(f"every must be ≥ 1, got {every}")
+        self.model = model
+        self.probe = probe
+        self.every = every
+        self.eps = eps
+        self.path = Path(path) if path is not None else None
+        self.records: list[dict] = []
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+
+    def measure(self) -> dict:
+        """One scan of the probe batch: per-layer lists."""
+        from .scan import scan_inputs
+
+        was_training = self.model.training
+        n = next(iter(self.probe.values())).shape[1]
+        with torch.no_grad():
+            r = scan_inputs(self.model, [self.probe], [[""] * n] * next(iter(self.probe.values())).shape[0],
+                            candidates=(0,), map_len=0, thresholds={"eps": self.eps})
+        self.model.train(was_training)
+        norms = r.hidden_norm[:, 1:].double()  # (S, L, T) block outputs
+        ratio = (norms[..., 0] / norms[..., 1:].nanmedian(-1).values).nanmean(0)
+        massive = metrics.is_massive(r.hidden_max_abs[:, 1:].double(), r.hidden_median_abs[:, 1:].double())
+        return {
+            "sink_rate_0": r.sink_rate_per_layer(0, self.eps).tolist(),
+            "attention_to_0": r.column_mass[..., 0].double().nanmean(0).tolist(),  # [L][H]
+            "hidden_norm_ratio_0": ratio.tolist(),
+            "massive_tokens": massive.double().sum(-1).mean(0).tolist(),
+            "max_activation": r.hidden_max_abs[:, 1:].double().nan_to_num(0).amax(dim=(0, 2)).tolist(),
+            "value_norm_ratio_0": metrics.value_norm_ratio(r.value_norm_out.double(), 0, r.token_mask[:, None, None])
+            .nanmean(0).tolist(),  # [L][H] output-space value norm of position 0 vs the rest
+        }
+
+    def step(self, step: int, *, loss: float | None = None, tokens: int | None = None, force: bool = False) -> dict | None:
+        """Call after each optimiser step; measures when ``step % every == 0`` (or ``force``)."""
+        if not force and step % self.every:
+            return None
+        record = {"step": step, "tokens": tokens, "loss": loss, **self.measure()}
+        self.records.append(record)
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        return record
+
+    def figure(self, path: str | Path | None = None):
+        """The emergence figure; saved to ``path`` when given."""
+        fig = emergence_figure(self.records)
+        if path is not None:
+            fig.savefig(path, dpi=110)
+        return fig
+
+
+def emergence_figure(records: list[dict]):
+    """Sink rate, mean attention to position 0, position-0 norm ratio and loss vs tokens seen (a line per layer)."""
+    from .report.figures import plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
+    if not records:
+        return fig
+    x = [r["tokens"] if r["tokens"] is not None else r["step"] for r in records]
+    n_layers = len(records[0]["sink_rate_0"])
+    panels = [
+        (axes[0, 0], "sink_rate_0", "Sink^ε(0) % of heads", lambda r, l: r["sink_rate_0"][l]),
+        (axes[0, 1], "attention_to_0", "mean attention to position 0", lambda r, l: sum(r["attention_to_0"][l]) / len(r["attention_to_0"][l])),
+        (axes[1, 0], "hidden_norm_ratio_0", "‖x₀‖ / median ‖x‖", lambda r, l: r["hidden_norm_ratio_0"][l]),
+    ]
+    for ax, _, title, get in panels:
+        for layer in range(n_layers):
+            ax.plot(x, [get(r, layer) for r in records], label=f"layer {layer}")
+        ax.set_title(title, fontsize=9)
+    axes[0, 0].legend(fontsize=7)
+    axes[1, 1].plot(x, [r["loss"] for r in records], color="black")
+    axes[1, 1].set_title("training loss", fontsize=9)
+    for ax in axes[1]:
+        ax.set_xlabel("tokens seen" if records[0]["tokens"] is not None else "step")
+    fig.tight_layout()
+    return fig
+
+
+try:  # pragma: no cover - exercised only where transformers' Trainer is used
+    from transformers import TrainerCallback
+
+    class SinkMonitorCallback(TrainerCallback):
+        """``Trainer(callbacks=[SinkMonitorCallback(monitor)])``: measures on the monitor's schedule."""
+
+        def __init__(self, monitor: SinkMonitor) -> None:
+            self.monitor = monitor
+
+        def on_step_end(self, args, state, control, **kwargs):
+            loss = state.log_history[-1].get("loss") if state.log_history else None
+            tokens = getattr(state, "num_input_tokens_seen", None) or None
+            self.monitor.step(state.global_step, loss=loss, tokens=tokens)
+            return control
+except ImportError:  # pragma: no cover
+    SinkMonitorCallback = None  # type: ignore[assignment]

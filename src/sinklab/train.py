@@ -1,0 +1,193 @@
+"""``sinklab train``: train a small Llama-style causal LM on CPU with a sink monitor, saving safetensors.
+
+Data: ``pydoc`` (English prose that ships with Python, see :mod:`sinklab.corpus`, with a byte-level BPE
+trained on it), a UTF-8 text file, or ``bb`` (the Bigram-Backcopy task). Every run writes into ``out``:
+``train_config.json``, ``monitor.jsonl`` (sink metrics vs tokens seen), ``emergence.png``, and
+checkpoints (``checkpoint-<step>/`` on the schedule and ``final/``) loadable with ``sinklab.load``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from .errors import InputError
+from .monitor import SinkMonitor
+
+__all__ = ["TrainConfig", "build_model", "train", "bb_metrics"]
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs (each field has a default)."""
+
+    data: str = "pydoc"  # pydoc | bb | path to a UTF-8 text file
+    layers: int = 4
+    width: int = 128
+    heads: int = 4
+    kv_heads: int | None = None  # None: as many as heads
+    seq_len: int = 64  # tokens per sample, BOS included
+    batch: int = 32
+    steps: int = 2000
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup: int = 100
+    vocab_size: int = 4096  # BPE size for text data (bb uses its own)
+    variant: str | None = None  # e.g. "sink-logit", "gated", "gated+registers" (sinklab.variants)
+    seed: int = 0
+    checkpoint_every: int = 0  # 0: only the final checkpoint
+    monitor_every: int = 100
+    max_chars: int | None = None  # cap the text corpus (None: all of it)
+    bb_vocab: int = 64
+    bb_triggers: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "width", "heads", "seq_len", "batch", "steps", "monitor_every"):
+            if getattr(self, name) < 1:
+                raise InputError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.width % self.heads:
+            raise InputError(f"width {self.width} is not a multiple of heads {self.heads}")
+        if self.seq_len < 3:
+            raise InputError("seq_len must be ≥ 3")
+        if not (self.lr > 0 and self.weight_decay >= 0):
+            raise InputError("lr must be > 0 and weight_decay ≥ 0")
+
+
+def build_model(cfg: TrainConfig, vocab: int, bos_id: int | None, eos_id: int | None, pad_id: int | None) -> nn.Module:
+    """A Llama-style causal LM (RoPE, RMSNorm, SwiGLU) of the configured size, seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=cfg.width, intermediate_size=4 * cfg.width,
+                         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                         num_key_value_heads=cfg.kv_heads or cfg.heads, max_position_embeddings=max(2048, cfg.seq_len),
+                         tie_word_embeddings=True, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(cfg.seed)
+    model = LlamaForCausalLM(config)
+    if cfg.variant:
+        from .variants import apply_variant
+
+        apply_variant(model, cfg.variant)
+    return model
+
+
+def _text_data(cfg: TrainConfig):
+    from .corpus import stdlib_corpus, token_stream, train_tokenizer
+
+    if cfg.data == "pydoc":
+        texts = stdlib_corpus(cfg.max_chars)
+    else:
+        path = Path(cfg.data)
+        if not path.is_file():
+            raise InputError(f"data {cfg.data!r} is neither 'pydoc', 'bb' nor a readable text file")
+        texts = [p for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    tokenizer = train_tokenizer(texts, cfg.vocab_size)
+    stream = token_stream(tokenizer, texts)
+    if stream.numel() < cfg.seq_len + 1:
+        raise InputError(f"the corpus has {stream.numel()} tokens, fewer than one sequence of {cfg.seq_len}")
+    bos = tokenizer.bos_token_id
+
+    def sample(batch: int, gen: torch.Generator) -> Tensor:
+        starts = torch.randint(0, stream.numel() - cfg.seq_len, (batch,), generator=gen)
+        body = torch.stack([stream[s : s + cfg.seq_len - 1] for s in starts.tolist()])
+        return torch.cat([torch.full((batch, 1), bos, dtype=torch.long), body], dim=1)
+
+    return tokenizer, sample, len(tokenizer), stream.numel()
+
+
+def bb_metrics(model: nn.Module, task, probe: Tensor) -> dict:
+    """Bigram-Backcopy signatures: attention to BOS from non-trigger vs trigger queries, copy attention, BOS value."""
+    from .capture import AttentionCapture, CaptureConfig
+
+    with torch.no_grad(), AttentionCapture(model, CaptureConfig(candidates=(0,), map_len=probe.shape[1])) as cap:
+        rows = []
+        for i in range(probe.shape[0]):  # sample by sample: the attention map of each (seq_len ≤ map_len)
+            b = cap.run(input_ids=probe[i : i + 1])
+            rows.append((b.attention_maps[0, 0], b.value_norm_out[0, 0, 0]))  # layer 0, head 0
+    trig = task.is_trigger(probe)
+    to_bos, copy_att, non_trig_bos, ratio = [], [], [], []
+    for i, (amap, vnorm) in enumerate(rows):
+        q = torch.arange(2, probe.shape[1])
+        is_t = trig[i, q]
+        non_trig_bos.append(amap[q[~is_t], 0])
+        to_bos.append(amap[q[is_t], 0])
+        copy_att.append(amap[q[is_t], q[is_t] - 1])
+        ratio.append(float(vnorm[0] / vnorm[1:].mean()))
+    cat = lambda xs: torch.cat(xs).double().mean().item() if sum(x.numel() for x in xs) else float("nan")  # noqa: E731
+    return {"bos_attention_non_trigger": cat(non_trig_bos), "bos_attention_trigger": cat(to_bos),
+            "copy_attention_trigger": cat(copy_att), "bos_value_norm_ratio_out": sum(ratio) / len(ratio),
+            "trigger_share": float(trig[:, 1:].double().mean())}
+
+
+def train(cfg: TrainConfig, out: str | Path, progress: Callable[[int, float], None] | None = None) -> dict:
+    """Train, monitor and checkpoint; returns a summary (also written to ``out/summary.json``)."""
+    from .variants import save
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    tokenizer, task = None, None
+    if cfg.data == "bb":
+        from .synth.bigram_backcopy import BigramBackcopy
+
+        task = BigramBackcopy(vocab=cfg.bb_vocab, triggers=cfg.bb_triggers, seq_len=cfg.seq_len, seed=cfg.seed)
+        sample, vocab, corpus_tokens = task.sample, cfg.bb_vocab + 1, None
+        model = build_model(cfg, vocab, task.bos, None, None)
+    else:
+        tokenizer, sample, vocab, corpus_tokens = _text_data(cfg)
+        model = build_model(cfg, vocab, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=1))
+    probe = sample(8, torch.Generator().manual_seed(cfg.seed + 99))
+    monitor = SinkMonitor(model, {"input_ids": probe}, every=cfg.monitor_every, path=out / "monitor.jsonl")
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "sinklab_" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "sinklab_" in n]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup)) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.steps))))
+    model.train()
+    tokens = 0
+    start = time.perf_counter()
+    loss_value = float("nan")
+    for step in range(1, cfg.steps + 1):
+        batch = sample(cfg.batch, gen)
+        # LlamaForCausalLM shifts the labels itself: pass the inputs, not pre-shifted targets.
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        schedule.step()
+        tokens += batch.numel()
+        loss_value = loss.item()
+        if not math.isfinite(loss_value):
+            raise InputError(f"training diverged at step {step} (loss {loss_value}); lower --lr")
+        monitor.step(step, loss=loss_value, tokens=tokens, force=step == cfg.steps)
+        if progress:
+            progress(step, loss_value)
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != cfg.steps:
+            _checkpoint(model, tokenizer, out / f"checkpoint-{step}", save)
+    model.eval()
+    final = _checkpoint(model, tokenizer, out / "final", save)
+    monitor.figure(out / "emergence.png")
+    summary = {"steps": cfg.steps, "tokens": tokens, "seconds": time.perf_counter() - start, "final_loss": loss_value,
+               "corpus_tokens": corpus_tokens, "last": monitor.records[-1], "checkpoint": str(final)}
+    if task is not None:
+        summary["bb"] = bb_metrics(model, task, sample(16, torch.Generator().manual_seed(cfg.seed + 7)))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _checkpoint(model: nn.Module, tokenizer, path: Path, save) -> Path:
+    save(model, path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    return path

@@ -1,0 +1,94 @@
+"""Training with a sink monitor, the Bigram-Backcopy task, checkpoints, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers as tf
+
+import sinklab
+from sinklab import metrics
+from sinklab.errors import InputError
+from sinklab.monitor import SinkMonitor
+from sinklab.synth.bigram_backcopy import BigramBackcopy
+from sinklab.train import TrainConfig, train
+
+
+def test_bigram_backcopy_data_follows_its_rules():
+    task = BigramBackcopy(vocab=16, triggers=3, seq_len=40, seed=1)
+    x = task.sample(64, torch.Generator().manual_seed(0))
+    assert bool((x[:, 0] == task.bos).all()) and bool((x[:, 1:] < task.vocab).all())
+    for t in range(2, 39):
+        trig = task.is_trigger(x[:, t])
+        assert bool((x[trig, t + 1] == x[trig, t - 1]).all())  # after a trigger: copy the token before it
+    assert torch.allclose(task.transition.sum(-1), torch.ones(16))
+    share = float(task.is_trigger(x[:, 1:]).double().mean())
+    assert 0.15 < share < 0.6  # the triggers are the most popular tokens
+
+
+def test_monitor_attention_to_position_zero_matches_eager():
+    cfg = tf.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 50, (3, 12), generator=torch.Generator().manual_seed(1))
+    monitor = SinkMonitor(model, {"input_ids": ids}, every=5)
+    assert monitor.step(3, loss=1.0, tokens=10) is None  # off schedule
+    rec = monitor.step(5, loss=1.0, tokens=10)
+    with torch.no_grad():
+        attn = torch.stack(model(input_ids=ids, output_attentions=True).attentions, 1).double()  # (B, L, H, T, T)
+    mass0 = metrics.column_mass(attn, metrics.visibility(12, 12))[..., 0].mean(0)  # (L, H)
+    torch.testing.assert_close(torch.tensor(rec["attention_to_0"], dtype=torch.float64), mass0, atol=1e-5, rtol=0)
+    rate = (metrics.column_mass(attn, metrics.visibility(12, 12))[..., 0] > 0.3).double().mean(2).mean(0) * 100
+    torch.testing.assert_close(torch.tensor(rec["sink_rate_0"], dtype=torch.float64), rate)
+    assert model.config._attn_implementation == "eager"
+
+
+def test_train_text_run_checkpoints_and_reloads(tmp_path):
+    cfg = TrainConfig(data="pydoc", layers=2, width=32, heads=2, seq_len=16, batch=4, steps=12, lr=3e-3,
+                      vocab_size=400, max_chars=30_000, monitor_every=5, checkpoint_every=6, variant="sink-logit")
+    summary = train(cfg, tmp_path / "run")
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "monitor.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [5, 10, 12]
+    assert len(records[-1]["sink_rate_0"]) == 2 and records[-1]["tokens"] == 12 * 4 * 16
+    assert (run / "emergence.png").stat().st_size > 1000 and (run / "checkpoint-6").is_dir()
+    model = sinklab.load(run / "final")
+    assert model.config.sinklab_variant["sink_logit"] is True
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(run / "final"))
+    ids = tok("Return the value of the attribute.", return_tensors="pt")["input_ids"]
+    assert int(ids[0, 0]) == tok.bos_token_id
+    assert summary["final_loss"] < 7.0  # down from ln(400) ≈ 6.0 + noise within 12 steps: a sanity bound only
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def test_bigram_backcopy_forms_a_bos_sink_quickly(tmp_path):
+    # Measured at this reduced size (width 64, seq 32, batch 32, 300 steps): non-trigger queries give BOS
+    # ≈ 0.9 of their attention, trigger queries ≈ 0 and copy the previous token; BOS value ratio ≈ 0.3.
+    cfg = TrainConfig(data="bb", layers=1, heads=1, width=64, seq_len=32, batch=32, steps=300, lr=3e-3,
+                      weight_decay=0.0, warmup=30, monitor_every=100)
+    bb = train(cfg, tmp_path / "bb")["bb"]
+    assert bb["bos_attention_non_trigger"] > 0.6
+    assert bb["bos_attention_trigger"] < 0.1 and bb["copy_attention_trigger"] > 0.4
+    assert bb["bos_value_norm_ratio_out"] < 0.6
+
+
+def test_bad_training_input(tmp_path):
+    with pytest.raises(InputError, match="multiple"):
+        TrainConfig(width=30, heads=4)
+    with pytest.raises(InputError):
+        TrainConfig(steps=0)
+    short = tmp_path / "short.txt"
+    short.write_text("tiny text")
+    with pytest.raises(InputError, match="fewer than one sequence"):
+        train(TrainConfig(data=str(short), seq_len=64, vocab_size=300, steps=1), tmp_path / "x")
+    with pytest.raises(InputError, match="neither"):
+        train(TrainConfig(data=str(tmp_path / "missing.txt"), steps=1), tmp_path / "y")
+    with pytest.raises(InputError, match="unknown variant"):
+        train(TrainConfig(data="bb", variant="sinky", steps=1, layers=1, heads=1, width=16), tmp_path / "z")
