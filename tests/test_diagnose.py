@@ -10,7 +10,6 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from typer.testing import CliRunner
 
-import sinklab
 from sinklab import metrics
 from sinklab.capture import ValueEdit
 from sinklab.cli import app

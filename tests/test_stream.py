@@ -16,7 +16,7 @@ from sinklab import rope
 from sinklab.errors import InputError, UnsupportedModelError
 from sinklab.stream import SinkCache, StreamSession, stream_generate
 
-from tiny_models import TEXT_MODELS, build
+from tiny_models import build
 
 V = 97
 

@@ -69,14 +69,15 @@ def test_train_text_run_checkpoints_and_reloads(tmp_path):
 
 
 def test_bigram_backcopy_forms_a_bos_sink_quickly(tmp_path):
-    # Measured at this reduced size (width 64, seq 32, batch 32, 300 steps): non-trigger queries give BOS
-    # ≈ 0.9 of their attention, trigger queries ≈ 0 and copy the previous token; BOS value ratio ≈ 0.3.
-    cfg = TrainConfig(data="bb", layers=1, heads=1, width=64, seq_len=32, batch=32, steps=300, lr=3e-3,
+    # Measured at this reduced size (width 64, seq 32, batch 32, 500 steps): non-trigger queries give BOS
+    # 0.997 of their attention, trigger queries 0.000 and 0.80 to the previous token; BOS value ratio 0.24
+    # (at 300 steps the attention pattern is there but the BOS value has not shrunk yet: ratio 0.90).
+    cfg = TrainConfig(data="bb", layers=1, heads=1, width=64, seq_len=32, batch=32, steps=500, lr=3e-3,
                       weight_decay=0.0, warmup=30, monitor_every=100)
     bb = train(cfg, tmp_path / "bb")["bb"]
-    assert bb["bos_attention_non_trigger"] > 0.6
-    assert bb["bos_attention_trigger"] < 0.1 and bb["copy_attention_trigger"] > 0.4
-    assert bb["bos_value_norm_ratio_out"] < 0.6
+    assert bb["bos_attention_non_trigger"] > 0.8
+    assert bb["bos_attention_trigger"] < 0.1 and bb["copy_attention_trigger"] > 0.5
+    assert bb["bos_value_norm_ratio_out"] < 0.5
 
 
 def test_bad_training_input(tmp_path):

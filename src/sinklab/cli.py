@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -43,6 +44,23 @@ def _print_table(result) -> None:
                   f"most common sink: position {pos} ({label!r})", markup=True, highlight=False)
 
 
+@contextmanager
+def _user_errors():
+    """Turn sinklab's input errors into one red line and exit code 2 (no traceback, no partial output)."""
+    try:
+        yield
+    except SinklabError as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(code=2) from None
+
+
+def _load(model: str, **kwargs):
+    from .models import load_model
+
+    with console.status(f"loading {model} …"):
+        return load_model(model, **kwargs)
+
+
 def _read_texts(text: str | None, file: Path | None) -> list[str] | None:
     if text is not None and file is not None:
         raise SinklabError("give either --text or --file, not both")
@@ -77,14 +95,11 @@ def scan(
     seed: Annotated[int, typer.Option("--seed")] = 0,
 ) -> None:
     """Scan MODEL for attention sinks; print a per-layer table and write scan.json, figures, report.html."""
-    from .models import load_model
     from .scan import scan as run_scan
 
-    try:
+    with _user_errors():
         texts = _read_texts(text, file)
-        with console.status(f"loading {model} …"):
-            loaded = load_model(model, dtype=dtype, device=device, revision=revision,
-                                trust_remote_code=trust_remote_code)
+        loaded = _load(model, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code)
         with _progress(samples) as progress:
             task = progress.add_task("scanning", total=samples)
             result = run_scan(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
@@ -93,9 +108,6 @@ def scan(
         _print_table(result)
         report = result.save(out)
         console.print(f"wrote {out / 'scan.json'}, figures and {report}")
-    except SinklabError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(code=2) from None
 
 
 @app.command()
@@ -120,13 +132,10 @@ def diagnose(
 ) -> None:
     """Classify MODEL's sinks (NOP / broadcast), run causal value edits, write diagnosis.json and report.html."""
     from .diagnose import diagnose as run_diagnose
-    from .models import load_model
 
-    try:
+    with _user_errors():
         texts = _read_texts(text, file)
-        with console.status(f"loading {model} …"):
-            loaded = load_model(model, dtype=dtype, device=device, revision=revision,
-                                trust_remote_code=trust_remote_code)
+        loaded = _load(model, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code)
         rules = {"rule": rule, "sink_mass": sink_mass, "nop_max_ratio": nop_max,
                  "broadcast_min_ratio": broadcast_min, "broadcast_max_srank": broadcast_srank}
         with _progress(samples) as progress:
@@ -137,9 +146,6 @@ def diagnose(
         _print_diagnosis(d)
         report = d.save(out)
         console.print(f"wrote {out / 'diagnosis.json'}, figures and {report}")
-    except SinklabError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(code=2) from None
 
 
 @app.command()
@@ -159,7 +165,7 @@ def synth(
 
     from .synth import BroadcastTask, NopTask, run_broadcast, run_nop
 
-    try:
+    with _user_errors():
         if task not in ("nop", "broadcast"):
             raise SinklabError(f"unknown synthetic task {task!r}; choose 'nop' or 'broadcast'")
         if (steps is not None and steps < 1) or batch < 1 or dim < 2 or tokens < 2:
@@ -182,9 +188,6 @@ def synth(
         report = result.diagnosis.save(out)
         (out / "synth.json").write_text(json.dumps({"task": task, "metrics": result.metrics, "log": result.log}, indent=1))
         console.print(f"wrote {out / 'synth.json'}, {out / 'diagnosis.json'}, figures and {report}")
-    except SinklabError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(code=2) from None
 
 
 @app.command()
@@ -208,14 +211,13 @@ def stream(
     import sys as _sys
     import time
 
-    from .models import load_model
     from .stream import StreamSession, stream_generate
 
-    try:
+    with _user_errors():
         texts = _read_texts(prompt, file)
         if texts is None:
             raise SinklabError("give a prompt with --prompt or --file")
-        loaded = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         session = StreamSession(loaded.model, num_sinks=sinks, window=window, chunk_size=chunk_size)
         start = time.perf_counter()
         count = 0
@@ -231,9 +233,6 @@ def stream(
                     err.print(f"[{count} tokens, {rate:.1f} tok/s, cache {session.cache_tokens()} / "
                               f"{session.state.capacity} tokens]", highlight=False)
         _sys.stdout.write("\n")
-    except SinklabError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(code=2) from None
 
 
 @app.command("eval-stream")
@@ -255,17 +254,16 @@ def eval_stream(
 
     import torch
 
-    from .models import load_model
     from .stream.evaluate import evaluate_stream, running_ppl
     from .texts import default_texts
 
-    try:
+    with _user_errors():
         if tokens < 2 or window < 1 or sinks < 0:
             raise SinklabError("--tokens must be ≥ 2, --window ≥ 1 and --sinks ≥ 0")
         text = file.read_text(encoding="utf-8") if file is not None else "\n\n".join(default_texts())
         if file is not None and not text.strip():
             raise SinklabError(f"--file {file} is empty")
-        loaded = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         ids = torch.tensor(loaded.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"][:tokens])
         with _progress(tokens) as progress:
             task = progress.add_task("sinks + window", total=ids.numel() - 1)
@@ -296,9 +294,6 @@ def eval_stream(
         fig.tight_layout()
         fig.savefig(out / "eval_stream.png", dpi=110)
         console.print(f"wrote {out / 'eval_stream.json'} and {out / 'eval_stream.png'}")
-    except SinklabError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(code=2) from None
 
 
 @app.command("train")
@@ -324,7 +319,7 @@ def train_cmd(
     """Train a small causal LM on CPU with a sink monitor; safetensors checkpoints (load with sinklab.load)."""
     from .train import TrainConfig, train
 
-    try:
+    with _user_errors():
         cfg = TrainConfig(data=data, layers=layers, width=width, heads=heads, seq_len=seq_len, batch=batch, steps=steps,
                           lr=lr, weight_decay=weight_decay, warmup=warmup, vocab_size=vocab_size, variant=variant,
                           seed=seed, checkpoint_every=checkpoint_every, monitor_every=monitor_every, max_chars=max_chars)
@@ -339,9 +334,6 @@ def train_cmd(
         if "bb" in summary:
             console.print("Bigram-Backcopy: " + ", ".join(f"{k} {v:.3f}" for k, v in summary["bb"].items()))
         console.print(f"wrote {out}/final (safetensors), monitor.jsonl, emergence.png, summary.json")
-    except SinklabError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(code=2) from None
 
 
 def _print_diagnosis(d) -> None:
