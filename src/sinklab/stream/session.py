@@ -192,9 +192,15 @@ def stream_generate(model: nn.Module, tokenizer, prompt: str | list[str], *, num
     try:
         logits = session.feed(ids, mask if not bool(mask.all()) else None)
         done = torch.zeros(len(encoded), dtype=torch.bool)
+        history = [list(e[-4:]) for e in encoded]
         for _ in range(max_new_tokens):
             token = _sample(logits, temperature, top_k, gen)
-            pieces = [tokenizer.decode([int(t)]) if not d else "" for t, d in zip(token.tolist(), done.tolist())]
+            pieces = []
+            for row, (t, d) in enumerate(zip(token.tolist(), done.tolist())):
+                # Decode with a little context so word pieces and byte-level BPE join correctly.
+                tail = history[row][-4:]
+                pieces.append("" if d else tokenizer.decode(tail + [t])[len(tokenizer.decode(tail)):])
+                history[row] = (tail + [t])[-4:]
             if eos is not None and stop_at_eos:
                 done |= token.cpu() == eos
             yield pieces if batch else pieces[0]
