@@ -41,7 +41,7 @@ class SynthConfig(PretrainedConfig):
         self.initializer_range = initializer_range
 
 
-def eager_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+def eager_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                     scaling: float, dropout: float = 0.0, **kwargs) -> tuple[Tensor, Tensor]:
     """Plain softmax attention; ``query``/``key``/``value`` ``[B, H, T, dh]`` → output ``[B, T, H, dh]``."""
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, H, T, T)
@@ -77,7 +77,7 @@ class SynthAttention(nn.Module):
         q = self.q_proj(x).view(shape).transpose(1, 2)  # (B, H, T, dh)
         k = self.k_proj(x).view(shape).transpose(1, 2)
         v = self.v_proj(x).view(shape).transpose(1, 2)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         out, _ = attention(self, q, k, v, None, scaling=self.head_dim**-0.5, dropout=0.0)
         return self.o_proj(out.reshape(b, t, -1))  # (B, T, d)
 
