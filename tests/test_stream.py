@@ -286,3 +286,22 @@ def test_errors_are_clear():
         with pytest.raises((NotImplementedError, InputError)):
             llama.generate(ids[1:], **kw(llama, cache), max_new_tokens=3, num_beams=2, pad_token_id=0)
     assert llama.config._attn_implementation == "sdpa"
+
+
+def test_gptj_interleaved_rope_streams_consistently():
+    """GPT-J (interleaved, partial rotary): equal to DynamicCache before eviction; chunked == token by token after."""
+    cfg = tf.GPTJConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=256)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(2)
+    model = tf.GPTJForCausalLM(cfg).eval()
+    tokens = _tokens(60)[None]
+    with torch.no_grad():
+        dense = model(input_ids=tokens[:, :20]).logits[0]
+    with StreamSession(model, num_sinks=2, window=30, chunk_size=7) as s:
+        early = s.feed(tokens[:, :20], all_logits=True)[0]
+    torch.testing.assert_close(early, dense, atol=2e-5, rtol=1e-5)
+    with StreamSession(model, num_sinks=2, window=6, chunk_size=11) as s:
+        chunked = s.feed(tokens, all_logits=True)
+    with StreamSession(model, num_sinks=2, window=6, chunk_size=1) as s:
+        single = s.feed(tokens, all_logits=True)
+    torch.testing.assert_close(chunked, single, atol=2e-5, rtol=1e-5)
