@@ -291,9 +291,11 @@ def test_errors_are_clear():
 def test_gptj_interleaved_rope_streams_consistently():
     """GPT-J (interleaved, partial rotary): equal to DynamicCache before eviction; chunked == token by token after."""
     cfg = tf.GPTJConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=256)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = "eager"
     torch.manual_seed(2)
     model = tf.GPTJForCausalLM(cfg).eval()
+    if not model._can_set_attn_implementation():  # GPT-J joined the attention interface during 5.x
+        pytest.skip(f"GPT-J does not use AttentionInterface in transformers {tf.__version__}")
     tokens = _tokens(60)[None]
     with torch.no_grad():
         dense = model(input_ids=tokens[:, :20]).logits[0]
