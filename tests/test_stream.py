@@ -192,6 +192,25 @@ def test_left_padded_batch_equals_each_row_alone():
             assert _rel(x[row], y[0]) < 1e-5
 
 
+def test_generate_with_a_left_padded_batch_equals_each_row_alone():
+    """generate() passes its own position ids and a growing 2-D mask; each row still gets its own sinks."""
+    model = build("llama-gqa")
+    a, b = _tokens(9, seed=11), _tokens(14, seed=12)
+    ids = torch.zeros(2, 14, dtype=torch.long)
+    mask = torch.zeros(2, 14, dtype=torch.long)
+    ids[0, 5:], mask[0, 5:] = a, 1
+    ids[1], mask[1] = b, 1
+    gen = dict(max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True,
+               eos_token_id=None, pad_token_id=0)
+    with torch.no_grad(), SinkCache(model, num_sinks=2, window=5) as cache:
+        out = model.generate(ids, attention_mask=mask, **kw(model, cache), **gen)
+    for row, prompt in enumerate((a, b)):
+        with torch.no_grad(), SinkCache(model, num_sinks=2, window=5) as cache:
+            alone = model.generate(prompt[None], **kw(model, cache), **gen)
+        assert torch.equal(out.sequences[row, 14:], alone.sequences[0, len(prompt):])
+        assert max(_rel(x[row], y[0]) for x, y in zip(out.logits, alone.logits)) < 1e-5
+
+
 def test_save_and_resume_equal_an_uninterrupted_stream(tmp_path):
     model = build("phi3")
     tokens = _tokens(80)
@@ -277,14 +296,10 @@ def test_errors_are_clear():
         SinkCache(llama, pinned=[(5, 5)])
     SinkCache(llama, num_sinks=0, window=3)  # S = 0 (window-only baseline) and S > W are allowed
     SinkCache(llama, num_sinks=8, window=3)
-    ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
-    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
-    with torch.no_grad(), SinkCache(llama, window=4) as cache:
-        with pytest.raises(InputError, match="stream_generate"):
-            llama.generate(ids, attention_mask=mask, **kw(llama, cache), max_new_tokens=3, pad_token_id=0)
+    ids = torch.tensor([[7, 8, 9, 10]])
     with torch.no_grad(), SinkCache(llama, window=4) as cache:
         with pytest.raises((NotImplementedError, InputError)):
-            llama.generate(ids[1:], **kw(llama, cache), max_new_tokens=3, num_beams=2, pad_token_id=0)
+            llama.generate(ids, **kw(llama, cache), max_new_tokens=3, num_beams=2, pad_token_id=0)
     assert llama.config._attn_implementation == "sdpa"
 
 

@@ -111,9 +111,10 @@ def block_hidden_states(output: object) -> Tensor:
         return output
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
         return output[0]
-    hidden = getattr(output, "hidden_states", None) or getattr(output, "last_hidden_state", None)
-    if isinstance(hidden, Tensor):
-        return hidden
+    for name in ("hidden_states", "last_hidden_state"):
+        hidden = getattr(output, name, None)
+        if isinstance(hidden, Tensor):
+            return hidden
     raise UnsupportedModelError(f"cannot find hidden states in a block output of type {type(output).__name__}")
 
 

@@ -22,10 +22,11 @@ output is their mean (norm 0.83 in the example); with a sink logit of 3 the sink
 
 from __future__ import annotations
 
+
 import torch
 from torch import Tensor
 
-__all__ = ["softmax_with_sink", "sink_mass"]
+__all__ = ["softmax_with_sink", "sink_mass", "mask_rows"]
 
 
 def softmax_with_sink(scores: Tensor, sink_logit: Tensor | float) -> Tensor:
@@ -47,3 +48,25 @@ def softmax_with_sink(scores: Tensor, sink_logit: Tensor | float) -> Tensor:
 def sink_mass(weights: Tensor) -> Tensor:
     """``1 − Σ_j w_j``: the share each row gave to the sink."""
     return 1.0 - weights.sum(dim=-1)
+
+
+def mask_rows(
+    mask: Tensor | None, is_causal: bool, c0: int, c1: int, tq: int, tk: int, device: torch.device | str
+) -> tuple[Tensor, Tensor | None]:
+    """What query rows ``c0:c1`` may attend to, from whatever mask transformers handed the attention function.
+
+    ``mask`` is boolean ``[B|1, 1, Tq, Tk]`` (True = attend), additive float (``finfo.min`` = blocked), or
+    ``None`` (causal with the last query aligned to the last key, or full when ``is_causal`` is False).
+    Returns the boolean ``[B|1, 1, C, Tk]`` visibility and, for float masks, the additive part (else None).
+    """
+    if mask is None:
+        rows = torch.arange(c0, c1, device=device)[:, None] + (tk - tq)
+        cols = torch.arange(tk, device=device)[None, :]
+        allowed = (cols <= rows) if is_causal and tq > 1 else torch.ones(c1 - c0, tk, dtype=torch.bool, device=device)
+        return allowed[None, None], None
+    part = mask[..., c0:c1, :tk]
+    if part.dtype == torch.bool:
+        return part, None
+    floor = torch.finfo(part.dtype).min / 2
+    allowed = part > floor
+    return allowed, part.float().masked_fill(~allowed, 0.0)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _compat, metrics
+from .attention import mask_rows
 from .errors import UnsupportedModelError
 
 __all__ = ["CaptureConfig", "CaptureBatch", "AttentionCapture", "ValueEdit", "EDIT_MODES"]
@@ -383,7 +384,7 @@ class AttentionCapture:
         qweight = qmask.float()[:, None, None, :]  # (B, 1, 1, Tq) for matmul reductions over queries
         for c0 in range(0, tq, chunk):
             c1 = min(tq, c0 + chunk)
-            allowed, additive = _chunk_mask(attention_mask, is_causal, b, c0, c1, tq, tk, dev)
+            allowed, additive = mask_rows(attention_mask, is_causal, c0, c1, tq, tk, dev)
             if attention_mask is None:  # causal rows c0..c1 see keys up to c1 - 1 + offset
                 kend = min(tk, c1 + offset) if is_causal and tq > 1 else tk
             else:
@@ -483,23 +484,6 @@ class AttentionCapture:
             record["map"] = amap
         self._records[index] = {name: value.cpu() for name, value in record.items()}
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
-
-
-def _chunk_mask(
-    mask: Tensor | None, is_causal: bool, b: int, c0: int, c1: int, tq: int, tk: int, device: torch.device
-) -> tuple[Tensor, Tensor | None]:
-    """Boolean ``[B|1, 1, C, Tk]`` visibility of query rows ``c0:c1`` and an optional additive float part."""
-    if mask is None:
-        rows = torch.arange(c0, c1, device=device)[:, None] + (tk - tq)
-        cols = torch.arange(tk, device=device)[None, :]
-        allowed = (cols <= rows) if is_causal and tq > 1 else torch.ones(c1 - c0, tk, dtype=torch.bool, device=device)
-        return allowed[None, None], None
-    part = mask[..., c0:c1, :]
-    if part.dtype == torch.bool:
-        return part, None
-    floor = torch.finfo(part.dtype).min / 2
-    allowed = part > floor
-    return allowed, part.float().masked_fill(~allowed, 0.0)
 
 
 def _last_visible(allowed: Tensor, tk: int) -> int:

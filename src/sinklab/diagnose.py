@@ -20,12 +20,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import _compat, metrics
+from . import metrics
 from .capture import AttentionCapture, CaptureConfig, ValueEdit
 from .errors import InputError
-from .models import check_vocab
-from .scan import ScanResult, _provenance, scan_inputs
-from .texts import default_texts, tokenize_windows
+from .scan import ScanResult, scan_inputs, text_batches
 
 __all__ = ["DEFAULT_RULES", "EDITS", "SinkRecord", "EditResult", "Diagnosis", "diagnose", "diagnose_inputs",
            "token_roles", "causal_edits", "run_edit"]
@@ -451,17 +449,8 @@ def diagnose(
 
     Returns a :class:`Diagnosis`; ``Diagnosis.found`` is False (not an error) when nothing sinks.
     """
-    if isinstance(texts, str):
-        texts = [texts]
-    corpus = "user text" if texts is not None else "pydoc_data.topics (Python standard library documentation)"
-    texts = default_texts() if texts is None else texts
     rules = _check_rules(rules or {})
-    torch.manual_seed(seed)
-    windows = tokenize_windows(tokenizer, texts, seq_len, samples)
-    check_vocab(model, tokenizer, windows.input_ids)
-    device = _compat.input_device(model)
-    batches = [{k: v.to(device) for k, v in b.items()} for _, b in windows.batches(batch_size)]
-    meta = _provenance(model, source, revision, seed=seed, requested_seq_len=seq_len, corpus=corpus,
-                       tokenizer_added_bos=windows.added_bos, tokenizer_class=type(tokenizer).__name__)
-    return diagnose_inputs(model, batches, windows.tokens, rules=rules, edits=edits,
+    batches, tokens, meta = text_batches(model, tokenizer, texts, seq_len=seq_len, samples=samples,
+                                         batch_size=batch_size, seed=seed, source=source, revision=revision)
+    return diagnose_inputs(model, batches, tokens, rules=rules, edits=edits,
                            special=special_tokens(tokenizer), meta=meta, progress=progress, seed=seed)

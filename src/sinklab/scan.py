@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import platform
 from collections.abc import Callable, Iterable
@@ -257,6 +256,30 @@ def scan_inputs(
     return ScanResult(**merged, tokens=tokens, candidates=tuple(candidates), meta=info)
 
 
+def text_batches(model: nn.Module, tokenizer, texts: str | list[str] | None, *, seq_len: int, samples: int,
+                 batch_size: int, seed: int = 0, source: str | None = None,
+                 revision: str | None = None) -> tuple[list[dict[str, Tensor]], list[list[str]], dict]:
+    """Texts (default: the pydoc corpus) → model-ready batches on the input device, token strings, provenance.
+
+    Shared by :func:`scan` and :func:`sinklab.diagnose`: windows of ``seq_len`` tokens, vocabulary check,
+    and the ``meta`` that goes into the JSON outputs.
+    """
+    if isinstance(texts, str):
+        texts = [texts]
+    corpus = "user text" if texts is not None else "pydoc_data.topics (Python standard library documentation)"
+    texts = default_texts() if texts is None else texts
+    if batch_size < 1:
+        raise InputError(f"batch_size must be ≥ 1, got {batch_size}")
+    torch.manual_seed(seed)
+    windows = tokenize_windows(tokenizer, texts, seq_len, samples)
+    check_vocab(model, tokenizer, windows.input_ids)
+    device = _compat.input_device(model)
+    batches = [{k: v.to(device) for k, v in batch.items()} for _, batch in windows.batches(batch_size)]
+    meta = _provenance(model, source, revision, seed=seed, requested_seq_len=seq_len, corpus=corpus,
+                       tokenizer_added_bos=windows.added_bos, tokenizer_class=type(tokenizer).__name__)
+    return batches, windows.tokens, meta
+
+
 def scan(
     model: nn.Module,
     tokenizer,
@@ -280,31 +303,8 @@ def scan(
     chunk inside the attention function. Returns a :class:`ScanResult`; ``result.sink_rate(0)`` is Gu
     et al.'s Sink_1^ε at this ``seq_len``.
     """
-    if isinstance(texts, str):
-        texts = [texts]
-    if texts is None:
-        texts = default_texts()
-        corpus = "pydoc_data.topics (Python standard library documentation)"
-    else:
-        corpus = "user text"
-    if batch_size < 1:
-        raise InputError(f"batch_size must be ≥ 1, got {batch_size}")
-    torch.manual_seed(seed)
-    windows = tokenize_windows(tokenizer, texts, seq_len, samples)
-    check_vocab(model, tokenizer, windows.input_ids)
-    device = _compat.input_device(model)
-    batches = (
-        {k: v.to(device) for k, v in batch.items()} for _, batch in windows.batches(batch_size)
-    )
-    meta = _provenance(model, source, revision, seed=seed, requested_seq_len=seq_len, corpus=corpus,
-                       tokenizer_added_bos=windows.added_bos, tokenizer_class=type(tokenizer).__name__)
-    return scan_inputs(model, batches, windows.tokens, candidates=candidates, map_len=map_len,
+    batches, tokens, meta = text_batches(model, tokenizer, texts, seq_len=seq_len, samples=samples,
+                                         batch_size=batch_size, seed=seed, source=source, revision=revision)
+    return scan_inputs(model, batches, tokens, candidates=candidates, map_len=map_len,
                        thresholds=thresholds, progress=progress, meta=meta)
 
-
-def load_json(path: str | Path) -> dict:
-    """Read a ``scan.json`` and check its schema version."""
-    data = json.loads(Path(path).read_text())
-    if data.get("schema") != SCHEMA_VERSION:
-        raise InputError(f"{path} is not a {SCHEMA_VERSION} file (schema: {data.get('schema')!r})")
-    return data

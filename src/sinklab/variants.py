@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _compat
+from .attention import mask_rows
 from .errors import InputError, ModelWeightsError, UnsupportedModelError
 
 __all__ = ["VariantConfig", "VARIANT_NAMES", "parse_variant", "apply_variant", "VariantHandle", "save", "load"]
@@ -97,16 +98,6 @@ def parse_variant(spec: str | VariantConfig | dict, **overrides) -> VariantConfi
 
 
 # ----------------------------------------------------------------------------- attention function
-def _bool_mask(mask: Tensor | None, is_causal: bool, b: int, tq: int, tk: int, device) -> Tensor:
-    if mask is None:
-        if is_causal and tq > 1:
-            return torch.ones(tq, tk, dtype=torch.bool, device=device).tril(tk - tq)[None, None]
-        return torch.ones(1, 1, tq, tk, dtype=torch.bool, device=device)
-    if mask.dtype == torch.bool:
-        return mask[..., :tk]
-    return mask[..., :tk] > torch.finfo(mask.dtype).min / 2
-
-
 def variant_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                       scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
     """Registered attention: SDPA over ``[sink slot | kv-bias slot | keys]`` then the output gate.
@@ -119,7 +110,7 @@ def variant_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     hkv = key.shape[1]
     scale = dh**-0.5 if scaling is None else float(scaling)
     is_causal = getattr(module, "is_causal", True)
-    mask = _bool_mask(attention_mask, is_causal, b, tq, key.shape[2], query.device)
+    mask, _ = mask_rows(attention_mask, is_causal, 0, tq, tq, key.shape[2], query.device)
     k, v = key.repeat_interleave(h // hkv, dim=1), value.repeat_interleave(h // hkv, dim=1)  # (B, H, Tk, dh)
     extra_k, extra_v = [], []
     if cfg.kv_bias:

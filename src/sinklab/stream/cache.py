@@ -84,18 +84,9 @@ class SinkCache:
         b, c = ref.shape[0], ref.shape[1]
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            valid = mask[:, -c:].bool()
-            if self.state.batch is None and not bool(valid.all()) and self._called_by_generate():
-                raise InputError("generate() cannot give each row of a left-padded batch its own sinks; "
-                                 "use sinklab.stream_generate for padded batches")
+            valid = mask[:, -c:].bool()  # left padding: each row's sinks are its own first real tokens
         else:
             valid = torch.ones(b, c, dtype=torch.bool, device=ref.device)
         kwargs["position_ids"] = self.state.begin(valid)
         kwargs.pop("cache_position", None)
         return args, kwargs
-
-    @staticmethod
-    def _called_by_generate() -> bool:
-        import inspect
-
-        return any(frame.function == "generate" for frame in inspect.stack(context=0)[:30])

@@ -51,7 +51,7 @@ class View:
     anchor_sin: Tensor | None = None
 
 
-def _check_pinned(pinned, num_sinks: int) -> list[tuple[int, int]]:
+def _check_pinned(pinned) -> list[tuple[int, int]]:
     spans = []
     for item in pinned or []:
         try:
@@ -82,7 +82,7 @@ class StreamState:
         self.num_sinks = num_sinks
         self.window = window
         self.rope = rope
-        self.pinned = _check_pinned(pinned, num_sinks)
+        self.pinned = _check_pinned(pinned)
         # Anchored capacity: sinks plus pinned tokens that are not already sinks.
         self.anchor_capacity = num_sinks + sum(max(0, e - max(s, num_sinks)) for s, e in self.pinned)
         self.capacity = self.anchor_capacity + window

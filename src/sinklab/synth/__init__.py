@@ -10,7 +10,7 @@ goes through ``AttentionInterface``, so the very same scan/diagnose pipeline run
 """
 
 from .broadcast import BroadcastTask, run_broadcast
-from .model import SynthConfig, SynthModel, fit
+from .model import SynthConfig, SynthModel, SynthResult, fit
 from .nop import NopTask, run_nop
 
-__all__ = ["SynthConfig", "SynthModel", "fit", "NopTask", "run_nop", "BroadcastTask", "run_broadcast"]
+__all__ = ["SynthConfig", "SynthModel", "SynthResult", "fit", "NopTask", "run_nop", "BroadcastTask", "run_broadcast"]

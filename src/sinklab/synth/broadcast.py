@@ -14,11 +14,10 @@ import torch
 from torch import Tensor
 
 from ..capture import ValueEdit
-from ..diagnose import Diagnosis, diagnose_inputs, run_edit
-from .model import SynthConfig, SynthModel, fit
-from .nop import vars_of
+from ..diagnose import diagnose_inputs, run_edit
+from .model import SynthConfig, SynthModel, SynthResult, fit, task_settings
 
-__all__ = ["BroadcastTask", "BroadcastResult", "run_broadcast"]
+__all__ = ["BroadcastTask", "run_broadcast"]
 
 
 @dataclass
@@ -51,16 +50,8 @@ class BroadcastTask:
         return x, self.target(x), torch.ones(batch, self.n, dtype=torch.bool)
 
 
-@dataclass
-class BroadcastResult:
-    model: SynthModel
-    diagnosis: Diagnosis
-    metrics: dict
-    log: list[dict]
-
-
 def run_broadcast(task: BroadcastTask | None = None, *, steps: int = 3000, batch: int = 256, lr: float = 3e-3,
-                  eval_samples: int = 64, seed: int = 0) -> BroadcastResult:
+                  eval_samples: int = 64, seed: int = 0) -> SynthResult:
     """Train the two-layer broadcast model on CPU, diagnose it, and test the donor swap."""
     task = task or BroadcastTask(seed=seed)
     torch.manual_seed(seed)
@@ -70,7 +61,7 @@ def run_broadcast(task: BroadcastTask | None = None, *, steps: int = 3000, batch
     x, y, _ = task.sample(eval_samples, torch.Generator().manual_seed(seed + 1))
     tokens = [[f"x{i}" for i in range(task.n)] for _ in range(eval_samples)]
     diagnosis = diagnose_inputs(model, [{"inputs_embeds": x}], tokens, edits=False,
-                                meta={"model": "synth:broadcast", "task": vars_of(task)})
+                                meta={"model": "synth:broadcast", "task": task_settings(task)})
     scan = diagnosis.scan
     hubs = task.hub(x)  # (S,)
     inflow = scan.column_mass[torch.arange(eval_samples), :, 0, hubs]  # (S, L): column mass at j* per layer
@@ -99,7 +90,7 @@ def run_broadcast(task: BroadcastTask | None = None, *, steps: int = 3000, batch
         "donor_swap_mse_to_donor_target": float(((edited - donor) ** 2).mean()),
         "donor_swap_mse_to_own_target": float(((edited - own) ** 2).mean()),
     }
-    return BroadcastResult(model=model, diagnosis=diagnosis, metrics=metrics, log=log)
+    return SynthResult(model=model, diagnosis=diagnosis, metrics=metrics, log=log)
 
 
 def _mean(values: list[float]) -> float | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -10,7 +11,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-__all__ = ["SynthConfig", "SynthModel", "fit"]
+__all__ = ["SynthConfig", "SynthModel", "SynthResult", "fit", "task_settings"]
 
 
 class SynthConfig(PretrainedConfig):
@@ -152,3 +153,18 @@ def fit(model: nn.Module, sample: Callable[[int, torch.Generator], tuple[Tensor,
             log.append({"step": step, "loss": loss.item()})
     model.eval()
     return log
+
+
+@dataclass
+class SynthResult:
+    """A trained synthetic model, its diagnosis, the task's signature numbers and the loss log."""
+
+    model: SynthModel
+    diagnosis: object  # sinklab.diagnose.Diagnosis
+    metrics: dict
+    log: list[dict]
+
+
+def task_settings(task: object) -> dict:
+    """A task dataclass's scalar settings (for provenance in the JSON outputs)."""
+    return {k: v for k, v in vars(task).items() if isinstance(v, (int, float, str, bool))}

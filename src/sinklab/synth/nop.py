@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from ..diagnose import Diagnosis, diagnose_inputs
-from .model import SynthConfig, SynthModel, fit
+from .model import SynthConfig, SynthModel, SynthResult, fit, task_settings
 
-__all__ = ["NopTask", "run_nop", "NopResult"]
+__all__ = ["NopTask", "run_nop"]
 
 
 @dataclass
@@ -51,18 +51,8 @@ class NopTask:
         return (x @ self.direction) > self.threshold  # (B, N)
 
 
-@dataclass
-class NopResult:
-    """What came out: the diagnosis and the task's signature numbers."""
-
-    model: SynthModel
-    diagnosis: Diagnosis
-    metrics: dict
-    log: list[dict]
-
-
 def run_nop(task: NopTask | None = None, *, steps: int = 2000, batch: int = 256, lr: float = 3e-3,
-            eval_samples: int = 64, seed: int = 0) -> NopResult:
+            eval_samples: int = 64, seed: int = 0) -> SynthResult:
     """Train the NOP model on CPU, then run the diagnose pipeline and the causal edits on damped queries."""
     task = task or NopTask(seed=seed)
     torch.manual_seed(seed)
@@ -73,7 +63,7 @@ def run_nop(task: NopTask | None = None, *, steps: int = 2000, batch: int = 256,
     tokens = [["<bos>"] + [f"x{i}" for i in range(task.n)] for _ in range(eval_samples)]
     damped_rows = torch.cat([torch.zeros(eval_samples, 1, dtype=torch.bool), ~active], dim=1)  # (S, 1 + N)
     diagnosis = diagnose_inputs(model, [{"inputs_embeds": x}], tokens, special={"bos": "<bos>"}, edits=[(0, 0)],
-                                edit_rows=damped_rows, meta={"model": "synth:nop", "task": vars_of(task)})
+                                edit_rows=damped_rows, meta={"model": "synth:nop", "task": task_settings(task)})
     scan = diagnosis.scan
     to_bos = scan.candidate_attention[:, 0, 0, 1:, 0]  # (S, N) attention of each real query to the BOS slot
     bos_ratio = float((scan.value_norm_out[:, 0, 0, 0] / scan.value_norm_out[:, 0, 0, 1:].mean(-1)).mean())
@@ -94,14 +84,10 @@ def run_nop(task: NopTask | None = None, *, steps: int = 2000, batch: int = 256,
         "edit_ordinary_rms_damped": edits["ordinary"],
         "edit_control_rms_damped": edits["control"],
     }
-    return NopResult(model=model, diagnosis=diagnosis, metrics=metrics, log=log)
+    return SynthResult(model=model, diagnosis=diagnosis, metrics=metrics, log=log)
 
 
 def _kind_at(diagnosis: Diagnosis, position: int) -> str | None:
     kinds = [r.kind for r in diagnosis.records if r.token_index == position]
     return max(set(kinds), key=kinds.count) if kinds else None
-
-
-def vars_of(task: object) -> dict:
-    return {k: v for k, v in vars(task).items() if isinstance(v, (int, float, str, bool))}
 
