@@ -91,6 +91,16 @@ def _tokens(n: int, seed: int = 3) -> torch.Tensor:
     return torch.randint(2, V, (n,), generator=torch.Generator().manual_seed(seed))
 
 
+def _left_padded_pair():
+    """Two prompts (9 and 14 tokens) and their left-padded batch ``ids``/``mask`` ``[2, 14]``."""
+    a, b = _tokens(9, seed=11), _tokens(14, seed=12)
+    ids = torch.zeros(2, 14, dtype=torch.long)
+    mask = torch.zeros(2, 14, dtype=torch.long)
+    ids[0, 5:], mask[0, 5:] = a, 1
+    ids[1], mask[1] = b, 1
+    return a, b, ids, mask
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
@@ -175,11 +185,7 @@ def test_chunked_prompt_equals_token_by_token_and_budget_holds():
 
 def test_left_padded_batch_equals_each_row_alone():
     model = build("llama-gqa")
-    a, b = _tokens(9, seed=11), _tokens(14, seed=12)
-    ids = torch.zeros(2, 14, dtype=torch.long)
-    mask = torch.zeros(2, 14, dtype=torch.long)
-    ids[0, 5:], mask[0, 5:] = a, 1
-    ids[1], mask[1] = b, 1
+    a, b, ids, mask = _left_padded_pair()
     follow = _tokens(30, seed=13).view(15, 2)
     with StreamSession(model, num_sinks=2, window=5, chunk_size=4) as s:
         batch_logits = [s.feed(ids, mask)]
@@ -195,11 +201,7 @@ def test_left_padded_batch_equals_each_row_alone():
 def test_generate_with_a_left_padded_batch_equals_each_row_alone():
     """generate() passes its own position ids and a growing 2-D mask; each row still gets its own sinks."""
     model = build("llama-gqa")
-    a, b = _tokens(9, seed=11), _tokens(14, seed=12)
-    ids = torch.zeros(2, 14, dtype=torch.long)
-    mask = torch.zeros(2, 14, dtype=torch.long)
-    ids[0, 5:], mask[0, 5:] = a, 1
-    ids[1], mask[1] = b, 1
+    a, b, ids, mask = _left_padded_pair()
     gen = dict(max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True,
                eos_token_id=None, pad_token_id=0)
     with torch.no_grad(), SinkCache(model, num_sinks=2, window=5) as cache:
