@@ -1,0 +1,115 @@
+"""``sinklab diagnose`` and ``sinklab synth``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ..errors import SinklabError
+from ._common import _load, _progress, _read_texts, _user_errors, app, console
+
+
+@app.command()
+def diagnose(
+    model: Annotated[str, typer.Argument(help="builtin:minilm, builtin:tiny-llama, a local path or a hub id")],
+    text: Annotated[str | None, typer.Option("--text", help="text to diagnose")] = None,
+    file: Annotated[Path | None, typer.Option("--file", help="UTF-8 text file")] = None,
+    seq_len: Annotated[int, typer.Option("--seq-len")] = 64,
+    samples: Annotated[int, typer.Option("--samples")] = 16,
+    out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("sinklab-diagnose"),
+    rule: Annotated[str, typer.Option("--rule", help="mass | strict | relaxed")] = "mass",
+    sink_mass: Annotated[float, typer.Option("--sink-mass", help="rule 'mass': column mass above this")] = 0.3,
+    nop_max: Annotated[float, typer.Option("--nop-max", help="NOP if r_out ≤ this")] = 0.2,
+    broadcast_min: Annotated[float, typer.Option("--broadcast-min", help="broadcast if r_out ≥ this …")] = 0.5,
+    broadcast_srank: Annotated[float, typer.Option("--broadcast-srank", help="… and stable rank ≤ this")] = 1.5,
+    edits: Annotated[bool, typer.Option("--edits/--no-edits", help="run the causal value edits")] = True,
+    dtype: Annotated[str | None, typer.Option("--dtype")] = None,
+    device: Annotated[str | None, typer.Option("--device")] = None,
+    revision: Annotated[str | None, typer.Option("--revision")] = None,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+) -> None:
+    """Classify MODEL's sinks (NOP / broadcast), run causal value edits, write diagnosis.json and report.html."""
+    from ..diagnose import diagnose as run_diagnose
+
+    with _user_errors():
+        texts = _read_texts(text, file)
+        loaded = _load(model, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code)
+        rules = {"rule": rule, "sink_mass": sink_mass, "nop_max_ratio": nop_max,
+                 "broadcast_min_ratio": broadcast_min, "broadcast_max_srank": broadcast_srank}
+        with _progress(samples) as progress:
+            task = progress.add_task("diagnosing", total=samples)
+            d = run_diagnose(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples, rules=rules,
+                             edits=edits, seed=seed, source=model, revision=revision,
+                             progress=lambda n: progress.advance(task, n))
+        _print_diagnosis(d)
+        report = d.save(out)
+        console.print(f"wrote {out / 'diagnosis.json'}, figures and {report}")
+
+
+@app.command()
+def synth(
+    task: Annotated[str, typer.Argument(help="nop (conditional damping) or broadcast (global broadcast)")],
+    steps: Annotated[int | None, typer.Option("--steps", help="training steps (default: 2000 nop, 3000 broadcast)")] = None,
+    batch: Annotated[int, typer.Option("--batch")] = 256,
+    lr: Annotated[float, typer.Option("--lr")] = 3e-3,
+    gamma: Annotated[float, typer.Option("--gamma", help="nop: active tokens' target is gamma·x")] = 0.0,
+    dim: Annotated[int, typer.Option("--dim", help="model width d")] = 64,
+    tokens: Annotated[int, typer.Option("--tokens", help="sequence length N")] = 32,
+    out: Annotated[Path | None, typer.Option("--out", help="output folder (default sinklab-synth-TASK)")] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+) -> None:
+    """Train a synthetic task on CPU, diagnose it with the same pipeline, write synth.json and the report."""
+    import json
+
+    from ..synth import BroadcastTask, NopTask, run_broadcast, run_nop
+
+    with _user_errors():
+        if task not in ("nop", "broadcast"):
+            raise SinklabError(f"unknown synthetic task {task!r}; choose 'nop' or 'broadcast'")
+        if (steps is not None and steps < 1) or batch < 1 or dim < 2 or tokens < 2:
+            raise SinklabError("--steps, --batch must be ≥ 1 and --dim, --tokens ≥ 2")
+        out = out or Path(f"sinklab-synth-{task}")
+        with console.status(f"training the {task} task on CPU …"):
+            if task == "nop":
+                result = run_nop(NopTask(d=dim, n=tokens, gamma=gamma, seed=seed), steps=steps or 2000, batch=batch,
+                                 lr=lr, seed=seed)
+            else:
+                result = run_broadcast(BroadcastTask(d=dim, n=tokens, seed=seed), steps=steps or 3000, batch=batch,
+                                       lr=lr, seed=seed)
+        _print_diagnosis(result.diagnosis)
+        table = Table(title=f"synthetic {task} task")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for key, value in result.metrics.items():
+            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+        console.print(table)
+        report = result.diagnosis.save(out)
+        (out / "synth.json").write_text(json.dumps({"task": task, "metrics": result.metrics, "log": result.log}, indent=1))
+        console.print(f"wrote {out / 'synth.json'}, {out / 'diagnosis.json'}, figures and {report}")
+
+
+def _print_diagnosis(d) -> None:
+    if not d.found:
+        console.print(f"no sinks found (rule {d.rules['rule']!r}): no head's dominant column passed it")
+    table = Table(title=f"{d.scan.meta['model']} — sinks per layer ({len(d.records)} in {d.scan.num_samples} samples)")
+    for col in ("layer", "sink %", "nop", "broadcast", "unclass.", "top token", "med r_out", "med srank"):
+        table.add_column(col, justify="right")
+    for r in d.per_layer():
+        table.add_row(str(r["layer"]), f"{r['sink_pct']:.0f}", str(r["counts"]["nop"]), str(r["counts"]["broadcast"]),
+                      str(r["counts"]["unclassified"]), str(r["top_token"] or "–"),
+                      "–" if r["median_value_ratio_out"] is None else f"{r['median_value_ratio_out']:.3f}",
+                      "–" if r["median_stable_rank"] is None else f"{r['median_stable_rank']:.2f}")
+    console.print(table)
+    if d.edits:
+        edits = Table(title="causal value edits: relative RMS change of the final hidden states")
+        edits.add_column("head")
+        edits.add_column("class")
+        for name in d.edits[0].hidden:
+            edits.add_column(name, justify="right")
+        for e in d.edits:
+            edits.add_row(f"L{e.layer} H{e.head}", e.kind, *[f"{v:.4f}" for v in e.hidden.values()])
+        console.print(edits)

@@ -1,0 +1,63 @@
+"""``sinklab scan``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ._common import _load, _progress, _read_texts, _user_errors, app, console
+
+
+def _print_table(result) -> None:
+    from ..registry import REGISTRY
+
+    table = Table(title=f"{result.meta['model']} — per layer (T={result.meta['seq_len']}, "
+                        f"{result.num_samples} samples, ε={result.meta['thresholds']['eps']})")
+    table.add_column("layer", justify="right")
+    has_learned = bool(result.learned_sink_mass.nan_to_num(0).abs().max() > 1e-4)
+    shown = [r for r in REGISTRY if r.terminal and (r.name != "learned_sink_mass" or has_learned)]
+    for row in shown:
+        table.add_column(row.title, justify="right")
+    values = result.per_layer()
+    for layer in range(result.num_layers):
+        cells = ["–" if values[r.name][layer] is None else r.fmt.format(values[r.name][layer]) for r in shown]
+        table.add_row(str(layer), *cells)
+    console.print(table)
+    pos, label = result.top_sink()
+    console.print(f"Sink^ε(0) = [bold]{result.sink_rate(0):.1f} %[/bold] of layer×head pairs; "
+                  f"most common sink: position {pos} ({label!r})", markup=True, highlight=False)
+
+
+@app.command()
+def scan(
+    model: Annotated[str, typer.Argument(help="builtin:minilm, builtin:tiny-llama, a local path or a hub id")],
+    text: Annotated[str | None, typer.Option("--text", help="text to scan")] = None,
+    file: Annotated[Path | None, typer.Option("--file", help="UTF-8 text file to scan")] = None,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="tokens per sample (special tokens included)")] = 64,
+    samples: Annotated[int, typer.Option("--samples", help="number of samples")] = 16,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
+    out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("sinklab-out"),
+    eps: Annotated[float, typer.Option("--eps", help="sink-rate threshold ε")] = 0.3,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="float32, bfloat16, float16")] = None,
+    device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:1 …")] = None,
+    revision: Annotated[str | None, typer.Option("--revision")] = None,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="run the model repo's own code")] = False,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+) -> None:
+    """Scan MODEL for attention sinks; print a per-layer table and write scan.json, figures, report.html."""
+    from ..scan import scan as run_scan
+
+    with _user_errors():
+        texts = _read_texts(text, file)
+        loaded = _load(model, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code)
+        with _progress(samples) as progress:
+            task = progress.add_task("scanning", total=samples)
+            result = run_scan(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
+                              batch_size=batch_size, thresholds={"eps": eps}, seed=seed, source=model,
+                              revision=revision, progress=lambda n: progress.advance(task, n))
+        _print_table(result)
+        report = result.save(out)
+        console.print(f"wrote {out / 'scan.json'}, figures and {report}")

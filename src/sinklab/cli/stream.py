@@ -1,0 +1,56 @@
+"""``sinklab stream`` and ``sinklab eval-stream``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..errors import SinklabError
+from ._common import _load, _read_texts, _user_errors, app, err
+
+
+@app.command()
+def stream(
+    model: Annotated[str, typer.Argument(help="a RoPE causal LM: builtin:tiny-llama, a local path or a hub id")],
+    prompt: Annotated[str | None, typer.Option("--prompt", help="prompt text")] = None,
+    file: Annotated[Path | None, typer.Option("--file", help="read the prompt from a UTF-8 file")] = None,
+    sinks: Annotated[int, typer.Option("--sinks", help="attention sinks kept forever (S)")] = 4,
+    window: Annotated[int, typer.Option("--window", help="recent tokens each query sees, itself included (W)")] = 1020,
+    pin_prompt: Annotated[bool, typer.Option("--pin-prompt", help="keep the whole prompt forever")] = False,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy")] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k")] = 0,
+    chunk_size: Annotated[int, typer.Option("--chunk-size", help="prompt tokens per prefill chunk")] = 256,
+    dtype: Annotated[str | None, typer.Option("--dtype")] = None,
+    device: Annotated[str | None, typer.Option("--device")] = None,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+) -> None:
+    """Generate with attention sinks + a sliding window in constant memory; tokens print as they come."""
+    import sys as _sys
+    import time
+
+    from ..stream import StreamSession, stream_generate
+
+    with _user_errors():
+        texts = _read_texts(prompt, file)
+        if texts is None:
+            raise SinklabError("give a prompt with --prompt or --file")
+        loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        session = StreamSession(loaded.model, num_sinks=sinks, window=window, chunk_size=chunk_size)
+        start = time.perf_counter()
+        count = 0
+        with session:
+            for piece in stream_generate(loaded.model, loaded.tokenizer, texts[0], num_sinks=sinks, window=window,
+                                         pin_prompt=pin_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                                         top_k=top_k, seed=seed, session=session):
+                _sys.stdout.write(piece)
+                _sys.stdout.flush()
+                count += 1
+                if count % 16 == 0 or count == max_new_tokens:
+                    rate = count / max(1e-9, time.perf_counter() - start)
+                    err.print(f"[{count} tokens, {rate:.1f} tok/s, cache {session.cache_tokens()} / "
+                              f"{session.state.capacity} tokens]", highlight=False)
+        _sys.stdout.write("\n")
