@@ -117,12 +117,11 @@ def eval_stream(
 
 
 def _print_table(data: dict, model: str) -> None:
-    from ..report.stream_figures import TABLE_HEADER, table_rows
+    from ..report.stream_figures import TABLE_HEADER, scored_note, table_rows
 
     p = data["positions"]
-    every = "every position" if p["stride"] == 1 else f"every {p['stride']}th position"
     table = Table(title=f"{model}: {data['num_tokens']} tokens, cache S + W = {data['cache_size']}; every method "
-                        f"scored on positions {p['first']}–{p['last']}, {every} ({p['count']} tokens)")
+                        f"scored on {scored_note(data)}")
     for col in TABLE_HEADER:
         table.add_column(col, justify="right")
     for row in table_rows(data):

@@ -20,6 +20,7 @@ __all__ = [
     "eval_stream_figures",
     "nll_by_position",
     "render_eval_stream",
+    "scored_note",
     "sink_ablation",
     "table_rows",
     "write_eval_stream",
@@ -28,10 +29,10 @@ __all__ = [
 _COLOURS = {"dense": "black", "window": "tab:red", "recompute": "tab:green"}
 
 
-def _scored_note(data: dict) -> str:
+def scored_note(data: dict) -> str:
     p = data["positions"]
-    every = "every position" if p["stride"] == 1 else f"every {p['stride']}th position"
-    return (f"scored positions {p['first']}–{p['last']}, {every} ({p['count']} per method, "
+    every = "every position" if p["stride"] == 1 else f"stride {p['stride']}"
+    return (f"positions {p['first']}–{p['last']}, {every} ({p['count']} tokens per method, "
             f"{p['windows_spanned']:.1f} cache lengths)")
 
 
@@ -53,7 +54,7 @@ def nll_by_position(data: dict) -> Figure:
         ax.text(trained, ax.get_ylim()[1], " trained positions", va="top", fontsize=8, color="grey")
     ax.set_xlabel("token position")
     ax.set_ylabel("NLL per token (nats, binned)")
-    ax.set_title(f"cache size S + W = {data['cache_size']}; {_scored_note(data)}", fontsize=8)
+    ax.set_title(f"cache size S + W = {data['cache_size']}; {scored_note(data)}", fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
@@ -104,7 +105,7 @@ def render_eval_stream(data: dict, images: dict[str, bytes]) -> str:
               if trained else "")
     body = f"""<h1>sinklab eval-stream: {esc(str(data.get('model')))}</h1>
 <p>{data['num_tokens']} tokens; every bounded method keeps C = S + W = {data['cache_size']} tokens. All methods are
-scored on the same positions: {esc(_scored_note(data))}. NLL of token t is −log p(x<sub>t</sub> | x<sub>&lt;t</sub>)
+scored on the same positions: {esc(scored_note(data))}. NLL of token t is −log p(x<sub>t</sub> | x<sub>&lt;t</sub>)
 in nats; PPL = exp(mean NLL).{esc(beyond)}</p>
 <table><tr>{head}</tr>{body_rows}</table>
 <h2>Figures</h2>{images_html(images)}
