@@ -13,6 +13,7 @@ Embedded defaults:
 
 from __future__ import annotations
 
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,13 +98,18 @@ def load_model(
     device: str | None = None,
     revision: str | None = None,
     trust_remote_code: bool = False,
-    device_map: str | None = None,
+    device_map: str | dict | None = None,
+    offload_folder: str | None = None,
 ) -> LoadedModel:
     """Load ``name``: a ``builtin:`` model, a local directory, a ``.gguf`` file or a hub id.
 
     Causal LMs load with their LM head (``AutoModelForCausalLM``), others as the base model
     (``AutoModel``). ``trust_remote_code`` stays off unless asked for. ``builtin:smollm2`` and ``*.gguf``
     files are dequantised once into a cached safetensors folder (see :mod:`sinklab.gguf`).
+
+    ``device_map`` (``"auto"`` or an explicit map) loads through accelerate's big-model dispatch: layers
+    spread over GPUs, CPU memory and disk (offloaded weights go to ``offload_folder``, by default a fresh
+    temporary folder). Every sinklab analysis runs the same on a dispatched model.
     """
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
@@ -146,6 +152,7 @@ def load_model(
             kwargs["dtype"] = torch_dtype
         if device_map is not None:
             kwargs["device_map"] = device_map
+            kwargs["offload_folder"] = offload_folder or tempfile.mkdtemp(prefix="sinklab-offload-")
         try:
             model = auto.from_pretrained(path, **kwargs)
         except ValueError:
@@ -174,7 +181,7 @@ def _gguf_folder(name: str) -> tuple[str, dict]:
 
 def check_weights(model: nn.Module) -> None:
     """Raise :class:`ModelWeightsError` naming the first parameter with NaN or inf entries."""
-    for pname, param in model.named_parameters():
+    for pname, param in _compat.named_weights(model):  # offloaded (device_map) blocks load one at a time
         if param.is_floating_point() and not bool(torch.isfinite(param).all()):
             raise ModelWeightsError(
                 f"{type(model).__name__}: parameter {pname!r} contains NaN or inf values; "
