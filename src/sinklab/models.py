@@ -13,12 +13,11 @@ Embedded defaults:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
-
 import os
 import re
 import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -283,7 +282,7 @@ def uses_rope(model: nn.Module) -> bool:
     """Whether ``model`` encodes positions by rotary embedding (scores depend on distances only)."""
     try:
         _compat.rope_spec(model)
-    except Exception:  # noqa: BLE001 - any reason for "no usable RoPE" means "not a RoPE model" here
+    except Exception:
         return False
     return True
 

@@ -311,7 +311,7 @@ def check_safetensors(path: str | Path) -> list[Path]:
         try:
             with safe_open(str(f), framework="pt") as handle_f:
                 list(handle_f.keys())
-        except Exception as exc:  # noqa: BLE001 - safetensors raises several error types for bad files
+        except Exception as exc:
             raise ModelWeightsError(f"{f}: corrupt or truncated safetensors file ({exc}); the checkpoint was not "
                                     "written completely — copy it again or use an earlier checkpoint") from exc
     return files

@@ -55,7 +55,7 @@ def _main(
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
-    err.print(f"[yellow]warning:[/yellow] {message}", highlight=False)
+    err.print(f"[yellow]warning:[/yellow] {message}", highlight=False, soft_wrap=True)
 
 
 @contextmanager
@@ -73,10 +73,10 @@ def _user_errors(interrupted: str | None = None) -> Iterator[None]:
         try:
             yield
         except SinklabError as exc:
-            err.print(f"[red]error:[/red] {exc}", highlight=False)
+            err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=2) from None
         except KeyboardInterrupt:
-            err.print(f"[red]interrupted:[/red] {interrupted or 'no output written'}", highlight=False)
+            err.print(f"[red]interrupted:[/red] {interrupted or 'no output written'}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=130) from None
         finally:
             warnings.showwarning = previous

@@ -10,9 +10,8 @@ normal value norm and a rank-1 update â€” a broadcast sink; the other layer is â
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor

@@ -12,9 +12,8 @@ solution parks damped queries on the BOS slot, whose value is ≈ 0: an adaptive
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
