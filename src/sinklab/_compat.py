@@ -26,6 +26,27 @@ _K_NAMES = ("k_proj", "key", "k", "wk")
 _O_NAMES = ("o_proj", "out_proj", "c_proj", "dense", "wo")
 
 
+@contextmanager
+def quiet_loading():
+    """Keep transformers' loading chatter (LOAD REPORT, weight-loading and shard-writing bars) off the terminal.
+
+    Callers check the loading info themselves (see :func:`sinklab.variants.strict_load_report`), so nothing
+    that matters is lost. Verbosity and the progress-bar switch are restored on exit.
+    """
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def transformers_version() -> str:
     import transformers
 
@@ -322,9 +343,7 @@ def rope_spec(model: nn.Module):
         raise UnsupportedModelError(f"{name} uses dynamic NTK RoPE, whose frequencies change with sequence length; "
                                     "streaming needs fixed frequencies.")
     module = found[0]
-    original = getattr(module, "original_inv_freq", None)
-    inv = module.inv_freq if original is None or rope_type != "dynamic" else original
-    return RopeSpec(inv_freq=inv.detach().double().cpu(), interleaved=False,
+    return RopeSpec(inv_freq=module.inv_freq.detach().double().cpu(), interleaved=False,
                     attention_scaling=float(getattr(module, "attention_scaling", 1.0)))
 
 
