@@ -343,18 +343,15 @@ class Diagnosis:
             "records": [asdict(r) for r in self.records],
         }
 
-    def figures(self) -> dict:
-        from .report.diagnose_figures import diagnosis_figures
-
-        return diagnosis_figures(self)
-
     def save(self, out_dir: str | Path) -> Path:
-        """Write ``diagnosis.json``, figures and ``report.html`` into ``out_dir`` (atomically)."""
-        from .report.diagnose_html import render_diagnosis
-        from .report.html import write_outputs
+        """Write ``diagnosis.json``, figures and ``report.html`` into ``out_dir`` (atomically).
 
-        return write_outputs(Path(out_dir), self.to_json(), self.figures(),
-                             lambda images: render_diagnosis(self, images), "diagnosis.json")
+        A thin entry point into the report layer (:func:`sinklab.report.diagnose_html.write_diagnosis`,
+        the one upward import the layer contract allows for diagnose).
+        """
+        from .report.diagnose_html import write_diagnosis  # the documented thin entry point (pyproject: importlinter)
+
+        return write_diagnosis(self, Path(out_dir))
 
 
 def _median(values: list[float]) -> float | None:

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import __version__, _compat, metrics
+from . import _compat, metrics
+from ._version import __version__
 from .capture import AttentionCapture, CaptureBatch, CaptureConfig
 from .errors import InputError
 from .models import check_vocab, check_weights
@@ -138,19 +139,14 @@ class ScanResult:
             "qk_sigma_ratio": _nested(metrics.sigma_ratio(self.qk_spectrum.double())),
         }
 
-    def figures(self) -> dict:
-        """Matplotlib figures keyed by file stem (see :mod:`sinklab.report.figures`)."""
-        from .report.figures import scan_figures
-
-        return scan_figures(self)
-
     def save(self, out_dir: str | Path) -> Path:
         """Write ``scan.json``, the PNG figures and a self-contained ``report.html`` into ``out_dir``.
 
-        Everything is written to a temporary folder first and moved in place at the end, so a failure
-        leaves no partial report behind.
+        A thin entry point into the report layer (:func:`sinklab.report.html.write_report`, the one
+        upward import the layer contract allows for scan). Everything is written to a temporary folder
+        first and moved in place at the end, so a failure leaves no partial report behind.
         """
-        from .report.html import write_report
+        from .report.html import write_report  # the documented thin entry point (pyproject: importlinter)
 
         return write_report(self, Path(out_dir))
 

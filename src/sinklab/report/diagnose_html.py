@@ -6,12 +6,15 @@ import html
 import json
 from typing import TYPE_CHECKING
 
-from .html import images_html, page
+from pathlib import Path
+
+from .diagnose_figures import diagnosis_figures
+from .html import images_html, page, write_outputs
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..diagnose import Diagnosis
 
-__all__ = ["render_diagnosis"]
+__all__ = ["render_diagnosis", "write_diagnosis"]
 
 
 def _f(x: float | None, fmt: str = "{:.3f}") -> str:
@@ -47,3 +50,9 @@ NOP if r_out ≤ {d.rules['nop_max_ratio']}; broadcast if r_out ≥ {d.rules['br
 <h2>Figures</h2>{images_html(images)}
 <h2>Rules and provenance</h2><pre>{esc(json.dumps({'rules': d.rules, 'meta': meta}, indent=2, default=str))}</pre>"""
     return page(f"sinklab diagnose — {meta.get('model')}", body)
+
+
+def write_diagnosis(d: Diagnosis, out_dir: Path) -> Path:
+    """Write a diagnosis's ``diagnosis.json``, ``*.png`` and ``report.html`` to ``out_dir`` (atomically)."""
+    return write_outputs(out_dir, d.to_json(), diagnosis_figures(d), lambda images: render_diagnosis(d, images),
+                         "diagnosis.json")
