@@ -23,6 +23,7 @@ from ..errors import UnsupportedModelError
 from .heads import head_statistics
 from .hidden import hidden_statistics
 from .reduce import ColumnStats, chunked_attention
+from .resume import UNKNOWN_MAP, BlockInputs, find_final_map, run_blocks
 from .types import CaptureBatch, CaptureConfig, ValueEdit
 from .weights import WeightStatistics
 
@@ -46,7 +47,9 @@ class AttentionCapture:
     """Context manager that records sink statistics from a transformers model's forward passes.
 
     ``edit`` (a :class:`ValueEdit`) is applied during every forward while set. ``weights`` shares
-    :class:`WeightStatistics` between captures of the same (unchanged) model.
+    :class:`WeightStatistics` between captures of the same (unchanged) model. ``run(keep_inputs=True)``
+    keeps every block's input (:class:`~sinklab.capture.resume.BlockInputs`) so that :meth:`final_states`
+    can rerun an edited pass from the edited layer only, without statistics.
 
     Examples
     --------
@@ -63,6 +66,8 @@ class AttentionCapture:
         self.edit = edit
         self.weights = weights if weights is not None else WeightStatistics()
         self.last_output: object = None
+        self.last_inputs: BlockInputs | None = None  # set by run(keep_inputs=True)
+        self.statistics = True  # False while final_states() runs: attention output only
         self._layers: nn.ModuleList | None = None
         self._layer_of: dict[int, int] = {}
         self._handles: list = []
@@ -71,6 +76,8 @@ class AttentionCapture:
         self._records: dict[int, dict[str, Tensor]] = {}
         self._hidden: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         self._token: contextvars.Token | None = None
+        self._calls: list[tuple[tuple, dict]] | None = None  # block inputs while run(keep_inputs=True)
+        self._last_block: Tensor | None = None
 
     # ------------------------------------------------------------------ set-up / tear-down
     def __enter__(self) -> AttentionCapture:
@@ -83,6 +90,8 @@ class AttentionCapture:
         _compat.set_attn_implementation(self.model, _compat.ATTN_IMPLEMENTATION)
         try:
             self._handles.append(self._layers[0].register_forward_pre_hook(self._embed_hook, with_kwargs=True))
+            for layer in self._layers:
+                self._handles.append(layer.register_forward_pre_hook(self._keep_hook, with_kwargs=True))
             for index, layer in enumerate(self._layers):
                 self._handles.append(layer.register_forward_hook(self._make_block_hook(index)))
             self._token = _ACTIVE.set(self)
@@ -112,11 +121,12 @@ class AttentionCapture:
 
     # ------------------------------------------------------------------ running
     @torch.no_grad()
-    def run(self, *, full_model: bool = False, **inputs: Tensor) -> CaptureBatch:
+    def run(self, *, full_model: bool = False, keep_inputs: bool = False, **inputs: Tensor) -> CaptureBatch:
         """Run one forward pass (no cache) and return its statistics.
 
         The base model runs by default (no LM head); ``full_model=True`` runs the whole model and keeps
-        its output in ``self.last_output`` (e.g. for logits under a :class:`ValueEdit`).
+        its output in ``self.last_output`` (e.g. for logits under a :class:`ValueEdit`). ``keep_inputs``
+        keeps every block's input in ``self.last_inputs`` for :meth:`final_states`.
         """
         if self._layers is None:
             raise RuntimeError("AttentionCapture.run() must be called inside `with AttentionCapture(model):`")
@@ -124,17 +134,15 @@ class AttentionCapture:
         self._hidden.clear()
         mask = inputs.get("attention_mask")
         self._token_mask = None if mask is None else mask.bool()
-        was_training = self.model.training
-        self.model.eval()
+        self._calls = [] if keep_inputs else None
+        self.last_inputs = None
         try:
-            kwargs = dict(inputs)
-            if "input_ids" in kwargs or "inputs_embeds" in kwargs:
-                kwargs.setdefault("use_cache", False)
-            # The base model skips the LM head: logits (T × vocab) are never needed for the statistics.
-            target = self.model if full_model else getattr(self.model, "base_model", self.model)
-            self.last_output = target(**kwargs)
+            self.last_output = self._forward(full_model, inputs)
+            if keep_inputs:
+                self.last_inputs = self._block_inputs(inputs)
         finally:
-            self.model.train(was_training)
+            self._calls = None
+            self._last_block = None
         missing = [i for i in range(len(self._layers)) if i not in self._records]
         if missing:
             raise UnsupportedModelError(
@@ -144,6 +152,69 @@ class AttentionCapture:
                 "GPT-2, OPT, BERT, ViT, DINOv2, gpt-oss …)."
             )
         return self._collect()
+
+    @torch.no_grad()
+    def forward(self, *, full_model: bool = False, **inputs: Tensor) -> object:
+        """One forward pass under ``self.edit`` without statistics; returns the model's output."""
+        if self._layers is None:
+            raise RuntimeError("AttentionCapture.forward() must be called inside `with AttentionCapture(model):`")
+        mask = inputs.get("attention_mask")
+        self.statistics, token_mask = False, self._token_mask
+        self._token_mask = None if mask is None else mask.bool()
+        try:
+            return self._forward(full_model, inputs)
+        finally:
+            self.statistics, self._token_mask = True, token_mask
+
+    def _forward(self, full_model: bool, inputs: dict) -> object:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            kwargs = dict(inputs)
+            if "input_ids" in kwargs or "inputs_embeds" in kwargs:
+                kwargs.setdefault("use_cache", False)
+            # The base model skips the LM head: logits (T × vocab) are never needed for the statistics.
+            target = self.model if full_model else _compat.base_model(self.model)
+            return target(**kwargs)
+        finally:
+            self.model.train(was_training)
+
+    def _block_inputs(self, batch: dict) -> BlockInputs:
+        final = getattr(self.last_output, "last_hidden_state", None)
+        if final is None or self._calls is None or len(self._calls) != len(self._layers):
+            final_map, final = UNKNOWN_MAP, final
+        else:
+            final_map = find_final_map(self.model, self._layers, self._last_block, final, self._token_mask)
+        return BlockInputs(calls=self._calls, token_mask=self._token_mask, final=final, final_map=final_map,
+                           batch=dict(batch))
+
+    @torch.no_grad()
+    def final_states(self, inputs: BlockInputs, start: int = 0, stop: int | None = None) -> Tensor | None:
+        """Rerun blocks ``start … stop − 1`` from ``inputs`` under ``self.edit``, without statistics.
+
+        Returns the base model's final hidden states ``[B, T, d]`` (``stop`` None: through the last block and
+        the final norm), or the hidden states after block ``stop − 1``. No LM head, no statistics. Where the
+        final map is unknown the whole base model runs on ``inputs.batch`` instead (same result, slower).
+        """
+        if self._layers is None:
+            raise RuntimeError("AttentionCapture.final_states() must be called inside `with AttentionCapture(model):`")
+        n = len(self._layers)
+        stop = n if stop is None else stop
+        self.statistics, token_mask = False, self._token_mask
+        self._token_mask = inputs.token_mask
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            if stop == n and not inputs.resumable:
+                output = self._forward(False, inputs.batch)
+                return output.last_hidden_state
+            hidden = run_blocks(self._layers, inputs, start, stop)
+            if stop < n or inputs.final_map is None:
+                return hidden
+            return inputs.final_map(hidden)
+        finally:
+            self.statistics, self._token_mask = True, token_mask
+            self.model.train(was_training)
 
     def _collect(self) -> CaptureBatch:
         n = len(self._layers)
@@ -168,11 +239,27 @@ class AttentionCapture:
         self._hidden[index] = hidden_statistics(hidden, mask, index)
 
     def _embed_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._hidden_stats(0, _compat.block_input(args, kwargs))
+        if self.statistics:
+            self._hidden_stats(0, _compat.block_input(args, kwargs))
+
+    def _keep_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._calls is None or not self.statistics:
+            return
+        hidden = _compat.block_input(args, kwargs).detach().clone()  # private copy: nothing later aliases it
+        if args and isinstance(args[0], Tensor):
+            args = (hidden,) + tuple(args[1:])
+        else:
+            kwargs = {**kwargs, "hidden_states": hidden}
+        self._calls.append((tuple(args), dict(kwargs)))
 
     def _make_block_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, output: object) -> None:
-            self._hidden_stats(index + 1, _compat.block_hidden_states(output))
+            if not self.statistics:
+                return
+            hidden = _compat.block_hidden_states(output)
+            self._hidden_stats(index + 1, hidden)
+            if self._calls is not None and index == len(self._layers) - 1:
+                self._last_block = hidden.detach()
 
         return hook
 
@@ -204,7 +291,7 @@ class AttentionCapture:
         index = self._layer_of.get(id(module))
         if index is None:
             raise UnsupportedModelError(f"attention module {type(module).__name__} is outside the block list")
-        if index in self._records:
+        if self.statistics and index in self._records:
             raise UnsupportedModelError(
                 f"{type(self.model).__name__}: layer {index} ran attention twice in one forward "
                 "(cross-attention?); encoder-decoder models are not supported by the scan."
@@ -232,14 +319,18 @@ class AttentionCapture:
         qmask = self._positions_mask(b, tk, dev)[:, tk - tq :]  # (B, Tq)
         if attention_mask is not None:
             attention_mask = attention_mask[..., :tk]
-        stats = ColumnStats(b, h, tq, tk, qmask, candidates=cfg.candidates, map_len=cfg.map_len,
-                            route_threshold=cfg.route_threshold, has_sink=sinks is not None)
+        stats = None
+        if self.statistics:
+            stats = ColumnStats(b, h, tq, tk, qmask, candidates=cfg.candidates, map_len=cfg.map_len,
+                                route_threshold=cfg.route_threshold, has_sink=sinks is not None)
         out = chunked_attention(query, k, v, attention_mask, qmask, is_causal=is_causal, scale=scale,
                                 chunk_elements=cfg.chunk_elements, softcap=kwargs.get("softcap"), sinks=sinks,
                                 bias=kwargs.get("position_bias"), drop=drop, stats=stats)  # (B, H, Tq, dv)
         if variant is not None and variant.gate is not None:  # output gate σ(X W) on each head's output
             gate = torch.sigmoid(module.sinklab_gate(module.sinklab_gate_input).float())  # (B, Tq, H·dv | H)
             out = out * gate.view(b, tq, h, -1).transpose(1, 2)
+        if stats is None:  # final_states(): the output is all that is needed
+            return out.to(query.dtype).transpose(1, 2).contiguous(), None
         info = self.weights.get(index, self._layers[index], module, h, hkv, dv, dev)
         key_mask = self._positions_mask(b, tk, dev)
         record = {

@@ -27,7 +27,8 @@ def render_diagnosis(d: Diagnosis, images: dict[str, bytes]) -> str:
     layer_rows = "".join(
         f"<tr><th>{r['layer']}</th><td>{r['sink_pct']:.0f}</td><td>{r['counts']['nop']}</td>"
         f"<td>{r['counts']['broadcast']}</td><td>{r['counts']['unclassified']}</td>"
-        f"<td>{esc(str(r['dominant_kind']))}</td><td>{esc(str(r['top_token']))}</td>"
+        f"<td>{esc(r['dominant_kind'] or '–')}</td><td>{esc(r['top_sink'] or '–')}</td>"
+        f"<td>{_f(r['top_sink_pct'], '{:.0f}')}</td><td>{esc(r['top_token'] or '–')}</td>"
         f"<td>{_f(r['median_value_ratio_out'])}</td><td>{_f(r['median_stable_rank'])}</td></tr>"
         for r in d.per_layer()
     )
@@ -44,7 +45,7 @@ def render_diagnosis(d: Diagnosis, images: dict[str, bytes]) -> str:
 NOP if r_out ≤ {d.rules['nop_max_ratio']}; broadcast if r_out ≥ {d.rules['broadcast_min_ratio']} and stable rank ≤
 {d.rules['broadcast_max_srank']}.</p>
 <h2>Per layer</h2><table><tr><th>layer</th><th>sink %</th><th>nop</th><th>broadcast</th><th>unclassified</th>
-<th>dominant</th><th>top token</th><th>median r_out</th><th>median srank</th></tr>{layer_rows}</table>
+<th>dominant</th><th>top sink (role@position)</th><th>there %</th><th>its usual token</th><th>median r_out</th><th>median srank</th></tr>{layer_rows}</table>
 <h2>Causal value edits (relative RMS change of the final hidden states)</h2>
 <table><tr><th>head</th><th>class</th>{edit_head}</tr>{edit_rows}</table>
 <h2>Figures</h2>{images_html(images)}
