@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from stream_reference import Reference
+from tiny_models import build
 from typer.testing import CliRunner
 
 import sinklab
 from sinklab.cli import app
 from sinklab.errors import InputError, ModelWeightsError
 from sinklab.stream import SinkCache, StreamSession, stream_generate
-
-from stream_reference import Reference
-from tiny_models import build
 
 V = 97
 

@@ -10,15 +10,14 @@ import warnings
 import pytest
 import torch
 import transformers as tf
+from stream_reference import Reference
+from tiny_models import build
 from transformers import TextIteratorStreamer, TextStreamer
 
 import sinklab
 from sinklab.errors import InputError
 from sinklab.stream import SinkCache, StreamSession
 from sinklab.stream.attention import ATTN_NAME
-
-from stream_reference import Reference
-from tiny_models import build
 
 V = 97
 WORDS = ("the a cat dog sat on mat ran far away and then it was very happy sad big small red blue tell me story "

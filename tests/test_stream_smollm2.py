@@ -5,10 +5,9 @@ from __future__ import annotations
 import warnings
 
 import torch
+from stream_reference import Reference
 
 from sinklab.stream import SinkCache, StreamSession
-
-from stream_reference import Reference
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
