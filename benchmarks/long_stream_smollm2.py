@@ -102,7 +102,12 @@ def main() -> None:
 def publish(data: dict, name: str) -> None:
     """Figures into results/ and (small) docs/img/, the split at the trained length, and the printed table."""
     from sinklab.report.stream_figures import TABLE_HEADER, eval_stream_figures, table_rows
+    from sinklab.stream.evaluate import binned_nll
 
+    pos = torch.tensor(data["scored_positions"])
+    for c in data["curves"].values():  # one bin per 8 scored tokens (at most 48), also for merged runs
+        centres, means = binned_nll(pos, torch.tensor(c["nll"]), min(48, max(1, len(pos) // 8)))
+        c["binned"] = {"position": centres, "mean_nll": means}
     DOCS_IMG.mkdir(parents=True, exist_ok=True)
     for stem, fig in eval_stream_figures(data).items():
         fig.savefig(RESULTS / f"{name}_{stem}.png", dpi=110)

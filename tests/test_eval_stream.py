@@ -61,7 +61,7 @@ def test_plan_scores_every_method_on_the_same_positions_after_the_first_eviction
     assert {c.run.num_sinks + c.run.window for c in result.curves if c.run.num_sinks is not None} == {12}
     # S = 0 is the window-only run (reused, not recomputed).
     assert torch.equal(result.curve("sinks S=0").nll, result.curve("window").nll)
-    data = result.to_json()
+    data = result.to_json(bins=19)
     assert data["positions"] == {"first": 13, "last": 67, "stride": 3, "count": 19, "windows_spanned": 55 / 12}
     assert data["scored_positions"] == result.positions.tolist()
     assert all(len(c["nll"]) == 19 for c in data["curves"].values())
