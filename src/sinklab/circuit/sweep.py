@@ -24,7 +24,6 @@ __all__ = ["Checkpoint", "SweepResult", "discover_checkpoints", "load_source", "
            "SWEEP_SCHEMA"]
 
 SWEEP_SCHEMA = "sinklab.circuit-sweep/1"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "tokenizer.model")
 
 
 @dataclass
@@ -93,21 +92,10 @@ def load_source(ck: Checkpoint):
         return loaded.model, loaded.tokenizer, None
     if ck.kind == "init":
         return _init_model(Path(ck.run_dir), cfg)
-    from transformers import AutoTokenizer
+    from ..models import load_model
 
-    from ..variants import load
-
-    path = Path(ck.source)
-    if not list(path.glob("*.safetensors")):
-        from ..models import load_model
-
-        loaded = load_model(str(path))
-        return loaded.model, loaded.tokenizer, cfg
-    model = load(path)
-    tokenizer = None
-    if any((path / f).exists() for f in _TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    return model, tokenizer, cfg
+    loaded = load_model(ck.source)  # strict loading; a bb checkpoint (no tokenizer files) gives tokenizer=None
+    return loaded.model, loaded.tokenizer, cfg
 
 
 def _init_model(run_dir: Path, cfg: dict):

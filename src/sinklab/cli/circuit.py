@@ -89,7 +89,7 @@ def circuit_sweep_cmd(
         passes = 5 if not no_causal else 3
         table = Table(title="circuit sweep")
         for col in ("checkpoint", "step", "stage", "location", "amp. layer", "Sink_0 % per layer"):
-            table.add_column(col)
+            table.add_column(col, no_wrap=col in ("checkpoint", "stage"))
 
         def row(ck, r):
             if r["error"]:
