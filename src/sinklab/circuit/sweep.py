@@ -115,17 +115,18 @@ def _init_model(run_dir: Path, cfg: dict):
 
 
 def circuit_source(model, tokenizer, train_config: dict | None, *, texts=None, seq_len: int = 64, samples: int = 16,
-                   source: str | None = None, progress: Callable[[int], None] | None = None, **kwargs) -> CircuitResult:
+                   source: str | None = None, progress: Callable[[int], None] | None = None,
+                   set_total: Callable[[int], None] | None = None, **kwargs) -> CircuitResult:
     """The circuit of a loaded checkpoint: Bigram-Backcopy inputs when it has no tokenizer, else text windows."""
     if tokenizer is None:
         if train_config is None or train_config.get("data") != "bb":
             raise InputError(f"{source}: no tokenizer and no Bigram-Backcopy train_config.json beside it; "
                              "the circuit needs one of the two to build inputs")
         inputs = bb_inputs(train_config, samples=samples)
-        return circuit_inputs(model, inputs, progress=progress, meta={"model": source, "inputs": "bigram-backcopy"},
-                              **kwargs)
+        return circuit_inputs(model, inputs, progress=progress, set_total=set_total,
+                              meta={"model": source, "inputs": "bigram-backcopy"}, **kwargs)
     return circuit(model, tokenizer, texts, seq_len=seq_len, samples=samples, source=source, progress=progress,
-                   **kwargs)
+                   set_total=set_total, **kwargs)
 
 
 @dataclass
@@ -162,7 +163,8 @@ class SweepResult:
 
 def circuit_sweep(sources: list[str], *, include_init: bool = True, texts=None, seq_len: int = 64, samples: int = 16,
                   on_checkpoint: Callable[[Checkpoint, dict], None] | None = None,
-                  progress: Callable[[int], None] | None = None, **kwargs) -> SweepResult:
+                  progress: Callable[[int], None] | None = None, set_total: Callable[[int], None] | None = None,
+                  **kwargs) -> SweepResult:
     """Run :func:`sinklab.circuit` on every checkpoint of ``sources`` (see :func:`discover_checkpoints`)."""
     rows, results = [], {}
     for ck in discover_checkpoints(sources, include_init=include_init):
@@ -171,7 +173,7 @@ def circuit_sweep(sources: list[str], *, include_init: bool = True, texts=None, 
         try:
             model, tokenizer, cfg = load_source(ck)
             result = circuit_source(model, tokenizer, cfg, texts=texts, seq_len=seq_len, samples=samples,
-                                    source=ck.source, progress=progress, **kwargs)
+                                    source=ck.source, progress=progress, set_total=set_total, **kwargs)
         except (SinklabError, OSError, ValueError, RuntimeError, KeyError) as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"
         else:

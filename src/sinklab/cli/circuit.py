@@ -63,6 +63,7 @@ def circuit_cmd(
             result = circuit_source(net, tokenizer, cfg, texts=texts, seq_len=seq_len, samples=samples, source=model,
                                     batch_size=batch_size, causal=not no_causal,
                                     progress=lambda k: progress.advance(task, k),
+                                    set_total=lambda n: progress.update(task, total=n),
                                     **({"special_token": special_token} if tokenizer is not None else {}))
         _print_result(result)
         report = result.save(out)
@@ -86,7 +87,7 @@ def circuit_sweep_cmd(
     with _user_errors():
         texts = _read_texts(text, file)
         found = discover_checkpoints(checkpoints, include_init=not no_init)
-        passes = 5 if not no_causal else 3
+        passes = 5 if not no_causal else 3  # per checkpoint; raised when a checkpoint needs the early patches too
         table = Table(title="circuit sweep")
         for col in ("checkpoint", "step", "stage", "location", "amp. layer", "Sink_0 % per layer"):
             table.add_column(col, no_wrap=col in ("checkpoint", "stage"))
@@ -102,8 +103,12 @@ def circuit_sweep_cmd(
 
         with _progress(len(found) * passes * samples) as progress:
             task = progress.add_task("sweep", total=len(found) * passes * samples)
+            def more(n):  # this checkpoint needs n sample passes instead of the planned passes × samples
+                progress.update(task, total=progress.tasks[0].total + n - passes * samples)
+
             sweep = circuit_sweep(checkpoints, include_init=not no_init, texts=texts, seq_len=seq_len, samples=samples,
-                                  causal=not no_causal, on_checkpoint=row, progress=lambda k: progress.advance(task, k))
+                                  causal=not no_causal, on_checkpoint=row, progress=lambda k: progress.advance(task, k),
+                                  set_total=more)
         console.print(table)
         console.print("stage rule: " + sweep.rules["stage"], highlight=False, markup=False)
         report = sweep.save(out)

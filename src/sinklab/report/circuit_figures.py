@@ -72,6 +72,9 @@ def sink_map_figure(result: CircuitResult) -> Figure:
         panels.append((f"x₀ scaled to r = 1 after block {result.causal['layer']}", result.causal["scale"]["column_mass_0"]))
         panels.append((f"x₀ from another first token at block {result.causal['layer']}",
                        result.causal["donor"]["column_mass_0"]))
+    if result.causal_early:
+        panels.append((f"x₀ scaled to r = 1 after block {result.causal_early['layer']}",
+                       result.causal_early["scale"]["column_mass_0"]))
     h, n = result.num_heads, result.num_layers
     fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + len(panels) * (0.9 + 0.3 * h), 1.4 + 0.22 * n),
                              squeeze=False)
@@ -98,6 +101,11 @@ def causal_figure(result: CircuitResult) -> Figure | None:
     ax.plot(range(result.num_layers), [_nan(v) for v in c["donor"]["sink_rate_0"]], "^--", ms=3,
             label=f"x₀ from first_swapped (Δloss {_nan(c['donor']['delta_loss']):+.3f})")
     ax.axvline(c["layer"], color="#c03030", lw=1, ls=":")
+    e = result.causal_early
+    if e:
+        ax.plot(range(result.num_layers), [_nan(v) for v in e["scale"]["sink_rate_0"]], "v-.", ms=3,
+                label=f"x₀ scaled to r = 1 after block {e['layer']} (Δloss {_nan(e['scale']['delta_loss']):+.3f})")
+        ax.axvline(e["layer"], color="#3050c0", lw=1, ls=":")
     ax.set_ylim(-3, 103)
     ax.set_xlabel("layer")
     ax.set_ylabel("Sink_0^ε %")
