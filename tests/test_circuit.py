@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 
-from sinklab.circuit import (CircuitResult, classify_stage, circuit_inputs, measure_rows, sink_location)
+from sinklab.circuit import CircuitResult, circuit_inputs, classify_stage, measure_rows, sink_location
 from sinklab.circuit.analysis import _contributions, _ratio
 from sinklab.circuit.hooks import Patch
 from sinklab.circuit.inputs import CircuitInputs, id_inputs
@@ -180,8 +179,12 @@ def test_stage_rule_on_hand_made_monitor_series():
 
 
 def test_amplification_rules_on_a_twice_amplifying_series():
-    from sinklab.circuit.stage import (amplification_blocks, amplification_layer, first_amplification_run,
-                                       stage_amplification)
+    from sinklab.circuit.stage import (
+        amplification_blocks,
+        amplification_layer,
+        first_amplification_run,
+        stage_amplification,
+    )
 
     ratio = [0.95, 1.2, 3.3, 10.3, 9.4, 1.1, 164.0, 150.0]  # embeddings, then blocks 0..6 (SmolLM2-like)
     assert amplification_layer(ratio) == 5

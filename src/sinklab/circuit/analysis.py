@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Self
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +38,7 @@ from . import stage as rules
 from .hooks import Patch, PositionZeroRecorder, find_sublayers
 from .inputs import REFERENCE, CircuitInputs, text_inputs
 
-__all__ = ["CircuitResult", "circuit", "circuit_inputs", "SCHEMA_VERSION", "CONTRIBUTION_RULE", "measure_rows"]
+__all__ = ["CONTRIBUTION_RULE", "SCHEMA_VERSION", "CircuitResult", "circuit", "circuit_inputs", "measure_rows"]
 
 SCHEMA_VERSION = "sinklab.circuit/1"
 EARLY = 4  # early positions whose sink rates are kept
@@ -101,8 +102,8 @@ class CircuitResult:
         """A few plain sentences: verdict, amplification, causal effect, stage."""
         c = self.causal
         parts = [self.ablation["text"],
-                 f"Amplification layer (largest rise of r): block {self.amplification_layer}; blocks where r at least "
-                 f"doubles and rises by ≥ 1: {self.amplification_blocks or 'none'}.",
+                 (f"Amplification layer (largest rise of r): block {self.amplification_layer}; blocks where r at least "
+                  f"doubles and rises by ≥ 1: {self.amplification_blocks or 'none'}."),
                  f"Layers with Sink_0 ≥ {self.layer_threshold:g} %: {self.sink_layers or 'none'}."]
         if c:
             parts.append(f"Causal check at block {c['layer']}: scaling x₀ down to the median norm changes mean "
@@ -189,9 +190,8 @@ class _Session:
         self.sub = find_sublayers(model)
         self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
         self.device = next(model.parameters()).device
-        self._stack: list = []
 
-    def __enter__(self) -> _Session:
+    def __enter__(self) -> Self:
         self.cap = AttentionCapture(self.model, CaptureConfig(candidates=(0,), map_len=0)).__enter__()
         try:
             self.rec = PositionZeroRecorder(self.sub).__enter__()
@@ -379,8 +379,8 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
         raise InputError(f"eps must be in [0, 1], got {eps}")
     check_weights(model)
     with _Session(model) as session:
-        common = dict(pad_id=inputs.pad_id, batch_size=batch_size, padding_side=padding_side, progress=progress,
-                      session=session)
+        common = {"pad_id": inputs.pad_id, "batch_size": batch_size, "padding_side": padding_side,
+                  "progress": progress, "session": session}
         recs = {name: measure_rows(model, rows, **common) for name, rows in inputs.conditions.items()}
         amp = rules.amplification_layer(_ratio(recs[REFERENCE]).nanmean(0).tolist())
         conds = {name: _condition_summary(rec, eps, inputs.description[name]) for name, rec in recs.items()}

@@ -12,9 +12,19 @@ import math
 from collections.abc import Sequence
 
 __all__ = [
-    "STAGES", "AMPLIFICATION_RULE", "LOCATION_RULE", "STAGE_RULE", "LAYER_SINK_THRESHOLD",
-    "amplification_layer", "amplification_blocks", "stage_amplification", "first_amplification_run", "sink_layers",
-    "sink_location", "shallow_blocks", "classify_stage",
+    "AMPLIFICATION_RULE",
+    "LAYER_SINK_THRESHOLD",
+    "LOCATION_RULE",
+    "STAGES",
+    "STAGE_RULE",
+    "amplification_blocks",
+    "amplification_layer",
+    "classify_stage",
+    "first_amplification_run",
+    "shallow_blocks",
+    "sink_layers",
+    "sink_location",
+    "stage_amplification",
 ]
 
 #: Stages of the P0 sink's emergence (Peng et al. 2026, arXiv:2603.06591), in training order.

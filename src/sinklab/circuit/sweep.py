@@ -18,10 +18,17 @@ from pathlib import Path
 from ..errors import InputError, SinklabError
 from .analysis import CircuitResult, _clean, circuit, circuit_inputs
 from .inputs import bb_inputs
-from .stage import LOCATION_RULE, STAGE_RULE, LAYER_SINK_THRESHOLD
+from .stage import LAYER_SINK_THRESHOLD, LOCATION_RULE, STAGE_RULE
 
-__all__ = ["Checkpoint", "SweepResult", "discover_checkpoints", "load_source", "circuit_source", "circuit_sweep",
-           "SWEEP_SCHEMA"]
+__all__ = [
+    "SWEEP_SCHEMA",
+    "Checkpoint",
+    "SweepResult",
+    "circuit_source",
+    "circuit_sweep",
+    "discover_checkpoints",
+    "load_source",
+]
 
 SWEEP_SCHEMA = "sinklab.circuit-sweep/1"
 

@@ -13,8 +13,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..circuit import CircuitResult
     from ..circuit.sweep import SweepResult
 
-__all__ = ["circuit_figures", "sweep_figures", "norm_ratio_figure", "ablation_figure", "sink_map_figure",
-           "massive_figure"]
+__all__ = [
+    "ablation_figure",
+    "circuit_figures",
+    "massive_figure",
+    "norm_ratio_figure",
+    "sink_map_figure",
+    "sweep_figures",
+]
 
 _STAGE_COLORS = {"no sink": "#bbbbbb", "forming in deep layers": "#e0a030", "spread over the first positions": "#d05050",
                  "settled on position 0": "#3a8a3a"}
