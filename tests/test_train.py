@@ -16,6 +16,16 @@ from sinklab.synth.bigram_backcopy import BigramBackcopy
 from sinklab.train import TrainConfig, train
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from a second intra-op thread, and on a busy 2-core machine two threads spin
+    against each other (measured: the Bigram-Backcopy run took 6× longer with 2 threads than with 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def test_bigram_backcopy_data_follows_its_rules():
     task = BigramBackcopy(vocab=16, triggers=3, seq_len=40, seed=1)
     x = task.sample(64, torch.Generator().manual_seed(0))
