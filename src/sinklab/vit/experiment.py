@@ -141,7 +141,7 @@ def train_step(model: SinklabViT, opt: torch.optim.Optimizer, cfg: VitExperiment
     return float(loss.detach())
 
 
-def measure_throughput(cfg: VitExperimentConfig, warmup: int = 2, timed: int = 4) -> float:
+def measure_throughput(cfg: VitExperimentConfig, warmup: int = 1, timed: int = 3) -> float:
     """Seconds per training step of the heaviest requested variant (registers and gate, if requested)."""
     heavy = max(cfg.variants, key=lambda v: (("registers" in v) + ("gated" in v), v))
     model = build(cfg, heavy, 0)

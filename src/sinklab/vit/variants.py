@@ -62,7 +62,9 @@ def _base(model: nn.Module) -> nn.Module:
     for candidate in (model, getattr(model, "backbone", None), _compat.base_model(model)):
         if candidate is not None and isinstance(getattr(candidate, "embeddings", None), nn.Module):
             return candidate
-    raise UnsupportedModelError(f"{type(model).__name__}: no `embeddings` module to append register tokens after")
+    raise UnsupportedModelError(f"{type(model).__name__}: ViT variants need a ViT/DINOv2-style model (an `embeddings` "
+                                "module followed by blocks with a bidirectional `attention`); Llama-style decoders use "
+                                "sinklab.apply_variant")
 
 
 def vit_variant(model: nn.Module) -> VariantConfig | None:
