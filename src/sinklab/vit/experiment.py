@@ -36,7 +36,7 @@ from .model import SinklabViT, small_vit_config, token_labels
 from .probe import evaluate_probes
 from .variants import apply_vit_variant, save_vit
 
-__all__ = ["VitExperimentConfig", "run_experiment", "summarise", "VARIANT_SPECS"]
+__all__ = ["VARIANT_SPECS", "VitExperimentConfig", "run_experiment", "summarise"]
 
 #: experiment variant name → sinklab variant spec (``None``: the baseline).
 VARIANT_SPECS = {"baseline": None, "registers": "registers", "gated": "gated", "gated-headwise": "gated-headwise",

@@ -34,8 +34,16 @@ from .. import _compat
 from ..errors import InputError, ModelWeightsError, UnsupportedModelError
 from ..variants import ATTN_NAME, VariantConfig, parse_variant, variant_attention
 
-__all__ = ["vit_attention_modules", "apply_vit_variant", "VitVariantHandle", "save_vit", "load_vit", "FORMAT",
-           "register_count", "vit_variant"]
+__all__ = [
+    "FORMAT",
+    "VitVariantHandle",
+    "apply_vit_variant",
+    "load_vit",
+    "register_count",
+    "save_vit",
+    "vit_attention_modules",
+    "vit_variant",
+]
 
 FORMAT = "sinklab.vit/1"
 WEIGHTS_FILE = "model.safetensors"
