@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from ..errors import SinklabError
-from ._common import _load, _read_texts, _user_errors, app, console
+from ._common import _load, _progress, _read_texts, _user_errors, app, console
 from ._progress import PhaseBars, print_warnings
 
 
