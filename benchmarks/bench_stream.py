@@ -130,10 +130,12 @@ def smollm2_folder() -> Path:
     return gguf.converted_folder(gguf.smollm2_gguf())
 
 
-def first_departure(logits: Path, dense: Path, tol: float = 1e-4) -> int | None:
+def first_departure(logits: Path, dense: Path, prefill: int, tol: float = 1e-4) -> int | None:
+    """Stream index of the first query whose logits leave dense attention (the worker prefills ``prefill`` tokens)."""
     a, b = torch.load(logits), torch.load(dense)
-    diff = (a - b).abs().amax(-1) / b.abs().amax(-1)
-    return int((diff > tol).nonzero()[0]) if bool((diff > tol).any()) else None
+    steps = min(len(a), len(b))
+    diff = (a[:steps] - b[:steps]).abs().amax(-1) / b[:steps].abs().amax(-1)
+    return prefill + int((diff > tol).nonzero()[0]) if bool((diff > tol).any()) else None
 
 
 def main() -> None:
@@ -190,12 +192,13 @@ def main() -> None:
     dense = run_worker(pythons["sinklab"], "dense", tiny_files, 64, 400, cmp_dir / "dense.pt")
     mapping = {}
     if ours and dense:
-        mapping["sinklab"] = {"kept_keys": ours["kept_max"], "first_step_off_dense": first_departure(
-            cmp_dir / "sinklab.pt", cmp_dir / "dense.pt")}
+        mapping["sinklab"] = {"kept_keys": ours["kept_max"], "first_query_off_dense": first_departure(
+            cmp_dir / "sinklab.pt", cmp_dir / "dense.pt", 68)}
         wider = run_worker(pythons["sinklab"], "sinklab", tiny_files, 65, 400, cmp_dir / "sinklab-w65.pt")
+        run_worker(pythons["sinklab"], "dense", tiny_files, 65, 400, cmp_dir / "dense-w65.pt")
         if wider:  # one more window slot (window_length − S + 1): must leave dense one step later
-            mapping["sinklab_window_plus_1"] = {"kept_keys": wider["kept_max"], "first_step_off_dense":
-                                                first_departure(cmp_dir / "sinklab-w65.pt", cmp_dir / "dense.pt")}
+            mapping["sinklab_window_plus_1"] = {"kept_keys": wider["kept_max"], "first_query_off_dense":
+                                                first_departure(cmp_dir / "sinklab-w65.pt", cmp_dir / "dense-w65.pt", 69)}
     for peer in ("attention-sinks", "hf-sinkcache"):
         if peer in pythons and ours:
             got = run_worker(pythons[peer], peer, tiny_files, 64, 400, cmp_dir / f"{peer}.pt")
@@ -207,7 +210,7 @@ def main() -> None:
                                  "first_step_above_1e-4": int((diff > 1e-4).nonzero()[0]) if bool((diff > 1e-4).any()) else None}
                 if dense:
                     mapping[peer] = {"kept_keys": got.get("kept_max"),
-                                     "first_step_off_dense": first_departure(cmp_dir / f"{peer}.pt", cmp_dir / "dense.pt")}
+                                     "first_query_off_dense": first_departure(cmp_dir / f"{peer}.pt", cmp_dir / "dense.pt", 68)}
     long = long_stream(args.long, 1020) if args.long else []
     print("\n| W | method | transformers | median ms/token | p90 ms | × floor | peak RSS MB |")
     print("|---|---|---|---|---|---|---|")
@@ -227,7 +230,7 @@ def main() -> None:
               f"(first step > 1e-4: {c['first_step_above_1e-4']})")
     for name, m in mapping.items():
         print(f"size mapping, S 4 + W 64 (HF window_length 68): {name}: keys kept per layer {m['kept_keys']}, "
-              f"first decode step off dense {m['first_step_off_dense']}")
+              f"first query off dense: stream index {m['first_query_off_dense']}")
     out = {"benchmark": "stream", "machine": {"platform": platform.platform(), "python": platform.python_version(),
            "torch": torch.__version__, "threads": torch.get_num_threads()}, "model": "SmolLM2-135M-Instruct (Q4_1 dequantised)" if args.smollm2 else "tiny random Llama",
            "rows": rows, "logits": compare, "mapping": mapping,

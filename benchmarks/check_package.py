@@ -7,7 +7,7 @@
 4. a second fresh venv installs the wheel (with its dependencies, from the package index) and runs
    ``sinklab --version`` (if the CLI has it) and ``sinklab scan builtin:tiny-lm`` offline.
 
-    python benchmarks/check_package.py [--keep DIR]
+    python benchmarks/check_package.py [--keep DIR] [--no-install]
 
 Prints one line per check and exits 1 if any fails. Proposed as a CI step (``make check-package``).
 """
@@ -41,6 +41,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--keep", type=Path, default=None, help="work in this folder and keep it")
     ap.add_argument("--torch", default="torch==2.13.0", help="torch requirement installed first (CPU wheel)")
+    ap.add_argument("--no-install", action="store_true", help="build and inspect only (skip the fresh install)")
     args = ap.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="sinklab-package-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -82,6 +83,9 @@ def main() -> int:
         check(any("/src/sinklab/data/" in n and n.endswith("/" + f) for n in snames), f"sdist has tiny-lm {f}")
     check(any(n.endswith("/LICENSE") for n in snames), "sdist has LICENSE")
 
+    if args.no_install:
+        print(f"{'all checks passed' if not failures else f'{len(failures)} check(s) failed'} (no install; {work})")
+        return 1 if failures else 0
     print("fresh install", flush=True)
     ipy = venv(work / "install-venv")
     res = run([ipy, "-m", "pip", "install", "-q", args.torch])
