@@ -59,11 +59,11 @@ def probe(model: nn.Module, task: BigramBackcopy, x: torch.Tensor) -> dict:
     h = attn.register_forward_hook(grab, with_kwargs=True)
     hook_in = attn.register_forward_pre_hook(lambda m, a, k: captured.__setitem__("x", k.get("hidden_states", a[0] if a else None)),
                                              with_kwargs=True)
-    out = model(input_ids=x, use_cache=False, output_hidden_states=True)
+    model(input_ids=x, use_cache=False)
     h.remove()
     hook_in.remove()
     xn = captured["x"]  # (B, T, d) normalised block input
-    b, t, d = xn.shape
+    b, t, _ = xn.shape
     pos = torch.arange(t)[None].expand(b, t)
     cos, sin = model.model.rotary_emb(xn, pos)
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb

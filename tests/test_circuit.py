@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 
-from sinklab.circuit import (CircuitResult, classify_stage, circuit_inputs, measure_rows, sink_location)
+from sinklab.circuit import CircuitResult, circuit_inputs, classify_stage, measure_rows, sink_location
 from sinklab.circuit.analysis import _contributions, _ratio
 from sinklab.circuit.hooks import Patch
 from sinklab.circuit.inputs import CircuitInputs, id_inputs
@@ -177,6 +176,23 @@ def test_stage_rule_on_hand_made_monitor_series():
         assert (got["stage"], got["location"]) == (stage, location), early
         assert sink_location(early) == location
     assert classify_stage([[0, 0, 10, 24]], 0)["stage"] == "no sink"  # below τ = 25 %
+
+
+def test_amplification_rules_on_a_twice_amplifying_series():
+    from sinklab.circuit.stage import (
+        amplification_blocks,
+        amplification_layer,
+        first_amplification_run,
+        stage_amplification,
+    )
+
+    ratio = [0.95, 1.2, 3.3, 10.3, 9.4, 1.1, 164.0, 150.0]  # embeddings, then blocks 0..6 (SmolLM2-like)
+    assert amplification_layer(ratio) == 5
+    assert amplification_blocks(ratio) == [1, 2, 5]
+    assert first_amplification_run(ratio) == [1, 2]
+    assert stage_amplification(ratio) == 1
+    assert amplification_blocks([1.0, 1.9, 3.7]) == []  # rises by ≥ 1 but never doubles
+    assert amplification_blocks([0.4, 0.9, 1.0]) == []  # doubles but rises by only 0.5
 
 
 def test_monitor_logs_the_stage(tmp_path):

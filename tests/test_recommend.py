@@ -131,3 +131,23 @@ def test_bb_closed_loop_fix_shrinks_its_target(tmp_path):
     else:  # the NOP-valued sinks give way: the gate does the damping
         assert b["nop_valued_sinks"] > 0
         assert f["nop_valued_sinks"] < b["nop_valued_sinks"]
+
+
+def test_print_recommendation_and_already_applied(nop, capsys):
+    from sinklab.cli._common import console
+    from sinklab.cli.recommend import print_recommendation
+
+    rec = recommend(nop.diagnosis)
+    with console.capture() as cap:
+        print_recommendation(rec)
+    text = cap.get()
+    assert "recommended fix: gated" in text and "sinklab train --variant gated" in text
+
+    import sinklab
+    from sinklab.models import tiny_llama
+
+    model = tiny_llama()
+    with sinklab.apply_variant(model, "gated"):  # a model that already has the gate: nothing more to add
+        again = recommend(nop.diagnosis, model=model)
+    assert again.fix == "none" and "already has gated" in again.reason
+    assert again.support["api"] == "sinklab.apply_variant"

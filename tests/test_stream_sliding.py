@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
+from stream_reference import Reference
 
 from sinklab.stream import SinkCache, StreamSession
-
-from stream_reference import Reference
 
 V = 97
 _BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

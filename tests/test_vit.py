@@ -21,8 +21,8 @@ def _vit(kind: str):
     from transformers import Dinov2Config, Dinov2Model, ViTConfig, ViTModel
 
     torch.manual_seed(0)
-    args = dict(hidden_size=24, num_hidden_layers=2, num_attention_heads=3, intermediate_size=48, image_size=12,
-                patch_size=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    args = {"hidden_size": 24, "num_hidden_layers": 2, "num_attention_heads": 3, "intermediate_size": 48,
+            "image_size": 12, "patch_size": 4, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
     if kind == "vit":
         model = ViTModel(ViTConfig(**args), add_pooling_layer=False)
     else:
@@ -95,11 +95,10 @@ def test_variant_matches_naive_float64(kind, variant):
     ref = _naive(model, x, handle.config.registers, gate)
     assert out.shape == (2, 1 + 9, 24)  # registers dropped from the output
     assert torch.allclose(out.double(), ref, atol=2e-5), (out.double() - ref).abs().max()
-    # the test can fail: a reference without the gate (or without registers) is far off
-    wrong = _naive(model, x, 0 if handle.config.registers else 2, None if gate else "headwise") \
-        if handle.config.registers else _naive(model, x, 0, None)
-    if handle.config.registers or gate:
-        assert not torch.allclose(out.double(), wrong, atol=1e-3)
+    # the test can fail: the reference without the registers (or without the gate) is far off
+    regs = handle.config.registers
+    wrong = _naive(model, x, 0, gate) if regs else _naive(model, x, regs, None)
+    assert not torch.allclose(out.double(), wrong, atol=1e-3)
 
 
 @pytest.mark.parametrize("kind", ["vit", "dinov2"])
@@ -150,7 +149,7 @@ def test_save_load_by_path_keeps_the_variant(tmp_path):
 
     file = tmp_path / "m" / "model.safetensors"
     with safe_open(str(file), framework="pt") as f:
-        meta, state = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        meta, state = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
     broken = dict(state)
     broken.pop("sinklab_registers")
     (tmp_path / "b").mkdir()
@@ -264,3 +263,13 @@ def test_experiment_smoke_resumes_and_refuses_other_settings(tmp_path):
     assert again["rows"] == summary["rows"]
     with pytest.raises(InputError, match="different settings"):
         run_experiment(VitExperimentConfig(**{**cfg.__dict__, "lr": 1e-4}), tmp_path)
+
+
+def test_cli_bad_variant_is_one_red_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from sinklab.cli import app
+
+    result = CliRunner().invoke(app, ["vit-experiment", "--variants", "baseline,nope", "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "unknown variant" in result.output
+    assert not (tmp_path / "x").exists()  # nothing half-written

@@ -50,8 +50,18 @@ def sink_summary(d: Diagnosis) -> dict:
     }
 
 
-def bb_closed_loop(cfg: TrainConfig, out: str | Path, samples: int = 16, progress=None) -> dict:
-    """Baseline → diagnosis → recommendation → fixed model (same budget) → diagnosis. Returns a JSON-ready dict."""
+def _train_or_reuse(cfg: TrainConfig, out: Path, reuse: bool, progress) -> dict:
+    import json
+
+    summary = out / "summary.json"
+    if reuse and summary.is_file() and json.loads((out / "train_config.json").read_text()) == asdict(cfg):
+        return json.loads(summary.read_text())
+    return train(cfg, out, progress=progress)
+
+
+def bb_closed_loop(cfg: TrainConfig, out: str | Path, samples: int = 16, progress=None, reuse: bool = False) -> dict:
+    """Baseline → diagnosis → recommendation → fixed model (same budget) → diagnosis. Returns a dict
+    (JSON-ready except ``"diagnoses"``). ``reuse=True`` loads runs already trained in ``out`` with the same config."""
     from . import variants
     from .synth.bigram_backcopy import BigramBackcopy
 
@@ -61,7 +71,7 @@ def bb_closed_loop(cfg: TrainConfig, out: str | Path, samples: int = 16, progres
     task = BigramBackcopy(vocab=cfg.bb_vocab, triggers=cfg.bb_triggers, seq_len=cfg.seq_len, seed=cfg.seed)
     probe = task.sample(16, torch.Generator().manual_seed(cfg.seed + 7))
     runs = {}
-    base_summary = train(cfg, out / "baseline", progress=progress)
+    base_summary = _train_or_reuse(cfg, out / "baseline", reuse, progress)
     base = variants.load(out / "baseline" / "final")
     base_diag = bb_diagnose(base, task, samples)
     rec = recommend(base_diag, model=base)
@@ -70,7 +80,7 @@ def bb_closed_loop(cfg: TrainConfig, out: str | Path, samples: int = 16, progres
     result = {"config": asdict(cfg), "recommendation": rec.to_json(), "runs": runs, "fix": rec.fix}
     if rec.variant is not None:
         fixed_cfg = replace(cfg, variant=rec.variant)
-        fixed_summary = train(fixed_cfg, out / "fixed", progress=progress)
+        fixed_summary = _train_or_reuse(fixed_cfg, out / "fixed", reuse, progress)
         fixed = variants.load(out / "fixed" / "final")
         fixed_diag = bb_diagnose(fixed, task, samples)
         runs["fixed"] = {"variant": rec.variant, "train": _train_numbers(fixed_summary),

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from . import metrics
-from .circuit.stage import amplification_layer, classify_stage
+from .circuit.stage import amplification_layer, classify_stage, stage_amplification
 
 __all__ = ["SinkMonitor", "SinkMonitorCallback", "emergence_figure"]
 
@@ -55,7 +55,7 @@ class SinkMonitor:
         ratio = ratio_all[1:]
         early = [r.sink_rate_per_layer(p, self.eps).tolist() for p in range(min(4, n))]  # [P][L]
         amp = amplification_layer(ratio_all.tolist())
-        stage = classify_stage(early, amp)
+        stage = classify_stage(early, stage_amplification(ratio_all.tolist()))
         massive = metrics.is_massive(r.hidden_max_abs[:, 1:].double(), r.hidden_median_abs[:, 1:].double())
         return {
             "sink_rate_0": r.sink_rate_per_layer(0, self.eps).tolist(),

@@ -37,8 +37,15 @@ from torch import nn
 
 from .diagnose import Diagnosis, EditResult
 
-__all__ = ["DEFAULT_THRESHOLDS", "RULE", "CONFIDENCE_RULE", "Recommendation", "recommend", "edit_signature",
-           "variant_support"]
+__all__ = [
+    "CONFIDENCE_RULE",
+    "DEFAULT_THRESHOLDS",
+    "RULE",
+    "Recommendation",
+    "edit_signature",
+    "recommend",
+    "variant_support",
+]
 
 DEFAULT_THRESHOLDS = {
     "rare_share": 0.05,  # unhoused sinks / (samples × layers × heads) below this: nothing to fix
@@ -234,18 +241,19 @@ def variant_support(model_type: str | None, model: nn.Module | None = None) -> d
     if model is not None:
         from .vit.variants import vit_attention_modules
 
+        from .errors import SinklabError
+
         try:
             vit_attention_modules(model)
             return {"supported": True, "api": "sinklab.vit.apply_vit_variant",
                     "note": "ViT-style encoder: registers, elementwise/headwise gating (and the sink logit) are supported."}
-        except Exception:  # noqa: BLE001 — any refusal means "not this API"
-            pass
-        layers = None
+        except SinklabError:  # UnsupportedModelError: not a ViT-style encoder, try the decoder API
+            layers = None
         try:
             from . import _compat
 
             layers = _compat.find_layers(model)
-        except Exception:  # noqa: BLE001
+        except SinklabError:
             layers = None
         if layers is not None and all(all(hasattr(getattr(layer, "self_attn", None), n)
                                           for n in ("q_proj", "k_proj", "v_proj", "o_proj")) for layer in layers):
@@ -269,15 +277,16 @@ def _how_to(fix: str, support: dict) -> list[str]:
     if fix == "none":
         return ["No change needed. Re-run the diagnosis on longer inputs or more samples before concluding."]
     variant = fix
-    steps = [f"Train from scratch with the fix: sinklab train --variant {variant} --out runs/{variant.replace('+', '-')} "
-             "[same data/size/steps as your baseline]"]
     if support.get("api") == "sinklab.vit.apply_vit_variant":
-        steps.append(f"Fine-tune a ViT/DINOv2: from sinklab.vit import apply_vit_variant, save_vit; "
-                     f"apply_vit_variant(model, {variant!r}, init='off'); … train …; save_vit(model, 'out/')")
-        steps.append(f"Compare fixes on ViTs: sinklab vit-experiment --variants baseline,{variant} --seeds 3 --minutes 10")
+        steps = [f"Compare the fix on a small ViT at one budget: sinklab vit-experiment --variants baseline,{variant} "
+                 "--seeds 3 --minutes 10",
+                 f"Fine-tune a ViT/DINOv2: from sinklab.vit import apply_vit_variant, save_vit; "
+                 f"apply_vit_variant(model, {variant!r}, init='off'); … train …; save_vit(model, 'out/')"]
     else:
-        steps.append(f"Fine-tune: handle = sinklab.apply_variant(model, {variant!r}, init='off'); … train …; "
-                     "sinklab.save(model, 'out/'); sinklab.load('out/') restores the variant")
+        steps = [f"Train from scratch with the fix: sinklab train --variant {variant} "
+                 f"--out runs/{variant.replace('+', '-')} [same data/size/steps as your baseline]",
+                 f"Fine-tune: handle = sinklab.apply_variant(model, {variant!r}, init='off'); … train …; "
+                 "sinklab.save(model, 'out/'); sinklab.load('out/') restores the variant"]
     if "gated" in fix:
         steps.append("init='off' starts the gate at σ = 1 (outputs unchanged); training learns where to damp.")
     if "registers" in fix:

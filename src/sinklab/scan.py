@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import platform
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +20,16 @@ from .models import check_vocab, check_weights
 from .registry import REGISTRY, per_layer_table
 from .texts import default_texts, tokenize_windows
 
-__all__ = ["ScanResult", "scan", "scan_inputs", "SCHEMA_VERSION", "DEFAULT_THRESHOLDS"]
+__all__ = ["ScanResult", "scan", "scan_inputs", "SCHEMA_VERSION", "DEFAULT_THRESHOLDS", "DOMINANT_RULE", "check_thresholds",
+           "ShortSequenceWarning", "short_sequence_warnings"]
 
-SCHEMA_VERSION = "sinklab.scan/1"
+#: scan.json schema. 2: a head's dominant column must be seen by max(8, ⌈T/8⌉) queries (no end-of-sequence
+#: false sinks in causal models); warnings for sequences too short for Sink^ε.
+SCHEMA_VERSION = "sinklab.scan/2"
+
+#: How the dominant column is chosen (written into scan.json and diagnosis.json).
+DOMINANT_RULE = ("argmax of the column mass over keys seen by at least max(8, ceil(T/8)) real queries "
+                 "(T = the sample's real tokens; capped at the most-seen key's count)")
 
 DEFAULT_THRESHOLDS = {
     "eps": 0.3,  # sink-rate ε (Gu et al.)
@@ -36,7 +44,7 @@ DEFAULT_THRESHOLDS = {
 _PER_SAMPLE = (
     "column_mass", "column_min", "routed_fraction", "candidate_attention", "value_norm", "value_norm_out",
     "update_norm", "update_spectrum", "common_mode", "learned_sink_mass", "hidden_norm", "hidden_max_abs",
-    "hidden_max_dim", "hidden_median_abs", "token_mask",
+    "hidden_max_dim", "hidden_median_abs", "token_mask", "column_queries",
 )
 
 
@@ -59,6 +67,7 @@ class ScanResult:
     update_spectrum: Tensor  # (S, L, H, r)
     common_mode: Tensor  # (S, L, H)
     learned_sink_mass: Tensor  # (S, L, H)
+    column_queries: Tensor  # (S, L, T) real queries that see each key
     hidden_norm: Tensor  # (S, L+1, T)
     hidden_max_abs: Tensor  # (S, L+1, T)
     hidden_max_dim: Tensor  # (S, L+1, T)
@@ -98,13 +107,18 @@ class ScanResult:
         eps = self.meta["thresholds"]["eps"] if eps is None else eps
         return metrics.sink_rate_per_layer(self.column_mass, position, eps)
 
+    def eligible_columns(self) -> Tensor:
+        """``[S, L, 1, T]`` keys seen by enough queries to be a head's dominant column (:data:`DOMINANT_RULE`)."""
+        n = self.token_mask.sum(-1)[:, None].expand(self.column_queries.shape[:2])  # (S, L)
+        return metrics.eligible_columns(self.column_queries, n)[:, :, None]
+
     def dominant_columns(self) -> Tensor:
-        """``[S, L, H]`` position of each head's largest column mass in each sample."""
-        return self.column_mass.nan_to_num(-1.0).argmax(dim=-1)
+        """``[S, L, H]`` position of each head's largest column mass among the eligible keys, per sample."""
+        return metrics.dominant_columns(self.column_mass, self.eligible_columns())
 
     def sink_strength(self) -> Tensor:
         """``[S, L, H]`` the dominant column's mass (Fesser et al.'s sink strength)."""
-        return self.column_mass.nan_to_num(-1.0).amax(dim=-1)
+        return self.column_mass.double().gather(-1, self.dominant_columns()[..., None])[..., 0].float()
 
     def token_label(self, sample: int, position: int) -> str:
         toks = self.tokens[sample]
@@ -132,6 +146,7 @@ class ScanResult:
             "per_layer": self.per_layer(),
             "sink_rate": {"eps": self.meta["thresholds"]["eps"], "seq_len": self.meta["seq_len"], "by_position": rates},
             "top_sink": {"position": pos, "token": label},
+            "dominant_rule": DOMINANT_RULE,
             "tokens": self.tokens,
             "column_mass": _nested(self.column_mass),
             "dominant_columns": self.dominant_columns().tolist(),
@@ -177,7 +192,8 @@ def _pad_cat(parts: list[Tensor], dim: int, width: int, fill: float) -> Tensor:
 
 def _merge(batches: list[CaptureBatch]) -> dict:
     width = max(b.token_mask.shape[-1] for b in batches)
-    position_dim = {"candidate_attention": 3, "hidden_norm": 2, "hidden_max_abs": 2, "hidden_max_dim": 2, "token_mask": 1}
+    position_dim = {"candidate_attention": 3, "hidden_norm": 2, "hidden_max_abs": 2, "hidden_max_dim": 2, "token_mask": 1,
+                    "column_queries": 2}
     merged = {}
     for name in _PER_SAMPLE:
         parts = [getattr(b, name) for b in batches]
@@ -185,7 +201,7 @@ def _merge(batches: list[CaptureBatch]) -> dict:
             merged[name] = torch.cat(parts, dim=0)
             continue
         dim = position_dim.get(name, 3)
-        fill = {"hidden_max_dim": -1, "token_mask": False}.get(name, math.nan)
+        fill = {"hidden_max_dim": -1, "token_mask": False, "column_queries": 0}.get(name, math.nan)
         merged[name] = _pad_cat(parts, dim, width, fill)
     merged["attention_maps"] = batches[0].attention_maps
     merged["qk_spectrum"] = batches[0].qk_spectrum
@@ -246,10 +262,45 @@ def scan_result(results: list[CaptureBatch], tokens: list[list[str]], *, candida
         raise InputError("no inputs to scan")
     merged = _merge(results)
     seq_len = merged["token_mask"].shape[-1]
+    notes = short_sequence_warnings(merged["token_mask"], merged["column_queries"], thresholds["eps"])
+    for note in notes:
+        warnings.warn(note, ShortSequenceWarning, stacklevel=3)
     info = {"thresholds": thresholds, "seq_len": seq_len, "num_samples": merged["column_mass"].shape[0],
             "candidates": list(candidates), "hidden_state_index_0": "input of block 0 (embeddings)",
-            "output_space": merged["output_space"], **(meta or {})}
+            "output_space": merged["output_space"], "dominant_rule": DOMINANT_RULE, "warnings": notes,
+            **(meta or {})}
     return ScanResult(**merged, tokens=tokens, candidates=tuple(candidates), meta=info)
+
+
+class ShortSequenceWarning(UserWarning):
+    """The samples are too short for the sink rate to mean anything (see :func:`short_sequence_warnings`)."""
+
+
+def short_sequence_warnings(token_mask: Tensor, column_queries: Tensor, eps: float) -> list[str]:
+    """Warnings for samples too short for ``Sink^ε``: ``token_mask`` ``[S, T]``, ``column_queries`` ``[S, L, T]``.
+
+    A head that spreads its attention evenly gives position 0 a column mass of ``H_N/N`` in a causal model
+    (``1/N`` otherwise); a sample is too short when that exceeds ``ε/2``, since then Sink_0^ε counts even
+    unremarkable heads (4 causal tokens: 0.52 > ε = 0.3 — "every head sinks"). The needed length is
+    :func:`sinklab.metrics.min_meaningful_length` (26 tokens causal, 7 bidirectional at ε = 0.3;
+    Gu et al. use 64).
+    """
+    if not 0.0 < eps <= 1.0:
+        return []
+    lengths = token_mask.sum(-1)  # (S,)
+    first = column_queries[:, :, 0]  # (S, L) queries that see key 0
+    last = column_queries.gather(-1, (lengths - 1).clamp_min(0)[:, None, None].expand(-1, column_queries.shape[1], 1))[..., 0]
+    causal = bool((first > last).any()) or bool((lengths <= 1).all())
+    need = metrics.min_meaningful_length(eps, causal)
+    short = lengths < need
+    if not bool(short.any()):
+        return []
+    n = int(lengths[short].min())
+    kind = "causal" if causal else "bidirectional"
+    return [f"{int(short.sum())} of {lengths.numel()} samples have fewer than {need} tokens (shortest: {n}). "
+            f"At {n} tokens uniform {kind} attention alone gives position 0 a column mass of "
+            f"{metrics.uniform_column_mass(n, causal):.2f} (ε = {eps}), so Sink^ε and the sink counts are not "
+            f"meaningful; give at least {need} tokens per sample (Gu et al. use 64)."]
 
 
 def scan_inputs(
@@ -294,8 +345,7 @@ def text_batches(model: nn.Module, tokenizer, texts: str | list[str] | None, *, 
     texts = default_texts() if texts is None else texts
     if batch_size < 1:
         raise InputError(f"batch_size must be ≥ 1, got {batch_size}")
-    torch.manual_seed(seed)
-    windows = tokenize_windows(tokenizer, texts, seq_len, samples)
+    windows = tokenize_windows(tokenizer, texts, seq_len, samples, seed=seed)
     check_vocab(model, tokenizer, windows.input_ids)
     device = _compat.input_device(model)
     n = windows.input_ids.shape[0]
@@ -330,7 +380,8 @@ def scan(
     """Scan ``model`` on ``texts`` (default: English paragraphs shipped with Python) for attention sinks.
 
     Texts are cut into at most ``samples`` windows of ``seq_len`` tokens (the tokenizer's special tokens
-    included, right-padded). Nothing of size L×H×T×T is materialised: statistics are reduced per query
+    included, right-padded); ``seed`` 0 takes them in order, another seed shuffles the texts and offsets
+    each window start (see :func:`sinklab.texts.tokenize_windows`). Nothing of size L×H×T×T is materialised: statistics are reduced per query
     chunk inside the attention function. Returns a :class:`ScanResult`; ``result.sink_rate(0)`` is Gu
     et al.'s Sink_1^ε at this ``seq_len``.
     """

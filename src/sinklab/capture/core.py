@@ -32,7 +32,7 @@ __all__ = ["AttentionCapture"]
 _ACTIVE: contextvars.ContextVar[AttentionCapture | None] = contextvars.ContextVar("sinklab_capture", default=None)
 
 _PER_LAYER = ("column_mass", "column_min", "routed_fraction", "candidate_attention", "value_norm", "value_norm_out",
-              "update_norm", "update_spectrum", "common_mode", "learned_sink_mass")
+              "update_norm", "update_spectrum", "common_mode", "learned_sink_mass", "column_queries")
 
 
 def _repeat_kv(x: Tensor, n_rep: int) -> Tensor:

@@ -90,6 +90,7 @@ class ColumnStats:
             "routed_fraction": torch.where(seen, self.col_hit / count, nan),
             "candidate_attention": torch.where(self.qmask[:, None, :, None], self.cand, nan),
             "learned_sink_mass": ((1.0 - self.row_mass) * qmask_f).sum(-1) / qmask_f.sum(-1).clamp_min(1),
+            "column_queries": self.col_cnt,  # (B, Tk) real queries that see each key
         }
         if self.amap is not None:
             stats["map"] = self.amap

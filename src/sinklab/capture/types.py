@@ -44,6 +44,7 @@ class CaptureBatch:
     update_spectrum: Tensor  # (B, L, H, r) singular values of the head update U over real queries
     common_mode: Tensor  # (B, L, H) ||mean u||^2 / mean ||u||^2
     learned_sink_mass: Tensor  # (B, L, H) mean over queries of 1 - sum_j A_ij
+    column_queries: Tensor  # (B, L, T) number of real queries that see each key (0 at padding)
     hidden_norm: Tensor  # (B, L+1, T) ||x|| per token, index 0 = block-0 input
     hidden_max_abs: Tensor  # (B, L+1, T) max |x| per token
     hidden_max_dim: Tensor  # (B, L+1, T) its dimension (long)

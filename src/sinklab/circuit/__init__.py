@@ -12,6 +12,21 @@ from .hooks import Patch, find_sublayers
 from .inputs import CircuitInputs, bb_inputs, id_inputs, text_inputs
 from .stage import STAGES, amplification_blocks, amplification_layer, classify_stage, sink_location
 
-__all__ = ["CircuitResult", "circuit", "circuit_inputs", "measure_rows", "SCHEMA_VERSION", "Patch", "find_sublayers",
-           "CircuitInputs", "bb_inputs", "id_inputs", "text_inputs", "STAGES", "amplification_blocks",
-           "amplification_layer", "classify_stage", "sink_location"]
+__all__ = [
+           "SCHEMA_VERSION",
+           "STAGES",
+           "CircuitInputs",
+           "CircuitResult",
+           "Patch",
+           "amplification_blocks",
+           "amplification_layer",
+           "bb_inputs",
+           "circuit",
+           "circuit_inputs",
+           "classify_stage",
+           "find_sublayers",
+           "id_inputs",
+           "measure_rows",
+           "sink_location",
+           "text_inputs",
+]

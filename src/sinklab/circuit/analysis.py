@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Self
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +38,7 @@ from . import stage as rules
 from .hooks import Patch, PositionZeroRecorder, find_sublayers
 from .inputs import REFERENCE, CircuitInputs, text_inputs
 
-__all__ = ["CircuitResult", "circuit", "circuit_inputs", "SCHEMA_VERSION", "CONTRIBUTION_RULE", "measure_rows"]
+__all__ = ["CONTRIBUTION_RULE", "SCHEMA_VERSION", "CircuitResult", "circuit", "circuit_inputs", "measure_rows"]
 
 SCHEMA_VERSION = "sinklab.circuit/1"
 EARLY = 4  # early positions whose sink rates are kept
@@ -72,7 +73,8 @@ class CircuitResult:
     sink_layers: list[int]  # layers with Sink_0 ≥ layer_threshold (reference)
     ablation: dict
     massive: list[dict]  # (L+1) per hidden state
-    causal: dict
+    causal: dict  # the causal check at amplification_layer
+    causal_early: dict  # the same at the last block of the first amplification run, if that is another block
     stage: dict
     uniform_baseline: float  # column mass of position 0 under uniform causal attention at seq_len
     tokens: list[list[str]]  # reference tokens of the first samples
@@ -100,14 +102,20 @@ class CircuitResult:
         """A few plain sentences: verdict, amplification, causal effect, stage."""
         c = self.causal
         parts = [self.ablation["text"],
-                 f"Amplification layer (largest rise of r): block {self.amplification_layer}; blocks where r at least "
-                 f"doubles and rises by ≥ 1: {self.amplification_blocks or 'none'}.",
+                 (f"Amplification layer (largest rise of r): block {self.amplification_layer}; blocks where r at least "
+                  f"doubles and rises by ≥ 1: {self.amplification_blocks or 'none'}."),
                  f"Layers with Sink_0 ≥ {self.layer_threshold:g} %: {self.sink_layers or 'none'}."]
         if c:
             parts.append(f"Causal check at block {c['layer']}: scaling x₀ down to the median norm changes mean "
                          f"downstream Sink_0 by {_fmt(c['scale']['downstream_delta'])} points and the loss by "
                          f"{_fmt(c['scale']['delta_loss'], '{:+.4f}')}; patching x₀ from a different first token: "
                          f"{_fmt(c['donor']['downstream_delta'])} points, loss {_fmt(c['donor']['delta_loss'], '{:+.4f}')}.")
+        e = self.causal_early
+        if e:
+            parts.append(f"Early amplification, causal check at block {e['layer']}: scaling x₀ down changes mean "
+                         f"downstream Sink_0 by {_fmt(e['scale']['downstream_delta'])} points, loss "
+                         f"{_fmt(e['scale']['delta_loss'], '{:+.4f}')}; donor {_fmt(e['donor']['downstream_delta'])} "
+                         f"points, loss {_fmt(e['donor']['delta_loss'], '{:+.4f}')}.")
         parts.append(f"Stage: {self.stage['stage']} (sink location: {self.stage['location']}).")
         return "\n".join(parts)
 
@@ -182,9 +190,8 @@ class _Session:
         self.sub = find_sublayers(model)
         self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
         self.device = next(model.parameters()).device
-        self._stack: list = []
 
-    def __enter__(self) -> _Session:
+    def __enter__(self) -> Self:
         self.cap = AttentionCapture(self.model, CaptureConfig(candidates=(0,), map_len=0)).__enter__()
         try:
             self.rec = PositionZeroRecorder(self.sub).__enter__()
@@ -362,21 +369,32 @@ def _causal(model, rows, base: dict, donor_rec: dict, layer: int, eps: float, co
 def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3, batch_size: int = 8,
                    padding_side: str = "right", layer_threshold: float = rules.LAYER_SINK_THRESHOLD,
                    causal: bool = True, progress: Callable[[int], None] | None = None,
-                   meta: dict | None = None) -> CircuitResult:
-    """The circuit on prepared :class:`~sinklab.circuit.inputs.CircuitInputs` (e.g. Bigram-Backcopy rows)."""
+                   set_total: Callable[[int], None] | None = None, meta: dict | None = None) -> CircuitResult:
+    """The circuit on prepared :class:`~sinklab.circuit.inputs.CircuitInputs` (e.g. Bigram-Backcopy rows).
+
+    ``progress(k)`` is called after every batch of ``k`` samples; ``set_total(n)`` once the number of sample
+    passes is known (3 conditions, plus 2 causal patches, plus 2 more when the first amplification is elsewhere).
+    """
     if not 0.0 <= eps <= 1.0:
         raise InputError(f"eps must be in [0, 1], got {eps}")
     check_weights(model)
     with _Session(model) as session:
-        common = dict(pad_id=inputs.pad_id, batch_size=batch_size, padding_side=padding_side, progress=progress,
-                      session=session)
+        common = {"pad_id": inputs.pad_id, "batch_size": batch_size, "padding_side": padding_side,
+                  "progress": progress, "session": session}
         recs = {name: measure_rows(model, rows, **common) for name, rows in inputs.conditions.items()}
         amp = rules.amplification_layer(_ratio(recs[REFERENCE]).nanmean(0).tolist())
         conds = {name: _condition_summary(rec, eps, inputs.description[name]) for name, rec in recs.items()}
-        causal_out = {}
+        causal_out, causal_early = {}, {}
+        run = rules.first_amplification_run(_ratio(recs[REFERENCE]).nanmean(0).tolist())
+        if set_total is not None:
+            extra = (2 + 2 * bool(run and run[-1] != amp)) if causal and amp is not None else 0
+            set_total((len(inputs.conditions) + extra) * len(inputs.conditions[REFERENCE]))
         if causal and amp is not None:
             causal_out = _causal(model, inputs.conditions[REFERENCE], conds[REFERENCE], recs["first_swapped"], amp,
                                  eps, common)
+            if run and run[-1] != amp:
+                causal_early = _causal(model, inputs.conditions[REFERENCE], conds[REFERENCE], recs["first_swapped"],
+                                       run[-1], eps, common)
     ref = recs[REFERENCE]
     ratio = _ratio(ref).nanmean(0)
     contrib, resid = _contributions(ref)
@@ -388,7 +406,7 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
         if name != REFERENCE and rec["x0"].shape == ref["x0"].shape:
             a, b = ref["x0"].double(), rec["x0"].double()
             cross[name] = _r4(torch.nn.functional.cosine_similarity(a, b, dim=-1).mean(0))
-    stage = rules.classify_stage(early, amp, threshold=layer_threshold)
+    stage = rules.classify_stage(early, rules.stage_amplification(ratio.tolist()), threshold=layer_threshold)
     return CircuitResult(
         num_layers=n_layers, num_heads=n_heads, seq_len=seq_len, num_samples=ref["x0"].shape[0], eps=eps,
         layer_threshold=layer_threshold, conditions=conds, ratio=_r4(ratio),
@@ -396,7 +414,7 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
         direction_cosine=_r4(_pairwise_cosine(ref["x0"])), cross_condition_cosine=cross,
         amplification_layer=amp, amplification_blocks=rules.amplification_blocks(ratio.tolist()),
         sink_layers=rules.sink_layers(early[0], layer_threshold), ablation=_ablation(conds, layer_threshold),
-        massive=_massive(ref), causal=causal_out, stage=stage,
+        massive=_massive(ref), causal=causal_out, causal_early=causal_early, stage=stage,
         uniform_baseline=sum(1.0 / (i + 1) for i in range(seq_len)) / seq_len,
         tokens=inputs.tokens[REFERENCE][:4],
         rules={"amplification": rules.AMPLIFICATION_RULE, "contributions": CONTRIBUTION_RULE,
@@ -411,12 +429,13 @@ def circuit(model: nn.Module, tokenizer, texts: str | list[str] | None = None, *
             samples: int = 16, batch_size: int = 8, eps: float = 0.3, special_token: str | None = None,
             padding_side: str = "right", layer_threshold: float = rules.LAYER_SINK_THRESHOLD, causal: bool = True,
             source: str | None = None, revision: str | None = None,
-            progress: Callable[[int], None] | None = None) -> CircuitResult:
+            progress: Callable[[int], None] | None = None,
+            set_total: Callable[[int], None] | None = None) -> CircuitResult:
     """Measure the P0 sink circuit of a causal LM on ``texts`` (default: the pydoc corpus).
 
     Texts are cut into ``samples`` windows of ``seq_len`` tokens and run under three first-token conditions
     (see :mod:`sinklab.circuit.inputs`); then the causal patches at the amplification layer. Progress is
-    reported per sample (``5 × samples`` in all with ``causal``).
+    reported per sample through ``progress``; ``set_total`` receives the number of sample passes when known.
     """
     from ..models import check_vocab
     from ..scan import _provenance
@@ -430,4 +449,5 @@ def circuit(model: nn.Module, tokenizer, texts: str | list[str] | None = None, *
     check_vocab(model, tokenizer, torch.tensor([max(max(r) for r in v) for v in inputs.conditions.values()]))
     meta = _provenance(model, source, revision, corpus=corpus, requested_seq_len=seq_len)
     return circuit_inputs(model, inputs, eps=eps, batch_size=batch_size, padding_side=padding_side,
-                          layer_threshold=layer_threshold, causal=causal, progress=progress, meta=meta)
+                          layer_threshold=layer_threshold, causal=causal, progress=progress, set_total=set_total,
+                          meta=meta)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 from .. import _compat, metrics
 from ..errors import UnsupportedModelError
 
-__all__ = ["Sublayers", "find_sublayers", "Patch", "PositionZeroRecorder", "ATTN_NAMES", "MLP_NAMES"]
+__all__ = ["ATTN_NAMES", "MLP_NAMES", "Patch", "PositionZeroRecorder", "Sublayers", "find_sublayers"]
 
 ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")
 MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
@@ -124,7 +125,7 @@ class PositionZeroRecorder:
         self._mask: Tensor | None = None
         self._rec: dict[str, dict[int, Tensor]] = {}
 
-    def __enter__(self) -> PositionZeroRecorder:
+    def __enter__(self) -> Self:
         try:
             self._handles.append(self.sub.blocks[0].register_forward_pre_hook(self._embed_hook, with_kwargs=True))
             for index, block in enumerate(self.sub.blocks):
@@ -167,7 +168,7 @@ class PositionZeroRecorder:
 
     def _aligned(self, values: Tensor, fill: float) -> Tensor:
         """``[B, T]`` per-position values → column ``j`` = the row's ``j``-th real token (``fill`` beyond)."""
-        b, t = values.shape
+        t = values.shape[1]
         mask = self._mask.to(values.device)
         idx = self._starts.to(values.device)[:, None] + torch.arange(t, device=values.device)  # (B, T)
         valid = idx < t

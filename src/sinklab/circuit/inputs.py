@@ -19,7 +19,7 @@ import torch
 
 from ..errors import InputError
 
-__all__ = ["CircuitInputs", "text_inputs", "id_inputs", "bb_inputs", "REFERENCE", "SPECIAL_CANDIDATES"]
+__all__ = ["REFERENCE", "SPECIAL_CANDIDATES", "CircuitInputs", "bb_inputs", "id_inputs", "text_inputs"]
 
 REFERENCE = "as_tokenized"
 SPECIAL_CANDIDATES = ("<|endoftext|>", "<|im_start|>", "<s>", "<|begin_of_text|>", "<bos>")

@@ -12,9 +12,19 @@ import math
 from collections.abc import Sequence
 
 __all__ = [
-    "STAGES", "AMPLIFICATION_RULE", "LOCATION_RULE", "STAGE_RULE", "LAYER_SINK_THRESHOLD",
-    "amplification_layer", "amplification_blocks", "sink_layers", "sink_location", "shallow_blocks",
+    "AMPLIFICATION_RULE",
+    "LAYER_SINK_THRESHOLD",
+    "LOCATION_RULE",
+    "STAGES",
+    "STAGE_RULE",
+    "amplification_blocks",
+    "amplification_layer",
     "classify_stage",
+    "first_amplification_run",
+    "shallow_blocks",
+    "sink_layers",
+    "sink_location",
+    "stage_amplification",
 ]
 
 #: Stages of the P0 sink's emergence (Peng et al. 2026, arXiv:2603.06591), in training order.
@@ -33,8 +43,9 @@ LOCATION_RULE = ("over the layers where some early position p ∈ {0..P−1} has
 
 STAGE_RULE = ("no sink: no layer has Sink_p ≥ τ for any early position p; spread over the first positions: the sink "
               "is not on position 0 alone (location 'spread' or 'position k', k ≥ 1); settled on position 0: location "
-              "'position 0', the first layer with Sink_0 ≥ τ is one of the first S blocks and so is the amplification "
-              "layer; forming in deep layers: location 'position 0' otherwise. S = max(2, ⌈L/8⌉)")
+              "'position 0', the first layer with Sink_0 ≥ τ is one of the first S blocks and so is the first "
+              "amplification block (the amplification layer where no block doubles r); forming in deep layers: "
+              "location 'position 0' otherwise. S = max(2, ⌈L/8⌉)")
 
 
 def _finite(x: float) -> float:
@@ -62,6 +73,27 @@ def amplification_blocks(ratio: Sequence[float], *, factor: float = 2.0, min_ris
         if math.isfinite(before) and math.isfinite(after) and after >= factor * before and after - before >= min_rise:
             out.append(layer)
     return out
+
+
+def stage_amplification(ratio: Sequence[float]) -> int | None:
+    """The amplification the stage rule looks at: the first amplification block, else the amplification layer.
+
+    A model may amplify position 0 more than once (SmolLM2: blocks 1–2, then block 11); the seed's convergence
+    indicator is where the circuit *first* builds the norm up.
+    """
+    blocks = amplification_blocks(ratio)
+    return blocks[0] if blocks else amplification_layer(ratio)
+
+
+def first_amplification_run(ratio: Sequence[float]) -> list[int]:
+    """The first run of consecutive amplification blocks (e.g. ``[1, 2]``); empty if none."""
+    blocks = amplification_blocks(ratio)
+    run = blocks[:1]
+    for b in blocks[1:]:
+        if b != run[-1] + 1:
+            break
+        run.append(b)
+    return run
 
 
 def sink_layers(rates: Sequence[float], threshold: float = LAYER_SINK_THRESHOLD) -> list[int]:
@@ -102,7 +134,7 @@ def classify_stage(early: Sequence[Sequence[float]], amp_layer: int | None, *,
     early:
         ``[P][L]`` Sink_p^ε per layer in percent for the first ``P`` positions (``P ≥ 1``).
     amp_layer:
-        The checkpoint's amplification layer (``None``: unknown, not used by the rule).
+        The checkpoint's first amplification block (:func:`stage_amplification`; ``None``: not used by the rule).
 
     Returns
     -------

@@ -18,13 +18,19 @@ from pathlib import Path
 from ..errors import InputError, SinklabError
 from .analysis import CircuitResult, _clean, circuit, circuit_inputs
 from .inputs import bb_inputs
-from .stage import LOCATION_RULE, STAGE_RULE, LAYER_SINK_THRESHOLD
+from .stage import LAYER_SINK_THRESHOLD, LOCATION_RULE, STAGE_RULE
 
-__all__ = ["Checkpoint", "SweepResult", "discover_checkpoints", "load_source", "circuit_source", "circuit_sweep",
-           "SWEEP_SCHEMA"]
+__all__ = [
+    "SWEEP_SCHEMA",
+    "Checkpoint",
+    "SweepResult",
+    "circuit_source",
+    "circuit_sweep",
+    "discover_checkpoints",
+    "load_source",
+]
 
 SWEEP_SCHEMA = "sinklab.circuit-sweep/1"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "tokenizer.model")
 
 
 @dataclass
@@ -93,21 +99,10 @@ def load_source(ck: Checkpoint):
         return loaded.model, loaded.tokenizer, None
     if ck.kind == "init":
         return _init_model(Path(ck.run_dir), cfg)
-    from transformers import AutoTokenizer
+    from ..models import load_model
 
-    from ..variants import load
-
-    path = Path(ck.source)
-    if not list(path.glob("*.safetensors")):
-        from ..models import load_model
-
-        loaded = load_model(str(path))
-        return loaded.model, loaded.tokenizer, cfg
-    model = load(path)
-    tokenizer = None
-    if any((path / f).exists() for f in _TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    return model, tokenizer, cfg
+    loaded = load_model(ck.source)  # strict loading; a bb checkpoint (no tokenizer files) gives tokenizer=None
+    return loaded.model, loaded.tokenizer, cfg
 
 
 def _init_model(run_dir: Path, cfg: dict):
@@ -127,17 +122,18 @@ def _init_model(run_dir: Path, cfg: dict):
 
 
 def circuit_source(model, tokenizer, train_config: dict | None, *, texts=None, seq_len: int = 64, samples: int = 16,
-                   source: str | None = None, progress: Callable[[int], None] | None = None, **kwargs) -> CircuitResult:
+                   source: str | None = None, progress: Callable[[int], None] | None = None,
+                   set_total: Callable[[int], None] | None = None, **kwargs) -> CircuitResult:
     """The circuit of a loaded checkpoint: Bigram-Backcopy inputs when it has no tokenizer, else text windows."""
     if tokenizer is None:
         if train_config is None or train_config.get("data") != "bb":
             raise InputError(f"{source}: no tokenizer and no Bigram-Backcopy train_config.json beside it; "
                              "the circuit needs one of the two to build inputs")
         inputs = bb_inputs(train_config, samples=samples)
-        return circuit_inputs(model, inputs, progress=progress, meta={"model": source, "inputs": "bigram-backcopy"},
-                              **kwargs)
+        return circuit_inputs(model, inputs, progress=progress, set_total=set_total,
+                              meta={"model": source, "inputs": "bigram-backcopy"}, **kwargs)
     return circuit(model, tokenizer, texts, seq_len=seq_len, samples=samples, source=source, progress=progress,
-                   **kwargs)
+                   set_total=set_total, **kwargs)
 
 
 @dataclass
@@ -174,7 +170,8 @@ class SweepResult:
 
 def circuit_sweep(sources: list[str], *, include_init: bool = True, texts=None, seq_len: int = 64, samples: int = 16,
                   on_checkpoint: Callable[[Checkpoint, dict], None] | None = None,
-                  progress: Callable[[int], None] | None = None, **kwargs) -> SweepResult:
+                  progress: Callable[[int], None] | None = None, set_total: Callable[[int], None] | None = None,
+                  **kwargs) -> SweepResult:
     """Run :func:`sinklab.circuit` on every checkpoint of ``sources`` (see :func:`discover_checkpoints`)."""
     rows, results = [], {}
     for ck in discover_checkpoints(sources, include_init=include_init):
@@ -183,7 +180,7 @@ def circuit_sweep(sources: list[str], *, include_init: bool = True, texts=None, 
         try:
             model, tokenizer, cfg = load_source(ck)
             result = circuit_source(model, tokenizer, cfg, texts=texts, seq_len=seq_len, samples=samples,
-                                    source=ck.source, progress=progress, **kwargs)
+                                    source=ck.source, progress=progress, set_total=set_total, **kwargs)
         except (SinklabError, OSError, ValueError, RuntimeError, KeyError) as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"
         else:

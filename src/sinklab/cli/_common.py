@@ -34,6 +34,14 @@ MODEL_HELP = ", ".join(sorted(BUILTIN_MODELS)) + ", a local model folder or a hu
 TRUST_HELP = "run the Python code of the model repository (off unless given)"
 
 
+def trust_remote_code_option():
+    """``--trust-remote-code`` as a flag: ``Annotated[bool, trust_remote_code_option()] = False``.
+
+    ``metavar=""`` keeps the help from showing a ``<bool>`` value type: the flag takes no value.
+    """
+    return typer.Option("--trust-remote-code", help=TRUST_HELP, metavar="")
+
+
 def _version(value: bool) -> None:
     if value:
         import torch
@@ -48,7 +56,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _main(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, metavar="",
                                           help="print the versions and exit")] = False,
 ) -> None:
     """sinklab: attention-sink scanning for Hugging Face transformers models."""

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import warnings
+
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ..scan import ShortSequenceWarning
 from ._common import err
 
-__all__ = ["PhaseBars"]
+__all__ = ["PhaseBars", "print_warnings"]
+
+
+def print_warnings(meta: dict) -> None:
+    """The run's warnings (e.g. sequences too short for Sink^ε), one yellow line each on stderr."""
+    for note in meta.get("warnings", []):
+        err.print(f"[yellow]warning:[/yellow] {note}", highlight=False)
 
 
 class PhaseBars:
@@ -23,11 +32,15 @@ class PhaseBars:
         self._tasks: dict[str, int] = {}
 
     def __enter__(self) -> PhaseBars:
+        self._quiet = warnings.catch_warnings()
+        self._quiet.__enter__()
+        warnings.simplefilter("ignore", ShortSequenceWarning)  # printed once by print_warnings instead
         self._bars.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._bars.__exit__(*exc)
+        self._quiet.__exit__(*exc)
 
     def __call__(self, phase: str, advance: int, total: int) -> None:
         if phase not in self._tasks:

@@ -16,7 +16,7 @@ def _print_result(result) -> None:
     table = Table(title=f"P0 sink circuit — T={result.seq_len}, {result.num_samples} samples, ε={result.eps}")
     for col in ["block", "r", "c_attn", "c_mlp", "cos x₀", *[f"Sink_0 {n}" for n in names]]:
         table.add_column(col, justify="right")
-    f = lambda x, fmt="{:.2f}": "–" if x is None else fmt.format(x)  # noqa: E731
+    f = lambda x, fmt="{:.2f}": "–" if x is None else fmt.format(x)
     table.add_row("emb", f(result.ratio[0]), "", "", f(result.direction_cosine[0], "{:.3f}"), *[""] * len(names))
     for layer in range(result.num_layers):
         mark = "★" if layer in result.amplification_blocks else ""
@@ -63,6 +63,7 @@ def circuit_cmd(
             result = circuit_source(net, tokenizer, cfg, texts=texts, seq_len=seq_len, samples=samples, source=model,
                                     batch_size=batch_size, causal=not no_causal,
                                     progress=lambda k: progress.advance(task, k),
+                                    set_total=lambda n: progress.update(task, total=n),
                                     **({"special_token": special_token} if tokenizer is not None else {}))
         _print_result(result)
         report = result.save(out)
@@ -86,10 +87,10 @@ def circuit_sweep_cmd(
     with _user_errors():
         texts = _read_texts(text, file)
         found = discover_checkpoints(checkpoints, include_init=not no_init)
-        passes = 5 if not no_causal else 3
+        passes = 5 if not no_causal else 3  # per checkpoint; raised when a checkpoint needs the early patches too
         table = Table(title="circuit sweep")
         for col in ("checkpoint", "step", "stage", "location", "amp. layer", "Sink_0 % per layer"):
-            table.add_column(col)
+            table.add_column(col, no_wrap=col in ("checkpoint", "stage"))
 
         def row(ck, r):
             if r["error"]:
@@ -102,8 +103,12 @@ def circuit_sweep_cmd(
 
         with _progress(len(found) * passes * samples) as progress:
             task = progress.add_task("sweep", total=len(found) * passes * samples)
+            def more(n):  # this checkpoint needs n sample passes instead of the planned passes × samples
+                progress.update(task, total=progress.tasks[0].total + n - passes * samples)
+
             sweep = circuit_sweep(checkpoints, include_init=not no_init, texts=texts, seq_len=seq_len, samples=samples,
-                                  causal=not no_causal, on_checkpoint=row, progress=lambda k: progress.advance(task, k))
+                                  causal=not no_causal, on_checkpoint=row, progress=lambda k: progress.advance(task, k),
+                                  set_total=more)
         console.print(table)
         console.print("stage rule: " + sweep.rules["stage"], highlight=False, markup=False)
         report = sweep.save(out)

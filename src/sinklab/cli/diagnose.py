@@ -9,8 +9,8 @@ import typer
 from rich.table import Table
 
 from ..errors import SinklabError
-from ._common import _load, _read_texts, _user_errors, app, console
-from ._progress import PhaseBars
+from ._common import _load, _progress, _read_texts, _user_errors, app, console
+from ._progress import PhaseBars, print_warnings
 
 
 @app.command()
@@ -33,7 +33,7 @@ def diagnose(
     device: Annotated[str | None, typer.Option("--device")] = None,
     revision: Annotated[str | None, typer.Option("--revision")] = None,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="0: texts in order; other: shuffled texts, random window offsets; also the control edit")] = 0,
 ) -> None:
     """Classify MODEL's sinks (NOP / broadcast), run causal value edits, write diagnosis.json and report.html."""
     from ..diagnose import diagnose as run_diagnose
@@ -48,6 +48,7 @@ def diagnose(
                              batch_size=batch_size, rules=rules, edits=edits, edit_samples=edit_samples, seed=seed,
                              source=model, revision=revision, progress=progress)
         _print_diagnosis(d)
+        print_warnings(d.scan.meta)
         report = d.save(out)
         console.print(f"wrote {out / 'diagnosis.json'}, figures and {report}")
 

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from ._common import _load, _read_texts, _user_errors, app, console
-from ._progress import PhaseBars
+from ._progress import PhaseBars, print_warnings
 
 
 def _print_table(result) -> None:
@@ -46,7 +46,7 @@ def scan(
     device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:1 …")] = None,
     revision: Annotated[str | None, typer.Option("--revision")] = None,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="run the model repo's own code")] = False,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="0: texts in order; other: shuffled texts, random window offsets")] = 0,
 ) -> None:
     """Scan MODEL for attention sinks; print a per-layer table and write scan.json, figures, report.html."""
     from ..scan import scan as run_scan
@@ -59,5 +59,6 @@ def scan(
                               batch_size=batch_size, thresholds={"eps": eps}, seed=seed, source=model,
                               revision=revision, progress=progress)
         _print_table(result)
+        print_warnings(result.meta)
         report = result.save(out)
         console.print(f"wrote {out / 'scan.json'}, figures and {report}")

@@ -18,6 +18,8 @@ def vit_experiment(
     seeds: Annotated[int, typer.Option("--seeds")] = 3,
     minutes: Annotated[float, typer.Option("--minutes", help="total budget; one step count for every run")] = 10.0,
     out: Annotated[Path, typer.Option("--out", help="run folder (resumable)")] = Path("sinklab-vit-experiment"),
+    image_size: Annotated[int, typer.Option("--image-size", help="square images, pixels")] = 24,
+    patch_size: Annotated[int, typer.Option("--patch-size")] = 4,
     width: Annotated[int, typer.Option("--width")] = 48,
     layers: Annotated[int, typer.Option("--layers")] = 4,
     heads: Annotated[int, typer.Option("--heads")] = 4,
@@ -30,7 +32,7 @@ def vit_experiment(
 
     with _user_errors():
         cfg = VitExperimentConfig(variants=[v.strip() for v in variants.split(",") if v.strip()], seeds=seeds,
-                                  minutes=minutes, width=width, layers=layers, heads=heads, registers=registers,
+                                  minutes=minutes, image_size=image_size, patch_size=patch_size, width=width, layers=layers, heads=heads, registers=registers,
                                   batch=batch, lr=lr)
         tasks: dict[str, int] = {}
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

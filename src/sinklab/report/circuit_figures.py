@@ -13,8 +13,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..circuit import CircuitResult
     from ..circuit.sweep import SweepResult
 
-__all__ = ["circuit_figures", "sweep_figures", "norm_ratio_figure", "ablation_figure", "sink_map_figure",
-           "massive_figure"]
+__all__ = [
+    "ablation_figure",
+    "circuit_figures",
+    "massive_figure",
+    "norm_ratio_figure",
+    "sink_map_figure",
+    "sweep_figures",
+]
 
 _STAGE_COLORS = {"no sink": "#bbbbbb", "forming in deep layers": "#e0a030", "spread over the first positions": "#d05050",
                  "settled on position 0": "#3a8a3a"}
@@ -72,6 +78,9 @@ def sink_map_figure(result: CircuitResult) -> Figure:
         panels.append((f"x₀ scaled to r = 1 after block {result.causal['layer']}", result.causal["scale"]["column_mass_0"]))
         panels.append((f"x₀ from another first token at block {result.causal['layer']}",
                        result.causal["donor"]["column_mass_0"]))
+    if result.causal_early:
+        panels.append((f"x₀ scaled to r = 1 after block {result.causal_early['layer']}",
+                       result.causal_early["scale"]["column_mass_0"]))
     h, n = result.num_heads, result.num_layers
     fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + len(panels) * (0.9 + 0.3 * h), 1.4 + 0.22 * n),
                              squeeze=False)
@@ -98,6 +107,11 @@ def causal_figure(result: CircuitResult) -> Figure | None:
     ax.plot(range(result.num_layers), [_nan(v) for v in c["donor"]["sink_rate_0"]], "^--", ms=3,
             label=f"x₀ from first_swapped (Δloss {_nan(c['donor']['delta_loss']):+.3f})")
     ax.axvline(c["layer"], color="#c03030", lw=1, ls=":")
+    e = result.causal_early
+    if e:
+        ax.plot(range(result.num_layers), [_nan(v) for v in e["scale"]["sink_rate_0"]], "v-.", ms=3,
+                label=f"x₀ scaled to r = 1 after block {e['layer']} (Δloss {_nan(e['scale']['delta_loss']):+.3f})")
+        ax.axvline(e["layer"], color="#3050c0", lw=1, ls=":")
     ax.set_ylim(-3, 103)
     ax.set_xlabel("layer")
     ax.set_ylabel("Sink_0^ε %")
@@ -149,6 +163,9 @@ def sweep_figures(sweep: SweepResult) -> dict[str, Figure]:
         ax.plot([], [], "o", color=color, label=stage)
     ax.set_xlabel("training step")
     ax.set_ylabel("amplification layer")
+    n_blocks = len(ok[0]["sink_rate"][0])
+    ax.set_yticks(range(n_blocks))
+    ax.set_ylim(-0.5, n_blocks - 0.5)
     ax.set_title("where position 0 is amplified (colour: stage)", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()

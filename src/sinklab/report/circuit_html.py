@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..circuit import CircuitResult
     from ..circuit.sweep import SweepResult
 
-__all__ = ["circuit_section", "render_circuit_html", "write_circuit_report", "render_sweep_html", "write_sweep_report"]
+__all__ = ["circuit_section", "render_circuit_html", "render_sweep_html", "write_circuit_report", "write_sweep_report"]
 
 
 def _f(x, fmt: str = "{:.2f}") -> str:

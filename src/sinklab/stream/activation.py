@@ -52,6 +52,13 @@ class ModelStreams:
         self._handles = (base.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
                          base.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True))
 
+    def __deepcopy__(self, memo: dict) -> ModelStreams:
+        """A copied model (``copy.deepcopy``) gets inert hooks: its streams are its own, not the original's."""
+        inert = object.__new__(ModelStreams)
+        inert._model, inert._caches, inert.active, inert.explicit = (lambda: None), set(), None, False
+        inert._previous, inert._local, inert._handles = None, threading.local(), ()
+        return inert
+
     # ------------------------------------------------------------------ lifetime
     def add(self, cache) -> None:
         self._caches.add(id(cache))
@@ -97,6 +104,8 @@ class ModelStreams:
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         stack = self._local.__dict__.setdefault("tokens", [])
         stack.append(None)
+        if self._model() is None:  # inert copy (see __deepcopy__)
+            return None
         _, cache = _compat.cache_argument(kwargs)
         if not getattr(cache, "is_sinklab_stream", False):
             if self.active is not None:

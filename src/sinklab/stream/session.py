@@ -201,7 +201,11 @@ def stream_generate(model: nn.Module, tokenizer, prompt: str | list[str], *, num
         ids[row, width - len(e):] = torch.tensor(e)
         mask[row, width - len(e):] = 1
     if pin_prompt:
-        pinned = list(pinned or []) + [(0, max(len(e) for e in encoded))]
+        span = (0, max(len(e) for e in encoded))
+        if session is not None and not any(a <= 0 and span[1] <= b for a, b in session.state.pinned):
+            raise InputError(f"pin_prompt with an open session: the session must have been built with pinned="
+                             f"[{span}] (pins are fixed when a stream starts)")
+        pinned = list(pinned or []) + [span]
     own = session is None
     session = session or StreamSession(model, num_sinks, window, pinned, chunk_size=chunk_size)
     gen = torch.Generator().manual_seed(seed)

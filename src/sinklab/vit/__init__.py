@@ -9,5 +9,16 @@ from .data import CLASS_NAMES, ShapesConfig, ShapesDataset
 from .model import SinklabViT, small_vit_config, token_labels
 from .variants import apply_vit_variant, load_vit, register_count, save_vit, vit_attention_modules
 
-__all__ = ["CLASS_NAMES", "ShapesConfig", "ShapesDataset", "SinklabViT", "small_vit_config", "token_labels",
-           "apply_vit_variant", "load_vit", "register_count", "save_vit", "vit_attention_modules"]
+__all__ = [
+           "CLASS_NAMES",
+           "ShapesConfig",
+           "ShapesDataset",
+           "SinklabViT",
+           "apply_vit_variant",
+           "load_vit",
+           "register_count",
+           "save_vit",
+           "small_vit_config",
+           "token_labels",
+           "vit_attention_modules",
+]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["ShapesConfig", "Scene", "ShapesDataset", "CLASS_NAMES", "inside", "texture"]
+__all__ = ["CLASS_NAMES", "Scene", "ShapesConfig", "ShapesDataset", "inside", "texture"]
 
 CLASS_NAMES = ("background", "disc", "square", "triangle", "ring")
 _SPLITS = {"train": 0, "probe": 1, "test": 2}
@@ -102,7 +102,7 @@ class ShapesDataset:
     def scene(self, index: int) -> tuple[Scene, torch.Generator]:
         """The parameters of image ``index`` (and the generator, positioned for the background noise)."""
         cfg, g = self.config, self._generator(index)
-        u = lambda *shape: torch.rand(*shape, generator=g)  # noqa: E731
+        u = lambda *shape: torch.rand(*shape, generator=g)
         background = tuple((0.1 + 0.6 * u(3)).tolist())
         fx, fy, phase = (u(3) * torch.tensor([4.0, 4.0, 2 * math.pi])).tolist()
         objects = []

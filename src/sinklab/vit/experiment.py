@@ -36,7 +36,7 @@ from .model import SinklabViT, small_vit_config, token_labels
 from .probe import evaluate_probes
 from .variants import apply_vit_variant, save_vit
 
-__all__ = ["VitExperimentConfig", "run_experiment", "summarise", "VARIANT_SPECS"]
+__all__ = ["VARIANT_SPECS", "VitExperimentConfig", "run_experiment", "summarise"]
 
 #: experiment variant name → sinklab variant spec (``None``: the baseline).
 VARIANT_SPECS = {"baseline": None, "registers": "registers", "gated": "gated", "gated-headwise": "gated-headwise",
@@ -141,7 +141,7 @@ def train_step(model: SinklabViT, opt: torch.optim.Optimizer, cfg: VitExperiment
     return float(loss.detach())
 
 
-def measure_throughput(cfg: VitExperimentConfig, warmup: int = 2, timed: int = 4) -> float:
+def measure_throughput(cfg: VitExperimentConfig, warmup: int = 1, timed: int = 3) -> float:
     """Seconds per training step of the heaviest requested variant (registers and gate, if requested)."""
     heavy = max(cfg.variants, key=lambda v: (("registers" in v) + ("gated" in v), v))
     model = build(cfg, heavy, 0)

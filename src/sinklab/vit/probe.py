@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from .data import ShapesDataset, patch_targets
 
-__all__ = ["ridge_fit", "ridge_predict", "miou", "frozen_features", "evaluate_probes"]
+__all__ = ["evaluate_probes", "frozen_features", "miou", "ridge_fit", "ridge_predict"]
 
 
 def ridge_fit(x: Tensor, y: Tensor, lam: float = 1e-2) -> tuple[Tensor, Tensor, Tensor]:

@@ -34,8 +34,16 @@ from .. import _compat
 from ..errors import InputError, ModelWeightsError, UnsupportedModelError
 from ..variants import ATTN_NAME, VariantConfig, parse_variant, variant_attention
 
-__all__ = ["vit_attention_modules", "apply_vit_variant", "VitVariantHandle", "save_vit", "load_vit", "FORMAT",
-           "register_count", "vit_variant"]
+__all__ = [
+    "FORMAT",
+    "VitVariantHandle",
+    "apply_vit_variant",
+    "load_vit",
+    "register_count",
+    "save_vit",
+    "vit_attention_modules",
+    "vit_variant",
+]
 
 FORMAT = "sinklab.vit/1"
 WEIGHTS_FILE = "model.safetensors"
@@ -62,7 +70,9 @@ def _base(model: nn.Module) -> nn.Module:
     for candidate in (model, getattr(model, "backbone", None), _compat.base_model(model)):
         if candidate is not None and isinstance(getattr(candidate, "embeddings", None), nn.Module):
             return candidate
-    raise UnsupportedModelError(f"{type(model).__name__}: no `embeddings` module to append register tokens after")
+    raise UnsupportedModelError(f"{type(model).__name__}: ViT variants need a ViT/DINOv2-style model (an `embeddings` "
+                                "module followed by blocks with a bidirectional `attention`); Llama-style decoders use "
+                                "sinklab.apply_variant")
 
 
 def vit_variant(model: nn.Module) -> VariantConfig | None:
