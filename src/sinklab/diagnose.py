@@ -2,7 +2,7 @@
 
 Per sample, each head's dominant column (largest column mass) counts as a sink when it passes the
 chosen rule (column mass > 0.3 by default; the strict ε-sink and relaxed 90 %/0.5 rules are options).
-Each sink becomes a :class:`SinkRecord` classified with Fesser et al.'s thresholds (SCIENCE.md §2):
+Each sink becomes a :class:`SinkRecord` classified with Fesser et al.'s thresholds (arXiv:2606.08105):
 NOP if the output-space value-norm ratio ``r_out ≤ 0.2``; broadcast if ``r_out ≥ 0.5`` and the
 head update's stable rank ``≤ 1.5``; otherwise unclassified. Causal value edits (zero the sink value,
 the head's mean sink value, a donor's sink value, an ordinary token's value, remove the column, and a

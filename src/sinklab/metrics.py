@@ -7,7 +7,8 @@ tested against a naive float64 loop. Shapes use these letters:
 ``d`` model width, ``dh`` head width. Positions are 0-based everywhere (Gu et al.'s Sink_1 is
 ``sink_rate(column_mass, 0)``).
 
-Definitions follow ``SCIENCE.md`` (sections 1 and 2):
+Definitions follow the papers (Gu et al. 2025, arXiv:2410.10781; Fesser et al. 2026, arXiv:2606.08105;
+Sun et al. 2024, arXiv:2402.17762; Darcet et al. 2024, arXiv:2309.16588):
 
 * column mass  ``α_j = Σ_i vis_ij A_ij / Σ_i vis_ij`` — the mean attention key ``j`` receives from the
   non-padding queries that can see it (causal-aware);

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import Tensor
 
 from .errors import InputError
 
-__all__ = ["default_texts", "TokenBatch", "tokenize_windows", "special_affixes"]
+__all__ = ["default_texts", "TokenBatch", "tokenize_windows", "special_affixes", "readable_token", "byte_level_text"]
 
 
 def default_texts(limit: int | None = None) -> list[str]:
@@ -105,3 +106,58 @@ def tokenize_windows(tokenizer, texts: list[str], seq_len: int, samples: int, se
     bos_ids = {tokenizer.bos_token_id, getattr(tokenizer, "cls_token_id", None)} - {None}
     added_bos = bool(prefix) and prefix[0] in bos_ids
     return TokenBatch(input_ids=ids, attention_mask=mask, tokens=tokens, added_bos=added_bos)
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: printable stand-in character → byte (Radford et al. 2019)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
+_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _visible(text: str) -> str:
+    return "".join(_ESCAPES.get(ch, ch if ch.isprintable() or ch == " " else f"\\x{ord(ch):02x}") for ch in text)
+
+
+def byte_level_text(piece: str) -> str:
+    """A byte-level BPE piece (GPT-2 alphabet: ``Ġ`` for a space, ``Ċ`` for a newline …) as readable text.
+
+    Bytes that do not form whole UTF-8 characters (a piece holding half of ``é``) show as ``\\xNN``;
+    control characters as ``\\n``, ``\\t`` …
+
+    >>> byte_level_text("Ġthe"), byte_level_text("ĠcafÃ©"), byte_level_text("Ã"), byte_level_text("Ċ")
+    (' the', ' café', '\\\\xc3', '\\\\n')
+    """
+    table = _byte_decoder()
+    if not all(ch in table for ch in piece):
+        return _visible(piece)
+    raw = bytes(table[ch] for ch in piece)
+    return _visible(raw.decode("utf-8", errors="backslashreplace"))
+
+
+def _is_byte_level(tokenizer) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and "ByteLevel" in f"{backend.decoder} {backend.pre_tokenizer}"
+
+
+def readable_token(tokenizer, token_id: int) -> str:
+    """Token ``token_id`` as a person reads it: byte-level pieces decoded (``Ġthe`` → ``" the"``),
+    SentencePiece's ``▁`` as a space, special tokens and WordPiece pieces (``##ing``) as they are,
+    control characters escaped. For tables and reports (escape it again for HTML)."""
+    piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    if piece is None:
+        return f"<id {int(token_id)}>"
+    if int(token_id) in set(getattr(tokenizer, "all_special_ids", ()) or ()):
+        return piece
+    if _is_byte_level(tokenizer):
+        return byte_level_text(piece)
+    return _visible(piece.replace("\u2581", " "))
