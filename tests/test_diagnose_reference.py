@@ -12,6 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
+from tiny_models import build, inputs_for
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -19,8 +20,6 @@ import sinklab
 from sinklab import metrics
 from sinklab.capture import AttentionCapture, ValueEdit
 from sinklab.diagnose import EDITS, diagnose_inputs
-
-from tiny_models import build, inputs_for
 
 LAYER, HEAD = 1, 2  # the edited head
 

@@ -182,7 +182,7 @@ class AttentionCapture:
     def _block_inputs(self, batch: dict) -> BlockInputs:
         final = getattr(self.last_output, "last_hidden_state", None)
         if final is None or self._calls is None or len(self._calls) != len(self._layers):
-            final_map, final = UNKNOWN_MAP, final
+            final_map = UNKNOWN_MAP
         else:
             final_map = find_final_map(self.model, self._layers, self._last_block, final, self._token_mask)
         return BlockInputs(calls=self._calls, token_mask=self._token_mask, final=final, final_map=final_map,

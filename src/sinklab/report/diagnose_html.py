@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import html
 import json
-from typing import TYPE_CHECKING
-
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .diagnose_figures import diagnosis_figures
 from .html import images_html, page, write_outputs
