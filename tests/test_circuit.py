@@ -191,6 +191,7 @@ def test_amplification_rules_on_a_twice_amplifying_series():
     assert amplification_blocks(ratio) == [1, 2, 5]
     assert first_amplification_run(ratio) == [1, 2]
     assert stage_amplification(ratio) == 1
+    assert stage_amplification([1.0, 1.3, 1.5]) is None  # no block doubles r
     assert amplification_blocks([1.0, 1.9, 3.7]) == []  # rises by ≥ 1 but never doubles
     assert amplification_blocks([0.4, 0.9, 1.0]) == []  # doubles but rises by only 0.5
 

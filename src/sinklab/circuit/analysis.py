@@ -74,10 +74,10 @@ class CircuitResult:
     ablation: dict
     massive: list[dict]  # (L+1) per hidden state
     causal: dict  # the causal check at amplification_layer
-    causal_early: dict  # the same at the last block of the first amplification run, if that is another block
     stage: dict
     uniform_baseline: float  # column mass of position 0 under uniform causal attention at seq_len
     tokens: list[list[str]]  # reference tokens of the first samples
+    causal_early: dict = field(default_factory=dict)  # the check at the first amplification run's last block
     rules: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
 

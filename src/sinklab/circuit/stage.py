@@ -44,7 +44,8 @@ LOCATION_RULE = ("over the layers where some early position p ∈ {0..P−1} has
 STAGE_RULE = ("no sink: no layer has Sink_p ≥ τ for any early position p; spread over the first positions: the sink "
               "is not on position 0 alone (location 'spread' or 'position k', k ≥ 1); settled on position 0: location "
               "'position 0', the first layer with Sink_0 ≥ τ is one of the first S blocks and so is the first "
-              "amplification block (the amplification layer where no block doubles r); forming in deep layers: "
+              "amplification block (not required where no block doubles r: an argmax of small rises is noise); forming "
+              "in deep layers: "
               "location 'position 0' otherwise. S = max(2, ⌈L/8⌉)")
 
 
@@ -76,13 +77,14 @@ def amplification_blocks(ratio: Sequence[float], *, factor: float = 2.0, min_ris
 
 
 def stage_amplification(ratio: Sequence[float]) -> int | None:
-    """The amplification the stage rule looks at: the first amplification block, else the amplification layer.
+    """The amplification the stage rule looks at: the first amplification block, ``None`` if no block doubles r.
 
     A model may amplify position 0 more than once (SmolLM2: blocks 1–2, then block 11); the seed's convergence
-    indicator is where the circuit *first* builds the norm up.
+    indicator is where the circuit *first* builds the norm up. Without any doubling, the argmax of small rises
+    flips between blocks from one checkpoint to the next, so the rule then ignores it.
     """
     blocks = amplification_blocks(ratio)
-    return blocks[0] if blocks else amplification_layer(ratio)
+    return blocks[0] if blocks else None
 
 
 def first_amplification_run(ratio: Sequence[float]) -> list[int]:
