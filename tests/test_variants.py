@@ -11,7 +11,7 @@ import transformers as tf
 import sinklab
 from sinklab.attention import sink_mass, softmax_with_sink
 from sinklab.errors import InputError, ModelWeightsError, UnsupportedModelError
-from sinklab.variants import VariantConfig, apply_variant, load, parse_variant, save
+from sinklab.variants import VARIANT_NAMES, VariantConfig, apply_variant, load, parse_variant, save
 
 from tiny_models import build
 
@@ -26,7 +26,7 @@ def tiny_llama(heads=4, kv=2, layers=2):
     return tf.LlamaForCausalLM(cfg).double()
 
 
-def test_softmax_with_sink_closed_forms_and_seed_example():
+def test_softmax_with_sink_closed_forms_and_worked_example():
     z = torch.randn(3, 5, dtype=torch.float64)
     torch.testing.assert_close(softmax_with_sink(z, -math.inf), torch.softmax(z, -1))
     w1 = softmax_with_sink(z, 0.0)  # softmax₁
@@ -188,3 +188,87 @@ def test_bad_variants_are_rejected():
     apply_variant(model, "gated")
     with pytest.raises(InputError, match="already applied"):
         apply_variant(model, "sink-logit")
+
+
+def _trained_like(model, name):
+    """Apply ``name`` and move every variant parameter away from its initial value (as training would)."""
+    apply_variant(model, name)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "sinklab_" in pname:
+                p.add_(torch.randn_like(p) * 0.5)
+    return model
+
+
+@pytest.mark.parametrize("name", [*sorted(VARIANT_NAMES), "gated+registers", "kv-bias+sink-logit"])
+def test_load_model_by_path_restores_every_variant(tmp_path, name):
+    model = _trained_like(tiny_llama().float().eval(), name)
+    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    save(model, tmp_path / "m")
+    loaded = sinklab.load_model(str(tmp_path / "m"))  # what scan, diagnose and stream call
+    assert loaded.model.config.sinklab_variant == model.config.sinklab_variant
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(input_ids=ids).logits, ref, atol=0, rtol=0)
+    if name == "gated":  # the bare transformers load drops the gate: the logits are not the trained model's
+        bare = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m")).eval()
+        with torch.no_grad():
+            assert float((bare(input_ids=ids).logits - ref).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma"])
+def test_variants_round_trip_on_other_llama_style_classes(tmp_path, arch):
+    model = _trained_like(build(arch), "sink-logit+gated")
+    ids = torch.randint(0, V, (1, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    save(model, tmp_path / arch)
+    loaded = sinklab.load_model(str(tmp_path / arch)).model
+    assert type(loaded) is type(model)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, ref, atol=0, rtol=0)
+
+
+def test_tampered_checkpoints_refuse_to_load(tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = _trained_like(tiny_llama().float(), "gated")
+    save(model, tmp_path / "good")
+    tensors = load_file(str(tmp_path / "good" / "model.safetensors"))
+
+    def tampered(label, change):
+        folder = tmp_path / label
+        shutil.copytree(tmp_path / "good", folder)
+        t = dict(tensors)
+        change(t)
+        save_file(t, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return str(folder)
+
+    extra = tampered("extra", lambda t: t.update({"model.layers.0.self_attn.extra_proj.weight": torch.zeros(2, 2)}))
+    with pytest.raises(ModelWeightsError, match=r"1 weight\(s\) in the files are not used.*extra_proj"):
+        sinklab.load_model(extra)
+    gate = tampered("gate", lambda t: t.pop("model.layers.1.self_attn.sinklab_gate.weight"))
+    with pytest.raises(ModelWeightsError, match="variant's weights are missing.*layers.1.self_attn.sinklab_gate.weight"):
+        sinklab.load_model(gate)
+    base = tampered("base", lambda t: t.pop("model.norm.weight"))
+    with pytest.raises(ModelWeightsError, match=r"not in the files \(they would stay random\): model.norm.weight"):
+        sinklab.load_model(base)
+    shape = tampered("shape", lambda t: t.update({"model.norm.weight": torch.ones(7)}))
+    with pytest.raises(ModelWeightsError):
+        sinklab.load_model(shape)
+    no_meta = tmp_path / "no-meta"
+    shutil.copytree(tmp_path / "good", no_meta)
+    (no_meta / "sinklab_variant.json").unlink()
+    config = json.loads((no_meta / "config.json").read_text())
+    config.pop("sinklab_variant")
+    (no_meta / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelWeightsError, match="variant weights without sinklab_variant.json"):
+        sinklab.load_model(str(no_meta))
+    weights = tmp_path / "good" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ModelWeightsError, match="corrupt or truncated"):
+        load(tmp_path / "good")

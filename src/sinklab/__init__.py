@@ -11,7 +11,7 @@ Main entry points::
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 from . import metrics  # noqa: E402
 from .capture import AttentionCapture, CaptureBatch, CaptureConfig  # noqa: E402
@@ -25,6 +25,8 @@ from .stream import SinkCache, StreamSession, stream_generate  # noqa: E402
 from .variants import VariantConfig, apply_variant, load, save  # noqa: E402
 from .attention import softmax_with_sink  # noqa: E402
 from .monitor import SinkMonitor  # noqa: E402
+from .circuit import CircuitResult  # noqa: E402
+from .circuit import circuit  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -58,4 +60,6 @@ __all__ = [
     "save",
     "softmax_with_sink",
     "SinkMonitor",
+    "CircuitResult",
+    "circuit",
 ]

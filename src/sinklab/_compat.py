@@ -11,6 +11,7 @@ with the output dense in a sibling module, DINOv2's LayerScale).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,27 @@ ATTN_IMPLEMENTATION = "sinklab_capture"
 _Q_NAMES = ("q_proj", "query", "q", "wq")
 _K_NAMES = ("k_proj", "key", "k", "wk")
 _O_NAMES = ("o_proj", "out_proj", "c_proj", "dense", "wo")
+
+
+@contextmanager
+def quiet_loading():
+    """Keep transformers' loading chatter (LOAD REPORT, weight-loading and shard-writing bars) off the terminal.
+
+    Callers check the loading info themselves (see :func:`sinklab.variants.strict_load_report`), so nothing
+    that matters is lost. Verbosity and the progress-bar switch are restored on exit.
+    """
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def transformers_version() -> str:
@@ -220,22 +242,27 @@ def _layer_scale(layer: nn.Module) -> Tensor | None:
 
 @torch.no_grad()
 def head_weights(layer: nn.Module, attn: nn.Module, n_heads: int, n_kv: int, head_dim: int) -> HeadWeights:
-    """Read ``attn``'s projections split per head; unknown layouts give ``None`` fields."""
-    qk = _split_qk(attn, n_heads, n_kv, head_dim)
-    if qk is not None and any(w.device.type == "meta" for w in qk):  # offloaded (accelerate): not readable
-        qk = None
-    wq, wk = (None, None) if qk is None else (qk[0].double().cpu(), qk[1].double().cpu())
-    wo = _output_weight(layer, attn)
-    if wo is not None and wo.device.type == "meta":
-        wo = None
-    if wo is not None and wo.shape[1] == n_heads * head_dim:
-        wo = wo.double().cpu()
-        gamma = _layer_scale(layer)
-        if gamma is not None:
-            wo = gamma.double().cpu()[:, None] * wo
-        wo = wo.reshape(wo.shape[0], n_heads, head_dim).permute(1, 0, 2).contiguous()  # (H, d, dh)
-    else:
-        wo = None
+    """Read ``attn``'s projections split per head; unknown layouts give ``None`` fields.
+
+    Weights that accelerate offloaded (``device_map`` with CPU/disk offload) are loaded for the read and
+    released again; the returned float64 CPU copies do not depend on them.
+    """
+    with offloaded_weights(layer):
+        qk = _split_qk(attn, n_heads, n_kv, head_dim)
+        if qk is not None and any(w.device.type == "meta" for w in qk):  # offloaded by an outer block
+            qk = None
+        wq, wk = (None, None) if qk is None else (qk[0].double().cpu(), qk[1].double().cpu())
+        wo = _output_weight(layer, attn)
+        if wo is not None and wo.device.type == "meta":
+            wo = None
+        if wo is not None and wo.shape[1] == n_heads * head_dim:
+            wo = wo.double().cpu()
+            gamma = _layer_scale(layer)
+            if gamma is not None:
+                wo = gamma.double().cpu()[:, None] * wo
+            wo = wo.reshape(wo.shape[0], n_heads, head_dim).permute(1, 0, 2).contiguous()  # (H, d, dh)
+        else:
+            wo = None
     return HeadWeights(wq=wq, wk=wk, wo=wo)
 
 
@@ -316,10 +343,63 @@ def rope_spec(model: nn.Module):
         raise UnsupportedModelError(f"{name} uses dynamic NTK RoPE, whose frequencies change with sequence length; "
                                     "streaming needs fixed frequencies.")
     module = found[0]
-    original = getattr(module, "original_inv_freq", None)
-    inv = module.inv_freq if original is None or rope_type != "dynamic" else original
-    return RopeSpec(inv_freq=inv.detach().double().cpu(), interleaved=False,
+    return RopeSpec(inv_freq=module.inv_freq.detach().double().cpu(), interleaved=False,
                     attention_scaling=float(getattr(module, "attention_scaling", 1.0)))
+
+
+def layer_rope_specs(model: nn.Module) -> list:
+    """One :class:`sinklab.rope.RopeSpec` per decoder layer (identical layers share one object).
+
+    Models with one rotary embedding get :func:`rope_spec` for every layer. Models whose rotary module holds
+    one set of frequencies per layer type (Gemma 3: ``sliding_attention_inv_freq`` (local base) and
+    ``full_attention_inv_freq`` (global base)) get each layer the frequencies of its ``config.layer_types`` entry.
+    """
+    from .rope import RopeSpec
+
+    config = getattr(model, "config", None)
+    n = num_layers(config) or 0
+    types = config_get(config, "layer_types")
+    if types:
+        for module in model.modules():
+            per_type = {t: getattr(module, f"{t}_inv_freq", None) for t in set(types)}
+            if all(isinstance(v, Tensor) and v.dim() == 1 for v in per_type.values()):
+                rope_type = getattr(module, "rope_type", {})
+                if any((rope_type.get(t) if isinstance(rope_type, dict) else rope_type) == "dynamic" for t in per_type):
+                    raise UnsupportedModelError(f"{type(model).__name__} uses dynamic NTK RoPE, whose frequencies "
+                                                "change with sequence length; streaming needs fixed frequencies.")
+                specs = {t: RopeSpec(inv_freq=v.detach().double().cpu(), interleaved=False,
+                                     attention_scaling=float(getattr(module, f"{t}_attention_scaling", 1.0)))
+                         for t, v in per_type.items()}
+                return [specs[t] for t in types]
+    spec = rope_spec(model)
+    return [spec] * n
+
+
+def layer_sliding_windows(model: nn.Module) -> list[int | None]:
+    """Each decoder layer's own attention window (keys a query sees, itself included), ``None`` for full attention.
+
+    Read from the config the way transformers' models build their masks: ``layer_types`` (``sliding_attention``
+    layers use ``sliding_window``; gpt-oss, Gemma 2/3, Qwen2 …), else one ``sliding_window`` for every layer
+    (Mistral, Phi-3). Other layer types (chunked, linear attention) cannot stream.
+    """
+    config = getattr(model, "config", None)
+    n = num_layers(config) or 0
+    window = config_get(config, "sliding_window")
+    types = config_get(config, "layer_types")
+    if config_get(config, "use_bidirectional_attention"):
+        raise UnsupportedModelError(f"{type(model).__name__} uses bidirectional attention; streaming needs a causal LM.")
+    if types:
+        out: list[int | None] = []
+        for i, kind in enumerate(types):
+            if kind == "full_attention":
+                out.append(None)
+            elif kind == "sliding_attention" and window is not None:
+                out.append(int(window))
+            else:
+                raise UnsupportedModelError(f"{type(model).__name__}: layer {i} has attention type {kind!r}; sinklab "
+                                            "streams full and sliding-window attention layers only.")
+        return out
+    return [int(window) if window is not None else None] * n
 
 
 def base_model(model: nn.Module) -> nn.Module:
@@ -341,3 +421,52 @@ def cache_argument(kwargs: dict) -> tuple[str | None, object]:
         if kwargs.get(key) is not None:
             return key, kwargs[key]
     return None, None
+
+
+@contextmanager
+def offloaded_weights(module: nn.Module):
+    """Make the parameters of ``module`` readable when accelerate's big-model dispatch offloaded them.
+
+    A model loaded with ``device_map`` (GPU/CPU/disk offload) keeps offloaded parameters on the ``meta``
+    device and loads them in a forward pre-hook. Reading weights outside a forward (weight statistics,
+    the NaN check) goes through this context manager, which loads them the same way for ``module`` and
+    its submodules only — one layer at a time, never the whole model — and releases them afterwards.
+    A model without offloaded parameters passes through untouched.
+    """
+    try:
+        from accelerate.utils import align_module_device, has_offloaded_params
+    except ImportError:  # pragma: no cover - accelerate is a dependency
+        yield module
+        return
+    with ExitStack() as stack:
+        for sub in module.modules():
+            if has_offloaded_params(sub):
+                stack.enter_context(align_module_device(sub))
+        yield module
+
+
+
+def named_weights(model: nn.Module):
+    """Yield ``(name, parameter)`` for every parameter, loading accelerate-offloaded blocks one at a time.
+
+    Equivalent to ``model.named_parameters()`` on an ordinary model; on a model dispatched with offload,
+    each offloaded block is loaded (as its forward would) while its parameters are yielded.
+    """
+    try:
+        from accelerate.utils import align_module_device, has_offloaded_params
+    except ImportError:  # pragma: no cover - accelerate is a dependency
+        yield from model.named_parameters()
+        return
+
+    def walk(prefix: str, module: nn.Module):
+        if has_offloaded_params(module):
+            with align_module_device(module):
+                for name, param in module.named_parameters():
+                    yield prefix + name, param
+            return
+        for name, param in module.named_parameters(recurse=False):
+            yield prefix + name, param
+        for name, child in module.named_children():
+            yield from walk(f"{prefix}{name}.", child)
+
+    yield from walk("", model)

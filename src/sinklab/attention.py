@@ -5,7 +5,7 @@
 ``sink_logit = −inf`` is the plain softmax). The weights over the real tokens then sum to
 ``1 − sink mass``, so a head can do (almost) nothing without parking attention on a real token.
 
-Worked example (seed 003): six value vectors, scores all ≈ 0. Without a sink each gets 1/6 and the
+Worked example: six value vectors, scores all ≈ 0. Without a sink each gets 1/6 and the
 output is their mean (norm 0.83 in the example); with a sink logit of 3 the sink takes
 ``e³ / (e³ + 6) = 77 %`` and the output shrinks by the same factor to 0.19:
 

@@ -17,3 +17,10 @@ class InputError(SinklabError, ValueError):
 
 class ModelWeightsError(SinklabError, ValueError):
     """The model's weights are unusable (NaN/inf) or do not match its tokenizer."""
+
+
+class SinklabWarning(UserWarning):
+    """A run that works but whose numbers need care (e.g. a model run past its trained positions).
+
+    The command line prints these as one yellow ``warning:`` line.
+    """

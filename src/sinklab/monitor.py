@@ -2,7 +2,9 @@
 
 At chosen steps the monitor scans a fixed probe batch with :func:`sinklab.scan_inputs` and logs, per
 layer: Sink_1^ε (sink rate at position 0), the mean attention each head gives position 0, position 0's
-hidden-norm ratio (block output over the median of the other tokens), massive activations — plus the
+hidden-norm ratio (block output over the median of the other tokens), massive activations, Sink^ε of the
+first positions, the amplification layer and the P0-circuit stage (:func:`sinklab.circuit.classify_stage`:
+no sink / forming in deep layers / spread over the first positions / settled on position 0) — plus the
 loss and tokens seen. Records go to a JSONL file; :meth:`SinkMonitor.figure` draws the emergence figure
 (metrics vs tokens seen, one line per layer).
 """
@@ -16,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from . import metrics
+from .circuit.stage import amplification_layer, classify_stage, stage_amplification
 
 __all__ = ["SinkMonitor", "SinkMonitorCallback", "emergence_figure"]
 
@@ -47,8 +50,12 @@ class SinkMonitor:
             r = scan_inputs(self.model, [self.probe], [[""] * n] * next(iter(self.probe.values())).shape[0],
                             candidates=(0,), map_len=0, thresholds={"eps": self.eps})
         self.model.train(was_training)
-        norms = r.hidden_norm[:, 1:].double()  # (S, L, T) block outputs
-        ratio = (norms[..., 0] / norms[..., 1:].nanmedian(-1).values).nanmean(0)
+        all_norms = r.hidden_norm.double()  # (S, L+1, T): embeddings, then block outputs
+        ratio_all = (all_norms[..., 0] / all_norms[..., 1:].nanmedian(-1).values).nanmean(0)  # (L+1,)
+        ratio = ratio_all[1:]
+        early = [r.sink_rate_per_layer(p, self.eps).tolist() for p in range(min(4, n))]  # [P][L]
+        amp = amplification_layer(ratio_all.tolist())
+        stage = classify_stage(early, stage_amplification(ratio_all.tolist()))
         massive = metrics.is_massive(r.hidden_max_abs[:, 1:].double(), r.hidden_median_abs[:, 1:].double())
         return {
             "sink_rate_0": r.sink_rate_per_layer(0, self.eps).tolist(),
@@ -58,6 +65,10 @@ class SinkMonitor:
             "max_activation": r.hidden_max_abs[:, 1:].double().nan_to_num(0).amax(dim=(0, 2)).tolist(),
             "value_norm_ratio_0": metrics.value_norm_ratio(r.value_norm_out.double(), 0, r.token_mask[:, None, None])
             .nanmean(0).tolist(),  # [L][H] output-space value norm of position 0 vs the rest
+            "sink_rate_early": early,  # [P][L] Sink_p^ε per layer for the first positions
+            "amplification_layer": amp,  # block with the largest rise of ‖x₀‖ / median ‖x_i‖
+            "stage": stage["stage"],
+            "sink_location": stage["location"],
         }
 
     def step(self, step: int, *, loss: float | None = None, tokens: int | None = None, force: bool = False) -> dict | None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import Tensor
 
 from .errors import InputError
 
-__all__ = ["default_texts", "TokenBatch", "tokenize_windows", "special_affixes"]
+__all__ = ["default_texts", "TokenBatch", "tokenize_windows", "special_affixes", "readable_token", "byte_level_text"]
 
 
 def default_texts(limit: int | None = None) -> list[str]:
@@ -56,12 +57,14 @@ class TokenBatch:
             }
 
 
-def tokenize_windows(tokenizer, texts: list[str], seq_len: int, samples: int) -> TokenBatch:
+def tokenize_windows(tokenizer, texts: list[str], seq_len: int, samples: int, seed: int = 0) -> TokenBatch:
     """Cut ``texts`` into at most ``samples`` windows of at most ``seq_len`` tokens (special tokens included).
 
     Windows are taken round-robin: the first window of every text, then the second of every text …
     so a handful of long texts still gives varied samples. Each window gets the tokenizer's own
-    special tokens (BOS or [CLS] … [SEP]) as a normal encoding would.
+    special tokens (BOS or [CLS] … [SEP]) as a normal encoding would. ``seed`` 0 takes the texts in
+    order from their first token; another seed shuffles the texts and starts each one at a random
+    token offset (less than one window), so different seeds give different, reproducible samples.
     """
     if seq_len < 2:
         raise InputError(f"--seq-len must be at least 2 tokens to measure attention sinks, got {seq_len}")
@@ -75,6 +78,11 @@ def tokenize_windows(tokenizer, texts: list[str], seq_len: int, samples: int) ->
     if body < 1:
         raise InputError(f"--seq-len {seq_len} leaves no room for text after {len(prefix) + len(suffix)} special tokens")
     per_text = [tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"] for t in texts if t.strip()]
+    if seed:
+        gen = torch.Generator().manual_seed(int(seed))
+        order = torch.randperm(len(per_text), generator=gen).tolist()
+        offsets = torch.randint(0, body, (len(per_text),), generator=gen).tolist()
+        per_text = [per_text[i][off:] or per_text[i] for i, off in zip(order, offsets)]
     chunks = [[ids[i : i + body] for i in range(0, len(ids), body)] for ids in per_text]
     windows: list[list[int]] = []
     depth = 0
@@ -98,3 +106,58 @@ def tokenize_windows(tokenizer, texts: list[str], seq_len: int, samples: int) ->
     bos_ids = {tokenizer.bos_token_id, getattr(tokenizer, "cls_token_id", None)} - {None}
     added_bos = bool(prefix) and prefix[0] in bos_ids
     return TokenBatch(input_ids=ids, attention_mask=mask, tokens=tokens, added_bos=added_bos)
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: printable stand-in character → byte (Radford et al. 2019)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
+_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _visible(text: str) -> str:
+    return "".join(_ESCAPES.get(ch, ch if ch.isprintable() or ch == " " else f"\\x{ord(ch):02x}") for ch in text)
+
+
+def byte_level_text(piece: str) -> str:
+    """A byte-level BPE piece (GPT-2 alphabet: ``Ġ`` for a space, ``Ċ`` for a newline …) as readable text.
+
+    Bytes that do not form whole UTF-8 characters (a piece holding half of ``é``) show as ``\\xNN``;
+    control characters as ``\\n``, ``\\t`` …
+
+    >>> byte_level_text("Ġthe"), byte_level_text("ĠcafÃ©"), byte_level_text("Ã"), byte_level_text("Ċ")
+    (' the', ' café', '\\\\xc3', '\\\\n')
+    """
+    table = _byte_decoder()
+    if not all(ch in table for ch in piece):
+        return _visible(piece)
+    raw = bytes(table[ch] for ch in piece)
+    return _visible(raw.decode("utf-8", errors="backslashreplace"))
+
+
+def _is_byte_level(tokenizer) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and "ByteLevel" in f"{backend.decoder} {backend.pre_tokenizer}"
+
+
+def readable_token(tokenizer, token_id: int) -> str:
+    """Token ``token_id`` as a person reads it: byte-level pieces decoded (``Ġthe`` → ``" the"``),
+    SentencePiece's ``▁`` as a space, special tokens and WordPiece pieces (``##ing``) as they are,
+    control characters escaped. For tables and reports (escape it again for HTML)."""
+    piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    if piece is None:
+        return f"<id {int(token_id)}>"
+    if int(token_id) in set(getattr(tokenizer, "all_special_ids", ()) or ()):
+        return piece
+    if _is_byte_level(tokenizer):
+        return byte_level_text(piece)
+    return _visible(piece.replace("\u2581", " "))

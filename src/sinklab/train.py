@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -58,6 +61,13 @@ class TrainConfig:
             raise InputError("seq_len must be ≥ 3")
         if not (self.lr > 0 and self.weight_decay >= 0):
             raise InputError("lr must be > 0 and weight_decay ≥ 0")
+        for name in ("warmup", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise InputError(f"{name} must be ≥ 0, got {getattr(self, name)}")
+        if self.max_chars is not None and self.max_chars < 1:
+            raise InputError(f"max_chars must be ≥ 1 (or None for the whole corpus), got {self.max_chars}")
+        if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
+            raise InputError(f"kv_heads {self.kv_heads} must be ≥ 1 and divide heads {self.heads}")
 
 
 def build_model(cfg: TrainConfig, vocab: int, bos_id: int | None, eos_id: int | None, pad_id: int | None) -> nn.Module:
@@ -68,6 +78,7 @@ def build_model(cfg: TrainConfig, vocab: int, bos_id: int | None, eos_id: int | 
                          num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
                          num_key_value_heads=cfg.kv_heads or cfg.heads, max_position_embeddings=max(2048, cfg.seq_len),
                          tie_word_embeddings=True, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id)
+    config.sinklab_trained_positions = cfg.seq_len  # RoPE runs longer than this warn (sinklab.models.max_positions)
     config._attn_implementation = "sdpa"
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(config)
@@ -126,12 +137,18 @@ def bb_metrics(model: nn.Module, task, probe: Tensor) -> dict:
             "trigger_share": float(trig[:, 1:].double().mean())}
 
 
-def train(cfg: TrainConfig, out: str | Path, progress: Callable[[int, float], None] | None = None) -> dict:
-    """Train, monitor and checkpoint; returns a summary (also written to ``out/summary.json``)."""
+def train(cfg: TrainConfig, out: str | Path, progress: Callable[[int, float], None] | None = None,
+          phase: Callable[[str], None] | None = None) -> dict:
+    """Train, monitor and checkpoint; returns a summary (also written to ``out/summary.json``).
+
+    ``progress(step, loss)`` after every step; ``phase(name)`` when a stage starts ("training the tokenizer",
+    "training", "measuring"). ``out`` is created only once the data is ready, so bad data leaves nothing;
+    checkpoints written before an error or Ctrl-C stay (a run can be inspected or continued from them).
+    """
     from .variants import save
 
+    phase = phase or (lambda name: None)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     tokenizer, task = None, None
@@ -142,8 +159,10 @@ def train(cfg: TrainConfig, out: str | Path, progress: Callable[[int, float], No
         sample, vocab, corpus_tokens = task.sample, cfg.bb_vocab + 1, None
         model = build_model(cfg, vocab, task.bos, None, None)
     else:
+        phase("training the tokenizer")
         tokenizer, sample, vocab, corpus_tokens = _text_data(cfg)
         model = build_model(cfg, vocab, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=1))
     probe = sample(8, torch.Generator().manual_seed(cfg.seed + 99))
     monitor = SinkMonitor(model, {"input_ids": probe}, every=cfg.monitor_every, path=out / "monitor.jsonl")
@@ -154,6 +173,7 @@ def train(cfg: TrainConfig, out: str | Path, progress: Callable[[int, float], No
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup)) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.steps))))
     model.train()
+    phase("training")
     tokens = 0
     start = time.perf_counter()
     loss_value = float("nan")
@@ -176,6 +196,7 @@ def train(cfg: TrainConfig, out: str | Path, progress: Callable[[int, float], No
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != cfg.steps:
             _checkpoint(model, tokenizer, out / f"checkpoint-{step}", save)
     model.eval()
+    phase("measuring")
     final = _checkpoint(model, tokenizer, out / "final", save)
     monitor.figure(out / "emergence.png")
     summary = {"steps": cfg.steps, "tokens": tokens, "seconds": time.perf_counter() - start, "final_loss": loss_value,
@@ -187,7 +208,15 @@ def train(cfg: TrainConfig, out: str | Path, progress: Callable[[int, float], No
 
 
 def _checkpoint(model: nn.Module, tokenizer, path: Path, save) -> Path:
-    save(model, path)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(path))
+    """Write a checkpoint folder atomically (a temporary sibling renamed into place): never half a checkpoint."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        save(model, tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -1,55 +1,183 @@
-"""Shared pieces of the command line: the Typer app, consoles, error handling, loading, progress."""
+"""Shared pieces of the command line: the Typer app, consoles, error handling, loading, outputs, progress.
+
+Every command wraps its body in :func:`_user_errors`, checks ``--out`` with :func:`check_out_dir` before
+loading anything, and writes its outputs through :func:`atomic_output` (or a writer that is atomic itself),
+so bad input gives one red line and exit code 2, Ctrl-C gives exit code 130, and neither leaves a partial
+output folder behind.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..errors import SinklabError
+from ..errors import InputError, SinklabError, SinklabWarning
+from ..models import BUILTIN_MODELS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Find, explain, use and fix attention sinks.")
 console = Console(stderr=False)
 err = Console(stderr=True)
 
+#: Help text of every command's MODEL argument: each builtin, a local folder or a hub id.
+MODEL_HELP = ", ".join(sorted(BUILTIN_MODELS)) + ", a local model folder or a hub id"
+#: Help text of every ``--trust-remote-code`` flag.
+TRUST_HELP = "run the Python code of the model repository (off unless given)"
+
+
+def trust_remote_code_option():
+    """``--trust-remote-code`` as a flag: ``Annotated[bool, trust_remote_code_option()] = False``.
+
+    ``metavar=""`` keeps the help from showing a ``<bool>`` value type: the flag takes no value.
+    """
+    return typer.Option("--trust-remote-code", help=TRUST_HELP, metavar="")
+
+
+def _version(value: bool) -> None:
+    if value:
+        import torch
+        import transformers
+
+        from .. import __version__
+
+        console.print(f"sinklab {__version__} (transformers {transformers.__version__}, torch {torch.__version__})",
+                      highlight=False)
+        raise typer.Exit()
+
 
 @app.callback()
-def _main() -> None:
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, metavar="",
+                                          help="print the versions and exit")] = False,
+) -> None:
     """sinklab: attention-sink scanning for Hugging Face transformers models."""
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
+    err.print(f"[yellow]warning:[/yellow] {message}", highlight=False, soft_wrap=True)
+
+
 @contextmanager
-def _user_errors():
-    """Turn sinklab's input errors into one red line and exit code 2 (no traceback, no partial output)."""
+def _user_errors(interrupted: str | None = None) -> Iterator[None]:
+    """Turn sinklab's input errors into one red line and exit code 2 (no traceback, no partial output).
+
+    Ctrl-C prints one line (``interrupted``, e.g. where the checkpoints are) and exits with 130, the shell's
+    code for SIGINT. :class:`~sinklab.errors.SinklabWarning` s print as one yellow line each.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", SinklabWarning)
+        previous = warnings.showwarning
+        warnings.showwarning = lambda m, c, *a, **k: (_show_warning(m, c, *a, **k) if issubclass(c, SinklabWarning)
+                                                      else previous(m, c, *a, **k))
+        try:
+            yield
+        except SinklabError as exc:
+            err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(code=2) from None
+        except KeyboardInterrupt:
+            err.print(f"[red]interrupted:[/red] {interrupted or 'no output written'}", highlight=False, soft_wrap=True)
+            raise typer.Exit(code=130) from None
+        finally:
+            warnings.showwarning = previous
+
+
+def check_out_dir(out: Path | str, option: str = "--out") -> Path:
+    """Raise :class:`InputError` unless ``out`` can become an output folder; call it before loading a model.
+
+    ``out`` may exist (a folder: files in it are replaced) or not (its nearest existing parent must be a
+    folder sinklab can create entries in — tried for real, so it also holds for read-only mounts). Nothing
+    is left behind by the check.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{option} {out}: is an existing file, not a folder; give a folder path")
+    probe = out
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise InputError(f"{option} {out}: {probe} is a file, so no folder can be made under it")
     try:
-        yield
-    except SinklabError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(code=2) from None
+        Path(tempfile.mkdtemp(prefix=".sinklab-check-", dir=probe)).rmdir()
+    except OSError as exc:
+        raise InputError(f"{option} {out}: cannot write in {probe} ({exc.strerror or exc}); choose another folder") from exc
+    return out
 
 
-def _load(model: str, **kwargs):
+@contextmanager
+def atomic_output(out: Path | str) -> Iterator[Path]:
+    """Yield a temporary folder beside ``out``; its files move into ``out`` only when the block succeeds.
+
+    On an error or Ctrl-C the temporary folder is removed and ``out`` is untouched (not even created).
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".sinklab-", dir=out.parent))
+    try:
+        yield tmp
+        out.mkdir(exist_ok=True)
+        for item in tmp.iterdir():
+            target = out / item.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            os.replace(item, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load(model: str, *, needs_tokenizer: bool = True, **kwargs):
+    """Load ``model`` with a spinner; text commands need its tokenizer (a token-id checkpoint has none)."""
     from ..models import load_model
 
     with console.status(f"loading {model} …"):
-        return load_model(model, **kwargs)
+        loaded = load_model(model, **kwargs)
+    if needs_tokenizer and loaded.tokenizer is None:
+        raise InputError(f"{model}: this checkpoint has no tokenizer, so it cannot read text (a `sinklab train "
+                         "--data bb` checkpoint works on token ids only); use a model folder with tokenizer files")
+    return loaded
 
 
-def _read_texts(text: str | None, file: Path | None) -> list[str] | None:
+def _read_texts(text: str | None, file: Path | None, option: str = "--text") -> list[str] | None:
+    """``[text]``, ``[contents of file]`` or ``None`` (neither: the command's default corpus)."""
     if text is not None and file is not None:
-        raise SinklabError("give either --text or --file, not both")
+        raise InputError(f"give either {option} or --file, not both")
     if text is not None:
+        if not text.strip():
+            raise InputError(f"{option} is empty; give some text, or leave it out for the default corpus")
         return [text]
     if file is not None:
+        if file.is_dir():
+            raise InputError(f"--file {file}: is a folder, not a text file")
         if not file.is_file():
-            raise SinklabError(f"--file {file}: no such file")
-        return [file.read_text(encoding="utf-8")]
+            raise InputError(f"--file {file}: no such file")
+        try:
+            body = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"--file {file}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                             f"{exc.start}); give a UTF-8 text file") from None
+        if not body.strip():
+            raise InputError(f"--file {file} is empty (or only whitespace)")
+        return [body]
     return None
 
 
-def _progress(total: int) -> Progress:
+def check_count(value: int | None, option: str, minimum: int = 1) -> None:
+    """Raise :class:`InputError` if an integer option is below ``minimum`` (``None`` means "default")."""
+    if value is not None and value < minimum:
+        raise InputError(f"{option} must be ≥ {minimum}, got {value}")
+
+
+def _progress(total: int | None = None) -> Progress:
+    """A transient bar on stderr: description, bar, done/total, elapsed (give each task its total)."""
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=err, transient=True)

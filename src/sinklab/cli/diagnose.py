@@ -10,6 +10,7 @@ from rich.table import Table
 
 from ..errors import SinklabError
 from ._common import _load, _progress, _read_texts, _user_errors, app, console
+from ._progress import PhaseBars, print_warnings
 
 
 @app.command()
@@ -26,11 +27,13 @@ def diagnose(
     broadcast_min: Annotated[float, typer.Option("--broadcast-min", help="broadcast if r_out ≥ this …")] = 0.5,
     broadcast_srank: Annotated[float, typer.Option("--broadcast-srank", help="… and stable rank ≤ this")] = 1.5,
     edits: Annotated[bool, typer.Option("--edits/--no-edits", help="run the causal value edits")] = True,
+    edit_samples: Annotated[int, typer.Option("--edit-samples", help="samples the causal edits run on")] = 4,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     device: Annotated[str | None, typer.Option("--device")] = None,
     revision: Annotated[str | None, typer.Option("--revision")] = None,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="0: texts in order; other: shuffled texts, random window offsets; also the control edit")] = 0,
 ) -> None:
     """Classify MODEL's sinks (NOP / broadcast), run causal value edits, write diagnosis.json and report.html."""
     from ..diagnose import diagnose as run_diagnose
@@ -40,12 +43,12 @@ def diagnose(
         loaded = _load(model, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code)
         rules = {"rule": rule, "sink_mass": sink_mass, "nop_max_ratio": nop_max,
                  "broadcast_min_ratio": broadcast_min, "broadcast_max_srank": broadcast_srank}
-        with _progress(samples) as progress:
-            task = progress.add_task("diagnosing", total=samples)
-            d = run_diagnose(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples, rules=rules,
-                             edits=edits, seed=seed, source=model, revision=revision,
-                             progress=lambda n: progress.advance(task, n))
+        with PhaseBars({"scan": "statistics pass (samples)", "edits": "causal edits (edited passes)"}) as progress:
+            d = run_diagnose(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
+                             batch_size=batch_size, rules=rules, edits=edits, edit_samples=edit_samples, seed=seed,
+                             source=model, revision=revision, progress=progress)
         _print_diagnosis(d)
+        print_warnings(d.scan.meta)
         report = d.save(out)
         console.print(f"wrote {out / 'diagnosis.json'}, figures and {report}")
 
@@ -54,11 +57,13 @@ def diagnose(
 def synth(
     task: Annotated[str, typer.Argument(help="nop (conditional damping) or broadcast (global broadcast)")],
     steps: Annotated[int | None, typer.Option("--steps", help="training steps (default: 2000 nop, 3000 broadcast)")] = None,
-    batch: Annotated[int, typer.Option("--batch")] = 256,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="samples per step")] = 256,
+    batch_alias: Annotated[int | None, typer.Option("--batch", hidden=True, help="old name of --batch-size")] = None,
     lr: Annotated[float, typer.Option("--lr")] = 3e-3,
     gamma: Annotated[float, typer.Option("--gamma", help="nop: active tokens' target is gamma·x")] = 0.0,
     dim: Annotated[int, typer.Option("--dim", help="model width d")] = 64,
-    tokens: Annotated[int, typer.Option("--tokens", help="sequence length N")] = 32,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="tokens per sample N (the BOS slot comes on top)")] = 32,
+    tokens_alias: Annotated[int | None, typer.Option("--tokens", hidden=True, help="old name of --seq-len")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="output folder (default sinklab-synth-TASK)")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
 ) -> None:
@@ -66,20 +71,30 @@ def synth(
     import json
 
     from ..synth import BroadcastTask, NopTask, run_broadcast, run_nop
+    from ._common import atomic_output, check_count, check_out_dir
 
     with _user_errors():
         if task not in ("nop", "broadcast"):
             raise SinklabError(f"unknown synthetic task {task!r}; choose 'nop' or 'broadcast'")
-        if (steps is not None and steps < 1) or batch < 1 or dim < 2 or tokens < 2:
-            raise SinklabError("--steps, --batch must be ≥ 1 and --dim, --tokens ≥ 2")
-        out = out or Path(f"sinklab-synth-{task}")
-        with console.status(f"training the {task} task on CPU …"):
+        batch_size = batch_alias if batch_alias is not None else batch_size
+        seq_len = tokens_alias if tokens_alias is not None else seq_len
+        check_count(steps, "--steps")
+        check_count(batch_size, "--batch-size")
+        check_count(dim, "--dim", 2)
+        check_count(seq_len, "--seq-len", 2)
+        if not lr > 0:
+            raise SinklabError(f"--lr must be > 0, got {lr}")
+        out = check_out_dir(out or Path(f"sinklab-synth-{task}"))
+        total = steps or (2000 if task == "nop" else 3000)
+        with _progress(total) as progress:
+            bar = progress.add_task(f"training the {task} task on CPU", total=total)
+            advance = lambda step, loss: progress.update(bar, completed=step)  # noqa: E731
             if task == "nop":
-                result = run_nop(NopTask(d=dim, n=tokens, gamma=gamma, seed=seed), steps=steps or 2000, batch=batch,
-                                 lr=lr, seed=seed)
+                result = run_nop(NopTask(d=dim, n=seq_len, gamma=gamma, seed=seed), steps=total, batch=batch_size,
+                                 lr=lr, seed=seed, progress=advance)
             else:
-                result = run_broadcast(BroadcastTask(d=dim, n=tokens, seed=seed), steps=steps or 3000, batch=batch,
-                                       lr=lr, seed=seed)
+                result = run_broadcast(BroadcastTask(d=dim, n=seq_len, seed=seed), steps=total, batch=batch_size,
+                                       lr=lr, seed=seed, progress=advance)
         _print_diagnosis(result.diagnosis)
         table = Table(title=f"synthetic {task} task")
         table.add_column("metric")
@@ -87,25 +102,30 @@ def synth(
         for key, value in result.metrics.items():
             table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
         console.print(table)
-        report = result.diagnosis.save(out)
-        (out / "synth.json").write_text(json.dumps({"task": task, "metrics": result.metrics, "log": result.log}, indent=1))
-        console.print(f"wrote {out / 'synth.json'}, {out / 'diagnosis.json'}, figures and {report}")
+        with atomic_output(out) as tmp:
+            result.diagnosis.save(tmp)
+            (tmp / "synth.json").write_text(json.dumps({"task": task, "metrics": result.metrics, "log": result.log},
+                                                       indent=1))
+        console.print(f"wrote {out / 'synth.json'}, {out / 'diagnosis.json'}, figures and {out / 'report.html'}")
 
 
 def _print_diagnosis(d) -> None:
     if not d.found:
         console.print(f"no sinks found (rule {d.rules['rule']!r}): no head's dominant column passed it")
     table = Table(title=f"{d.scan.meta['model']} — sinks per layer ({len(d.records)} in {d.scan.num_samples} samples)")
-    for col in ("layer", "sink %", "nop", "broadcast", "unclass.", "top token", "med r_out", "med srank"):
+    for col in ("layer", "sink %", "nop", "broadcast", "unclass.", "top sink (role@pos)", "there %", "med r_out",
+                "med srank"):
         table.add_column(col, justify="right")
     for r in d.per_layer():
         table.add_row(str(r["layer"]), f"{r['sink_pct']:.0f}", str(r["counts"]["nop"]), str(r["counts"]["broadcast"]),
-                      str(r["counts"]["unclassified"]), str(r["top_token"] or "–"),
+                      str(r["counts"]["unclassified"]), r["top_sink"] or "–",
+                      "–" if r["top_sink_pct"] is None else f"{r['top_sink_pct']:.0f}",
                       "–" if r["median_value_ratio_out"] is None else f"{r['median_value_ratio_out']:.3f}",
                       "–" if r["median_stable_rank"] is None else f"{r['median_stable_rank']:.2f}")
     console.print(table)
     if d.edits:
-        edits = Table(title="causal value edits: relative RMS change of the final hidden states")
+        n_edit = d.scan.meta.get("edit_samples", d.scan.num_samples)
+        edits = Table(title=f"causal value edits: relative RMS change of the final hidden states ({n_edit} samples)")
         edits.add_column("head")
         edits.add_column("class")
         for name in d.edits[0].hidden:

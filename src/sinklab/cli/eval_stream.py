@@ -1,7 +1,8 @@
-"""``sinklab eval-stream``."""
+"""``sinklab eval-stream``: per-token NLL of dense / window / recompute / sinks on the same positions of a long text."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -9,65 +10,114 @@ import typer
 from rich.table import Table
 
 from ..errors import SinklabError
-from ._common import _load, _progress, _user_errors, app, console
+from ..provenance import provenance
+from ._common import (
+    MODEL_HELP,
+    TRUST_HELP,
+    _load,
+    _progress,
+    _read_texts,
+    _user_errors,
+    app,
+    check_out_dir,
+    console,
+    err,
+)
+
+_DEFAULT_TEXT = "Python's pydoc topics (sinklab.texts.default_texts)"
+
+
+def _read_long_text(file: Path | None) -> tuple[str, str]:
+    """The text and where it came from; a missing, binary, non-UTF-8 or empty ``--file`` is an error."""
+    from ..texts import default_texts
+
+    if file is None:
+        return "\n\n".join(default_texts()), _DEFAULT_TEXT
+    (text,) = _read_texts(None, file)
+    if "\x00" in text:
+        raise SinklabError(f"--file {file} looks binary (it contains NUL bytes); give a UTF-8 text file")
+    return text, str(file)
 
 
 @app.command("eval-stream")
 def eval_stream(
-    model: Annotated[str, typer.Argument(help="a RoPE causal LM: builtin:tiny-llama, a local path or a hub id")],
+    model: Annotated[str, typer.Argument(help="a RoPE causal LM: " + MODEL_HELP)],
     file: Annotated[Path | None, typer.Option("--file", help="long UTF-8 text (default: Python's pydoc topics)")] = None,
-    tokens: Annotated[int, typer.Option("--tokens", help="tokens to evaluate")] = 4000,
-    sinks: Annotated[int, typer.Option("--sinks")] = 4,
-    window: Annotated[int, typer.Option("--window")] = 256,
-    dense_limit: Annotated[int, typer.Option("--dense-limit", help="dense attention stops here")] = 2048,
-    recompute_limit: Annotated[int, typer.Option("--recompute-limit", help="recompute is O(W)/token")] = 300,
+    tokens: Annotated[int, typer.Option("--tokens", help="length of the evaluated text, in tokens")] = 4096,
+    methods: Annotated[str, typer.Option("--methods", help="comma-separated: dense,window,recompute,sinks")] =
+        "dense,window,recompute,sinks",
+    sinks: Annotated[str, typer.Option("--sinks", help="sink counts S, e.g. 4 or the ablation 0,1,2,4,8")] = "4",
+    window: Annotated[int, typer.Option("--window", help="window W of the largest S; cache size C = max(S) + W")] = 1020,
+    cache_size: Annotated[int | None, typer.Option("--cache-size", help="total cache C = S + W (overrides --window)")] = None,
+    stride: Annotated[int | None, typer.Option("--stride", help="score every k-th position (default: 1, or ≤ 128 "
+                                                               "recompute windows when recompute runs)")] = None,
+    chunk_size: Annotated[int, typer.Option("--chunk-size", help="tokens per forward in chunked prefill")] = 256,
     out: Annotated[Path, typer.Option("--out")] = Path("sinklab-eval-stream"),
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     device: Annotated[str | None, typer.Option("--device")] = None,
-    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help=TRUST_HELP)] = False,
 ) -> None:
-    """Running perplexity over a long text: dense, window-only, recompute, sinks + window (JSON and a plot)."""
-    import json
-
+    """Per-token NLL over a long text: dense, window-only, recompute and sinks + window, all at cache size
+    C = S + W and scored on the same positions (from the first eviction on). Writes JSON, figures and HTML."""
     import torch
 
-    from ..stream.evaluate import evaluate_stream, running_ppl
-    from ..texts import default_texts
+    from ..report.stream_figures import write_eval_stream
+    from ..stream.evaluate import EvalPlan, evaluate_stream, parse_sinks
 
     with _user_errors():
-        if tokens < 2 or window < 1 or sinks < 0:
-            raise SinklabError("--tokens must be ≥ 2, --window ≥ 1 and --sinks ≥ 0")
-        text = file.read_text(encoding="utf-8") if file is not None else "\n\n".join(default_texts())
-        if file is not None and not text.strip():
-            raise SinklabError(f"--file {file} is empty")
-        loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-        ids = torch.tensor(loaded.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"][:tokens])
-        with _progress(tokens) as progress:
-            task = progress.add_task("sinks + window", total=ids.numel() - 1)
-            result = evaluate_stream(loaded.model, ids, num_sinks=sinks, window=window, dense_limit=dense_limit,
-                                     recompute_limit=recompute_limit, progress=lambda n: progress.advance(task, n))
-        result["model"] = model
-        table = Table(title=f"{model}: running perplexity over {ids.numel()} tokens (S={sinks}, W={window})")
-        for col in ("method", "tokens", "PPL", "s/token"):
-            table.add_column(col, justify="right")
-        for name, curve in result["curves"].items():
-            table.add_row(name, str(curve["tokens"]), "–" if curve["ppl"] is None else f"{curve['ppl']:.2f}",
-                          f"{curve['seconds_per_token'] * 1e3:.2f} ms")
-        console.print(table)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "eval_stream.json").write_text(json.dumps(result, indent=1))
-        from ..report.figures import plt
+        if window < 1:
+            raise SinklabError(f"--window must be ≥ 1, got {window}")
+        counts = parse_sinks(sinks)
+        c = cache_size if cache_size is not None else max(counts) + window
+        plan = EvalPlan(methods=methods, sinks=counts, cache_size=c, stride=stride, chunk_size=chunk_size)
+        if tokens <= plan.first:
+            raise SinklabError(f"--tokens {tokens}: scoring starts after the first eviction, at position {plan.first} "
+                               f"(cache size {c}); ask for more tokens (several cache lengths, e.g. {4 * c})")
+        text, source = _read_long_text(file)
+        check_out_dir(out)
 
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for name, curve in result["curves"].items():
-            ppl = running_ppl(torch.tensor(curve["nll"]))
-            if ppl:
-                ax.plot(range(1, len(ppl) + 1), ppl, label=name)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens")
-        ax.set_ylabel("running perplexity")
-        ax.axvline(sinks + window, color="grey", ls=":", lw=1, label="first eviction")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "eval_stream.png", dpi=110)
-        console.print(f"wrote {out / 'eval_stream.json'} and {out / 'eval_stream.png'}")
+        loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        tok = loaded.tokenizer
+        encoded = tok(text[: tokens * 16], add_special_tokens=True, verbose=False)["input_ids"]
+        if len(encoded) < tokens:
+            encoded = tok(text, add_special_tokens=True, verbose=False)["input_ids"]
+        ids = torch.tensor(encoded[:tokens])
+        if ids.numel() <= plan.first:
+            raise SinklabError(f"the text has only {ids.numel()} tokens; scoring starts at position {plan.first} "
+                               f"(cache size {c}): give a longer --file or a smaller cache")
+        total = plan.work(ids.numel())
+        with _progress(total) as progress:
+            task = progress.add_task("eval-stream", total=total)
+            result = evaluate_stream(loaded.model, ids, plan,
+                                     progress=lambda label, n: progress.update(task, advance=n, description=label))
+        first = int(ids[0])
+        result.meta = {
+            "model": model, "text": source,
+            "first_token": {"id": first, "text": tok.convert_ids_to_tokens(first),
+                            "special": first in set(getattr(tok, "all_special_ids", []) or [])},
+            "provenance": provenance(sys.argv, loaded, texts=[text]),
+        }
+        data = result.to_json()
+        _print_table(data, model)
+        report = write_eval_stream(data, out)
+        console.print(f"wrote {out / 'eval_stream.json'}, figures and {report}")
+
+
+def _print_table(data: dict, model: str) -> None:
+    from ..report.stream_figures import TABLE_HEADER, scored_note, table_rows
+
+    p = data["positions"]
+    table = Table(title=f"{model}: {data['num_tokens']} tokens, cache S + W = {data['cache_size']}; every method "
+                        f"scored on {scored_note(data)}")
+    for col in TABLE_HEADER:
+        table.add_column(col, justify="right")
+    for row in table_rows(data):
+        table.add_row(*row)
+    console.print(table)
+    if p["windows_spanned"] < 2:
+        err.print(f"[yellow]warning:[/yellow] the scored range spans only {p['windows_spanned']:.1f} cache lengths; "
+                  "window-only collapse and recovery need several (give more --tokens)", highlight=False)
+    trained = data.get("trained_positions")
+    if trained and p["last"] > trained:
+        console.print(f"note: positions past {trained} are beyond the model's trained positions "
+                      "(dense attention extrapolates there; the bounded methods never see a distance above C)")

@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ._common import _load, _progress, _read_texts, _user_errors, app, console
+from ._common import _load, _read_texts, _user_errors, app, console
+from ._progress import PhaseBars, print_warnings
 
 
 def _print_table(result) -> None:
@@ -45,7 +46,7 @@ def scan(
     device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:1 …")] = None,
     revision: Annotated[str | None, typer.Option("--revision")] = None,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="run the model repo's own code")] = False,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="0: texts in order; other: shuffled texts, random window offsets")] = 0,
 ) -> None:
     """Scan MODEL for attention sinks; print a per-layer table and write scan.json, figures, report.html."""
     from ..scan import scan as run_scan
@@ -53,11 +54,11 @@ def scan(
     with _user_errors():
         texts = _read_texts(text, file)
         loaded = _load(model, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code)
-        with _progress(samples) as progress:
-            task = progress.add_task("scanning", total=samples)
+        with PhaseBars({"scan": "scanning samples"}) as progress:
             result = run_scan(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
                               batch_size=batch_size, thresholds={"eps": eps}, seed=seed, source=model,
-                              revision=revision, progress=lambda n: progress.advance(task, n))
+                              revision=revision, progress=progress)
         _print_table(result)
+        print_warnings(result.meta)
         report = result.save(out)
         console.print(f"wrote {out / 'scan.json'}, figures and {report}")

@@ -1,4 +1,4 @@
-"""``sinklab stream`` and ``sinklab eval-stream``."""
+"""``sinklab stream``: generate with attention sinks + a sliding window, printing tokens as they come."""
 
 from __future__ import annotations
 
@@ -39,7 +39,10 @@ def stream(
         if texts is None:
             raise SinklabError("give a prompt with --prompt or --file")
         loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-        session = StreamSession(loaded.model, num_sinks=sinks, window=window, chunk_size=chunk_size)
+        # --pin-prompt: the prompt's tokens are kept forever (pins are fixed when the stream starts).
+        n_prompt = len(loaded.tokenizer(texts[0])["input_ids"]) if texts[0] else 0
+        pinned = [(0, n_prompt)] if pin_prompt and n_prompt else None
+        session = StreamSession(loaded.model, num_sinks=sinks, window=window, pinned=pinned, chunk_size=chunk_size)
         start = time.perf_counter()
         count = 0
         with session:

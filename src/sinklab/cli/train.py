@@ -8,7 +8,10 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ._common import _user_errors, app, console, err
+from ..errors import InputError
+from ._common import _user_errors, app, check_out_dir, console, err
+
+_VARIANTS = "sink-logit, softmax1, kv-bias, gated, gated-headwise, registers; combine with +"
 
 
 @app.command("train")
@@ -19,13 +22,14 @@ def train_cmd(
     width: Annotated[int, typer.Option("--width")] = 128,
     heads: Annotated[int, typer.Option("--heads")] = 4,
     seq_len: Annotated[int, typer.Option("--seq-len", help="tokens per sample, BOS included")] = 64,
-    batch: Annotated[int, typer.Option("--batch")] = 32,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="samples per step")] = 32,
+    batch_alias: Annotated[int | None, typer.Option("--batch", hidden=True, help="old name of --batch-size")] = None,
     steps: Annotated[int, typer.Option("--steps")] = 2000,
     lr: Annotated[float, typer.Option("--lr")] = 3e-3,
     weight_decay: Annotated[float, typer.Option("--weight-decay")] = 0.1,
-    warmup: Annotated[int, typer.Option("--warmup")] = 100,
+    warmup: Annotated[int, typer.Option("--warmup", help="linear warm-up steps")] = 100,
     vocab_size: Annotated[int, typer.Option("--vocab-size", help="BPE vocabulary for text data")] = 4096,
-    variant: Annotated[str | None, typer.Option("--variant", help="sink-logit, softmax1, kv-bias, gated, gated-headwise, registers; combine with +")] = None,
+    variant: Annotated[str | None, typer.Option("--variant", help=_VARIANTS)] = None,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="0: final only")] = 0,
     monitor_every: Annotated[int, typer.Option("--monitor-every")] = 100,
     max_chars: Annotated[int | None, typer.Option("--max-chars", help="cap the text corpus")] = None,
@@ -34,18 +38,27 @@ def train_cmd(
     """Train a small causal LM on CPU with a sink monitor; safetensors checkpoints (load with sinklab.load)."""
     from ..train import TrainConfig, train
 
-    with _user_errors():
-        cfg = TrainConfig(data=data, layers=layers, width=width, heads=heads, seq_len=seq_len, batch=batch, steps=steps,
-                          lr=lr, weight_decay=weight_decay, warmup=warmup, vocab_size=vocab_size, variant=variant,
-                          seed=seed, checkpoint_every=checkpoint_every, monitor_every=monitor_every, max_chars=max_chars)
-        with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-                      TimeElapsedColumn(), console=err, transient=True) as progress:
-            task = progress.add_task("train", total=steps, loss="–")
-            summary = train(cfg, out, progress=lambda s, loss: progress.update(task, completed=s, loss=f"{loss:.3f}"))
+    with _user_errors(interrupted=f"training stopped; the checkpoints written so far stay in {out}"):
+        if batch_alias is not None:
+            if batch_size != 32 and batch_alias != batch_size:
+                raise InputError("--batch is the old name of --batch-size: give one of them")
+            batch_size = batch_alias
+        cfg = TrainConfig(data=data, layers=layers, width=width, heads=heads, seq_len=seq_len, batch=batch_size,
+                          steps=steps, lr=lr, weight_decay=weight_decay, warmup=warmup, vocab_size=vocab_size,
+                          variant=variant, seed=seed, checkpoint_every=checkpoint_every, monitor_every=monitor_every,
+                          max_chars=max_chars)
+        check_out_dir(out)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), console=err,
+                      transient=True) as progress:
+            task = progress.add_task("preparing data", total=steps, loss="–")
+            summary = train(cfg, out, progress=lambda s, loss: progress.update(task, completed=s, loss=f"{loss:.3f}"),
+                            phase=lambda name: progress.update(task, description=name))
         last = summary["last"]
         console.print(f"trained {summary['steps']} steps ({summary['tokens']:,} tokens, {summary['seconds']:.0f} s), "
                       f"final loss {summary['final_loss']:.3f}")
-        console.print("Sink^ε(0) per layer: " + ", ".join(f"{x:.0f} %" for x in last["sink_rate_0"]))
+        console.print("Sink^ε(0) per layer: " + ", ".join(f"{x:.0f} %" for x in last["sink_rate_0"]), highlight=False)
         if "bb" in summary:
-            console.print("Bigram-Backcopy: " + ", ".join(f"{k} {v:.3f}" for k, v in summary["bb"].items()))
+            console.print("Bigram-Backcopy (layer 0, head 0): "
+                          + ", ".join(f"{k} {v:.3f}" for k, v in summary["bb"].items()), highlight=False)
         console.print(f"wrote {out}/final (safetensors), monitor.jsonl, emergence.png, summary.json")

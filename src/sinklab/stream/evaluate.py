@@ -1,102 +1,356 @@
-"""Running perplexity over a long text (the StreamingLLM Figure 3 experiment).
+"""Per-token NLL over a long text, every method on the same positions (StreamingLLM, Xiao et al., arXiv:2309.17453).
 
-Four ways to model a long text token by token:
+Four ways to model a long text, all at the same total cache size ``C = S + W``:
 
-* ``dense`` — full attention over everything so far (one causal forward; stops at ``dense_limit``);
-* ``window`` — a sliding window without sinks (``S = 0``): collapses once the first tokens are evicted;
-* ``recompute`` — sliding window with re-computation: every token re-encodes its last ``W`` tokens from
-  scratch (exact but O(W) per token; limited to ``recompute_limit`` tokens);
-* ``sinks`` — StreamingLLM: ``S`` sinks + a window of ``W``.
+* ``dense`` — full attention over everything so far (no eviction; past the model's trained positions
+  this is the baseline the StreamingLLM paper reports to fail);
+* ``window`` — a sliding window of ``C`` tokens without sinks (``S = 0``): collapses once the first tokens
+  are evicted;
+* ``recompute`` — a sliding window with re-computation: each scored token re-encodes its last ``C``
+  tokens from scratch at positions ``0 … C − 1`` (exact but O(C) per token, so usually strided);
+* ``sinks`` — StreamingLLM: ``S`` sinks + a window of ``W = C − S``, for every sink count asked for
+  (``--sinks 0,1,2,4,8`` is the paper's ablation at equal cache size).
+
+Token ``t`` is *scored* by the NLL of ``ids[t]`` given ``ids[:t]``. The scored positions start at
+``C + 1``, the first token whose context has lost a token to eviction, and run to the end of the text
+(every ``stride``-th one). Every method is scored on exactly those positions. Dense and the streams use
+chunked prefill (exact per query: equal to feeding the tokens one by one) and compute the LM head only
+at scored positions; recompute encodes one window per scored position, several windows per forward.
 """
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from .. import _compat
 from ..errors import InputError
-from .session import StreamSession
+from .cache import SinkCache
 
-__all__ = ["stream_nll", "dense_nll", "recompute_nll", "evaluate_stream", "running_ppl"]
+__all__ = ["METHODS", "Curve", "EvalPlan", "Run", "StreamEval", "binned_nll", "dense_nll", "evaluate_stream",
+           "parse_methods", "parse_sinks", "recompute_nll", "stream_nll"]
+
+METHODS = ("dense", "window", "recompute", "sinks")
+_AUTO_RECOMPUTE_POSITIONS = 128  # auto stride: at most this many recompute windows
+Progress = Callable[[str, int], None]  # (phase label, units of work done since the last call)
 
 
+def parse_methods(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``"dense,window,sinks"`` → ``("dense", "window", "sinks")`` (in :data:`METHODS` order); unknown names raise."""
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
+    unknown = sorted(set(names) - set(METHODS))
+    if unknown or not names:
+        raise InputError(f"--methods: unknown or empty {unknown or names!r}; choose from {', '.join(METHODS)}")
+    return tuple(m for m in METHODS if m in names)
+
+
+def parse_sinks(text: str | list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    """``"0,1,2,4,8"`` → ``(0, 1, 2, 4, 8)`` (duplicates dropped, order kept); negative counts raise."""
+    try:
+        items = [int(x) for x in (text.split(",") if isinstance(text, str) else text) if str(x).strip()]
+    except ValueError as exc:
+        raise InputError(f"--sinks must be comma-separated integers such as 0,1,2,4,8, got {text!r}") from exc
+    if not items or any(s < 0 for s in items):
+        raise InputError(f"--sinks needs one or more counts ≥ 0, got {text!r}")
+    return tuple(dict.fromkeys(items))
+
+
+@dataclass(frozen=True)
+class Run:
+    """One curve to compute: a method and, for the streams, its sinks ``S`` and window ``W`` (``S + W = C``)."""
+
+    label: str
+    method: str
+    num_sinks: int | None = None
+    window: int | None = None
+    same_as: str | None = None  # label of an identical run whose NLLs are reused (sinks S=0 is the window)
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """What to evaluate; validated on construction (so a CLI can check it before loading a model).
+
+    Parameters
+    ----------
+    methods:
+        A subset of :data:`METHODS`.
+    sinks:
+        Sink counts for ``sinks``; each runs with window ``cache_size − S``.
+    cache_size:
+        ``C``, the total tokens every bounded method keeps (sinks + window, window-only, recompute).
+    stride:
+        Score every ``stride``-th position; ``None`` picks 1, or with ``recompute`` the smallest stride that
+        keeps recompute at ≤ 128 windows.
+    start:
+        First scored position; ``None`` is ``C + 1`` (the first token that lost context to eviction).
+    chunk_size:
+        Tokens per forward in the chunked prefill of dense and the streams.
+    """
+
+    methods: tuple[str, ...] = METHODS
+    sinks: tuple[int, ...] = (4,)
+    cache_size: int = 1024
+    stride: int | None = None
+    start: int | None = None
+    chunk_size: int = 256
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "methods", parse_methods(self.methods))
+        object.__setattr__(self, "sinks", parse_sinks(self.sinks))
+        if self.cache_size < 2:
+            raise InputError(f"the cache size S + W must be ≥ 2, got {self.cache_size}")
+        if max(self.sinks) >= self.cache_size:
+            raise InputError(f"every sink count must leave a window: S < S + W = {self.cache_size}, got {max(self.sinks)}")
+        if self.stride is not None and self.stride < 1:
+            raise InputError(f"--stride must be ≥ 1, got {self.stride}")
+        if self.start is not None and self.start < 1:
+            raise InputError(f"the first scored position must be ≥ 1, got {self.start}")
+        if self.chunk_size < 1:
+            raise InputError(f"chunk_size must be ≥ 1, got {self.chunk_size}")
+
+    @property
+    def first(self) -> int:
+        return self.cache_size + 1 if self.start is None else self.start
+
+    def positions(self, num_tokens: int) -> Tensor:
+        """Scored target positions ``[P]`` for a text of ``num_tokens`` tokens (the same for every method)."""
+        if num_tokens <= self.first:
+            raise InputError(
+                f"the text has {num_tokens} tokens but scoring starts at position {self.first} (after the first "
+                f"eviction at cache size {self.cache_size}): give a longer text or more --tokens, or a smaller cache")
+        return torch.arange(self.first, num_tokens, self.resolved_stride(num_tokens))
+
+    def resolved_stride(self, num_tokens: int) -> int:
+        if self.stride is not None:
+            return self.stride
+        if "recompute" not in self.methods:
+            return 1
+        return max(1, math.ceil((num_tokens - self.first) / _AUTO_RECOMPUTE_POSITIONS))
+
+    def runs(self) -> list[Run]:
+        """The curves, in table order; ``sinks S=0`` reuses ``window`` when both are asked for."""
+        c = self.cache_size
+        out = []
+        for m in self.methods:
+            if m == "window":
+                out.append(Run("window", "window", 0, c))
+            elif m == "sinks":
+                for s in self.sinks:
+                    same = "window" if s == 0 and "window" in self.methods else None
+                    out.append(Run(f"sinks S={s}", "sinks", s, c - s, same))
+            else:
+                out.append(Run(m, m))
+        return out
+
+    def work(self, num_tokens: int) -> int:
+        """Units of work (tokens encoded) of the whole evaluation: the progress bar's total."""
+        pos = self.positions(num_tokens)
+        fed = int(pos[-1])  # dense and streams encode ids[:last scored position]
+        total = 0
+        for run in self.runs():
+            if run.same_as is None:
+                total += len(pos) if run.method == "recompute" else fed
+        return total
+
+
+@dataclass
+class Curve:
+    """Per-token NLL of one run at the plan's positions."""
+
+    run: Run
+    nll: Tensor  # (P,) float32, nats
+    seconds: float
+    tokens_encoded: int
+
+    @property
+    def mean_nll(self) -> float:
+        return float(self.nll.double().mean())
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(min(self.mean_nll, 700.0))
+
+
+@dataclass
+class StreamEval:
+    """Result of :func:`evaluate_stream`: every curve on the same ``positions``."""
+
+    plan: EvalPlan
+    num_tokens: int
+    positions: Tensor  # (P,) scored target positions
+    curves: list[Curve]
+    trained_positions: int | None = None  # the model's max_position_embeddings, if it has one
+    meta: dict = field(default_factory=dict)
+
+    def curve(self, label: str) -> Curve:
+        return next(c for c in self.curves if c.run.label == label)
+
+    def to_json(self, bins: int | None = None) -> dict:
+        """JSON-ready dict; ``bins`` for the binned curves defaults to one per 8 scored tokens, at most 48."""
+        pos = self.positions
+        bins = bins or min(48, max(1, pos.numel() // 8))
+        stride = self.plan.resolved_stride(self.num_tokens)
+        curves = {}
+        for c in self.curves:
+            centres, means = binned_nll(pos, c.nll, bins)
+            curves[c.run.label] = {
+                "method": c.run.method, "num_sinks": c.run.num_sinks, "window": c.run.window, "same_as": c.run.same_as,
+                "scored": int(c.nll.numel()), "mean_nll": c.mean_nll, "ppl": c.ppl, "seconds": c.seconds,
+                "seconds_per_scored_token": c.seconds / max(1, c.nll.numel()), "tokens_encoded": c.tokens_encoded,
+                "binned": {"position": centres, "mean_nll": means},
+                "nll": [round(float(x), 4) for x in c.nll],
+            }
+        return {
+            "format": "sinklab.eval_stream/2",
+            "num_tokens": self.num_tokens, "cache_size": self.plan.cache_size, "sinks": list(self.plan.sinks),
+            "methods": list(self.plan.methods), "chunk_size": self.plan.chunk_size,
+            "positions": {"first": int(pos[0]), "last": int(pos[-1]), "stride": stride, "count": int(pos.numel()),
+                          "windows_spanned": (int(pos[-1]) - int(pos[0]) + 1) / self.plan.cache_size},
+            "trained_positions": self.trained_positions,
+            "scored_positions": pos.tolist(),
+            "curves": curves,
+            **self.meta,
+        }
+
+
+def binned_nll(positions: Tensor, nll: Tensor, bins: int = 48) -> tuple[list[float], list[float]]:
+    """Mean NLL in ``bins`` equal-count bins of consecutive scored positions: (bin centre positions, means)."""
+    n = int(positions.numel())
+    if n == 0:
+        return [], []
+    edges = torch.linspace(0, n, min(bins, n) + 1).round().long().tolist()
+    centres, means = [], []
+    for a, b in itertools.pairwise(edges):
+        if b > a:
+            centres.append(float(positions[a:b].double().mean()))
+            means.append(float(nll[a:b].double().mean()))
+    return centres, means
+
+
+# ---------------------------------------------------------------------------------------------- methods
 def _nll(logits: Tensor, targets: Tensor) -> Tensor:
-    return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
+    return torch.nn.functional.cross_entropy(logits.float(), targets.to(logits.device), reduction="none").cpu()
 
 
-@torch.no_grad()
-def stream_nll(model: nn.Module, ids: Tensor, num_sinks: int, window: int, chunk_size: int = 256,
-               progress: Callable[[int], None] | None = None) -> Tensor:
-    """NLL of ``ids[1:]`` (``[N − 1]``) with a sink+window stream; chunks are exact (= token by token)."""
+def _keeps_logits(model: nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def _chunked_nll(model: nn.Module, ids: Tensor, positions: Tensor, chunk_size: int, cache,
+                 advance: Callable[[int], None] | None) -> Tensor:
+    """Feed ``ids[:positions[-1]]`` in chunks through ``cache``; NLL of ``ids[t]`` for each ``t`` in ``positions``.
+
+    ``cache=None`` is dense attention: the first forward creates the model's own cache, later ones extend it.
+    """
+    device = _compat.input_device(model)
+    name = _compat.cache_kwarg_name(model)
+    keep = _keeps_logits(model)
+    end = int(positions[-1])  # the query predicting ids[end] is token end − 1
     out = []
-    with StreamSession(model, num_sinks=num_sinks, window=window, chunk_size=chunk_size) as s:
-        for c0 in range(0, ids.shape[0] - 1, chunk_size):
-            c1 = min(ids.shape[0] - 1, c0 + chunk_size)
-            logits = s.feed(ids[None, c0:c1], all_logits=True)[0]
-            out.append(_nll(logits, ids[c0 + 1 : c1 + 1].to(logits.device)).cpu())
-            if progress:
-                progress(c1 - c0)
+    for c0 in range(0, end, chunk_size):
+        c1 = min(end, c0 + chunk_size)
+        want = positions[(positions >= c0 + 1) & (positions <= c1)]  # targets predicted inside this chunk
+        local = want - 1 - c0  # (k,) query index within the chunk
+        kwargs = {"input_ids": ids[None, c0:c1].to(device), "use_cache": True}
+        if cache is not None:
+            kwargs[name] = cache
+        if keep:  # the LM head only where a token is scored (one dummy row when none is)
+            kwargs["logits_to_keep"] = local.to(device) if local.numel() else torch.tensor([c1 - c0 - 1], device=device)
+        output = model(**kwargs)
+        logits = output.logits[0]  # (k, V), or (c1 − c0, V) without logits_to_keep
+        if not keep:
+            logits = logits[local.to(logits.device)]
+        if local.numel():
+            out.append(_nll(logits[: local.numel()], ids[want]))
+        if cache is None:  # transformers ≥ 5.2 returns it as ``cache``, older releases as ``past_key_values``
+            cache = output["cache"] if "cache" in output else output.past_key_values  # noqa: SIM401 (lazy)
+        if advance:
+            advance(c1 - c0)
     return torch.cat(out)
 
 
 @torch.no_grad()
-def dense_nll(model: nn.Module, ids: Tensor, limit: int) -> Tensor:
-    """NLL with full attention over the first ``limit`` tokens (one forward)."""
-    n = min(limit, ids.shape[0])
-    device = _compat.input_device(model)
-    logits = model(input_ids=ids[None, :n].to(device), use_cache=False).logits[0, :-1]
-    return _nll(logits, ids[1:n].to(logits.device)).cpu()
+def dense_nll(model: nn.Module, ids: Tensor, positions: Tensor, chunk_size: int = 256,
+              advance: Callable[[int], None] | None = None) -> Tensor:
+    """NLL ``[P]`` at ``positions`` with full attention over everything before (chunked prefill, no eviction)."""
+    return _chunked_nll(model, ids, positions, chunk_size, None, advance)
 
 
 @torch.no_grad()
-def recompute_nll(model: nn.Module, ids: Tensor, window: int, limit: int) -> Tensor:
-    """NLL with a re-computed sliding window of ``window`` tokens (positions 0 … W−1 each time)."""
+def stream_nll(model: nn.Module, ids: Tensor, positions: Tensor, num_sinks: int, window: int, chunk_size: int = 256,
+               advance: Callable[[int], None] | None = None) -> Tensor:
+    """NLL ``[P]`` at ``positions`` with a StreamingLLM cache of ``num_sinks`` sinks + ``window`` (chunks are exact)."""
+    with SinkCache(model, num_sinks=num_sinks, window=window) as cache:
+        return _chunked_nll(model, ids, positions, chunk_size, cache, advance)
+
+
+@torch.no_grad()
+def recompute_nll(model: nn.Module, ids: Tensor, positions: Tensor, context: int, batch_tokens: int = 8192,
+                  advance: Callable[[int], None] | None = None) -> Tensor:
+    """NLL ``[P]`` at ``positions``, each from a fresh forward over its last ``context`` tokens (positions 0 … C−1).
+
+    Windows of full length are batched (``batch_tokens`` tokens per forward); ``advance`` counts windows.
+    """
     device = _compat.input_device(model)
+    keep = _keeps_logits(model)
     out = []
-    for t in range(1, min(limit, ids.shape[0])):
-        ctx = ids[max(0, t - window) : t][None].to(device)
-        logits = model(input_ids=ctx, use_cache=False).logits[0, -1]
-        out.append(_nll(logits[None], ids[t : t + 1].to(device)).cpu())
-    return torch.cat(out) if out else torch.zeros(0)
+    per_batch = max(1, batch_tokens // context)
+    full = positions[positions >= context]
+    short = positions[positions < context]
+    for t in short.tolist():  # only when scoring starts before the cache is full (not the default plan)
+        logits = model(input_ids=ids[None, :t].to(device), use_cache=False).logits[0, -1:]
+        out.append(_nll(logits, ids[t : t + 1]))
+        if advance:
+            advance(1)
+    for b0 in range(0, full.numel(), per_batch):
+        targets = full[b0 : b0 + per_batch]  # (B,)
+        rows = targets[:, None] - context + torch.arange(context)  # (B, C) token indices of each window
+        kwargs = {"input_ids": ids[rows].to(device), "use_cache": False}
+        if keep:
+            kwargs["logits_to_keep"] = 1
+        logits = model(**kwargs).logits[:, -1]  # (B, V)
+        out.append(_nll(logits, ids[targets]))
+        if advance:
+            advance(targets.numel())
+    return torch.cat(out)
 
 
-def running_ppl(nll: Tensor) -> list[float]:
-    """Perplexity of the running mean NLL after each token."""
-    if nll.numel() == 0:
-        return []
-    mean = nll.double().cumsum(0) / torch.arange(1, nll.numel() + 1, dtype=torch.float64)
-    return [math.exp(min(float(x), 700.0)) for x in mean]
+def evaluate_stream(model: nn.Module, ids: Tensor, plan: EvalPlan | None = None, *,
+                    progress: Progress | None = None) -> StreamEval:
+    """Score every run of ``plan`` on the same positions of ``ids`` (``[N]`` token ids).
 
-
-def evaluate_stream(model: nn.Module, ids: Tensor, *, num_sinks: int = 4, window: int = 1020,
-                    dense_limit: int = 4096, recompute_limit: int = 300, chunk_size: int = 256,
-                    progress: Callable[[int], None] | None = None) -> dict:
-    """Per-token NLL and running perplexity for dense / window / recompute / sinks. ``ids`` is ``[N]``."""
-    if ids.dim() != 1 or ids.numel() < 2:
-        raise InputError("eval-stream needs a 1-D token sequence of at least 2 tokens")
-    max_pos = getattr(model.config, "max_position_embeddings", None) or dense_limit
-    results = {}
-    timings = {}
-    for name, fn in (
-        ("dense", lambda: dense_nll(model, ids, min(dense_limit, max_pos))),
-        ("window", lambda: stream_nll(model, ids, 0, window, chunk_size)),
-        ("recompute", lambda: recompute_nll(model, ids, window, recompute_limit)),
-        ("sinks", lambda: stream_nll(model, ids, num_sinks, window, chunk_size, progress)),
-    ):
+    ``progress(label, n)`` is called as work is done; the total is ``plan.work(N)``.
+    """
+    plan = plan or EvalPlan()
+    if ids.dim() != 1:
+        raise InputError(f"eval-stream needs a 1-D token sequence, got shape {tuple(ids.shape)}")
+    ids = ids.long().cpu()
+    positions = plan.positions(ids.numel())
+    model.eval()
+    curves: list[Curve] = []
+    for run in plan.runs():
+        if run.same_as is not None:
+            twin = next(c for c in curves if c.run.label == run.same_as)
+            curves.append(Curve(run, twin.nll, 0.0, 0))
+            continue
+        advance = (lambda n, label=run.label: progress(label, n)) if progress else None
         t0 = time.perf_counter()
-        nll = fn()
-        timings[name] = time.perf_counter() - t0
-        results[name] = {
-            "tokens": int(nll.numel()),
-            "mean_nll": float(nll.mean()) if nll.numel() else None,
-            "ppl": math.exp(float(nll.mean())) if nll.numel() else None,
-            "seconds": timings[name],
-            "seconds_per_token": timings[name] / max(1, int(nll.numel())),
-            "nll": [round(float(x), 4) for x in nll],
-        }
-    return {"num_sinks": num_sinks, "window": window, "tokens": int(ids.numel()), "curves": results}
+        if run.method == "dense":
+            nll = dense_nll(model, ids, positions, plan.chunk_size, advance)
+        elif run.method == "recompute":
+            nll = recompute_nll(model, ids, positions, plan.cache_size, advance=advance)
+        else:
+            nll = stream_nll(model, ids, positions, run.num_sinks, run.window, plan.chunk_size, advance)
+        if not bool(torch.isfinite(nll).all()):
+            raise InputError(f"{run.label}: non-finite NLL (the model produced NaN/inf logits)")
+        encoded = positions.numel() * plan.cache_size if run.method == "recompute" else int(positions[-1])
+        curves.append(Curve(run, nll, time.perf_counter() - t0, encoded))
+    trained = _compat.config_get(model.config, "max_position_embeddings", "n_positions", default=None)
+    return StreamEval(plan, int(ids.numel()), positions, curves, int(trained) if trained else None)

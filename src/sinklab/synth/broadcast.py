@@ -1,4 +1,6 @@
-"""Global broadcast (SCIENCE.md §2): every token must receive the rotated content of one chosen token.
+"""Global broadcast, the second task of Fesser et al. 2026 (arXiv:2606.08105).
+
+Every token must receive the rotated content of one chosen token.
 
 ``x_i ~ N(0, I_d)``, ``N = 32``, ``j* = argmax_j ⟨x_j, u⟩``, target ``y_i = x_i + α·R·x_{j*}`` (R orthogonal).
 Two layers, one head each, pre-LN, MLP 4d GELU. The expected solution: one layer becomes a hub — every
@@ -8,6 +10,7 @@ normal value norm and a rank-1 update — a broadcast sink; the other layer is �
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,13 +54,14 @@ class BroadcastTask:
 
 
 def run_broadcast(task: BroadcastTask | None = None, *, steps: int = 3000, batch: int = 256, lr: float = 3e-3,
-                  eval_samples: int = 64, seed: int = 0) -> SynthResult:
+                  eval_samples: int = 64, seed: int = 0,
+            progress: Callable[[int, float], None] | None = None) -> SynthResult:
     """Train the two-layer broadcast model on CPU, diagnose it, and test the donor swap."""
     task = task or BroadcastTask(seed=seed)
     torch.manual_seed(seed)
     model = SynthModel(SynthConfig(hidden_size=task.d, num_hidden_layers=2, seq_len=task.n, bos=False,
                                    positions=False, mlp=True))
-    log = fit(model, task.sample, steps=steps, batch=batch, lr=lr, seed=seed)
+    log = fit(model, task.sample, steps=steps, batch=batch, lr=lr, seed=seed, progress=progress)
     x, y, _ = task.sample(eval_samples, torch.Generator().manual_seed(seed + 1))
     tokens = [[f"x{i}" for i in range(task.n)] for _ in range(eval_samples)]
     diagnosis = diagnose_inputs(model, [{"inputs_embeds": x}], tokens, edits=False,

@@ -136,8 +136,11 @@ class SynthModel(PreTrainedModel):
 
 def fit(model: nn.Module, sample: Callable[[int, torch.Generator], tuple[Tensor, Tensor, Tensor]], *, steps: int,
         batch: int = 256, lr: float = 3e-3, weight_decay: float = 0.0, seed: int = 0,
-        log_every: int = 100) -> list[dict]:
-    """AdamW on MSE over the rows ``sample`` marks. ``sample(batch, gen) -> (x, y, rows)``; returns the loss log."""
+        log_every: int = 100, progress: Callable[[int, float], None] | None = None) -> list[dict]:
+    """AdamW on MSE over the rows ``sample`` marks. ``sample(batch, gen) -> (x, y, rows)``; returns the loss log.
+
+    ``progress(step, loss)`` is called after every step (e.g. to advance a bar whose total is ``steps``).
+    """
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     model.train()
@@ -151,6 +154,8 @@ def fit(model: nn.Module, sample: Callable[[int, torch.Generator], tuple[Tensor,
         opt.step()
         if step % log_every == 0 or step == steps:
             log.append({"step": step, "loss": loss.item()})
+        if progress is not None:
+            progress(step, loss.item())
     model.eval()
     return log
 

@@ -1,4 +1,6 @@
-"""Conditional damping (the NOP task, SCIENCE.md §2): the head must do nothing for half of the tokens.
+"""Conditional damping, the NOP task of Fesser et al. 2026 (arXiv:2606.08105).
+
+The head must do nothing for half of the tokens.
 
 One head, ``d = d_h = 64``, ``N = 32``, pre-LayerNorm, learned position embedding and a BOS slot at
 position 0 with a learned vector (its input zeroed). Output ``O = x + W_O·A·V``. Target
@@ -10,6 +12,7 @@ solution parks damped queries on the BOS slot, whose value is ≈ 0: an adaptive
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,12 +55,13 @@ class NopTask:
 
 
 def run_nop(task: NopTask | None = None, *, steps: int = 2000, batch: int = 256, lr: float = 3e-3,
-            eval_samples: int = 64, seed: int = 0) -> SynthResult:
+            eval_samples: int = 64, seed: int = 0,
+            progress: Callable[[int, float], None] | None = None) -> SynthResult:
     """Train the NOP model on CPU, then run the diagnose pipeline and the causal edits on damped queries."""
     task = task or NopTask(seed=seed)
     torch.manual_seed(seed)
     model = SynthModel(SynthConfig(hidden_size=task.d, seq_len=task.n, bos=True, positions=True, mlp=False))
-    log = fit(model, task.sample, steps=steps, batch=batch, lr=lr, seed=seed)
+    log = fit(model, task.sample, steps=steps, batch=batch, lr=lr, seed=seed, progress=progress)
     x, y, _ = task.sample(eval_samples, torch.Generator().manual_seed(seed + 1))
     active = task.active(x)
     tokens = [["<bos>"] + [f"x{i}" for i in range(task.n)] for _ in range(eval_samples)]

@@ -1,0 +1,453 @@
+"""``sinklab.circuit``: how a causal LM builds its first-token sink (the P0 sink circuit).
+
+Peng et al. 2026 (arXiv:2603.06591): under the causal mask position 0 attends only to itself, so its
+representation depends on its own token alone; early blocks (MLPs, per the paper) amplify its norm until
+RMSNorm turns it into a fixed key every head can find. This module measures, on one model:
+
+* first-token ablation — Sink_k^ε per layer at k = 0 for each first-token condition
+  (:mod:`sinklab.circuit.inputs`) and whether the sink is structural or tied to one token;
+* amplification — ``r_l = ‖x₀‖ / median_{i>0} ‖x_i‖`` after each block and its attention/MLP split,
+  direction stability of position 0, massive activations (Sun et al. 2024, arXiv:2402.17762);
+* a causal check — position 0's residual at the amplification layer patched from a different first token,
+  and scaled down to the median norm, with the change in downstream sink rates and in the loss.
+
+Sublayer contributions (stated in every output): with ``u = x₀^{(l)} / ‖x₀^{(l)}‖`` and ``m`` the median
+norm of the other tokens after block ``l``, ``c_attn = ⟨a₀, u⟩ / m``, ``c_mlp = ⟨f₀, u⟩ / m`` and
+``c_carry = ⟨x₀^{(l−1)}, u⟩ / m`` for the attention output ``a₀`` and MLP output ``f₀`` of block ``l`` at
+position 0. For a residual block ``x^{(l)} = x^{(l−1)} + a + f`` they sum exactly to ``r_l``
+(``residual_error`` reports how far a model is from that identity).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Self
+
+import torch
+from torch import Tensor, nn
+
+from .. import metrics
+from ..capture import AttentionCapture, CaptureConfig
+from ..errors import InputError
+from ..models import check_weights
+from . import stage as rules
+from .hooks import Patch, PositionZeroRecorder, find_sublayers
+from .inputs import REFERENCE, CircuitInputs, text_inputs
+
+__all__ = ["CONTRIBUTION_RULE", "SCHEMA_VERSION", "CircuitResult", "circuit", "circuit_inputs", "measure_rows"]
+
+SCHEMA_VERSION = "sinklab.circuit/1"
+EARLY = 4  # early positions whose sink rates are kept
+
+CONTRIBUTION_RULE = ("c_attn = ⟨a₀, u⟩ / m, c_mlp = ⟨f₀, u⟩ / m, c_carry = ⟨x₀ before the block, u⟩ / m, with "
+                     "u = x₀ / ‖x₀‖ after the block, a₀ / f₀ the block's attention / MLP output at position 0 and "
+                     "m = median_{i>0} ‖x_i‖ after the block; c_carry + c_attn + c_mlp = r_l for a residual block")
+
+
+@dataclass
+class CircuitResult:
+    """The P0 sink circuit of one model (plain data: every field is JSON-ready).
+
+    Per-layer lists have ``L`` entries (decoder blocks, 0-based) except ``ratio`` and ``direction_cosine``
+    (``L + 1``: index 0 is the embeddings). Sink rates are percent of heads, at ``seq_len`` tokens, ε = ``eps``.
+    """
+
+    num_layers: int
+    num_heads: int
+    seq_len: int
+    num_samples: int
+    eps: float
+    layer_threshold: float
+    conditions: dict[str, dict]  # name -> description, sink_rate [P][L], column_mass_0 [L][H], ratio [L+1], loss
+    ratio: list[float]  # (L+1) r_l of the reference condition
+    contributions: dict[str, list[float]]  # carry / attn / mlp, (L) each
+    residual_error: list[float]  # (L) max_samples ‖x₀ − x₀_prev − a₀ − f₀‖ / ‖x₀‖
+    direction_cosine: list[float]  # (L+1) mean pairwise cosine of x₀ across samples (reference)
+    cross_condition_cosine: dict[str, list[float]]  # condition -> (L+1) cosine of x₀ with the reference's
+    amplification_layer: int | None
+    amplification_blocks: list[int]
+    sink_layers: list[int]  # layers with Sink_0 ≥ layer_threshold (reference)
+    ablation: dict
+    massive: list[dict]  # (L+1) per hidden state
+    causal: dict  # the causal check at amplification_layer
+    causal_early: dict  # the same at the last block of the first amplification run, if that is another block
+    stage: dict
+    uniform_baseline: float  # column mass of position 0 under uniform causal attention at seq_len
+    tokens: list[list[str]]  # reference tokens of the first samples
+    rules: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ JSON
+    def to_json(self) -> dict:
+        """JSON-ready dict with ``schema`` = :data:`SCHEMA_VERSION` (NaN written as ``None``)."""
+        return {"schema": SCHEMA_VERSION, **_clean(asdict(self))}
+
+    @classmethod
+    def from_json(cls, data: dict) -> CircuitResult:
+        """Rebuild a result written by :meth:`to_json` (``None`` where a value was NaN)."""
+        if data.get("schema") != SCHEMA_VERSION:
+            raise InputError(f"not a {SCHEMA_VERSION} document (schema {data.get('schema')!r})")
+        names = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def sink_rate(self, condition: str = REFERENCE, position: int = 0) -> list[float]:
+        """``[L]`` Sink_position^ε per layer (percent) under ``condition``."""
+        return self.conditions[condition]["sink_rate"][position]
+
+    def summary(self) -> str:
+        """A few plain sentences: verdict, amplification, causal effect, stage."""
+        c = self.causal
+        parts = [self.ablation["text"],
+                 (f"Amplification layer (largest rise of r): block {self.amplification_layer}; blocks where r at least "
+                  f"doubles and rises by ≥ 1: {self.amplification_blocks or 'none'}."),
+                 f"Layers with Sink_0 ≥ {self.layer_threshold:g} %: {self.sink_layers or 'none'}."]
+        if c:
+            parts.append(f"Causal check at block {c['layer']}: scaling x₀ down to the median norm changes mean "
+                         f"downstream Sink_0 by {_fmt(c['scale']['downstream_delta'])} points and the loss by "
+                         f"{_fmt(c['scale']['delta_loss'], '{:+.4f}')}; patching x₀ from a different first token: "
+                         f"{_fmt(c['donor']['downstream_delta'])} points, loss {_fmt(c['donor']['delta_loss'], '{:+.4f}')}.")
+        e = self.causal_early
+        if e:
+            parts.append(f"Early amplification, causal check at block {e['layer']}: scaling x₀ down changes mean "
+                         f"downstream Sink_0 by {_fmt(e['scale']['downstream_delta'])} points, loss "
+                         f"{_fmt(e['scale']['delta_loss'], '{:+.4f}')}; donor {_fmt(e['donor']['downstream_delta'])} "
+                         f"points, loss {_fmt(e['donor']['delta_loss'], '{:+.4f}')}.")
+        parts.append(f"Stage: {self.stage['stage']} (sink location: {self.stage['location']}).")
+        return "\n".join(parts)
+
+    def figures(self) -> dict:
+        """Matplotlib figures keyed by file stem (see :mod:`sinklab.report.circuit_figures`)."""
+        from ..report.circuit_figures import circuit_figures
+
+        return circuit_figures(self)
+
+    def save(self, out_dir: str | Path) -> Path:
+        """Write ``circuit.json``, PNG figures and ``report.html`` into ``out_dir`` (atomically)."""
+        from ..report.circuit_html import write_circuit_report
+
+        return write_circuit_report(self, Path(out_dir))
+
+
+def _fmt(x: float | None, fmt: str = "{:+.1f}") -> str:
+    return "–" if x is None or not math.isfinite(x) else fmt.format(x)
+
+
+def _clean(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def _r4(t: Tensor) -> list:
+    """Tensor → nested lists rounded to 5 significant digits (NaN kept; cleaned on JSON output)."""
+    return [float(f"{v:.5g}") if math.isfinite(v) else math.nan for v in t.double().flatten().tolist()] \
+        if t.dim() == 1 else [_r4(row) for row in t]
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+def _pad(rows: list[list[int]], pad_id: int, side: str) -> tuple[Tensor, Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        sl = slice(0, len(r)) if side == "right" else slice(width - len(r), width)
+        ids[i, sl] = torch.tensor(r, dtype=torch.long)
+        mask[i, sl] = 1
+    return ids, mask
+
+
+def _align_columns(column_mass: Tensor, starts: Tensor, k: int) -> Tensor:
+    """``[B, L, H, T]`` → ``[B, L, H, k]``: the column mass of each row's first ``k`` real positions."""
+    b, n_l, h, t = column_mass.shape
+    idx = (starts[:, None] + torch.arange(k)).clamp_max(t - 1)  # (B, k)
+    out = column_mass.gather(-1, idx[:, None, None, :].expand(b, n_l, h, k))
+    beyond = (starts[:, None] + torch.arange(k)) >= t
+    return out.masked_fill(beyond[:, None, None, :], math.nan)
+
+
+def _losses(logits: Tensor, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-row sum and count of next-token cross-entropy over real (token, next token) pairs."""
+    valid = mask[:, :-1].bool() & mask[:, 1:].bool()  # (B, T-1)
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten(),
+                                           reduction="none").view(valid.shape)
+    return torch.where(valid, ce, 0.0).double().sum(-1), valid.sum(-1).double()
+
+
+class _Session:
+    """One :class:`AttentionCapture` plus one :class:`PositionZeroRecorder` kept open over several passes
+    (the capture's per-layer weight factorisations are then computed once per model)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.sub = find_sublayers(model)
+        self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+        self.device = next(model.parameters()).device
+
+    def __enter__(self) -> Self:
+        self.cap = AttentionCapture(self.model, CaptureConfig(candidates=(0,), map_len=0)).__enter__()
+        try:
+            self.rec = PositionZeroRecorder(self.sub).__enter__()
+        except BaseException:
+            self.cap.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.rec.__exit__(*exc)
+        self.cap.__exit__(*exc)
+
+
+def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, batch_size: int = 8,
+                 padding_side: str = "right", patch: Callable[[slice], Patch | None] | None = None,
+                 progress: Callable[[int], None] | None = None, session: _Session | None = None) -> dict[str, Tensor]:
+    """One pass over token ``rows``: attention column mass of the early positions, position-0 records, loss.
+
+    Returns CPU tensors: ``column_mass`` ``[S, L, H, P]`` (P = 4 early positions, aligned to each row's first
+    real token), the :class:`~sinklab.circuit.hooks.PositionZeroRecorder` fields (``hidden_norm`` ``[S, L+1, T]``,
+    ``x0`` ``[S, L+1, d]``, ``attn0``/``mlp0`` ``[S, L, d]`` …), ``loss_sum``/``loss_count`` ``[S]``.
+    ``patch(batch_slice)`` gives the :class:`~sinklab.circuit.hooks.Patch` for each batch (``None``: no edit).
+    """
+    if padding_side not in ("left", "right"):
+        raise InputError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    if session is None:
+        with _Session(model) as own:
+            return measure_rows(model, rows, pad_id=pad_id, batch_size=batch_size, padding_side=padding_side,
+                                patch=patch, progress=progress, session=own)
+    cap, rec = session.cap, session.rec
+    parts: list[dict[str, Tensor]] = []
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            sl = slice(start, min(len(rows), start + batch_size))
+            ids, mask = _pad(rows[sl], pad_id, padding_side)
+            rec.start(mask, None if patch is None else patch(sl))
+            kwargs = {"input_ids": ids.to(session.device), "attention_mask": mask.to(session.device)}
+            if session.takes_positions:  # left padding: positions count real tokens only
+                kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp_min(0).to(session.device)
+            batch = cap.run(full_model=True, **kwargs)
+            part = rec.collect()
+            part["column_mass"] = _align_columns(batch.column_mass, mask.argmax(-1), EARLY)
+            logits = getattr(cap.last_output, "logits", None)
+            if logits is not None:
+                part["loss_sum"], part["loss_count"] = _losses(logits.cpu(), ids, mask)
+            parts.append(part)
+            if progress is not None:
+                progress(sl.stop - sl.start)
+    return _merge(parts)
+
+
+def _merge(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    out = {}
+    for key in parts[0]:
+        tensors = [p[key] for p in parts]
+        if key in ("hidden_norm", "max_abs", "max_dim"):
+            width = max(t.shape[-1] for t in tensors)
+            fill = -1 if key == "max_dim" else math.nan
+            tensors = [torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=fill) for t in tensors]
+        out[key] = torch.cat(tensors, dim=0)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- derived
+def _ratio(rec: dict[str, Tensor]) -> Tensor:
+    """``[S, L+1]`` ‖x₀‖ / median_{i>0} ‖x_i‖."""
+    norms = rec["hidden_norm"].double()
+    return norms[..., 0] / norms[..., 1:].nanmedian(dim=-1).values
+
+
+def _contributions(rec: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor]:
+    """Mean-over-samples ``c_carry``, ``c_attn``, ``c_mlp`` ``[L]`` and the residual identity error ``[L]``."""
+    x0 = rec["x0"].double()  # (S, L+1, d)
+    after, before = x0[:, 1:], x0[:, :-1]
+    u = after / after.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    med = rec["hidden_norm"].double()[:, 1:, 1:].nanmedian(dim=-1).values  # (S, L)
+    a, f = rec["attn0"].double(), rec["mlp0"].double()
+    parts = {"carry": (before * u).sum(-1) / med, "attn": (a * u).sum(-1) / med, "mlp": (f * u).sum(-1) / med}
+    err = (after - before - a - f).norm(dim=-1) / after.norm(dim=-1).clamp_min(1e-30)
+    return {k: v.nanmean(0) for k, v in parts.items()}, err.amax(0)
+
+
+def _pairwise_cosine(x0: Tensor) -> Tensor:
+    """``[S, L+1, d]`` → ``[L+1]`` mean cosine over distinct sample pairs (NaN for one sample)."""
+    s = x0.shape[0]
+    unit = x0.double() / x0.double().norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    gram = torch.einsum("sld,tld->lst", unit, unit)  # (L+1, S, S)
+    if s < 2:
+        return torch.full((x0.shape[1],), math.nan, dtype=torch.float64)
+    return (gram.sum((-1, -2)) - gram.diagonal(dim1=-2, dim2=-1).sum(-1)) / (s * (s - 1))
+
+
+def _massive(rec: dict[str, Tensor], abs_threshold: float = 100.0, ratio: float = 1000.0) -> list[dict]:
+    """Per hidden state (embeddings, then each block): Sun et al.'s massive activations and where they sit."""
+    max_abs, max_dim = rec["max_abs"].double(), rec["max_dim"]  # (S, L+1, T)
+    flags = metrics.is_massive(max_abs.nan_to_num(0.0), rec["median_abs"].double(), abs_threshold=abs_threshold,
+                               ratio=ratio)
+    out = []
+    for layer in range(max_abs.shape[1]):
+        f, m, d = flags[:, layer], max_abs[:, layer].nan_to_num(-1.0), max_dim[:, layer]
+        flat = int(m.flatten().argmax())
+        sample, pos = divmod(flat, m.shape[-1])
+        channels: dict[int, int] = {}
+        for ch in d[f].tolist():
+            channels[int(ch)] = channels.get(int(ch), 0) + 1
+        positions: dict[int, int] = {}
+        for p in f.nonzero()[:, 1].tolist():
+            positions[int(p)] = positions.get(int(p), 0) + 1
+        out.append({
+            "hidden_state": layer, "max_abs": float(m.max()), "max_position": pos, "max_channel": int(d[sample, pos]),
+            "median_abs": float(rec["median_abs"][:, layer].double().mean()),
+            "massive_tokens": int(f.sum()), "on_position_0": int(f[:, 0].sum()),
+            "channels": dict(sorted(channels.items(), key=lambda kv: -kv[1])[:4]),
+            "positions": dict(sorted(positions.items(), key=lambda kv: -kv[1])[:4]),
+        })
+    return out
+
+
+def _condition_summary(rec: dict[str, Tensor], eps: float, description: str) -> dict:
+    mass = rec["column_mass"].double()  # (S, L, H, P)
+    rates = torch.stack([metrics.sink_rate_per_layer(mass, p, eps) for p in range(mass.shape[-1])])  # (P, L)
+    loss = None
+    if "loss_sum" in rec:
+        loss = float(rec["loss_sum"].sum() / rec["loss_count"].sum().clamp_min(1))
+    return {"description": description, "sink_rate": _r4(rates), "column_mass_0": _r4(mass[..., 0].nanmean(0)),
+            "ratio": _r4(_ratio(rec).nanmean(0)), "loss": loss}
+
+
+def _ablation(conditions: dict[str, dict], threshold: float) -> dict:
+    layers = {name: rules.sink_layers(c["sink_rate"][0], threshold) for name, c in conditions.items()}
+    counts = {name: len(v) for name, v in layers.items()}
+    first = {name: (v[0] if v else None) for name, v in layers.items()}
+    most = max(counts.values())
+    if most == 0:
+        verdict = "no sink"
+        text = f"No sink on position 0 in any condition (no layer with Sink_0 ≥ {threshold:g} %)."
+    elif min(counts.values()) >= 0.5 * most:
+        verdict = "structural"
+        reform = ", ".join(f"{n}: from block {first[n]}" for n in conditions if n != REFERENCE)
+        text = (f"Structural: the sink re-forms on whatever token comes first ({reform}; "
+                f"{REFERENCE}: from block {first[REFERENCE]}).")
+    else:
+        keep = max(counts, key=counts.get)
+        lost = [n for n in conditions if counts[n] < 0.5 * most]
+        verdict = "token-tied"
+        text = (f"Tied to the first token: the sink lives in {counts[keep]} layers under {keep} but in fewer than half "
+                f"as many under {', '.join(lost)}.")
+    rule = (f"a layer has a sink when its Sink_0 ≥ {threshold:g} %; structural if every condition keeps at least half "
+            "as many sink layers as the condition with the most, token-tied otherwise")
+    return {"verdict": verdict, "text": text, "sink_layers": layers, "first_sink_layer": first, "rule": rule}
+
+
+def _causal(model, rows, base: dict, donor_rec: dict, layer: int, eps: float, common: dict) -> dict:
+    ref_rates = base["sink_rate"][0]
+
+    def effect(rec: dict, what: str) -> dict:
+        summ = _condition_summary(rec, eps, what)
+        rates = summ["sink_rate"][0]
+        delta = [a - b for a, b in zip(rates, ref_rates)]
+        down = delta[layer + 1:]
+        return {"description": what, "sink_rate_0": rates, "delta": delta, "column_mass_0": summ["column_mass_0"],
+                "downstream_delta": sum(down) / len(down) if down else math.nan, "loss": summ["loss"],
+                "delta_loss": (summ["loss"] - base["loss"]) if summ["loss"] is not None and base["loss"] is not None
+                else None, "ratio": summ["ratio"]}
+
+    donor = donor_rec["x0"][:, layer + 1]  # (S, d) x₀ after the block with a different first token
+    rec_donor = measure_rows(model, rows, patch=lambda sl: Patch(layer, "replace", replacement=donor[sl]), **common)
+    rec_scale = measure_rows(model, rows, patch=lambda sl: Patch(layer, "scale", target_ratio=1.0), **common)
+    return {"layer": layer,
+            "donor": effect(rec_donor, "x₀ after the block replaced by its value under first_swapped"),
+            "scale": effect(rec_scale, "x₀ after the block rescaled to the median norm of the other tokens (r = 1)"),
+            "note": "layers ≤ the patched block are unchanged by construction (the patch is on its output)"}
+
+
+def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3, batch_size: int = 8,
+                   padding_side: str = "right", layer_threshold: float = rules.LAYER_SINK_THRESHOLD,
+                   causal: bool = True, progress: Callable[[int], None] | None = None,
+                   set_total: Callable[[int], None] | None = None, meta: dict | None = None) -> CircuitResult:
+    """The circuit on prepared :class:`~sinklab.circuit.inputs.CircuitInputs` (e.g. Bigram-Backcopy rows).
+
+    ``progress(k)`` is called after every batch of ``k`` samples; ``set_total(n)`` once the number of sample
+    passes is known (3 conditions, plus 2 causal patches, plus 2 more when the first amplification is elsewhere).
+    """
+    if not 0.0 <= eps <= 1.0:
+        raise InputError(f"eps must be in [0, 1], got {eps}")
+    check_weights(model)
+    with _Session(model) as session:
+        common = {"pad_id": inputs.pad_id, "batch_size": batch_size, "padding_side": padding_side,
+                  "progress": progress, "session": session}
+        recs = {name: measure_rows(model, rows, **common) for name, rows in inputs.conditions.items()}
+        amp = rules.amplification_layer(_ratio(recs[REFERENCE]).nanmean(0).tolist())
+        conds = {name: _condition_summary(rec, eps, inputs.description[name]) for name, rec in recs.items()}
+        causal_out, causal_early = {}, {}
+        run = rules.first_amplification_run(_ratio(recs[REFERENCE]).nanmean(0).tolist())
+        if set_total is not None:
+            extra = (2 + 2 * bool(run and run[-1] != amp)) if causal and amp is not None else 0
+            set_total((len(inputs.conditions) + extra) * len(inputs.conditions[REFERENCE]))
+        if causal and amp is not None:
+            causal_out = _causal(model, inputs.conditions[REFERENCE], conds[REFERENCE], recs["first_swapped"], amp,
+                                 eps, common)
+            if run and run[-1] != amp:
+                causal_early = _causal(model, inputs.conditions[REFERENCE], conds[REFERENCE], recs["first_swapped"],
+                                       run[-1], eps, common)
+    ref = recs[REFERENCE]
+    ratio = _ratio(ref).nanmean(0)
+    contrib, resid = _contributions(ref)
+    n_layers, n_heads = ref["column_mass"].shape[1], ref["column_mass"].shape[2]
+    early = conds[REFERENCE]["sink_rate"]
+    seq_len = ref["hidden_norm"].shape[-1]
+    cross = {}
+    for name, rec in recs.items():
+        if name != REFERENCE and rec["x0"].shape == ref["x0"].shape:
+            a, b = ref["x0"].double(), rec["x0"].double()
+            cross[name] = _r4(torch.nn.functional.cosine_similarity(a, b, dim=-1).mean(0))
+    stage = rules.classify_stage(early, rules.stage_amplification(ratio.tolist()), threshold=layer_threshold)
+    return CircuitResult(
+        num_layers=n_layers, num_heads=n_heads, seq_len=seq_len, num_samples=ref["x0"].shape[0], eps=eps,
+        layer_threshold=layer_threshold, conditions=conds, ratio=_r4(ratio),
+        contributions={k: _r4(v) for k, v in contrib.items()}, residual_error=_r4(resid),
+        direction_cosine=_r4(_pairwise_cosine(ref["x0"])), cross_condition_cosine=cross,
+        amplification_layer=amp, amplification_blocks=rules.amplification_blocks(ratio.tolist()),
+        sink_layers=rules.sink_layers(early[0], layer_threshold), ablation=_ablation(conds, layer_threshold),
+        massive=_massive(ref), causal=causal_out, causal_early=causal_early, stage=stage,
+        uniform_baseline=sum(1.0 / (i + 1) for i in range(seq_len)) / seq_len,
+        tokens=inputs.tokens[REFERENCE][:4],
+        rules={"amplification": rules.AMPLIFICATION_RULE, "contributions": CONTRIBUTION_RULE,
+               "location": rules.LOCATION_RULE, "stage": rules.STAGE_RULE, "ablation": _ablation(conds, layer_threshold)["rule"],
+               "massive": "|a| > 100 and ≥ 1000 × the median |a| of that hidden state (Sun et al. 2024)",
+               "positions": "position 0 = each row's first real token (padding skipped)"},
+        meta={**inputs.meta, "conditions": list(inputs.conditions), **(meta or {})},
+    )
+
+
+def circuit(model: nn.Module, tokenizer, texts: str | list[str] | None = None, *, seq_len: int = 64,
+            samples: int = 16, batch_size: int = 8, eps: float = 0.3, special_token: str | None = None,
+            padding_side: str = "right", layer_threshold: float = rules.LAYER_SINK_THRESHOLD, causal: bool = True,
+            source: str | None = None, revision: str | None = None,
+            progress: Callable[[int], None] | None = None,
+            set_total: Callable[[int], None] | None = None) -> CircuitResult:
+    """Measure the P0 sink circuit of a causal LM on ``texts`` (default: the pydoc corpus).
+
+    Texts are cut into ``samples`` windows of ``seq_len`` tokens and run under three first-token conditions
+    (see :mod:`sinklab.circuit.inputs`); then the causal patches at the amplification layer. Progress is
+    reported per sample through ``progress``; ``set_total`` receives the number of sample passes when known.
+    """
+    from ..models import check_vocab
+    from ..scan import _provenance
+    from ..texts import default_texts
+
+    if isinstance(texts, str):
+        texts = [texts]
+    corpus = "user text" if texts is not None else "pydoc_data.topics (Python standard library documentation)"
+    inputs = text_inputs(tokenizer, default_texts() if texts is None else texts, seq_len=seq_len, samples=samples,
+                         special_token=special_token)
+    check_vocab(model, tokenizer, torch.tensor([max(max(r) for r in v) for v in inputs.conditions.values()]))
+    meta = _provenance(model, source, revision, corpus=corpus, requested_seq_len=seq_len)
+    return circuit_inputs(model, inputs, eps=eps, batch_size=batch_size, padding_side=padding_side,
+                          layer_threshold=layer_threshold, causal=causal, progress=progress, set_total=set_total,
+                          meta=meta)

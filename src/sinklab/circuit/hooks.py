@@ -1,0 +1,224 @@
+"""Forward hooks on a decoder's own modules: record position 0 per block and sublayer, patch its residual.
+
+The sublayers are found generically: each block (``_compat.find_layers``) must have one attention child
+(``self_attn``, ``attn``, ``attention`` or ``self_attention``) and one MLP child (``mlp``, ``feed_forward``,
+``ffn`` or ``block_sparse_moe``). Hooks are registered on entry and always removed on exit. "Position 0"
+of a row is its first real token (``starts``), so left-padded batches measure the same thing as unpadded ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Self
+
+import torch
+from torch import Tensor, nn
+
+from .. import _compat, metrics
+from ..errors import UnsupportedModelError
+
+__all__ = ["ATTN_NAMES", "MLP_NAMES", "Patch", "PositionZeroRecorder", "Sublayers", "find_sublayers"]
+
+ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")
+MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
+_ENCODER_TYPES = {"bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "xlm-roberta",
+                  "mpnet", "camembert", "vit", "dinov2", "dinov2_with_registers", "modernbert"}
+
+
+@dataclass
+class Sublayers:
+    """The decoder blocks and, per block, its attention and MLP modules."""
+
+    blocks: nn.ModuleList
+    attn: list[nn.Module]
+    mlp: list[nn.Module]
+
+
+def _child(block: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
+    for name in names:
+        sub = getattr(block, name, None)
+        if isinstance(sub, nn.Module):
+            return sub
+    return None
+
+
+def find_sublayers(model: nn.Module) -> Sublayers:
+    """Blocks plus attention/MLP children; :class:`UnsupportedModelError` for encoders and unknown layouts."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    name = type(model).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name} is an encoder-decoder model; the P0 circuit is measured on causal "
+                                    "decoder-only models.")
+    if model_type in _ENCODER_TYPES:
+        raise UnsupportedModelError(
+            f"{name} ({model_type}) is an encoder: every position attends to every other, so no causal mask singles "
+            "out position 0 and the P0 sink circuit does not apply. Use `sinklab scan`/`diagnose` for encoders.")
+    blocks = _compat.find_layers(model)
+    attn, mlp = [], []
+    for index, block in enumerate(blocks):
+        a, m = _child(block, ATTN_NAMES), _child(block, MLP_NAMES)
+        if a is None or m is None:
+            children = ", ".join(n for n, _ in block.named_children())
+            missing = "attention" if a is None else "MLP"
+            wanted = ATTN_NAMES if a is None else MLP_NAMES
+            raise UnsupportedModelError(
+                f"{name}: block {index} ({type(block).__name__}) has no {missing} child named one of {wanted} "
+                f"(its children: {children}); the circuit hooks each block's own attention and MLP modules.")
+        attn.append(a)
+        mlp.append(m)
+    if any(getattr(a, "is_causal", True) is False for a in attn):
+        raise UnsupportedModelError(f"{name}: its attention is not causal (is_causal=False); the P0 sink circuit is "
+                                    "a property of causal decoders.")
+    return Sublayers(blocks, attn, mlp)
+
+
+@dataclass
+class Patch:
+    """An edit of position 0's residual stream at the output of block ``layer``.
+
+    ``mode="replace"``: set it to ``replacement`` ``[B, d]`` (one row per sample of the running batch);
+    ``mode="scale"``: rescale it so that ``‖x₀‖ = target_ratio · median_{i>0} ‖x_i‖``.
+    """
+
+    layer: int
+    mode: str = "scale"
+    replacement: Tensor | None = None
+    target_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("replace", "scale"):
+            raise ValueError(f"unknown patch mode {self.mode!r}; choose 'replace' or 'scale'")
+
+
+def _first_tensor(output: object) -> Tensor:
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return output[0]
+    raise UnsupportedModelError(f"cannot find the output tensor of a sublayer returning {type(output).__name__}")
+
+
+def _with_hidden(output: object, hidden: Tensor) -> object:
+    if isinstance(output, Tensor):
+        return hidden
+    if isinstance(output, tuple):
+        return (hidden, *output[1:])
+    raise UnsupportedModelError(f"cannot patch a block output of type {type(output).__name__}")
+
+
+class PositionZeroRecorder:
+    """Context manager recording, per forward pass, what the circuit needs (CPU float32 tensors).
+
+    After each forward: ``hidden_norm`` ``[B, L+1, T]`` (aligned: column ``j`` is the row's ``j``-th real
+    token, NaN beyond), ``x0`` ``[B, L+1, d]``, ``max_abs``/``max_dim`` ``[B, L+1, T]``, ``median_abs``
+    ``[B, L+1]``, ``attn0``/``mlp0`` ``[B, L, d]`` (each sublayer's output at position 0). Index 0 of the
+    ``L+1`` axis is the embeddings (block 0's input), index ``l + 1`` block ``l``'s output (after any patch).
+    """
+
+    def __init__(self, sub: Sublayers) -> None:
+        self.sub = sub
+        self.patch: Patch | None = None
+        self._handles: list = []
+        self._starts: Tensor | None = None
+        self._mask: Tensor | None = None
+        self._rec: dict[str, dict[int, Tensor]] = {}
+
+    def __enter__(self) -> Self:
+        try:
+            self._handles.append(self.sub.blocks[0].register_forward_pre_hook(self._embed_hook, with_kwargs=True))
+            for index, block in enumerate(self.sub.blocks):
+                self._handles.append(block.register_forward_hook(self._block_hook(index)))
+                self._handles.append(self.sub.attn[index].register_forward_hook(self._sub_hook("attn0", index)))
+                self._handles.append(self.sub.mlp[index].register_forward_hook(self._sub_hook("mlp0", index)))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def start(self, attention_mask: Tensor, patch: Patch | None = None) -> None:
+        """Prepare for one forward pass over a batch with ``attention_mask`` ``[B, T]`` (1 = real token)."""
+        self._mask = attention_mask.bool()
+        self._starts = self._mask.long().argmax(-1)  # (B,) first real token of each row
+        self.patch = patch
+        self._rec = {k: {} for k in ("hidden_norm", "x0", "max_abs", "max_dim", "median_abs", "attn0", "mlp0")}
+
+    def collect(self) -> dict[str, Tensor]:
+        """Stack what the last forward recorded (see the class docstring for shapes)."""
+        n = len(self.sub.blocks)
+        out = {}
+        for key, per in self._rec.items():
+            count = n if key in ("attn0", "mlp0") else n + 1
+            missing = [i for i in range(count) if i not in per]
+            if missing:
+                raise UnsupportedModelError(f"the forward pass did not run the hooked modules for {key} at {missing}")
+            out[key] = torch.stack([per[i] for i in range(count)], dim=1)
+        return out
+
+    # ------------------------------------------------------------------ hooks
+    def _rows(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        starts = self._starts.to(device)
+        return torch.arange(starts.shape[0], device=device), starts
+
+    def _aligned(self, values: Tensor, fill: float) -> Tensor:
+        """``[B, T]`` per-position values → column ``j`` = the row's ``j``-th real token (``fill`` beyond)."""
+        t = values.shape[1]
+        mask = self._mask.to(values.device)
+        idx = self._starts.to(values.device)[:, None] + torch.arange(t, device=values.device)  # (B, T)
+        valid = idx < t
+        idx = idx.clamp_max(t - 1)
+        valid = valid & mask.gather(1, idx)
+        return torch.where(valid, values.gather(1, idx), torch.full((), fill, dtype=values.dtype, device=values.device))
+
+    def _record(self, index: int, hidden: Tensor) -> None:
+        x = hidden.detach().float()  # (B, T, d)
+        mask = self._mask.to(x.device)
+        rows, starts = self._rows(x.device)
+        max_abs, max_dim = x.abs().max(dim=-1)
+        self._rec["hidden_norm"][index] = self._aligned(x.norm(dim=-1), math.nan).cpu()
+        self._rec["x0"][index] = x[rows, starts].cpu()
+        self._rec["max_abs"][index] = self._aligned(max_abs, math.nan).cpu()
+        self._rec["max_dim"][index] = self._aligned(max_dim.float(), -1.0).long().cpu()
+        self._rec["median_abs"][index] = metrics.activation_median(x, mask).cpu()
+
+    def _embed_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._record(0, _compat.block_input(args, kwargs))
+
+    def _block_hook(self, index: int):
+        def hook(module: nn.Module, args: tuple, output: object):
+            hidden = _compat.block_hidden_states(output)
+            patch, replaced = self.patch, None
+            if patch is not None and patch.layer == index:
+                hidden = self._patched(hidden, patch)
+                replaced = _with_hidden(output, hidden)
+            self._record(index + 1, hidden)
+            return replaced
+
+        return hook
+
+    def _patched(self, hidden: Tensor, patch: Patch) -> Tensor:
+        rows, starts = self._rows(hidden.device)
+        hidden = hidden.clone()
+        if patch.mode == "replace":
+            hidden[rows, starts] = patch.replacement.to(hidden.device, hidden.dtype)
+            return hidden
+        norms = self._aligned(hidden.detach().float().norm(dim=-1), math.nan)  # (B, T)
+        median = norms[:, 1:].nanmedian(dim=-1).values  # (B,)
+        x0 = hidden[rows, starts]
+        factor = patch.target_ratio * median / x0.float().norm(dim=-1).clamp_min(1e-12)
+        hidden[rows, starts] = x0 * factor[:, None].to(x0.dtype)
+        return hidden
+
+    def _sub_hook(self, key: str, index: int):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            out = _first_tensor(output).detach().float()  # (B, T, d)
+            rows, starts = self._rows(out.device)
+            self._rec[key][index] = out[rows, starts].cpu()
+
+        return hook

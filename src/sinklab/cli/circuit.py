@@ -1,0 +1,115 @@
+"""``sinklab circuit`` and ``sinklab circuit-sweep``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ._common import _progress, _read_texts, _user_errors, app, console, err
+
+
+def _print_result(result) -> None:
+    names = list(result.conditions)
+    table = Table(title=f"P0 sink circuit — T={result.seq_len}, {result.num_samples} samples, ε={result.eps}")
+    for col in ["block", "r", "c_attn", "c_mlp", "cos x₀", *[f"Sink_0 {n}" for n in names]]:
+        table.add_column(col, justify="right")
+    f = lambda x, fmt="{:.2f}": "–" if x is None else fmt.format(x)
+    table.add_row("emb", f(result.ratio[0]), "", "", f(result.direction_cosine[0], "{:.3f}"), *[""] * len(names))
+    for layer in range(result.num_layers):
+        mark = "★" if layer in result.amplification_blocks else ""
+        table.add_row(f"{layer}{mark}", f(result.ratio[layer + 1]), f(result.contributions["attn"][layer]),
+                      f(result.contributions["mlp"][layer]), f(result.direction_cosine[layer + 1], "{:.3f}"),
+                      *[f(result.conditions[n]["sink_rate"][0][layer], "{:.0f}") for n in names])
+    console.print(table)
+    console.print(result.summary(), highlight=False, markup=False)
+    console.print("★ = " + result.rules["amplification"], highlight=False, markup=False)
+
+
+@app.command("circuit")
+def circuit_cmd(
+    model: Annotated[str, typer.Argument(help="builtin:..., a local folder (a sinklab train checkpoint too) or a hub id[@revision]")],
+    text: Annotated[str | None, typer.Option("--text", help="text to analyse")] = None,
+    file: Annotated[Path | None, typer.Option("--file", help="UTF-8 text file")] = None,
+    seq_len: Annotated[int, typer.Option("--seq-len")] = 64,
+    samples: Annotated[int, typer.Option("--samples")] = 16,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
+    special_token: Annotated[str | None, typer.Option("--special-token", help="token to prepend when the tokenizer adds no BOS")] = None,
+    no_causal: Annotated[bool, typer.Option("--no-causal", help="skip the patching passes")] = False,
+    out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("sinklab-circuit"),
+) -> None:
+    """The P0 sink circuit: first-token ablation, amplification layer, attention vs MLP, causal check."""
+    from ..circuit.sweep import Checkpoint, circuit_source, load_source
+
+    with _user_errors():
+        texts = _read_texts(text, file)
+        path = Path(model)
+        if path.is_dir():
+            parent = path.parent if (path.parent / "train_config.json").exists() else None
+            ck = Checkpoint(path.name, 0, str(path), run_dir=str(path) if (path / "train_config.json").exists()
+                            else (str(parent) if parent else None))
+        elif model.startswith("builtin:"):
+            ck = Checkpoint(model, 0, model, kind="hub")
+        else:
+            name, _, rev = model.partition("@")
+            ck = Checkpoint(model, 0, name, kind="hub", revision=rev or None)
+        with console.status(f"loading {model} …"):
+            net, tokenizer, cfg = load_source(ck)
+        passes = 5 if not no_causal else 3
+        with _progress(passes * samples) as progress:
+            task = progress.add_task("circuit", total=passes * samples)
+            result = circuit_source(net, tokenizer, cfg, texts=texts, seq_len=seq_len, samples=samples, source=model,
+                                    batch_size=batch_size, causal=not no_causal,
+                                    progress=lambda k: progress.advance(task, k),
+                                    set_total=lambda n: progress.update(task, total=n),
+                                    **({"special_token": special_token} if tokenizer is not None else {}))
+        _print_result(result)
+        report = result.save(out)
+        console.print(f"wrote {out}/circuit.json, figures and {report}")
+
+
+@app.command("circuit-sweep")
+def circuit_sweep_cmd(
+    checkpoints: Annotated[list[str], typer.Argument(help="run folders, checkpoint folders or hub ids (id@revision)")],
+    text: Annotated[str | None, typer.Option("--text")] = None,
+    file: Annotated[Path | None, typer.Option("--file")] = None,
+    seq_len: Annotated[int, typer.Option("--seq-len")] = 64,
+    samples: Annotated[int, typer.Option("--samples")] = 16,
+    no_init: Annotated[bool, typer.Option("--no-init", help="do not add a run's rebuilt random initialisation (step 0)")] = False,
+    no_causal: Annotated[bool, typer.Option("--no-causal", help="skip the patching passes")] = False,
+    out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("sinklab-circuit-sweep"),
+) -> None:
+    """The circuit on every checkpoint: amplification layer, Sink_0 per layer and the stage vs training step."""
+    from ..circuit.sweep import circuit_sweep, discover_checkpoints
+
+    with _user_errors():
+        texts = _read_texts(text, file)
+        found = discover_checkpoints(checkpoints, include_init=not no_init)
+        passes = 5 if not no_causal else 3  # per checkpoint; raised when a checkpoint needs the early patches too
+        table = Table(title="circuit sweep")
+        for col in ("checkpoint", "step", "stage", "location", "amp. layer", "Sink_0 % per layer"):
+            table.add_column(col, no_wrap=col in ("checkpoint", "stage"))
+
+        def row(ck, r):
+            if r["error"]:
+                err.print(f"[red]{ck.label}: failed[/red] — {r['error']}", highlight=False)
+                table.add_row(ck.label, str(ck.step), "failed", "", "", "")
+            else:
+                table.add_row(ck.label, str(ck.step), r["stage"], r["location"], str(r["amplification_layer"]),
+                              " ".join(f"{v:.0f}" for v in r["sink_rate"][0]))
+            progress.update(task, description=f"sweep ({ck.label} done)")
+
+        with _progress(len(found) * passes * samples) as progress:
+            task = progress.add_task("sweep", total=len(found) * passes * samples)
+            def more(n):  # this checkpoint needs n sample passes instead of the planned passes × samples
+                progress.update(task, total=progress.tasks[0].total + n - passes * samples)
+
+            sweep = circuit_sweep(checkpoints, include_init=not no_init, texts=texts, seq_len=seq_len, samples=samples,
+                                  causal=not no_causal, on_checkpoint=row, progress=lambda k: progress.advance(task, k),
+                                  set_total=more)
+        console.print(table)
+        console.print("stage rule: " + sweep.rules["stage"], highlight=False, markup=False)
+        report = sweep.save(out)
+        console.print(f"wrote {out}/sweep.json, figures and {report}")

@@ -1,0 +1,242 @@
+"""eval-stream: every method scored on the same positions, each against an independent reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers as tf
+from typer.testing import CliRunner
+
+from sinklab.errors import InputError
+from sinklab.stream import StreamSession
+from sinklab.stream.evaluate import EvalPlan, evaluate_stream, recompute_nll
+
+V = 97
+
+
+def llama(layers: int) -> tf.LlamaForCausalLM:
+    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(1)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharper attention than the random init, so evicting a token matters
+        for name, p in model.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(4.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def two_layer():
+    return llama(2)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, V, (70,), generator=torch.Generator().manual_seed(3))
+
+
+def _ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.double(), target, reduction="none")
+
+
+@torch.no_grad()
+def _forward_last(model, tokens: torch.Tensor) -> torch.Tensor:
+    """A plain forward (positions 0 … n−1, no cache): logits at the last token ``[V]``."""
+    return model(input_ids=tokens[None], use_cache=False).logits[0, -1]
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+def test_plan_scores_every_method_on_the_same_positions_after_the_first_eviction(two_layer, ids):
+    plan = EvalPlan(sinks="0,1,4", cache_size=12, stride=3, chunk_size=16)
+    result = evaluate_stream(two_layer, ids, plan)
+    assert result.positions.tolist() == list(range(13, 70, 3))  # C + 1 = the first token that lost context
+    labels = [c.run.label for c in result.curves]
+    assert labels == ["dense", "window", "recompute", "sinks S=0", "sinks S=1", "sinks S=4"]
+    assert all(c.nll.shape == result.positions.shape for c in result.curves)
+    # The ablation keeps the total cache size: S + W = C for every sink count.
+    assert {c.run.num_sinks + c.run.window for c in result.curves if c.run.num_sinks is not None} == {12}
+    # S = 0 is the window-only run (reused, not recomputed).
+    assert torch.equal(result.curve("sinks S=0").nll, result.curve("window").nll)
+    data = result.to_json(bins=19)
+    assert data["positions"] == {"first": 13, "last": 67, "stride": 3, "count": 19, "windows_spanned": 55 / 12}
+    assert data["scored_positions"] == result.positions.tolist()
+    assert all(len(c["nll"]) == 19 for c in data["curves"].values())
+    # Binned means are means of the per-token NLLs (equal-count bins cover every scored token once).
+    b = data["curves"]["dense"]["binned"]
+    assert len(b["mean_nll"]) == 19 and b["mean_nll"] == pytest.approx(result.curve("dense").nll.tolist(), abs=1e-6)
+
+
+def test_plan_work_is_the_progress_total(two_layer, ids):
+    plan = EvalPlan(methods="window,recompute,sinks", sinks=(0, 2), cache_size=10, stride=4, chunk_size=9)
+    done: dict[str, int] = {}
+    evaluate_stream(two_layer, ids, plan, progress=lambda label, n: done.__setitem__(label, done.get(label, 0) + n))
+    pos = plan.positions(70)
+    assert done == {"window": int(pos[-1]), "recompute": len(pos), "sinks S=2": int(pos[-1])}
+    assert sum(done.values()) == plan.work(70)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"methods": "dense,bogus"}, "unknown"),
+    ({"sinks": "0,-1"}, "≥ 0"),
+    ({"sinks": "2,x"}, "comma-separated"),
+    ({"sinks": (12,), "cache_size": 12}, "leave a window"),
+    ({"stride": 0}, "stride"),
+])
+def test_plan_rejects_bad_settings(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        EvalPlan(**kwargs)
+
+
+def test_plan_rejects_a_text_too_short_to_evict():
+    with pytest.raises(InputError, match="first eviction"):
+        EvalPlan(cache_size=12).positions(13)
+
+
+def test_auto_stride_bounds_recompute_and_is_one_without_it():
+    assert EvalPlan(cache_size=100).positions(1101).tolist() == list(range(101, 1101, 8))  # ≤ 128 windows
+    assert EvalPlan(methods="dense,sinks", cache_size=100).resolved_stride(1101) == 1
+
+
+# ------------------------------------------------------------------------------------------------ references
+def test_dense_equals_one_full_forward(two_layer, ids):
+    """Chunked dense prefill (chunks not aligned with the scored positions) = one causal forward's cross-entropy."""
+    result = evaluate_stream(two_layer, ids, EvalPlan(methods="dense", cache_size=12, stride=2, chunk_size=7))
+    with torch.no_grad():
+        logits = two_layer(input_ids=ids[None], use_cache=False).logits[0]  # (N, V)
+    pos = result.positions
+    ref = _ce(logits[pos - 1], ids[pos])
+    torch.testing.assert_close(result.curve("dense").nll.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_one_layer_streams_equal_a_forward_over_exactly_the_kept_tokens(ids):
+    """With one layer a token's key/value depend on the token alone, so a stream's NLL at ``t`` equals a plain
+    forward over its kept tokens re-positioned 0 … n−1: the last C for the window, ids[:S] ⧺ the last W for sinks."""
+    model = llama(1)
+    c, s = 12, 3
+    result = evaluate_stream(model, ids, EvalPlan(methods="window,recompute,sinks", sinks=(s,), cache_size=c,
+                                                  stride=5, chunk_size=8))
+    window_ref, sinks_ref = [], []
+    for t in result.positions.tolist():
+        window_ref.append(_ce(_forward_last(model, ids[t - c : t])[None], ids[t : t + 1]))
+        kept = torch.cat([ids[:s], ids[t - (c - s) : t]])
+        sinks_ref.append(_ce(_forward_last(model, kept)[None], ids[t : t + 1]))
+    torch.testing.assert_close(result.curve("window").nll.double(), torch.cat(window_ref), atol=1e-5, rtol=0)
+    torch.testing.assert_close(result.curve(f"sinks S={s}").nll.double(), torch.cat(sinks_ref), atol=1e-5, rtol=0)
+    # The sinks change the prediction (the test would not notice a stream that ignores them otherwise).
+    assert (result.curve(f"sinks S={s}").nll - result.curve("window").nll).abs().max() > 1e-2
+
+
+def test_recompute_equals_a_fresh_forward_over_the_last_c_tokens(two_layer, ids):
+    c = 12
+    pos = torch.arange(20, 70, 7)
+    nll = recompute_nll(two_layer, ids, pos, c, batch_tokens=3 * c)  # batched three windows at a time
+    ref = torch.cat([_ce(_forward_last(two_layer, ids[t - c : t])[None], ids[t : t + 1]) for t in pos.tolist()])
+    torch.testing.assert_close(nll.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_sinks_chunked_equal_token_by_token_decoding(two_layer, ids):
+    """Multi-layer: the chunked stream's NLL equals decoding one token at a time (the stream's own step path)."""
+    s, c = 2, 12
+    short = ids[:40]
+    result = evaluate_stream(two_layer, short, EvalPlan(methods="sinks", sinks=(s,), cache_size=c, chunk_size=9))
+    step = []
+    with StreamSession(two_layer, num_sinks=s, window=c - s) as session:
+        for t in range(int(result.positions[-1])):
+            step.append(session.step(short[t : t + 1]))
+    logits = torch.cat(step)  # (N − 1, V): row t predicts ids[t + 1]
+    ref = _ce(logits[result.positions - 1], short[result.positions])
+    torch.testing.assert_close(result.curve(f"sinks S={s}").nll.double(), ref, atol=1e-4, rtol=0)
+    # … and differs from dense attention once tokens are evicted (two layers carry evicted context).
+    dense = evaluate_stream(two_layer, short, EvalPlan(methods="dense", cache_size=c, chunk_size=9)).curve("dense")
+    assert (dense.nll - result.curve(f"sinks S={s}").nll).abs().max() > 1e-2
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+@pytest.fixture(scope="module")
+def cli():
+    from sinklab.cli import app
+
+    runner = CliRunner()
+    return lambda *args: runner.invoke(app, ["eval-stream", *map(str, args)])
+
+
+def test_cli_writes_json_figures_and_report(cli, tmp_path):
+    out = tmp_path / "run"
+    r = cli("builtin:tiny-lm", "--tokens", 240, "--window", 28, "--sinks", "0,4", "--stride", 4, "--out", out)
+    assert r.exit_code == 0, r.output
+    assert "every method scored on positions 33–237, stride 4 (52 tokens per method" in " ".join(r.output.split())
+    assert sorted(p.name for p in out.iterdir()) == ["eval_stream.json", "nll_by_position.png", "report.html",
+                                                     "sink_ablation.png"]
+    data = json.loads((out / "eval_stream.json").read_text())
+    assert data["cache_size"] == 32 and data["positions"]["first"] == 33
+    assert set(data["curves"]) == {"dense", "window", "recompute", "sinks S=0", "sinks S=4"}
+    assert {len(c["nll"]) for c in data["curves"].values()} == {data["positions"]["count"]}
+    # tiny-lm was trained on 64-token windows (see its model card): the window-only baseline collapses once its
+    # first tokens are evicted and 4 sinks restore it, as in StreamingLLM.
+    assert data["curves"]["window"]["ppl"] > 1.5 * data["curves"]["sinks S=4"]["ppl"]
+    assert not list(tmp_path.glob(".sinklab-*"))  # no temporary folder left
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail the test if the CLI gets as far as loading a model."""
+    import sinklab.cli.eval_stream as mod
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(mod, "_load", refuse)
+
+
+def test_cli_rejects_bad_input_before_loading_the_model(cli, tmp_path, no_model):
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00\x00\x00")  # valid UTF-8, but NUL bytes: an executable
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")  # a PNG: not UTF-8
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    regular = tmp_path / "taken"
+    regular.write_text("x")
+    out = tmp_path / "out"
+    cases = [
+        (["--file", tmp_path / "missing.txt"], "no such file"),
+        (["--file", binary], "looks binary"),
+        (["--file", latin], "not UTF-8"),
+        (["--file", empty], "is empty"),
+        (["--file", tmp_path], "is a folder"),
+        (["--methods", "dense,fast"], "unknown"),
+        (["--sinks", "-1"], "≥ 0"),
+        (["--sinks", "4", "--cache-size", "4"], "leave a window"),
+        (["--window", "0"], "--window must be ≥ 1"),
+        (["--tokens", "100", "--window", "96"], "after the first eviction"),
+    ]
+    for args, message in cases:
+        r = cli("builtin:tiny-lm", *args, "--out", out)
+        assert r.exit_code == 2, (args, r.output)
+        assert message in " ".join(r.output.split()), (args, r.output)
+        assert "Traceback" not in r.output
+    r = cli("builtin:tiny-lm", "--out", regular)
+    assert r.exit_code == 2 and "is an existing file, not a folder" in " ".join(r.output.split())
+    assert not out.exists() and regular.read_text() == "x"
+
+
+def test_cli_leaves_nothing_behind_on_failure_or_interrupt(cli, tmp_path, monkeypatch):
+    import sinklab.report.stream_figures as figures
+    from sinklab.stream import evaluate
+
+    args = ("builtin:tiny-lm", "--tokens", 120, "--window", 28, "--methods", "window")
+    monkeypatch.setattr(figures, "render_eval_stream", lambda *a: 1 / 0)  # fails while writing the report
+    r = cli(*args, "--out", tmp_path / "a")
+    assert r.exit_code != 0 and not (tmp_path / "a").exists()
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluate, "stream_nll", interrupted)  # Ctrl-C during the evaluation
+    r = cli(*args, "--out", tmp_path / "b")
+    assert r.exit_code == 130 and "interrupted" in r.output and not (tmp_path / "b").exists()
+    assert not list(tmp_path.glob(".sinklab-*"))
