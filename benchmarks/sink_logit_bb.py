@@ -138,7 +138,7 @@ def train_bb(kind: str, *, steps: int, seed: int, lr: float = 3e-3, sink_lr_mult
             "attention_bias": attention_bias, "final": log[-1], "log": log}
 
 
-def nop_task(sink: bool, steps: int, seed: int) -> dict:
+def nop_task(sink: bool, steps: int, seed: int, sink_init: float = 0.0) -> dict:
     """The synthetic NOP task with and without a learned sink logit on its one head (no BOS change otherwise)."""
     from sinklab import _compat
     from sinklab.synth import NopTask
@@ -151,7 +151,7 @@ def nop_task(sink: bool, steps: int, seed: int) -> dict:
     attn = model.layers[0].attn
     if sink:
         attn.sinklab_variant = VariantConfig(sink_logit=True)
-        attn.sinklab_sink_logit = nn.Parameter(torch.zeros(1))
+        attn.sinklab_sink_logit = nn.Parameter(torch.full((1,), sink_init))
         _compat.register_attention(ATTN_NAME, variant_attention)
         model.config._attn_implementation = ATTN_NAME
     fit(model, task.sample, steps=steps, batch=128, seed=seed)
@@ -165,9 +165,9 @@ def nop_task(sink: bool, steps: int, seed: int) -> dict:
             s = torch.cat([attn.sinklab_sink_logit.view(1, 1, 1).expand(64, 17, 1), s], -1)
         a = s.softmax(-1)
     e = int(sink)
-    return {"sink": sink, "bos_attention_damped": float(a[:, 1:, e][damped].mean()),
+    return {"sink": sink, "sink_init": sink_init, "bos_attention_damped": float(a[:, 1:, e][damped].mean()),
             "sink_mass_damped": float(a[:, 1:, 0][damped].mean()) if sink else 0.0,
-            "sink_logit": float(attn.sinklab_sink_logit) if sink else None}
+            "sink_logit": float(attn.sinklab_sink_logit.detach()) if sink else None}
 
 
 def figure(results: list[dict], path: Path) -> None:
@@ -212,7 +212,7 @@ def main() -> None:
         print(f"{kind:10s} {kw} loss {f['loss']:.3f} BOS {f['bos_attention_non_trigger']:.3f} "
               f"slot {f['learned_slot_mass_non_trigger']:.3f} logit {f['sink_logit']} ratio {f['bos_value_norm_ratio_out']:.3f} "
               f"({time.time() - t0:.0f} s)", flush=True)
-    nop = [nop_task(False, 600, args.seed), nop_task(True, 600, args.seed)]
+    nop = [nop_task(False, 600, args.seed), nop_task(True, 600, args.seed), nop_task(True, 600, args.seed, 4.0)]
     for r in nop:
         print("NOP task", r, flush=True)
     (args.out / "sink_logit_bb.json").write_text(json.dumps({"bb": results, "nop_task": nop}, indent=1))

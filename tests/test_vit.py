@@ -143,6 +143,9 @@ def test_save_load_by_path_keeps_the_variant(tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded(pixel_values=x).last_hidden_state, model(pixel_values=x).last_hidden_state)
     assert loaded.sinklab_variant_handle.config == model.sinklab_variant_handle.config
+    from sinklab.vit.variants import is_vit_checkpoint
+
+    assert is_vit_checkpoint(tmp_path / "m") and not is_vit_checkpoint(tmp_path)
     # a checkpoint with a missing key is refused, as is one with an unexpected key
     from safetensors import safe_open
     from safetensors.torch import save_file

@@ -29,7 +29,9 @@ __all__ = ["bb_closed_loop", "bb_diagnose", "sink_summary"]
 def bb_diagnose(model, task, samples: int = 16, seed: int = 123, edits: bool = True) -> Diagnosis:
     """Diagnose a Bigram-Backcopy model on ``samples`` fresh sequences (tokens labelled, BOS as ``<bos>``)."""
     x = task.sample(samples, torch.Generator().manual_seed(seed))
-    tokens = [["<bos>"] + [f"t{int(i)}" for i in row[1:]] for row in x]
+    variant = getattr(getattr(model, "config", None), "sinklab_variant", None) or {}
+    regs = [f"reg{i}" for i in range(int(variant.get("registers", 0)))]  # prepended inside the model
+    tokens = [regs + ["<bos>"] + [f"t{int(i)}" for i in row[1:]] for row in x]
     return diagnose_inputs(model, [{"input_ids": x}], tokens, special={"bos": "<bos>"}, edits=edits,
                            meta={"model": "bb", "model_type": "llama", "task": "bigram-backcopy"})
 
@@ -43,7 +45,8 @@ def sink_summary(d: Diagnosis) -> dict:
         "by_class": {k: Counter(r.kind for r in d.records).get(k, 0) for k in ("nop", "broadcast", "unclassified")},
         "nop_valued_sinks": sum(r.value_norm_ratio_out <= mid for r in d.records),
         "broadcast_valued_sinks": sum(r.value_norm_ratio_out > mid for r in d.records),
-        "sinks_at_bos": sum(r.token_index == 0 for r in d.records),
+        "sinks_at_bos": sum(r.role == "bos" for r in d.records),
+        "sinks_on_registers": sum(r.role == "register" for r in d.records),
         "median_value_ratio_out": ratios[len(ratios) // 2] if ratios else None,
         "mean_strength": sum(r.strength for r in d.records) / len(d.records) if d.records else 0.0,
         "per_layer": d.per_layer(),

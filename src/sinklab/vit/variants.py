@@ -266,6 +266,15 @@ def read_vit_metadata(path: str | Path) -> dict:
     return meta
 
 
+def is_vit_checkpoint(path: str | Path) -> bool:
+    """True when ``path`` (a folder or file) holds a checkpoint written by :func:`save_vit` (header check only)."""
+    try:
+        read_vit_metadata(path)
+    except ModelWeightsError:
+        return False
+    return True
+
+
 def load_vit(path: str | Path) -> nn.Module:
     """Rebuild a model saved by :func:`save_vit` with its variant; refuse missing or unexpected keys."""
     from safetensors.torch import load_file
