@@ -9,13 +9,25 @@ import typer
 from rich.table import Table
 
 from ..errors import SinklabError
-from ._common import _load, _progress, _read_texts, _user_errors, app, console
+from ._common import (
+    MODEL_HELP,
+    _load,
+    _progress,
+    _read_texts,
+    _user_errors,
+    app,
+    check_out_dir,
+    console,
+    device_map_option,
+    record_run,
+    trust_remote_code_option,
+)
 from ._progress import PhaseBars, print_warnings
 
 
 @app.command()
 def diagnose(
-    model: Annotated[str, typer.Argument(help="builtin:minilm, builtin:tiny-llama, a local path or a hub id")],
+    model: Annotated[str, typer.Argument(help=MODEL_HELP)],
     text: Annotated[str | None, typer.Option("--text", help="text to diagnose")] = None,
     file: Annotated[Path | None, typer.Option("--file", help="UTF-8 text file")] = None,
     seq_len: Annotated[int, typer.Option("--seq-len")] = 64,
@@ -32,21 +44,27 @@ def diagnose(
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     device: Annotated[str | None, typer.Option("--device")] = None,
     revision: Annotated[str | None, typer.Option("--revision")] = None,
-    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
+    trust_remote_code: Annotated[bool, trust_remote_code_option()] = False,
     seed: Annotated[int, typer.Option("--seed", help="0: texts in order; other: shuffled texts, random window offsets; also the control edit")] = 0,
+    device_map: Annotated[str | None, device_map_option()] = None,
 ) -> None:
     """Classify MODEL's sinks (NOP / broadcast), run causal value edits, write diagnosis.json and report.html."""
     from ..diagnose import diagnose as run_diagnose
+    from ..models import check_positions
 
     with _user_errors():
         texts = _read_texts(text, file)
-        loaded = _load(model, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code)
+        out = check_out_dir(out)
+        loaded = _load(model, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code,
+                       device_map=device_map)
+        check_positions(loaded.model, seq_len)
         rules = {"rule": rule, "sink_mass": sink_mass, "nop_max_ratio": nop_max,
                  "broadcast_min_ratio": broadcast_min, "broadcast_max_srank": broadcast_srank}
         with PhaseBars({"scan": "statistics pass (samples)", "edits": "causal edits (edited passes)"}) as progress:
             d = run_diagnose(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
                              batch_size=batch_size, rules=rules, edits=edits, edit_samples=edit_samples, seed=seed,
                              source=model, revision=revision, progress=progress)
+        record_run(d.scan.meta, loaded, texts, device=device, dtype=dtype)
         _print_diagnosis(d)
         print_warnings(d.scan.meta)
         report = d.save(out)
