@@ -54,7 +54,7 @@ def test_scan_json_report_and_escaping(minilm_scan, tmp_path):
     assert "<script>alert(1)</script>" not in text and "&lt;script&gt;alert(1)&lt;/script&gt;" in text
     assert text.count("data:image/png;base64,") == 4 and "src='http" not in text
     data = json.loads((tmp_path / "out" / "scan.json").read_text())
-    assert data["schema"] == "sinklab.scan/1"
+    assert data["schema"] == "sinklab.scan/2" and "max(8, ceil(T/8))" in data["dominant_rule"]
     meta = data["meta"]
     for key in ("model", "revision", "versions", "dtype", "seed", "seq_len", "thresholds", "tokenizer_added_bos"):
         assert key in meta
