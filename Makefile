@@ -19,10 +19,15 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 demo: venv
+	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab scan builtin:smollm2 --out $(DEMO_OUT)/smollm2
+	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab stream builtin:smollm2 --sinks 4 --window 60 --max-new-tokens 96 \
+		--prompt "Attention sinks are tokens that"
+	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab eval-stream builtin:smollm2 --tokens 640 --cache-size 128 --sinks 0,4 \
+		--methods dense,window,sinks --out $(DEMO_OUT)/smollm2-eval-stream
 	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab scan builtin:minilm --out $(DEMO_OUT)/minilm
 	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab scan builtin:tiny-lm --out $(DEMO_OUT)/tiny-lm
 	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab diagnose builtin:minilm --out $(DEMO_OUT)/minilm-diagnose
-	@echo "reports: $(DEMO_OUT)/minilm/report.html $(DEMO_OUT)/tiny-lm/report.html $(DEMO_OUT)/minilm-diagnose/report.html"
+	@echo "reports: $(DEMO_OUT)/{smollm2,smollm2-eval-stream,minilm,tiny-lm,minilm-diagnose}/report.html"
 
 test: venv
 	HF_HUB_OFFLINE=1 $(PY) -m pytest

@@ -21,17 +21,35 @@ CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidd
               num_key_value_heads=4, max_position_embeddings=16384, tie_word_embeddings=False)
 
 
+def folder_config(folder: str) -> dict:
+    """A Llama checkpoint folder's config as explicit kwargs that transformers 4.x and 5.x read the same way."""
+    raw = json.load(open(f"{folder}/config.json"))
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")
+    out = {k: raw[k] for k in keys if k in raw}
+    theta = (raw.get("rope_parameters") or {}).get("rope_theta", raw.get("rope_theta", 10000.0))
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        out["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    else:
+        out["rope_theta"] = theta
+    return out
+
+
 def build_model(weights: str):
     from safetensors.torch import load_file
 
-    config = transformers.LlamaConfig(**CONFIG)
+    folder = weights if not weights.endswith(".safetensors") else None
+    config = transformers.LlamaConfig(**(folder_config(folder) if folder else CONFIG))
     try:
         config._attn_implementation = "sdpa"
     except Exception:  # pragma: no cover - old versions
         pass
     model = transformers.LlamaForCausalLM(config)
-    missing, unexpected = model.load_state_dict(load_file(weights), strict=False)
-    missing = [k for k in missing if "inv_freq" not in k]
+    missing, unexpected = model.load_state_dict(load_file(f"{folder}/model.safetensors" if folder else weights),
+                                                strict=False)
+    missing = [k for k in missing if "inv_freq" not in k and not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if config.tie_word_embeddings:
+        model.tie_weights()
     assert not missing and not unexpected, (missing, unexpected)
     return model.eval()
 
@@ -50,7 +68,7 @@ def run(method: str, weights: str, stream: list[int], s: int, w: int, n: int, ke
     ids = torch.tensor(stream)
     prefill = ids[None, : s + w]
     tokens = ids[s + w : s + w + n]
-    times, logits = [], []
+    times, logits, kept = [], [], []
     model = build_model(weights)
     with torch.no_grad():
         if method == "sinklab":
@@ -62,6 +80,7 @@ def run(method: str, weights: str, stream: list[int], s: int, w: int, n: int, ke
                     t0 = time.perf_counter()
                     out = session.step(tok[None])
                     times.append(time.perf_counter() - t0)
+                    kept.append(session.cache_tokens())
                     if keep_logits:
                         logits.append(out[0].clone())
         elif method == "dynamic-floor":
@@ -75,6 +94,18 @@ def run(method: str, weights: str, stream: list[int], s: int, w: int, n: int, ke
                 out = model(input_ids=tok.view(1, 1), use_cache=True, **{name: cache}).logits
                 cache.crop(-1)  # back to S + W − 1 keys: the cost of a dense cache of the same size
                 times.append(time.perf_counter() - t0)
+        elif method == "dense":  # full attention over everything (the reference for "first step that differs")
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=model.config)
+            name = cache_kwarg(model)
+            model(input_ids=prefill, use_cache=True, **{name: cache})
+            for tok in tokens:
+                t0 = time.perf_counter()
+                out = model(input_ids=tok.view(1, 1), use_cache=True, **{name: cache}).logits
+                times.append(time.perf_counter() - t0)
+                if keep_logits:
+                    logits.append(out[0, -1].clone())
         elif method == "recompute":
             window = ids[s + w - w + 1 : s + w].tolist()
             for tok in tokens:
@@ -106,6 +137,7 @@ def run(method: str, weights: str, stream: list[int], s: int, w: int, n: int, ke
                 t0 = time.perf_counter()
                 res = model(input_ids=tok.view(1, 1), past_key_values=cache, use_cache=True)
                 times.append(time.perf_counter() - t0)
+                kept.append(int(cache.key_cache[0].shape[-2]))  # keys the old class holds after this step
                 if keep_logits:
                     logits.append(res.logits[0, -1].clone())
         elif method == "kvpress":
@@ -123,13 +155,13 @@ def run(method: str, weights: str, stream: list[int], s: int, w: int, n: int, ke
                     times.append(time.perf_counter() - t0)
         else:
             raise SystemExit(f"unknown method {method}")
-    return times, logits
+    return times, logits, kept
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("method")
-    ap.add_argument("--weights", required=True)
+    ap.add_argument("--weights", required=True, help="a .safetensors file (the bench's tiny Llama) or a Llama folder")
     ap.add_argument("--stream", required=True)
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--window", type=int, required=True)
@@ -139,11 +171,12 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)  # every method on one thread: steadier per-token timings on a shared machine
     stream = json.load(open(args.stream))
-    times, logits = run(args.method, args.weights, stream, args.sinks, args.window, args.tokens, bool(args.logits))
+    times, logits, kept = run(args.method, args.weights, stream, args.sinks, args.window, args.tokens, bool(args.logits))
     if args.logits:
         torch.save(torch.stack(logits), args.logits)
     print(json.dumps({"method": args.method, "window": args.window, "ms": [t * 1e3 for t in times],
-                      "peak_rss_mb": peak_mb(), "transformers": transformers.__version__}))
+                      "peak_rss_mb": peak_mb(), "transformers": transformers.__version__,
+                      "kept_max": max(kept) if kept else None}))
 
 
 if __name__ == "__main__":

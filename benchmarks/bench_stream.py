@@ -15,12 +15,20 @@ rounds. Also: teacher-forced logits of sinklab vs attention-sinks and vs HF Sink
 with RSS samples. Prints a table and writes benchmarks/results/bench_stream.json. Not a test.
 
     python benchmarks/bench_stream.py [--windows 256 1020 4092] [--tokens 2000] [--rounds 3] [--no-peers]
+    python benchmarks/bench_stream.py --smollm2 [--tokens 40] [--rounds 2]   # real weights, W = 1020 only
+
+``--smollm2`` times the converted SmolLM2-135M-Instruct folder (builtin:smollm2's cache, a plain Llama
+safetensors folder) instead: sinklab vs a DynamicCache of equal cached length, attention-sinks and HF
+SinkCache. Every run also checks the size mapping of transformers' old SinkCache: with
+``window_length = S + W`` it holds S + W keys per layer after each step, the same as sinklab's ``window=W``,
+and the first teacher-forced step whose logits leave dense attention is reported for both.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -64,7 +72,8 @@ def run_worker(py: Path, method: str, files: dict, window: int, tokens: int, log
            "--window", str(window), "--tokens", str(tokens)]
     if logits is not None:
         cmd += ["--logits", str(logits)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src")) if py == Path(sys.executable) else None  # this checkout
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:
         print(f"  {method} W={window} failed: {res.stderr.strip().splitlines()[-1] if res.stderr else res.returncode}")
         return None
@@ -113,6 +122,22 @@ def long_stream(total: int, window: int) -> list[dict]:
     return samples
 
 
+def smollm2_folder() -> Path:
+    """builtin:smollm2's converted folder (created by the set-up; this converts it once if missing)."""
+    sys.path.insert(0, str(HERE.parent / "src"))
+    from sinklab import gguf
+
+    return gguf.converted_folder(gguf.smollm2_gguf())
+
+
+def first_departure(logits: Path, dense: Path, prefill: int, tol: float = 1e-4) -> int | None:
+    """Stream index of the first query whose logits leave dense attention (the worker prefills ``prefill`` tokens)."""
+    a, b = torch.load(logits), torch.load(dense)
+    steps = min(len(a), len(b))
+    diff = (a[:steps] - b[:steps]).abs().amax(-1) / b[:steps].abs().amax(-1)
+    return prefill + int((diff > tol).nonzero()[0]) if bool((diff > tol).any()) else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--windows", type=int, nargs="+", default=[256, 1020, 4092])
@@ -121,11 +146,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--long", type=int, default=100_000, help="tokens of the flat-memory stream (0: skip)")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--smollm2", action="store_true", help="real SmolLM2-135M weights, W 1020 (short run)")
     args = ap.parse_args()
+    if args.smollm2:
+        args.windows, args.long = [1020], 0
     files = prepare(max(args.windows) + 4 + args.tokens + 8)
-    pythons = {m: Path(sys.executable) for m in ("sinklab", "dynamic-floor", "recompute")}
+    tiny_files = dict(files)
+    if args.smollm2:
+        files["weights"] = smollm2_folder()
+    pythons = {m: Path(sys.executable) for m in ("sinklab", "dynamic-floor") + (() if args.smollm2 else ("recompute",))}
     if not args.no_peers:
-        for peer in PEERS:
+        for peer in (("attention-sinks", "hf-sinkcache") if args.smollm2 else PEERS):
             py = peer_python(peer)
             if py is not None:
                 pythons[peer] = py
@@ -152,19 +183,34 @@ def main() -> None:
             rows.append({"window": window, "method": method, "median_ms": med, "p90_ms": ms[int(0.9 * (len(ms) - 1))],
                          "peak_rss_mb": max(data["rss"]), "vs_floor": med / floor if floor else None,
                          "tokens_measured": len(ms), "transformers": data.get("transformers")})
-    # Teacher-forced logits: sinklab vs attention-sinks 0.4.0 and HF SinkCache (W = 64, past eviction).
+    # Teacher-forced logits past eviction (tiny Llama, S 4, W 64): sinklab vs attention-sinks 0.4.0 and HF SinkCache,
+    # and the size mapping: HF SinkCache(window_length = S + W) vs sinklab window = W, both against dense.
     compare = {}
     cmp_dir = RESULTS / "logits"
     cmp_dir.mkdir(exist_ok=True)
-    ours = run_worker(pythons["sinklab"], "sinklab", files, 64, 400, cmp_dir / "sinklab.pt")
+    ours = run_worker(pythons["sinklab"], "sinklab", tiny_files, 64, 400, cmp_dir / "sinklab.pt")
+    dense = run_worker(pythons["sinklab"], "dense", tiny_files, 64, 400, cmp_dir / "dense.pt")
+    mapping = {}
+    if ours and dense:
+        mapping["sinklab"] = {"kept_keys": ours["kept_max"], "first_query_off_dense": first_departure(
+            cmp_dir / "sinklab.pt", cmp_dir / "dense.pt", 68)}
+        wider = run_worker(pythons["sinklab"], "sinklab", tiny_files, 65, 400, cmp_dir / "sinklab-w65.pt")
+        run_worker(pythons["sinklab"], "dense", tiny_files, 65, 400, cmp_dir / "dense-w65.pt")
+        if wider:  # one more window slot (window_length − S + 1): must leave dense one step later
+            mapping["sinklab_window_plus_1"] = {"kept_keys": wider["kept_max"], "first_query_off_dense":
+                                                first_departure(cmp_dir / "sinklab-w65.pt", cmp_dir / "dense-w65.pt", 69)}
     for peer in ("attention-sinks", "hf-sinkcache"):
         if peer in pythons and ours:
-            if run_worker(pythons[peer], peer, files, 64, 400, cmp_dir / f"{peer}.pt"):
+            got = run_worker(pythons[peer], peer, tiny_files, 64, 400, cmp_dir / f"{peer}.pt")
+            if got:
                 a, b = torch.load(cmp_dir / "sinklab.pt"), torch.load(cmp_dir / f"{peer}.pt")
                 diff = (a - b).abs().amax(-1)
                 compare[peer] = {"steps": int(diff.numel()), "max_abs_diff": float(diff.max()),
                                  "median_abs_diff": float(diff.median()),
                                  "first_step_above_1e-4": int((diff > 1e-4).nonzero()[0]) if bool((diff > 1e-4).any()) else None}
+                if dense:
+                    mapping[peer] = {"kept_keys": got.get("kept_max"),
+                                     "first_query_off_dense": first_departure(cmp_dir / f"{peer}.pt", cmp_dir / "dense.pt", 68)}
     long = long_stream(args.long, 1020) if args.long else []
     print("\n| W | method | transformers | median ms/token | p90 ms | × floor | peak RSS MB |")
     print("|---|---|---|---|---|---|---|")
@@ -182,11 +228,16 @@ def main() -> None:
     for peer, c in compare.items():
         print(f"logits vs {peer}: max |Δ| {c['max_abs_diff']:.2e} over {c['steps']} steps "
               f"(first step > 1e-4: {c['first_step_above_1e-4']})")
+    for name, m in mapping.items():
+        print(f"size mapping, S 4 + W 64 (HF window_length 68): {name}: keys kept per layer {m['kept_keys']}, "
+              f"first query off dense: stream index {m['first_query_off_dense']}")
     out = {"benchmark": "stream", "machine": {"platform": platform.platform(), "python": platform.python_version(),
-           "torch": torch.__version__, "threads": torch.get_num_threads()}, "rows": rows, "logits": compare,
+           "torch": torch.__version__, "threads": torch.get_num_threads()}, "model": "SmolLM2-135M-Instruct (Q4_1 dequantised)" if args.smollm2 else "tiny random Llama",
+           "rows": rows, "logits": compare, "mapping": mapping,
            "long_stream": long}
-    (RESULTS / "bench_stream.json").write_text(json.dumps(out, indent=1))
-    print(f"wrote {RESULTS / 'bench_stream.json'}")
+    name = "bench_stream_smollm2.json" if args.smollm2 else "bench_stream.json"
+    (RESULTS / name).write_text(json.dumps(out, indent=1))
+    print(f"wrote {RESULTS / name}")
 
 
 if __name__ == "__main__":

@@ -59,3 +59,22 @@ def test_stream_on_an_offloaded_model_equals_the_plain_model(pair):
                                               output_scores=True, return_dict_in_generate=True))
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     torch.testing.assert_close(torch.stack(outs[1].scores), torch.stack(outs[0].scores))
+
+
+def test_cli_scan_with_device_map_records_provenance(pair, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from sinklab.cli import app
+
+    folder = pair[0].model.config._name_or_path
+    out = tmp_path / "scan"
+    result = CliRunner().invoke(app, ["scan", folder, "--text", TEXTS[0], "--seq-len", "24", "--samples", "2",
+                                      "--device-map", "auto", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    meta = json.loads((out / "scan.json").read_text())["meta"]
+    record = meta["provenance"]
+    assert isinstance(record["command_line"], str) and record["command_line"]
+    assert record["input"]["texts"] == 1 and len(record["input"]["sha256"]) == 64
+    assert record["versions"]["transformers"] and record["timestamp"]

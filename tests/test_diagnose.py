@@ -211,7 +211,7 @@ def test_cli_diagnose_and_synth(tmp_path):
                               "--out", str(tmp_path / "d")])
     assert res.exit_code == 0, res.output
     data = json.loads((tmp_path / "d" / "diagnosis.json").read_text())
-    assert data["schema"] == "sinklab.diagnose/1" and data["rules"]["nop_max_ratio"] == 0.2
+    assert data["schema"] == "sinklab.diagnose/2" and data["rules"]["nop_max_ratio"] == 0.2
     assert (tmp_path / "d" / "diagnostic_scatter.png").exists()
     res = runner.invoke(app, ["diagnose", "builtin:minilm", "--sink-mass", "2", "--out", str(tmp_path / "bad")])
     assert res.exit_code == 2 and not (tmp_path / "bad").exists()

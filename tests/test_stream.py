@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import copy
 import sys
 import warnings
 
 import pytest
 import torch
 import transformers as tf
-from transformers import AttentionInterface, DynamicCache
+from transformers import DynamicCache
 
 import sinklab
 from sinklab import rope
 from sinklab.errors import InputError, UnsupportedModelError
 from sinklab.stream import SinkCache, StreamSession, stream_generate
 
+from stream_reference import Reference
 from tiny_models import build
 
 V = 97
@@ -33,53 +33,6 @@ def build_llama_yarn():
 
 def model_for(name: str):
     return build_llama_yarn() if name == "llama-yarn" else build(name)
-
-
-class Reference:
-    """StreamingLLM written separately: a float64 copy of the model whose attention keeps its own store of
-    pre-RoPE keys and re-applies RoPE at slot positions (0 … n−1 over the kept tokens) at every step, with the
-    model's own rotary module and ``apply_rotary_pos_emb``."""
-
-    def __init__(self, model, num_sinks: int, window: int, pinned=()):
-        self.model = copy.deepcopy(model).double()
-        self.s, self.w, self.pinned = num_sinks, window, list(pinned)
-        self.store: dict[int, list] = {}
-        self.t = -1
-        modeling = sys.modules[type(model).__module__]
-        self.apply = modeling.apply_rotary_pos_emb
-        self.rotary = next(m for m in self.model.modules() if hasattr(m, "inv_freq"))
-        self.mscale = float(getattr(self.rotary, "attention_scaling", 1.0))
-        AttentionInterface.register("sinklab_test_reference", self._attend)
-        self.model.set_attn_implementation("sinklab_test_reference")
-
-    def _anchored(self, t: int) -> bool:
-        return t < self.s or any(a <= t < b for a, b in self.pinned)
-
-    def _attend(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        store = self.store.setdefault(module.layer_idx, [])
-        # Position 0 is the identity rotation (times the attention scaling), so these are pre-RoPE keys.
-        store.append((self.t, key[0, :, 0] / self.mscale, value[0, :, 0]))
-        free = [e for e in store if not self._anchored(e[0])]
-        drop = {e[0] for e in free[: max(0, len(free) - self.w)]}
-        store[:] = [e for e in store if e[0] not in drop]
-        n = len(store)
-        keys = torch.stack([e[1] for e in store], dim=1)[None]  # (1, Hkv, n, dh)
-        values = torch.stack([e[2] for e in store], dim=1)[None]
-        positions = torch.arange(n)[None]
-        cos, sin = self.rotary(keys, positions)
-        q = (query / self.mscale).expand(1, -1, n, -1)  # the query sits at the last slot
-        q_rot, k_rot = self.apply(q, keys, cos.double(), sin.double())
-        q_rot = q_rot[:, :, -1:]
-        rep = q_rot.shape[1] // k_rot.shape[1]
-        k_rot, values = k_rot.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
-        probs = torch.softmax((q_rot @ k_rot.transpose(-1, -2)) * scaling, dim=-1)
-        return (probs @ values).transpose(1, 2), None
-
-    @torch.no_grad()
-    def step(self, token: int) -> torch.Tensor:
-        self.t += 1
-        ids = torch.tensor([[token]])
-        return self.model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits[0, -1]
 
 
 def kw(model, cache) -> dict:
@@ -117,10 +70,10 @@ def test_matches_float64_reference_past_eviction(arch, num_sinks):
     tokens = _tokens(steps)
     worst = 0.0
     with StreamSession(model, num_sinks=num_sinks, window=window) as s:
-        first = s.feed(tokens[None, :5], all_logits=True)[0]  # a chunk that already overflows the window
-        for i in range(5):
+        first = s.feed(tokens[None, :13], all_logits=True)[0]  # 13 > S + W: evictions inside the first chunk
+        for i in range(13):
             worst = max(worst, _rel(first[i], ref.step(int(tokens[i]))))
-        for i in range(5, steps):
+        for i in range(13, steps):
             worst = max(worst, _rel(s.step(tokens[i : i + 1])[0], ref.step(int(tokens[i]))))
         assert s.cache_tokens() == num_sinks + window
     assert worst < 1e-4, worst

@@ -11,7 +11,7 @@ Main entry points::
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 from . import metrics  # noqa: E402
 from .capture import AttentionCapture, CaptureBatch, CaptureConfig  # noqa: E402

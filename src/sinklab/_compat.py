@@ -347,6 +347,61 @@ def rope_spec(model: nn.Module):
                     attention_scaling=float(getattr(module, "attention_scaling", 1.0)))
 
 
+def layer_rope_specs(model: nn.Module) -> list:
+    """One :class:`sinklab.rope.RopeSpec` per decoder layer (identical layers share one object).
+
+    Models with one rotary embedding get :func:`rope_spec` for every layer. Models whose rotary module holds
+    one set of frequencies per layer type (Gemma 3: ``sliding_attention_inv_freq`` (local base) and
+    ``full_attention_inv_freq`` (global base)) get each layer the frequencies of its ``config.layer_types`` entry.
+    """
+    from .rope import RopeSpec
+
+    config = getattr(model, "config", None)
+    n = num_layers(config) or 0
+    types = config_get(config, "layer_types")
+    if types:
+        for module in model.modules():
+            per_type = {t: getattr(module, f"{t}_inv_freq", None) for t in set(types)}
+            if all(isinstance(v, Tensor) and v.dim() == 1 for v in per_type.values()):
+                rope_type = getattr(module, "rope_type", {})
+                if any((rope_type.get(t) if isinstance(rope_type, dict) else rope_type) == "dynamic" for t in per_type):
+                    raise UnsupportedModelError(f"{type(model).__name__} uses dynamic NTK RoPE, whose frequencies "
+                                                "change with sequence length; streaming needs fixed frequencies.")
+                specs = {t: RopeSpec(inv_freq=v.detach().double().cpu(), interleaved=False,
+                                     attention_scaling=float(getattr(module, f"{t}_attention_scaling", 1.0)))
+                         for t, v in per_type.items()}
+                return [specs[t] for t in types]
+    spec = rope_spec(model)
+    return [spec] * n
+
+
+def layer_sliding_windows(model: nn.Module) -> list[int | None]:
+    """Each decoder layer's own attention window (keys a query sees, itself included), ``None`` for full attention.
+
+    Read from the config the way transformers' models build their masks: ``layer_types`` (``sliding_attention``
+    layers use ``sliding_window``; gpt-oss, Gemma 2/3, Qwen2 …), else one ``sliding_window`` for every layer
+    (Mistral, Phi-3). Other layer types (chunked, linear attention) cannot stream.
+    """
+    config = getattr(model, "config", None)
+    n = num_layers(config) or 0
+    window = config_get(config, "sliding_window")
+    types = config_get(config, "layer_types")
+    if config_get(config, "use_bidirectional_attention"):
+        raise UnsupportedModelError(f"{type(model).__name__} uses bidirectional attention; streaming needs a causal LM.")
+    if types:
+        out: list[int | None] = []
+        for i, kind in enumerate(types):
+            if kind == "full_attention":
+                out.append(None)
+            elif kind == "sliding_attention" and window is not None:
+                out.append(int(window))
+            else:
+                raise UnsupportedModelError(f"{type(model).__name__}: layer {i} has attention type {kind!r}; sinklab "
+                                            "streams full and sliding-window attention layers only.")
+        return out
+    return [int(window) if window is not None else None] * n
+
+
 def base_model(model: nn.Module) -> nn.Module:
     """The decoder stack that takes ``position_ids`` (``model.model``, ``gpt_neox``, ``transformer`` …)."""
     return getattr(model, "base_model", model)

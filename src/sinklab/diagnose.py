@@ -22,11 +22,17 @@ from torch import Tensor, nn
 
 from . import metrics
 from .capture import AttentionCapture, CaptureConfig, ValueEdit
+from .capture.resume import BlockInputs
 from .errors import InputError
-from .scan import ScanResult, scan_inputs, text_batches
+from .models import check_weights
+from .scan import Progress, ScanResult, capture_config, check_thresholds, scan_result, text_batches
 
-__all__ = ["DEFAULT_RULES", "EDITS", "SinkRecord", "EditResult", "Diagnosis", "diagnose", "diagnose_inputs",
+__all__ = ["SCHEMA_VERSION", "DEFAULT_RULES", "EDITS", "EDIT_SAMPLES", "SinkRecord", "EditResult", "Diagnosis", "diagnose", "diagnose_inputs",
            "token_roles", "causal_edits", "run_edit"]
+
+#: diagnosis.json schema. 2: dominant columns need max(8, ⌈T/8⌉) visible queries; per-layer rows grouped
+#: by role and position (top_sink); edits on the first edit_samples samples, final hidden states only.
+SCHEMA_VERSION = "sinklab.diagnose/2"
 
 DEFAULT_RULES = {
     "rule": "mass",  # mass | strict | relaxed: what makes a head's dominant column a sink
@@ -67,14 +73,17 @@ class SinkRecord:
 
 @dataclass
 class EditResult:
-    """Relative RMS change of the final hidden states (and logits) under each causal edit of one head."""
+    """Relative RMS change of the final hidden states under each causal edit of one head.
+
+    The final hidden states are the base model's ``last_hidden_state`` (after the final norm where the
+    model has one), over the real tokens of the edited samples.
+    """
 
     layer: int
     head: int
     kind: str  # the head's most common class among its records
-    positions: list[int]  # the sink position edited in each sample
-    hidden: dict[str, float]
-    logits: dict[str, float] | None = None
+    positions: list[int]  # the sink position edited in each edited sample
+    hidden: dict[str, float]  # edit name -> relative RMS change
 
 
 def _plain(token: str) -> str:
@@ -169,7 +178,14 @@ def sink_records(scan: ScanResult, rules: dict, special: dict[str, str | None]) 
 
 
 # ----------------------------------------------------------------------------- causal edits
-def _final_states(output: object) -> tuple[Tensor, Tensor | None]:
+def run_edit(model: nn.Module, batch: dict[str, Tensor], edit: ValueEdit | None) -> tuple[Tensor, Tensor | None]:
+    """Final hidden states (and logits for LMs) of one full ``model(**batch)`` pass under ``edit`` (None: unedited).
+
+    A stand-alone full pass (no statistics). :func:`diagnose` does not use it: its edits resume from the
+    edited layer (:meth:`~sinklab.capture.AttentionCapture.final_states`).
+    """
+    with AttentionCapture(model, CaptureConfig(map_len=0, candidates=()), edit=edit) as cap:
+        output = cap.forward(full_model=True, output_hidden_states=True, **batch)
     hidden = getattr(output, "last_hidden_state", None)
     if hidden is None:
         states = getattr(output, "hidden_states", None)
@@ -177,13 +193,6 @@ def _final_states(output: object) -> tuple[Tensor, Tensor | None]:
     if hidden is None:
         raise InputError("the model output has neither last_hidden_state nor hidden_states")
     return hidden, getattr(output, "logits", None)
-
-
-def run_edit(model: nn.Module, batch: dict[str, Tensor], edit: ValueEdit | None) -> tuple[Tensor, Tensor | None]:
-    """Final hidden states (and logits for LMs) of ``model(**batch)`` under ``edit`` (None: unedited)."""
-    with AttentionCapture(model, CaptureConfig(map_len=0, candidates=()), edit=edit) as cap:
-        cap.run(full_model=True, output_hidden_states=True, **batch)
-        return _final_states(cap.last_output)
 
 
 class _RMS:
@@ -205,9 +214,9 @@ class _RMS:
 
 def _ordinary_positions(scan: ScanResult, layer: int, head: int, sinks: Tensor, generator: torch.Generator,
                         pick: str) -> Tensor:
-    """A non-sink real position per sample: the median-value-norm token (``pick='median'``) or a random one."""
+    """A non-sink real position per sample of ``sinks`` ``[n]``: the median-value-norm token or a random one."""
     out = []
-    for s in range(scan.num_samples):
+    for s in range(sinks.shape[0]):
         real = scan.token_mask[s].nonzero()[:, 0].tolist()
         others = [p for p in real if p != int(sinks[s])] or real
         if pick == "median":
@@ -219,66 +228,75 @@ def _ordinary_positions(scan: ScanResult, layer: int, head: int, sinks: Tensor, 
     return torch.tensor(out, dtype=torch.long)
 
 
+#: A batch kept for the edits: its sample slice and every block's input (see AttentionCapture.final_states).
+KeptBatch = tuple[slice, BlockInputs]
+
+
 def causal_edits(
-    model: nn.Module,
-    batches: list[tuple[slice, dict[str, Tensor]]],
+    cap: AttentionCapture,
+    kept: list[KeptBatch],
     scan: ScanResult,
     layer: int,
     head: int,
     *,
+    samples: int | None = None,
     rows: Tensor | None = None,
     seed: int = 0,
     kind: str = "",
+    progress: Progress | None = None,
+    total: int = 0,
 ) -> EditResult:
-    """Run every edit of :data:`EDITS` on ``(layer, head)`` at each sample's dominant column.
+    """Run every edit of :data:`EDITS` on ``(layer, head)`` at each edited sample's dominant column.
 
-    ``batches`` are ``(sample slice, model inputs)`` pairs covering the scan's samples; ``rows`` ``[S, T]``
-    restricts which query rows count in the RMS (default: every real token).
+    ``cap`` is the active capture that produced ``kept`` (batches whose block inputs were kept); each edit
+    reruns blocks ``layer …`` only, without statistics or LM head, against the unedited final states of the
+    same pass. The first ``samples`` samples are edited (default: all kept); ``rows`` ``[S, T]`` restricts
+    which query rows count in the RMS (default: every real token). ``mean_sink`` is the mean sink value and
+    ``donor`` the previous sample's sink value (cyclically) over the edited samples.
     """
-    positions = scan.dominant_columns()[:, layer, head]
+    covered = max(sl.stop for sl, _ in kept)
+    n = covered if samples is None else min(samples, covered)
+    positions = scan.dominant_columns()[:covered, layer, head]  # (m,)
     gen = torch.Generator().manual_seed(seed)
     ordinary = _ordinary_positions(scan, layer, head, positions, gen, "median")
     control = _ordinary_positions(scan, layer, head, positions, gen, "random")
-    rows = scan.token_mask if rows is None else rows.bool()
-    base, sink_values, ordinary_values = {}, [], []
-    for sl, batch in batches:
-        base[sl.start] = run_edit(model, batch, None)
-        rec = ValueEdit(layer, head, positions[sl], "record")
-        run_edit(model, batch, rec)
-        sink_values.append(rec.recorded)
-        rec = ValueEdit(layer, head, ordinary[sl], "record")
-        run_edit(model, batch, rec)
-        ordinary_values.append(rec.recorded)
-    sink_all = torch.cat(sink_values)  # (S, dv)
-    donor_all = sink_all.roll(1, dims=0)  # sample s gets sample s−1's sink value
+    use = (scan.token_mask if rows is None else rows.bool())[:covered].clone()  # (m, T)
+    use[n:] = False
+    sink_values, ordinary_values = [], []
+    for sl, inputs in kept:  # the values at the sink and at the ordinary token: block `layer` only
+        for pos, out in ((positions, sink_values), (ordinary, ordinary_values)):
+            cap.edit = ValueEdit(layer, head, pos[sl], "record")
+            cap.final_states(inputs, layer, layer + 1)
+            out.append(cap.edit.recorded)
+    cap.edit = None
+    sink_all = torch.cat(sink_values)  # (m, dv)
+    donor_all = sink_all.clone()
+    donor_all[:n] = sink_all[:n].roll(1, dims=0)  # sample s gets sample s−1's sink value
+    mean_sink = sink_all[:n].mean(0)
     ordinary_all = torch.cat(ordinary_values)
     hidden = {name: _RMS() for name in EDITS}
-    logits = {name: _RMS() for name in EDITS}
-    has_logits = False
-    for sl, batch in batches:
-        pos = positions[sl]
-        edits = {
-            "zero": ValueEdit(layer, head, pos, "zero"),
-            "mean_sink": ValueEdit(layer, head, pos, "replace", replacement=sink_all.mean(0)),
-            "donor": ValueEdit(layer, head, pos, "replace", replacement=donor_all[sl]),
-            "ordinary": ValueEdit(layer, head, pos, "replace", replacement=ordinary_all[sl]),
-            "remove_column": ValueEdit(layer, head, pos, "remove_column"),
-            "control": ValueEdit(layer, head, control[sl], "zero"),
-        }
-        base_h, base_l = base[sl.start]
-        width = base_h.shape[1]
-        r = rows[sl, :width].to(base_h.device)
-        for name, edit in edits.items():
-            h, lg = run_edit(model, batch, edit)
-            hidden[name].add(h, base_h, r)
-            if lg is not None and base_l is not None:
-                has_logits = True
-                logits[name].add(lg, base_l, r)
-    return EditResult(
-        layer=layer, head=head, kind=kind, positions=positions.tolist(),
-        hidden={k: v.value for k, v in hidden.items()},
-        logits={k: v.value for k, v in logits.items()} if has_logits else None,
-    )
+    try:
+        for sl, inputs in kept:
+            pos = positions[sl]
+            edits = {
+                "zero": ValueEdit(layer, head, pos, "zero"),
+                "mean_sink": ValueEdit(layer, head, pos, "replace", replacement=mean_sink),
+                "donor": ValueEdit(layer, head, pos, "replace", replacement=donor_all[sl]),
+                "ordinary": ValueEdit(layer, head, pos, "replace", replacement=ordinary_all[sl]),
+                "remove_column": ValueEdit(layer, head, pos, "remove_column"),
+                "control": ValueEdit(layer, head, control[sl], "zero"),
+            }
+            base = inputs.final
+            r = use[sl, : base.shape[1]].to(base.device)
+            for name, edit in edits.items():
+                cap.edit = edit
+                hidden[name].add(cap.final_states(inputs, layer), base, r)
+                if progress is not None:
+                    progress("edits", 1, total)
+    finally:
+        cap.edit = None
+    return EditResult(layer=layer, head=head, kind=kind, positions=positions[:n].tolist(),
+                      hidden={k: v.value for k, v in hidden.items()})
 
 
 # ----------------------------------------------------------------------------- the diagnosis
@@ -297,19 +315,30 @@ class Diagnosis:
         return bool(self.records)
 
     def per_layer(self) -> list[dict]:
-        """Per layer: share of (sample, head) that sink, counts per class, the dominant class, top token."""
+        """Per layer: share of (sample, head) that sink, counts per class, the dominant class, where it sinks.
+
+        Sinks are grouped by role and position (``top_sink`` e.g. ``"first@0"``, ``"punct@63"``), not by the
+        token string: without a BOS token the first token is an arbitrary word that differs per sample.
+        ``top_token`` is the most common token string at that place (for display only).
+        """
         s, n_layers, h = self.scan.num_samples, self.scan.num_layers, self.scan.num_heads
         out = []
         for layer in range(n_layers):
             recs = [r for r in self.records if r.layer == layer]
             counts = Counter(r.kind for r in recs)
-            tokens = Counter(r.token for r in recs)
+            places = Counter((r.role, r.token_index) for r in recs)
             roles = Counter(f"{r.role}:{r.kind}" for r in recs)
+            (role, pos), hits = places.most_common(1)[0] if recs else ((None, None), 0)
+            tokens = Counter(r.token for r in recs if (r.role, r.token_index) == (role, pos))
             out.append({
                 "layer": layer,
                 "sink_pct": 100.0 * len(recs) / (s * h),
                 "counts": {k: counts.get(k, 0) for k in metrics.SINK_KINDS},
                 "dominant_kind": counts.most_common(1)[0][0] if recs else None,
+                "top_sink": f"{role}@{pos}" if recs else None,
+                "top_role": role,
+                "top_position": pos,
+                "top_sink_pct": 100.0 * hits / len(recs) if recs else None,  # share of the layer's sinks there
                 "top_token": tokens.most_common(1)[0][0] if recs else None,
                 "roles": dict(roles.most_common()),  # "role:kind" -> count, e.g. "register:nop"
                 "median_value_ratio_out": _median([r.value_norm_ratio_out for r in recs]),
@@ -332,7 +361,7 @@ class Diagnosis:
 
     def to_json(self) -> dict:
         return {
-            "schema": "sinklab.diagnose/1",
+            "schema": SCHEMA_VERSION,
             "meta": self.scan.meta,
             "rules": self.rules,
             "found": self.found,
@@ -343,18 +372,15 @@ class Diagnosis:
             "records": [asdict(r) for r in self.records],
         }
 
-    def figures(self) -> dict:
-        from .report.diagnose_figures import diagnosis_figures
-
-        return diagnosis_figures(self)
-
     def save(self, out_dir: str | Path) -> Path:
-        """Write ``diagnosis.json``, figures and ``report.html`` into ``out_dir`` (atomically)."""
-        from .report.diagnose_html import render_diagnosis
-        from .report.html import write_outputs
+        """Write ``diagnosis.json``, figures and ``report.html`` into ``out_dir`` (atomically).
 
-        return write_outputs(Path(out_dir), self.to_json(), self.figures(),
-                             lambda images: render_diagnosis(self, images), "diagnosis.json")
+        A thin entry point into the report layer (:func:`sinklab.report.diagnose_html.write_diagnosis`,
+        the one upward import the layer contract allows for diagnose).
+        """
+        from .report.diagnose_html import write_diagnosis  # the documented thin entry point (pyproject: importlinter)
+
+        return write_diagnosis(self, Path(out_dir))
 
 
 def _median(values: list[float]) -> float | None:
@@ -377,6 +403,23 @@ def _edit_heads(records: list[SinkRecord], n_layers: int) -> list[tuple[int, int
     return chosen
 
 
+def _edit_targets(edits: bool | list[tuple[int, int]], records: list[SinkRecord], scan: ScanResult
+                  ) -> list[tuple[int, int, str]]:
+    """``(layer, head, usual class)`` of every head to edit (checked against the model's shape)."""
+    if not edits:
+        return []
+    heads = ([(layer, head) for layer, head, _ in _edit_heads(records, scan.num_layers)] if edits is True
+             else [tuple(e) for e in edits])
+    targets = []
+    for layer, head in heads:
+        if not (0 <= layer < scan.num_layers and 0 <= head < scan.num_heads):
+            raise InputError(f"edit target layer {layer} head {head} is outside the model "
+                             f"({scan.num_layers} layers × {scan.num_heads} heads)")
+        kinds = Counter(r.kind for r in records if r.layer == layer and r.head == head)
+        targets.append((layer, head, kinds.most_common(1)[0][0] if kinds else "no sink"))
+    return targets
+
+
 def diagnose_inputs(
     model: nn.Module,
     batches: Iterable[dict[str, Tensor]],
@@ -386,48 +429,59 @@ def diagnose_inputs(
     edits: bool | list[tuple[int, int]] = True,
     special: dict[str, str | None] | None = None,
     edit_rows: Tensor | None = None,
+    edit_samples: int | None = None,
     candidates: tuple[int, ...] = (0, 1, 2, 3),
     map_len: int = 64,
     meta: dict | None = None,
-    progress=None,
+    progress: Progress | None = None,
     seed: int = 0,
 ) -> Diagnosis:
     """Diagnose prepared inputs (``input_ids``, ``pixel_values``, ``inputs_embeds`` …).
 
-    ``edits``: True runs the causal edits on the most-sinking head of every layer; a list of
-    ``(layer, head)`` picks them; False skips them. ``edit_rows`` ``[S, T]`` restricts the rows the edit
-    RMS is measured on (e.g. the damped queries of the NOP task).
+    ``edits``: True runs the causal edits on the most-sinking head of every layer that sinks; a list of
+    ``(layer, head)`` picks them; False skips them. ``edit_samples``: edit the first that many samples
+    (default: all); batches that hold them keep their block inputs during the one statistics pass, and each
+    edit reruns only the blocks from the edited layer on. ``edit_rows`` ``[S, T]`` restricts the rows the
+    edit RMS is measured on (e.g. the damped queries of the NOP task). ``progress`` gets ``("scan", n,
+    samples)`` after each batch and ``("edits", 1, passes)`` after each edited pass.
     """
     rules = _check_rules(rules or {})
-    batches = list(batches)
-    start, indexed = 0, []
-    for batch in batches:
-        first = next(iter(batch.values()))
-        indexed.append((slice(start, start + first.shape[0]), batch))
-        start += first.shape[0]
-    scan = scan_inputs(model, batches, tokens, candidates=candidates, map_len=map_len,
-                       thresholds={"eps": rules["sink_mass"], "eps_event": rules["eps_event"],
-                                   "relaxed_share": rules["relaxed_share"]},
-                       progress=progress, meta=meta)
-    records = sink_records(scan, rules, special or {})
-    diagnosis = Diagnosis(scan=scan, records=records, rules=rules)
-    if edits:
-        heads = ([(layer, head) for layer, head, _ in _edit_heads(records, scan.num_layers)] if edits is True
-                 else [tuple(e) for e in edits])
-        for layer, head in heads:
-            if not (0 <= layer < scan.num_layers and 0 <= head < scan.num_heads):
-                raise InputError(f"edit target layer {layer} head {head} is outside the model "
-                                 f"({scan.num_layers} layers × {scan.num_heads} heads)")
-            kinds = Counter(r.kind for r in records if r.layer == layer and r.head == head)
-            kind = kinds.most_common(1)[0][0] if kinds else "no sink"
-            diagnosis.edits.append(causal_edits(model, indexed, scan, layer, head, rows=edit_rows, seed=seed,
-                                                kind=kind))
+    if edit_samples is not None and edit_samples < 1:
+        raise InputError(f"edit_samples must be ≥ 1, got {edit_samples}")
+    thresholds = check_thresholds({"eps": rules["sink_mass"], "eps_event": rules["eps_event"],
+                                   "relaxed_share": rules["relaxed_share"]})
+    check_weights(model)
+    n_edit = len(tokens) if edit_samples is None else min(edit_samples, len(tokens))
+    results, kept, start = [], [], 0
+    with AttentionCapture(model, capture_config(candidates, map_len, thresholds)) as cap:
+        for batch in batches:  # the one statistics pass; batches with edited samples keep their block inputs
+            keep = bool(edits) and start < n_edit
+            results.append(cap.run(keep_inputs=keep, **batch))
+            size = results[-1].token_mask.shape[0]
+            if keep:
+                kept.append((slice(start, start + size), cap.last_inputs))
+            start += size
+            if progress is not None:
+                progress("scan", size, len(tokens))
+        scan = scan_result(results, tokens, candidates=candidates, thresholds=thresholds,
+                           meta={**(meta or {}), "edit_samples": n_edit if edits else 0})
+        records = sink_records(scan, rules, special or {})
+        diagnosis = Diagnosis(scan=scan, records=records, rules=rules)
+        targets = _edit_targets(edits, records, scan)
+        total = len(targets) * len(kept) * len(EDITS)
+        for layer, head, kind in targets:
+            diagnosis.edits.append(causal_edits(cap, kept, scan, layer, head, samples=n_edit, rows=edit_rows,
+                                                seed=seed, kind=kind, progress=progress, total=total))
     return diagnosis
 
 
 def special_tokens(tokenizer) -> dict[str, str | None]:
     """The tokenizer's BOS/CLS/SEP/EOS token strings."""
     return {name: getattr(tokenizer, f"{name}_token", None) for name in ("bos", "cls", "sep", "eos")}
+
+
+#: Samples the causal edits run on by default (the statistics use every sample).
+EDIT_SAMPLES = 4
 
 
 def diagnose(
@@ -437,20 +491,26 @@ def diagnose(
     *,
     seq_len: int = 64,
     samples: int = 16,
-    batch_size: int = 16,
+    batch_size: int = 8,
     rules: dict | None = None,
     edits: bool | list[tuple[int, int]] = True,
+    edit_samples: int = EDIT_SAMPLES,
     seed: int = 0,
     source: str | None = None,
     revision: str | None = None,
-    progress=None,
+    progress: Progress | None = None,
 ) -> Diagnosis:
     """Diagnose ``model``'s sinks on ``texts`` (default: the pydoc corpus, as :func:`sinklab.scan`).
 
+    One statistics pass over every sample (as :func:`sinklab.scan`), then the causal edits of the most-sinking
+    head of every sinking layer on the first ``edit_samples`` samples, each resumed from the edited layer.
     Returns a :class:`Diagnosis`; ``Diagnosis.found`` is False (not an error) when nothing sinks.
     """
     rules = _check_rules(rules or {})
+    if edit_samples < 1:
+        raise InputError(f"edit_samples must be ≥ 1, got {edit_samples}")
     batches, tokens, meta = text_batches(model, tokenizer, texts, seq_len=seq_len, samples=samples,
-                                         batch_size=batch_size, seed=seed, source=source, revision=revision)
-    return diagnose_inputs(model, batches, tokens, rules=rules, edits=edits,
+                                         batch_size=batch_size, seed=seed, source=source, revision=revision,
+                                         first_batch=edit_samples if edits else None)
+    return diagnose_inputs(model, batches, tokens, rules=rules, edits=edits, edit_samples=edit_samples,
                            special=special_tokens(tokenizer), meta=meta, progress=progress, seed=seed)

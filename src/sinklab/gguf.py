@@ -104,7 +104,7 @@ def _versions() -> dict[str, str]:
     import torch
     import transformers
 
-    from . import __version__
+    from ._version import __version__
 
     try:
         import gguf

@@ -19,7 +19,9 @@ Sun et al. 2024, arXiv:2402.17762; Darcet et al. 2024, arXiv:2309.16588):
 * value-norm ratio — ``‖v_s‖ / mean_{j≠s} ‖v_j‖``;
 * stable rank ``‖U‖_F² / σ₁²`` and rank-1 energy ``σ₁² / Σσ²`` of a head's update ``U``;
 * common-mode fraction ``‖mean_i u_i‖² / mean_i ‖u_i‖²``;
-* QK spectrum: singular values of ``Θ_h = Wq_hᵀ Wk_h`` (``nn.Linear`` weights ``[out, in]``).
+* QK spectrum: singular values of ``Θ_h = Wq_hᵀ Wk_h`` (``nn.Linear`` weights ``[out, in]``);
+* dominant column — the key with the largest column mass among the keys seen by at least
+  ``max(8, ⌈N/8⌉)`` real queries (see :func:`eligible_columns`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ __all__ = [
     "SINK_KINDS",
     "classify_sink",
     "relative_rms",
+    "min_visible_queries",
+    "eligible_columns",
+    "dominant_columns",
+    "uniform_column_mass",
+    "min_meaningful_length",
 ]
 
 #: Scale that turns a median absolute deviation into a consistent estimate of a normal's σ.
@@ -364,3 +371,57 @@ def relative_rms(edited: Tensor, base: Tensor, mask: Tensor | None = None) -> fl
         m = mask.bool()[..., None].expand(diff.shape)
         diff, ref = diff[m], ref[m]
     return float(diff.mean().sqrt() / ref.mean().sqrt())
+
+
+def min_visible_queries(num_queries: Tensor) -> Tensor:
+    """``max(8, ⌈N/8⌉)``: how many queries must see a key before its column mass can name a head's sink.
+
+    In a causal model key ``j`` of ``N`` is seen by only ``N − j`` queries, so the last keys' column mass
+    is the mean of one or two probabilities — noisy, and often large (a query's attention to itself).
+    Eight queries bound that noise by averaging; ``N/8`` keeps the excluded tail at most an eighth of a
+    long sequence. Sink_k^ε at a fixed position ``k`` (Gu et al.) is not affected.
+    """
+    return torch.clamp(torch.ceil(num_queries.double() / 8.0), min=8.0)
+
+
+def eligible_columns(column_queries: Tensor, num_queries: Tensor) -> Tensor:
+    """Boolean ``[..., T]``: keys seen by at least :func:`min_visible_queries` real queries.
+
+    ``column_queries`` ``[..., T]`` counts the real queries that see each key (0 at padding),
+    ``num_queries`` ``[...]`` the real queries. Where no key reaches the count (fewer than 8 tokens, a
+    sliding window narrower than it) the most-seen keys are eligible, so every row keeps a candidate.
+    """
+    counts = column_queries.double()
+    need = torch.minimum(min_visible_queries(num_queries), counts.amax(-1))
+    return (counts >= need[..., None]) & (counts > 0)
+
+
+def dominant_columns(column_mass: Tensor, eligible: Tensor | None = None) -> Tensor:
+    """``[...]`` position of the largest column mass of ``[..., T]`` among ``eligible`` keys (NaN ignored)."""
+    mass = column_mass.double().nan_to_num(-1.0)
+    if eligible is not None:
+        mass = torch.where(eligible.expand(mass.shape), mass, torch.full((), -2.0, dtype=mass.dtype))
+    return mass.argmax(dim=-1)
+
+
+def uniform_column_mass(num_tokens: int, causal: bool = True) -> float:
+    """Column mass of position 0 under uniform attention over ``num_tokens`` tokens: ``H_N / N`` causal, ``1/N`` not.
+
+    A head that spreads its attention evenly already gives position 0 this much; when it is near ε the
+    sink rate ``Sink_0^ε`` says nothing about sinks.
+    """
+    if num_tokens < 1:
+        return math.nan
+    if not causal:
+        return 1.0 / num_tokens
+    return sum(1.0 / (i + 1) for i in range(num_tokens)) / num_tokens
+
+
+def min_meaningful_length(eps: float, causal: bool = True) -> int:
+    """Fewest tokens for which uniform attention gives position 0 at most ``ε/2`` (see :func:`uniform_column_mass`)."""
+    if not 0.0 < eps <= 1.0:
+        raise ValueError(f"eps must be in (0, 1], got {eps}")
+    n = 1
+    while uniform_column_mass(n, causal) > eps / 2:
+        n += 1
+    return n

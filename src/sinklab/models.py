@@ -267,8 +267,11 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
         with _compat.quiet_loading():
             config = AutoConfig.from_pretrained(path, **common)
     except (OSError, ValueError, KeyError) as exc:
-        where = "the local folder" if folder is not None else "the hub id (not a local path; offline or not cached?)"
-        raise InputError(f"cannot load a transformers config from {name!r} ({where}): {exc}") from exc
+        if folder is not None:
+            raise InputError(f"{name}: cannot read its config.json: {exc}") from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(f"{name!r} is not a local path and cannot be loaded from the Hugging Face hub "
+                         f"(offline, not in the cache, or no such repository): {first}") from exc
     if folder is not None and ((folder / CONFIG_FILE).is_file() or getattr(config, "sinklab_variant", None)):
         model = load(folder, dtype=torch_dtype)
     else:

@@ -40,7 +40,7 @@ def versions() -> dict[str, str]:
     import torch
     import transformers
 
-    from . import __version__
+    from ._version import __version__
 
     return {"sinklab": __version__, "transformers": transformers.__version__, "torch": torch.__version__,
             "python": platform.python_version()}

@@ -1,25 +1,48 @@
 """The metric registry: one row per per-layer summary, picked up by the CLI table, scan.json and the report.
 
-A row names a metric, says what it is, and reduces a :class:`~sinklab.scan.ScanResult` to one value
-per layer with the pure functions of :mod:`sinklab.metrics`. Add a metric by adding a function there
-and a row here.
+A row names a metric, says what it is, and reduces a scan's statistics to one value per layer with the
+pure functions of :mod:`sinklab.metrics`. Add a metric by adding a function there and a row here.
+
+The registry sits below the analyses: it reads any object with the fields and methods of
+:class:`ScanStatistics` (which :class:`sinklab.scan.ScanResult` provides) and never imports the scan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from . import metrics
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .scan import ScanResult
+__all__ = ["MetricRow", "REGISTRY", "per_layer_table", "ScanStatistics"]
 
-__all__ = ["MetricRow", "REGISTRY", "per_layer_table"]
+
+class ScanStatistics(Protocol):
+    """What a registry row reads (shapes: ``S`` samples, ``L`` layers, ``H`` heads, ``T`` positions)."""
+
+    column_min: Tensor  # (S, L, H, T)
+    routed_fraction: Tensor  # (S, L, H, T)
+    value_norm: Tensor  # (S, L, H, T)
+    value_norm_out: Tensor  # (S, L, H, T)
+    update_spectrum: Tensor  # (S, L, H, r)
+    common_mode: Tensor  # (S, L, H)
+    learned_sink_mass: Tensor  # (S, L, H)
+    hidden_norm: Tensor  # (S, L+1, T)
+    hidden_max_abs: Tensor  # (S, L+1, T)
+    hidden_median_abs: Tensor  # (S, L+1)
+    token_mask: Tensor  # (S, T)
+    qk_spectrum: Tensor  # (L, H, dh)
+    meta: dict  # meta["thresholds"]: the scan's thresholds
+
+    def sink_rate_per_layer(self, position: int = 0, eps: float | None = None) -> Tensor: ...
+
+    def dominant_columns(self) -> Tensor: ...
+
+    def sink_strength(self) -> Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -29,7 +52,7 @@ class MetricRow:
     name: str
     title: str
     description: str
-    compute: Callable[[ScanResult], Tensor]
+    compute: Callable[[ScanStatistics], Tensor]
     fmt: str = "{:.2f}"
     terminal: bool = False  # also shown in the CLI's table (all rows go to JSON and the report)
 
@@ -38,55 +61,55 @@ def _nanmean(x: Tensor, dims: tuple[int, ...]) -> Tensor:
     return x.double().nanmean(dim=dims)
 
 
-def _sink_strength(r: ScanResult) -> Tensor:
+def _sink_strength(r: ScanStatistics) -> Tensor:
     return _nanmean(r.sink_strength(), (0, 2))
 
 
-def _top_position(r: ScanResult) -> Tensor:
+def _top_position(r: ScanStatistics) -> Tensor:
     dom = r.dominant_columns()  # (S, L, H)
     return torch.stack([dom[:, layer].flatten().mode().values for layer in range(dom.shape[1])]).double()
 
 
-def _top_position_share(r: ScanResult) -> Tensor:
+def _top_position_share(r: ScanStatistics) -> Tensor:
     dom = r.dominant_columns()
     top = _top_position(r).long()
     return (dom == top[None, :, None]).double().mean(dim=(0, 2)) * 100.0
 
 
-def _eps_sink_pct(r: ScanResult) -> Tensor:
+def _eps_sink_pct(r: ScanStatistics) -> Tensor:
     hit = metrics.is_eps_sink(r.column_min, r.meta["thresholds"]["eps_event"]).any(-1)  # (S, L, H)
     return hit.double().mean(dim=(0, 2)) * 100.0
 
 
-def _relaxed_sink_pct(r: ScanResult) -> Tensor:
+def _relaxed_sink_pct(r: ScanStatistics) -> Tensor:
     hit = metrics.is_relaxed_sink(r.routed_fraction, r.meta["thresholds"]["relaxed_share"]).any(-1)
     return hit.double().mean(dim=(0, 2)) * 100.0
 
 
-def _value_ratio(r: ScanResult, norms: Tensor) -> Tensor:
+def _value_ratio(r: ScanStatistics, norms: Tensor) -> Tensor:
     ratio = metrics.value_norm_ratio(norms.double(), r.dominant_columns(), r.token_mask[:, None, None, :])
     return _nanmean(ratio, (0, 2))
 
 
-def _srank(r: ScanResult) -> Tensor:
+def _srank(r: ScanStatistics) -> Tensor:
     return _nanmean(metrics.stable_rank_from_singular_values(r.update_spectrum), (0, 2))
 
 
-def _rank1(r: ScanResult) -> Tensor:
+def _rank1(r: ScanStatistics) -> Tensor:
     return _nanmean(metrics.rank1_energy_from_singular_values(r.update_spectrum), (0, 2))
 
 
-def _qk_ratio(r: ScanResult) -> Tensor:
+def _qk_ratio(r: ScanStatistics) -> Tensor:
     return metrics.sigma_ratio(r.qk_spectrum.double()).nanmean(dim=1)
 
 
-def _hidden_norm_ratio0(r: ScanResult) -> Tensor:
+def _hidden_norm_ratio0(r: ScanStatistics) -> Tensor:
     norms = r.hidden_norm[:, 1:].double()  # (S, L, T) block outputs
     rest = norms[..., 1:].nanmedian(dim=-1).values
     return (norms[..., 0] / rest).nanmean(dim=0)
 
 
-def _massive(r: ScanResult) -> Tensor:
+def _massive(r: ScanStatistics) -> Tensor:
     t = r.meta["thresholds"]
     flag = metrics.is_massive(
         r.hidden_max_abs[:, 1:].double(), r.hidden_median_abs[:, 1:].double(),
@@ -95,16 +118,16 @@ def _massive(r: ScanResult) -> Tensor:
     return flag.double().sum(-1).mean(0)
 
 
-def _max_act(r: ScanResult) -> Tensor:
+def _max_act(r: ScanStatistics) -> Tensor:
     return r.hidden_max_abs[:, 1:].double().nan_to_num(0.0).amax(dim=(0, 2))
 
 
-def _high_norm(r: ScanResult) -> Tensor:
+def _high_norm(r: ScanStatistics) -> Tensor:
     flag = metrics.high_norm_tokens(r.hidden_norm[:, 1:].double(), r.token_mask[:, None, :], k=r.meta["thresholds"]["high_norm_k"])
     return flag.double().sum(-1).mean(0)
 
 
-def _learned_sink(r: ScanResult) -> Tensor:
+def _learned_sink(r: ScanStatistics) -> Tensor:
     return _nanmean(r.learned_sink_mass, (0, 2))
 
 
@@ -136,7 +159,7 @@ REGISTRY: list[MetricRow] = [
 ]
 
 
-def per_layer_table(result: ScanResult) -> dict[str, list[float | None]]:
+def per_layer_table(result: ScanStatistics) -> dict[str, list[float | None]]:
     """``{metric name: [value per layer]}`` for every registry row (NaN → ``None``)."""
     table = {}
     for row in REGISTRY:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import platform
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,16 +12,24 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import __version__, _compat, metrics
+from . import _compat, metrics
+from ._version import __version__
 from .capture import AttentionCapture, CaptureBatch, CaptureConfig
 from .errors import InputError
 from .models import check_vocab, check_weights
 from .registry import REGISTRY, per_layer_table
 from .texts import default_texts, tokenize_windows
 
-__all__ = ["ScanResult", "scan", "scan_inputs", "SCHEMA_VERSION", "DEFAULT_THRESHOLDS"]
+__all__ = ["ScanResult", "scan", "scan_inputs", "SCHEMA_VERSION", "DEFAULT_THRESHOLDS", "DOMINANT_RULE", "check_thresholds",
+           "ShortSequenceWarning", "short_sequence_warnings"]
 
-SCHEMA_VERSION = "sinklab.scan/1"
+#: scan.json schema. 2: a head's dominant column must be seen by max(8, ⌈T/8⌉) queries (no end-of-sequence
+#: false sinks in causal models); warnings for sequences too short for Sink^ε.
+SCHEMA_VERSION = "sinklab.scan/2"
+
+#: How the dominant column is chosen (written into scan.json and diagnosis.json).
+DOMINANT_RULE = ("argmax of the column mass over keys seen by at least max(8, ceil(T/8)) real queries "
+                 "(T = the sample's real tokens; capped at the most-seen key's count)")
 
 DEFAULT_THRESHOLDS = {
     "eps": 0.3,  # sink-rate ε (Gu et al.)
@@ -35,7 +44,7 @@ DEFAULT_THRESHOLDS = {
 _PER_SAMPLE = (
     "column_mass", "column_min", "routed_fraction", "candidate_attention", "value_norm", "value_norm_out",
     "update_norm", "update_spectrum", "common_mode", "learned_sink_mass", "hidden_norm", "hidden_max_abs",
-    "hidden_max_dim", "hidden_median_abs", "token_mask",
+    "hidden_max_dim", "hidden_median_abs", "token_mask", "column_queries",
 )
 
 
@@ -58,6 +67,7 @@ class ScanResult:
     update_spectrum: Tensor  # (S, L, H, r)
     common_mode: Tensor  # (S, L, H)
     learned_sink_mass: Tensor  # (S, L, H)
+    column_queries: Tensor  # (S, L, T) real queries that see each key
     hidden_norm: Tensor  # (S, L+1, T)
     hidden_max_abs: Tensor  # (S, L+1, T)
     hidden_max_dim: Tensor  # (S, L+1, T)
@@ -97,13 +107,18 @@ class ScanResult:
         eps = self.meta["thresholds"]["eps"] if eps is None else eps
         return metrics.sink_rate_per_layer(self.column_mass, position, eps)
 
+    def eligible_columns(self) -> Tensor:
+        """``[S, L, 1, T]`` keys seen by enough queries to be a head's dominant column (:data:`DOMINANT_RULE`)."""
+        n = self.token_mask.sum(-1)[:, None].expand(self.column_queries.shape[:2])  # (S, L)
+        return metrics.eligible_columns(self.column_queries, n)[:, :, None]
+
     def dominant_columns(self) -> Tensor:
-        """``[S, L, H]`` position of each head's largest column mass in each sample."""
-        return self.column_mass.nan_to_num(-1.0).argmax(dim=-1)
+        """``[S, L, H]`` position of each head's largest column mass among the eligible keys, per sample."""
+        return metrics.dominant_columns(self.column_mass, self.eligible_columns())
 
     def sink_strength(self) -> Tensor:
         """``[S, L, H]`` the dominant column's mass (Fesser et al.'s sink strength)."""
-        return self.column_mass.nan_to_num(-1.0).amax(dim=-1)
+        return self.column_mass.double().gather(-1, self.dominant_columns()[..., None])[..., 0].float()
 
     def token_label(self, sample: int, position: int) -> str:
         toks = self.tokens[sample]
@@ -131,6 +146,7 @@ class ScanResult:
             "per_layer": self.per_layer(),
             "sink_rate": {"eps": self.meta["thresholds"]["eps"], "seq_len": self.meta["seq_len"], "by_position": rates},
             "top_sink": {"position": pos, "token": label},
+            "dominant_rule": DOMINANT_RULE,
             "tokens": self.tokens,
             "column_mass": _nested(self.column_mass),
             "dominant_columns": self.dominant_columns().tolist(),
@@ -138,19 +154,14 @@ class ScanResult:
             "qk_sigma_ratio": _nested(metrics.sigma_ratio(self.qk_spectrum.double())),
         }
 
-    def figures(self) -> dict:
-        """Matplotlib figures keyed by file stem (see :mod:`sinklab.report.figures`)."""
-        from .report.figures import scan_figures
-
-        return scan_figures(self)
-
     def save(self, out_dir: str | Path) -> Path:
         """Write ``scan.json``, the PNG figures and a self-contained ``report.html`` into ``out_dir``.
 
-        Everything is written to a temporary folder first and moved in place at the end, so a failure
-        leaves no partial report behind.
+        A thin entry point into the report layer (:func:`sinklab.report.html.write_report`, the one
+        upward import the layer contract allows for scan). Everything is written to a temporary folder
+        first and moved in place at the end, so a failure leaves no partial report behind.
         """
-        from .report.html import write_report
+        from .report.html import write_report  # the documented thin entry point (pyproject: importlinter)
 
         return write_report(self, Path(out_dir))
 
@@ -181,7 +192,8 @@ def _pad_cat(parts: list[Tensor], dim: int, width: int, fill: float) -> Tensor:
 
 def _merge(batches: list[CaptureBatch]) -> dict:
     width = max(b.token_mask.shape[-1] for b in batches)
-    position_dim = {"candidate_attention": 3, "hidden_norm": 2, "hidden_max_abs": 2, "hidden_max_dim": 2, "token_mask": 1}
+    position_dim = {"candidate_attention": 3, "hidden_norm": 2, "hidden_max_abs": 2, "hidden_max_dim": 2, "token_mask": 1,
+                    "column_queries": 2}
     merged = {}
     for name in _PER_SAMPLE:
         parts = [getattr(b, name) for b in batches]
@@ -189,7 +201,7 @@ def _merge(batches: list[CaptureBatch]) -> dict:
             merged[name] = torch.cat(parts, dim=0)
             continue
         dim = position_dim.get(name, 3)
-        fill = {"hidden_max_dim": -1, "token_mask": False}.get(name, math.nan)
+        fill = {"hidden_max_dim": -1, "token_mask": False, "column_queries": 0}.get(name, math.nan)
         merged[name] = _pad_cat(parts, dim, width, fill)
     merged["attention_maps"] = batches[0].attention_maps
     merged["qk_spectrum"] = batches[0].qk_spectrum
@@ -218,6 +230,79 @@ def _provenance(model: nn.Module, source: str | None, revision: str | None, **ex
     }
 
 
+#: Progress callback: ``progress(phase, advance, total)`` — ``advance`` units of ``total`` done in ``phase``
+#: (scan: ``"scan"``, samples; diagnose adds ``"edits"``, edited passes).
+Progress = Callable[[str, int, int], None]
+
+
+def check_thresholds(thresholds: dict | None) -> dict:
+    """:data:`DEFAULT_THRESHOLDS` updated with ``thresholds``; unknown keys or values out of range → InputError."""
+    thresholds = dict(thresholds or {})
+    unknown = sorted(set(thresholds) - set(DEFAULT_THRESHOLDS))
+    if unknown:
+        raise InputError(f"unknown scan threshold(s) {unknown}; known: {sorted(DEFAULT_THRESHOLDS)}")
+    thresholds = {**DEFAULT_THRESHOLDS, **thresholds}
+    for key in ("eps", "eps_event", "route_threshold"):
+        if not 0.0 <= thresholds[key] <= 1.0:
+            raise InputError(f"threshold {key} must be in [0, 1], got {thresholds[key]}")
+    if not 0.0 < thresholds["relaxed_share"] <= 1.0:
+        raise InputError(f"threshold relaxed_share must be in (0, 1], got {thresholds['relaxed_share']}")
+    return thresholds
+
+
+def capture_config(candidates: tuple[int, ...], map_len: int, thresholds: dict) -> CaptureConfig:
+    """The :class:`CaptureConfig` of a scan."""
+    return CaptureConfig(candidates=tuple(candidates), map_len=map_len, route_threshold=thresholds["route_threshold"])
+
+
+def scan_result(results: list[CaptureBatch], tokens: list[list[str]], *, candidates: tuple[int, ...],
+                thresholds: dict, meta: dict | None = None) -> ScanResult:
+    """Merge the capture batches of one scan into a :class:`ScanResult` (with its ``meta``)."""
+    if not results:
+        raise InputError("no inputs to scan")
+    merged = _merge(results)
+    seq_len = merged["token_mask"].shape[-1]
+    notes = short_sequence_warnings(merged["token_mask"], merged["column_queries"], thresholds["eps"])
+    for note in notes:
+        warnings.warn(note, ShortSequenceWarning, stacklevel=3)
+    info = {"thresholds": thresholds, "seq_len": seq_len, "num_samples": merged["column_mass"].shape[0],
+            "candidates": list(candidates), "hidden_state_index_0": "input of block 0 (embeddings)",
+            "output_space": merged["output_space"], "dominant_rule": DOMINANT_RULE, "warnings": notes,
+            **(meta or {})}
+    return ScanResult(**merged, tokens=tokens, candidates=tuple(candidates), meta=info)
+
+
+class ShortSequenceWarning(UserWarning):
+    """The samples are too short for the sink rate to mean anything (see :func:`short_sequence_warnings`)."""
+
+
+def short_sequence_warnings(token_mask: Tensor, column_queries: Tensor, eps: float) -> list[str]:
+    """Warnings for samples too short for ``Sink^ε``: ``token_mask`` ``[S, T]``, ``column_queries`` ``[S, L, T]``.
+
+    A head that spreads its attention evenly gives position 0 a column mass of ``H_N/N`` in a causal model
+    (``1/N`` otherwise); a sample is too short when that exceeds ``ε/2``, since then Sink_0^ε counts even
+    unremarkable heads (4 causal tokens: 0.52 > ε = 0.3 — "every head sinks"). The needed length is
+    :func:`sinklab.metrics.min_meaningful_length` (26 tokens causal, 7 bidirectional at ε = 0.3;
+    Gu et al. use 64).
+    """
+    if not 0.0 < eps <= 1.0:
+        return []
+    lengths = token_mask.sum(-1)  # (S,)
+    first = column_queries[:, :, 0]  # (S, L) queries that see key 0
+    last = column_queries.gather(-1, (lengths - 1).clamp_min(0)[:, None, None].expand(-1, column_queries.shape[1], 1))[..., 0]
+    causal = bool((first > last).any()) or bool((lengths <= 1).all())
+    need = metrics.min_meaningful_length(eps, causal)
+    short = lengths < need
+    if not bool(short.any()):
+        return []
+    n = int(lengths[short].min())
+    kind = "causal" if causal else "bidirectional"
+    return [f"{int(short.sum())} of {lengths.numel()} samples have fewer than {need} tokens (shortest: {n}). "
+            f"At {n} tokens uniform {kind} attention alone gives position 0 a column mass of "
+            f"{metrics.uniform_column_mass(n, causal):.2f} (ε = {eps}), so Sink^ε and the sink counts are not "
+            f"meaningful; give at least {need} tokens per sample (Gu et al. use 64)."]
+
+
 def scan_inputs(
     model: nn.Module,
     batches: Iterable[dict[str, Tensor]],
@@ -226,43 +311,33 @@ def scan_inputs(
     candidates: tuple[int, ...] = (0, 1, 2, 3),
     map_len: int = 64,
     thresholds: dict | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Progress | None = None,
     meta: dict | None = None,
 ) -> ScanResult:
     """Scan prepared model inputs (e.g. ``pixel_values`` for a ViT) and return a :class:`ScanResult`.
 
     ``batches`` yields keyword dicts for ``model(**batch)``; ``tokens`` labels every sample's positions.
-    ``progress`` is called with the number of samples finished after each batch.
+    ``progress("scan", n, len(tokens))`` is called after each batch of ``n`` samples.
     """
-    thresholds = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
-    for key in ("eps", "eps_event", "route_threshold"):
-        if not 0.0 <= thresholds[key] <= 1.0:
-            raise InputError(f"threshold {key} must be in [0, 1], got {thresholds[key]}")
+    thresholds = check_thresholds(thresholds)
     check_weights(model)
-    cfg = CaptureConfig(candidates=tuple(candidates), map_len=map_len, route_threshold=thresholds["route_threshold"])
     results: list[CaptureBatch] = []
-    with AttentionCapture(model, cfg) as cap:
+    with AttentionCapture(model, capture_config(candidates, map_len, thresholds)) as cap:
         for batch in batches:
             results.append(cap.run(**batch))
             if progress is not None:
-                progress(results[-1].token_mask.shape[0])
-    if not results:
-        raise InputError("no inputs to scan")
-    merged = _merge(results)
-    seq_len = merged["token_mask"].shape[-1]
-    info = {"thresholds": thresholds, "seq_len": seq_len, "num_samples": merged["column_mass"].shape[0],
-            "candidates": list(candidates), "hidden_state_index_0": "input of block 0 (embeddings)",
-            "output_space": merged["output_space"], **(meta or {})}
-    return ScanResult(**merged, tokens=tokens, candidates=tuple(candidates), meta=info)
+                progress("scan", results[-1].token_mask.shape[0], len(tokens))
+    return scan_result(results, tokens, candidates=candidates, thresholds=thresholds, meta=meta)
 
 
 def text_batches(model: nn.Module, tokenizer, texts: str | list[str] | None, *, seq_len: int, samples: int,
-                 batch_size: int, seed: int = 0, source: str | None = None,
-                 revision: str | None = None) -> tuple[list[dict[str, Tensor]], list[list[str]], dict]:
+                 batch_size: int, seed: int = 0, source: str | None = None, revision: str | None = None,
+                 first_batch: int | None = None) -> tuple[list[dict[str, Tensor]], list[list[str]], dict]:
     """Texts (default: the pydoc corpus) → model-ready batches on the input device, token strings, provenance.
 
     Shared by :func:`scan` and :func:`sinklab.diagnose`: windows of ``seq_len`` tokens, vocabulary check,
-    and the ``meta`` that goes into the JSON outputs.
+    and the ``meta`` that goes into the JSON outputs. ``first_batch`` makes the first batch exactly that
+    many samples (diagnose's edit samples), the rest go in batches of ``batch_size``.
     """
     if isinstance(texts, str):
         texts = [texts]
@@ -270,11 +345,17 @@ def text_batches(model: nn.Module, tokenizer, texts: str | list[str] | None, *, 
     texts = default_texts() if texts is None else texts
     if batch_size < 1:
         raise InputError(f"batch_size must be ≥ 1, got {batch_size}")
-    torch.manual_seed(seed)
-    windows = tokenize_windows(tokenizer, texts, seq_len, samples)
+    windows = tokenize_windows(tokenizer, texts, seq_len, samples, seed=seed)
     check_vocab(model, tokenizer, windows.input_ids)
     device = _compat.input_device(model)
-    batches = [{k: v.to(device) for k, v in batch.items()} for _, batch in windows.batches(batch_size)]
+    n = windows.input_ids.shape[0]
+    head = min(first_batch, n) if first_batch else 0
+    bounds = ([(0, head)] if head else []) + [(a, min(n, a + batch_size)) for a in range(head, n, batch_size)]
+    batches = []
+    for a, b in bounds:  # each batch trimmed to its longest sample
+        width = int(windows.attention_mask[a:b].sum(-1).max())
+        batches.append({"input_ids": windows.input_ids[a:b, :width].to(device),
+                        "attention_mask": windows.attention_mask[a:b, :width].to(device)})
     meta = _provenance(model, source, revision, seed=seed, requested_seq_len=seq_len, corpus=corpus,
                        tokenizer_added_bos=windows.added_bos, tokenizer_class=type(tokenizer).__name__)
     return batches, windows.tokens, meta
@@ -294,12 +375,13 @@ def scan(
     seed: int = 0,
     source: str | None = None,
     revision: str | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Progress | None = None,
 ) -> ScanResult:
     """Scan ``model`` on ``texts`` (default: English paragraphs shipped with Python) for attention sinks.
 
     Texts are cut into at most ``samples`` windows of ``seq_len`` tokens (the tokenizer's special tokens
-    included, right-padded). Nothing of size L×H×T×T is materialised: statistics are reduced per query
+    included, right-padded); ``seed`` 0 takes them in order, another seed shuffles the texts and offsets
+    each window start (see :func:`sinklab.texts.tokenize_windows`). Nothing of size L×H×T×T is materialised: statistics are reduced per query
     chunk inside the attention function. Returns a :class:`ScanResult`; ``result.sink_rate(0)`` is Gu
     et al.'s Sink_1^ε at this ``seq_len``.
     """

@@ -57,12 +57,14 @@ class TokenBatch:
             }
 
 
-def tokenize_windows(tokenizer, texts: list[str], seq_len: int, samples: int) -> TokenBatch:
+def tokenize_windows(tokenizer, texts: list[str], seq_len: int, samples: int, seed: int = 0) -> TokenBatch:
     """Cut ``texts`` into at most ``samples`` windows of at most ``seq_len`` tokens (special tokens included).
 
     Windows are taken round-robin: the first window of every text, then the second of every text …
     so a handful of long texts still gives varied samples. Each window gets the tokenizer's own
-    special tokens (BOS or [CLS] … [SEP]) as a normal encoding would.
+    special tokens (BOS or [CLS] … [SEP]) as a normal encoding would. ``seed`` 0 takes the texts in
+    order from their first token; another seed shuffles the texts and starts each one at a random
+    token offset (less than one window), so different seeds give different, reproducible samples.
     """
     if seq_len < 2:
         raise InputError(f"--seq-len must be at least 2 tokens to measure attention sinks, got {seq_len}")
@@ -76,6 +78,11 @@ def tokenize_windows(tokenizer, texts: list[str], seq_len: int, samples: int) ->
     if body < 1:
         raise InputError(f"--seq-len {seq_len} leaves no room for text after {len(prefix) + len(suffix)} special tokens")
     per_text = [tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"] for t in texts if t.strip()]
+    if seed:
+        gen = torch.Generator().manual_seed(int(seed))
+        order = torch.randperm(len(per_text), generator=gen).tolist()
+        offsets = torch.randint(0, body, (len(per_text),), generator=gen).tolist()
+        per_text = [per_text[i][off:] or per_text[i] for i, off in zip(order, offsets)]
     chunks = [[ids[i : i + body] for i in range(0, len(ids), body)] for ids in per_text]
     windows: list[list[int]] = []
     depth = 0

@@ -89,19 +89,19 @@ def discover_checkpoints(sources: list[str], *, include_init: bool = True) -> li
     return found
 
 
-def load_source(ck: Checkpoint):
-    """``(model, tokenizer or None, train_config or None)`` for one checkpoint."""
+def load_source(ck: Checkpoint, device_map: str | None = None):
+    """``(model, tokenizer or None, train_config or None)`` for one checkpoint (``device_map``: accelerate dispatch)."""
     cfg = _train_config(Path(ck.run_dir)) if ck.run_dir else None
     if ck.kind == "hub":
         from ..models import load_model
 
-        loaded = load_model(ck.source, revision=ck.revision)
+        loaded = load_model(ck.source, revision=ck.revision, device_map=device_map)
         return loaded.model, loaded.tokenizer, None
     if ck.kind == "init":
         return _init_model(Path(ck.run_dir), cfg)
     from ..models import load_model
 
-    loaded = load_model(ck.source)  # strict loading; a bb checkpoint (no tokenizer files) gives tokenizer=None
+    loaded = load_model(ck.source, device_map=device_map)  # strict loading; a bb checkpoint (no tokenizer files) gives tokenizer=None
     return loaded.model, loaded.tokenizer, cfg
 
 

@@ -34,6 +34,37 @@ MODEL_HELP = ", ".join(sorted(BUILTIN_MODELS)) + ", a local model folder or a hu
 TRUST_HELP = "run the Python code of the model repository (off unless given)"
 
 
+def trust_remote_code_option():
+    """``--trust-remote-code`` as a flag: ``Annotated[bool, trust_remote_code_option()] = False``.
+
+    ``metavar=""`` keeps the help from showing a ``<bool>`` value type: the flag takes no value.
+    """
+    return typer.Option("--trust-remote-code", help=TRUST_HELP, metavar="")
+
+
+#: Help text of every ``--device-map`` option.
+DEVICE_MAP_HELP = ("spread the model with accelerate's big-model dispatch: auto, balanced, sequential "
+                   "(GPUs, then CPU memory, then disk)")
+
+
+def device_map_option():
+    """``--device-map``: ``Annotated[str | None, device_map_option()] = None``."""
+    return typer.Option("--device-map", help=DEVICE_MAP_HELP)
+
+
+def record_run(meta: dict, loaded, texts: list[str] | None, *, device: str | None = None,
+               dtype: str | None = None) -> dict:
+    """Add the run's provenance (command line, versions, timestamp, input hash) and the weights' notes to ``meta``."""
+    import sys
+
+    from ..provenance import provenance
+
+    meta["provenance"] = provenance(sys.argv, loaded, device, dtype, texts)
+    if loaded.notes:
+        meta["weights_notes"] = dict(loaded.notes)
+    return meta
+
+
 def _version(value: bool) -> None:
     if value:
         import torch
@@ -48,7 +79,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _main(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, metavar="",
                                           help="print the versions and exit")] = False,
 ) -> None:
     """sinklab: attention-sink scanning for Hugging Face transformers models."""

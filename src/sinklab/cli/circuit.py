@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ._common import _progress, _read_texts, _user_errors, app, console, err
+from ._common import _progress, _read_texts, _user_errors, app, check_out_dir, console, device_map_option, err
 
 
 def _print_result(result) -> None:
@@ -39,12 +39,14 @@ def circuit_cmd(
     special_token: Annotated[str | None, typer.Option("--special-token", help="token to prepend when the tokenizer adds no BOS")] = None,
     no_causal: Annotated[bool, typer.Option("--no-causal", help="skip the patching passes")] = False,
     out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("sinklab-circuit"),
+    device_map: Annotated[str | None, device_map_option()] = None,
 ) -> None:
     """The P0 sink circuit: first-token ablation, amplification layer, attention vs MLP, causal check."""
     from ..circuit.sweep import Checkpoint, circuit_source, load_source
 
     with _user_errors():
         texts = _read_texts(text, file)
+        out = check_out_dir(out)
         path = Path(model)
         if path.is_dir():
             parent = path.parent if (path.parent / "train_config.json").exists() else None
@@ -56,7 +58,7 @@ def circuit_cmd(
             name, _, rev = model.partition("@")
             ck = Checkpoint(model, 0, name, kind="hub", revision=rev or None)
         with console.status(f"loading {model} …"):
-            net, tokenizer, cfg = load_source(ck)
+            net, tokenizer, cfg = load_source(ck, device_map=device_map)
         passes = 5 if not no_causal else 3
         with _progress(passes * samples) as progress:
             task = progress.add_task("circuit", total=passes * samples)
@@ -86,6 +88,7 @@ def circuit_sweep_cmd(
 
     with _user_errors():
         texts = _read_texts(text, file)
+        out = check_out_dir(out)
         found = discover_checkpoints(checkpoints, include_init=not no_init)
         passes = 5 if not no_causal else 3  # per checkpoint; raised when a checkpoint needs the early patches too
         table = Table(title="circuit sweep")

@@ -9,12 +9,25 @@ import typer
 from rich.table import Table
 
 from ..errors import SinklabError
-from ._common import _load, _progress, _read_texts, _user_errors, app, console
+from ._common import (
+    MODEL_HELP,
+    _load,
+    _progress,
+    _read_texts,
+    _user_errors,
+    app,
+    check_out_dir,
+    console,
+    device_map_option,
+    record_run,
+    trust_remote_code_option,
+)
+from ._progress import PhaseBars, print_warnings
 
 
 @app.command()
 def diagnose(
-    model: Annotated[str, typer.Argument(help="builtin:minilm, builtin:tiny-llama, a local path or a hub id")],
+    model: Annotated[str, typer.Argument(help=MODEL_HELP)],
     text: Annotated[str | None, typer.Option("--text", help="text to diagnose")] = None,
     file: Annotated[Path | None, typer.Option("--file", help="UTF-8 text file")] = None,
     seq_len: Annotated[int, typer.Option("--seq-len")] = 64,
@@ -26,26 +39,34 @@ def diagnose(
     broadcast_min: Annotated[float, typer.Option("--broadcast-min", help="broadcast if r_out ≥ this …")] = 0.5,
     broadcast_srank: Annotated[float, typer.Option("--broadcast-srank", help="… and stable rank ≤ this")] = 1.5,
     edits: Annotated[bool, typer.Option("--edits/--no-edits", help="run the causal value edits")] = True,
+    edit_samples: Annotated[int, typer.Option("--edit-samples", help="samples the causal edits run on")] = 4,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     device: Annotated[str | None, typer.Option("--device")] = None,
     revision: Annotated[str | None, typer.Option("--revision")] = None,
-    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    trust_remote_code: Annotated[bool, trust_remote_code_option()] = False,
+    seed: Annotated[int, typer.Option("--seed", help="0: texts in order; other: shuffled texts, random window offsets; also the control edit")] = 0,
+    device_map: Annotated[str | None, device_map_option()] = None,
 ) -> None:
     """Classify MODEL's sinks (NOP / broadcast), run causal value edits, write diagnosis.json and report.html."""
     from ..diagnose import diagnose as run_diagnose
+    from ..models import check_positions
 
     with _user_errors():
         texts = _read_texts(text, file)
-        loaded = _load(model, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code)
+        out = check_out_dir(out)
+        loaded = _load(model, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code,
+                       device_map=device_map)
+        check_positions(loaded.model, seq_len)
         rules = {"rule": rule, "sink_mass": sink_mass, "nop_max_ratio": nop_max,
                  "broadcast_min_ratio": broadcast_min, "broadcast_max_srank": broadcast_srank}
-        with _progress(samples) as progress:
-            task = progress.add_task("diagnosing", total=samples)
-            d = run_diagnose(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples, rules=rules,
-                             edits=edits, seed=seed, source=model, revision=revision,
-                             progress=lambda n: progress.advance(task, n))
+        with PhaseBars({"scan": "statistics pass (samples)", "edits": "causal edits (edited passes)"}) as progress:
+            d = run_diagnose(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
+                             batch_size=batch_size, rules=rules, edits=edits, edit_samples=edit_samples, seed=seed,
+                             source=model, revision=revision, progress=progress)
+        record_run(d.scan.meta, loaded, texts, device=device, dtype=dtype)
         _print_diagnosis(d)
+        print_warnings(d.scan.meta)
         report = d.save(out)
         console.print(f"wrote {out / 'diagnosis.json'}, figures and {report}")
 
@@ -110,16 +131,19 @@ def _print_diagnosis(d) -> None:
     if not d.found:
         console.print(f"no sinks found (rule {d.rules['rule']!r}): no head's dominant column passed it")
     table = Table(title=f"{d.scan.meta['model']} — sinks per layer ({len(d.records)} in {d.scan.num_samples} samples)")
-    for col in ("layer", "sink %", "nop", "broadcast", "unclass.", "top token", "med r_out", "med srank"):
+    for col in ("layer", "sink %", "nop", "broadcast", "unclass.", "top sink (role@pos)", "there %", "med r_out",
+                "med srank"):
         table.add_column(col, justify="right")
     for r in d.per_layer():
         table.add_row(str(r["layer"]), f"{r['sink_pct']:.0f}", str(r["counts"]["nop"]), str(r["counts"]["broadcast"]),
-                      str(r["counts"]["unclassified"]), str(r["top_token"] or "–"),
+                      str(r["counts"]["unclassified"]), r["top_sink"] or "–",
+                      "–" if r["top_sink_pct"] is None else f"{r['top_sink_pct']:.0f}",
                       "–" if r["median_value_ratio_out"] is None else f"{r['median_value_ratio_out']:.3f}",
                       "–" if r["median_stable_rank"] is None else f"{r['median_stable_rank']:.2f}")
     console.print(table)
     if d.edits:
-        edits = Table(title="causal value edits: relative RMS change of the final hidden states")
+        n_edit = d.scan.meta.get("edit_samples", d.scan.num_samples)
+        edits = Table(title=f"causal value edits: relative RMS change of the final hidden states ({n_edit} samples)")
         edits.add_column("head")
         edits.add_column("class")
         for name in d.edits[0].hidden:

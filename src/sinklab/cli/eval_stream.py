@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -12,47 +10,38 @@ import typer
 from rich.table import Table
 
 from ..errors import SinklabError
-from ._common import _load, _progress, _user_errors, app, console, err
+from ..provenance import provenance
+from ._common import (
+    MODEL_HELP,
+    TRUST_HELP,
+    _load,
+    _progress,
+    _read_texts,
+    _user_errors,
+    app,
+    check_out_dir,
+    console,
+    err,
+)
 
 _DEFAULT_TEXT = "Python's pydoc topics (sinklab.texts.default_texts)"
 
 
 def _read_long_text(file: Path | None) -> tuple[str, str]:
-    """The text and where it came from; a missing, binary or empty ``--file`` is an error."""
+    """The text and where it came from; a missing, binary, non-UTF-8 or empty ``--file`` is an error."""
     from ..texts import default_texts
 
     if file is None:
         return "\n\n".join(default_texts()), _DEFAULT_TEXT
-    if not file.exists():
-        raise SinklabError(f"--file {file}: no such file")
-    if not file.is_file():
-        raise SinklabError(f"--file {file} is not a regular file")
-    raw = file.read_bytes()
-    if b"\x00" in raw[:65536]:
+    (text,) = _read_texts(None, file)
+    if "\x00" in text:
         raise SinklabError(f"--file {file} looks binary (it contains NUL bytes); give a UTF-8 text file")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise SinklabError(f"--file {file} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
-    if not text.strip():
-        raise SinklabError(f"--file {file} is empty")
     return text, str(file)
-
-
-def _check_out(out: Path) -> None:
-    """``--out`` must be a folder (or not exist yet) whose nearest existing ancestor is writable."""
-    if out.exists() and not out.is_dir():
-        raise SinklabError(f"--out {out} exists and is not a folder")
-    probe = out if out.exists() else out.parent
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise SinklabError(f"--out {out}: cannot write in {probe}")
 
 
 @app.command("eval-stream")
 def eval_stream(
-    model: Annotated[str, typer.Argument(help="a RoPE causal LM: builtin:smollm2, builtin:tiny-lm, a local path or a hub id")],
+    model: Annotated[str, typer.Argument(help="a RoPE causal LM: " + MODEL_HELP)],
     file: Annotated[Path | None, typer.Option("--file", help="long UTF-8 text (default: Python's pydoc topics)")] = None,
     tokens: Annotated[int, typer.Option("--tokens", help="length of the evaluated text, in tokens")] = 4096,
     methods: Annotated[str, typer.Option("--methods", help="comma-separated: dense,window,recompute,sinks")] =
@@ -66,7 +55,7 @@ def eval_stream(
     out: Annotated[Path, typer.Option("--out")] = Path("sinklab-eval-stream"),
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     device: Annotated[str | None, typer.Option("--device")] = None,
-    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help=TRUST_HELP)] = False,
 ) -> None:
     """Per-token NLL over a long text: dense, window-only, recompute and sinks + window, all at cache size
     C = S + W and scored on the same positions (from the first eviction on). Writes JSON, figures and HTML."""
@@ -85,7 +74,7 @@ def eval_stream(
             raise SinklabError(f"--tokens {tokens}: scoring starts after the first eviction, at position {plan.first} "
                                f"(cache size {c}); ask for more tokens (several cache lengths, e.g. {4 * c})")
         text, source = _read_long_text(file)
-        _check_out(out)
+        check_out_dir(out)
 
         loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         tok = loaded.tokenizer
@@ -103,12 +92,10 @@ def eval_stream(
                                      progress=lambda label, n: progress.update(task, advance=n, description=label))
         first = int(ids[0])
         result.meta = {
-            "model": model, "notes": getattr(loaded, "notes", None), "text": source,
-            "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "model": model, "text": source,
             "first_token": {"id": first, "text": tok.convert_ids_to_tokens(first),
                             "special": first in set(getattr(tok, "all_special_ids", []) or [])},
-            "dtype": str(next(loaded.model.parameters()).dtype), "device": str(next(loaded.model.parameters()).device),
-            "command": " ".join(sys.argv),
+            "provenance": provenance(sys.argv, loaded, texts=[text]),
         }
         data = result.to_json()
         _print_table(data, model)

@@ -8,7 +8,19 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ._common import _load, _progress, _read_texts, _user_errors, app, console
+from ._common import (
+    MODEL_HELP,
+    _load,
+    _read_texts,
+    _user_errors,
+    app,
+    check_out_dir,
+    console,
+    device_map_option,
+    record_run,
+    trust_remote_code_option,
+)
+from ._progress import PhaseBars, print_warnings
 
 
 def _print_table(result) -> None:
@@ -33,7 +45,7 @@ def _print_table(result) -> None:
 
 @app.command()
 def scan(
-    model: Annotated[str, typer.Argument(help="builtin:minilm, builtin:tiny-llama, a local path or a hub id")],
+    model: Annotated[str, typer.Argument(help=MODEL_HELP)],
     text: Annotated[str | None, typer.Option("--text", help="text to scan")] = None,
     file: Annotated[Path | None, typer.Option("--file", help="UTF-8 text file to scan")] = None,
     seq_len: Annotated[int, typer.Option("--seq-len", help="tokens per sample (special tokens included)")] = 64,
@@ -44,20 +56,26 @@ def scan(
     dtype: Annotated[str | None, typer.Option("--dtype", help="float32, bfloat16, float16")] = None,
     device: Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:1 …")] = None,
     revision: Annotated[str | None, typer.Option("--revision")] = None,
-    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="run the model repo's own code")] = False,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    trust_remote_code: Annotated[bool, trust_remote_code_option()] = False,
+    seed: Annotated[int, typer.Option("--seed", help="0: texts in order; other: shuffled texts, random window offsets")] = 0,
+    device_map: Annotated[str | None, device_map_option()] = None,
 ) -> None:
     """Scan MODEL for attention sinks; print a per-layer table and write scan.json, figures, report.html."""
+    from ..models import check_positions
     from ..scan import scan as run_scan
 
     with _user_errors():
         texts = _read_texts(text, file)
-        loaded = _load(model, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code)
-        with _progress(samples) as progress:
-            task = progress.add_task("scanning", total=samples)
+        out = check_out_dir(out)
+        loaded = _load(model, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code,
+                       device_map=device_map)
+        check_positions(loaded.model, seq_len)
+        with PhaseBars({"scan": "scanning samples"}) as progress:
             result = run_scan(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
                               batch_size=batch_size, thresholds={"eps": eps}, seed=seed, source=model,
-                              revision=revision, progress=lambda n: progress.advance(task, n))
+                              revision=revision, progress=progress)
+        record_run(result.meta, loaded, texts, device=device, dtype=dtype)
         _print_table(result)
+        print_warnings(result.meta)
         report = result.save(out)
         console.print(f"wrote {out / 'scan.json'}, figures and {report}")

@@ -1,4 +1,4 @@
-"""``sinklab stream`` and ``sinklab eval-stream``."""
+"""``sinklab stream``: generate with attention sinks + a sliding window, printing tokens as they come."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from typing import Annotated
 import typer
 
 from ..errors import SinklabError
-from ._common import _load, _read_texts, _user_errors, app, err
+from ._common import MODEL_HELP, _load, _read_texts, _user_errors, app, device_map_option, err, trust_remote_code_option
 
 
 @app.command()
 def stream(
-    model: Annotated[str, typer.Argument(help="a RoPE causal LM: builtin:tiny-llama, a local path or a hub id")],
+    model: Annotated[str, typer.Argument(help="a RoPE causal LM: " + MODEL_HELP)],
     prompt: Annotated[str | None, typer.Option("--prompt", help="prompt text")] = None,
     file: Annotated[Path | None, typer.Option("--file", help="read the prompt from a UTF-8 file")] = None,
     sinks: Annotated[int, typer.Option("--sinks", help="attention sinks kept forever (S)")] = 4,
@@ -25,8 +25,9 @@ def stream(
     chunk_size: Annotated[int, typer.Option("--chunk-size", help="prompt tokens per prefill chunk")] = 256,
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     device: Annotated[str | None, typer.Option("--device")] = None,
-    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
+    trust_remote_code: Annotated[bool, trust_remote_code_option()] = False,
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    device_map: Annotated[str | None, device_map_option()] = None,
 ) -> None:
     """Generate with attention sinks + a sliding window in constant memory; tokens print as they come."""
     import sys as _sys
@@ -38,8 +39,11 @@ def stream(
         texts = _read_texts(prompt, file)
         if texts is None:
             raise SinklabError("give a prompt with --prompt or --file")
-        loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-        session = StreamSession(loaded.model, num_sinks=sinks, window=window, chunk_size=chunk_size)
+        loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, device_map=device_map)
+        # --pin-prompt: the prompt's tokens are kept forever (pins are fixed when the stream starts).
+        n_prompt = len(loaded.tokenizer(texts[0])["input_ids"]) if texts[0] else 0
+        pinned = [(0, n_prompt)] if pin_prompt and n_prompt else None
+        session = StreamSession(loaded.model, num_sinks=sinks, window=window, pinned=pinned, chunk_size=chunk_size)
         start = time.perf_counter()
         count = 0
         with session:

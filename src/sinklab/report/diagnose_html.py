@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import html
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .html import images_html, page
+from .diagnose_figures import diagnosis_figures
+from .html import images_html, page, write_outputs
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..diagnose import Diagnosis
 
-__all__ = ["render_diagnosis"]
+__all__ = ["render_diagnosis", "write_diagnosis"]
 
 
 def _f(x: float | None, fmt: str = "{:.3f}") -> str:
@@ -24,7 +26,8 @@ def render_diagnosis(d: Diagnosis, images: dict[str, bytes]) -> str:
     layer_rows = "".join(
         f"<tr><th>{r['layer']}</th><td>{r['sink_pct']:.0f}</td><td>{r['counts']['nop']}</td>"
         f"<td>{r['counts']['broadcast']}</td><td>{r['counts']['unclassified']}</td>"
-        f"<td>{esc(str(r['dominant_kind']))}</td><td>{esc(str(r['top_token']))}</td>"
+        f"<td>{esc(r['dominant_kind'] or '–')}</td><td>{esc(r['top_sink'] or '–')}</td>"
+        f"<td>{_f(r['top_sink_pct'], '{:.0f}')}</td><td>{esc(r['top_token'] or '–')}</td>"
         f"<td>{_f(r['median_value_ratio_out'])}</td><td>{_f(r['median_stable_rank'])}</td></tr>"
         for r in d.per_layer()
     )
@@ -41,9 +44,15 @@ def render_diagnosis(d: Diagnosis, images: dict[str, bytes]) -> str:
 NOP if r_out ≤ {d.rules['nop_max_ratio']}; broadcast if r_out ≥ {d.rules['broadcast_min_ratio']} and stable rank ≤
 {d.rules['broadcast_max_srank']}.</p>
 <h2>Per layer</h2><table><tr><th>layer</th><th>sink %</th><th>nop</th><th>broadcast</th><th>unclassified</th>
-<th>dominant</th><th>top token</th><th>median r_out</th><th>median srank</th></tr>{layer_rows}</table>
+<th>dominant</th><th>top sink (role@position)</th><th>there %</th><th>its usual token</th><th>median r_out</th><th>median srank</th></tr>{layer_rows}</table>
 <h2>Causal value edits (relative RMS change of the final hidden states)</h2>
 <table><tr><th>head</th><th>class</th>{edit_head}</tr>{edit_rows}</table>
 <h2>Figures</h2>{images_html(images)}
 <h2>Rules and provenance</h2><pre>{esc(json.dumps({'rules': d.rules, 'meta': meta}, indent=2, default=str))}</pre>"""
     return page(f"sinklab diagnose — {meta.get('model')}", body)
+
+
+def write_diagnosis(d: Diagnosis, out_dir: Path) -> Path:
+    """Write a diagnosis's ``diagnosis.json``, ``*.png`` and ``report.html`` to ``out_dir`` (atomically)."""
+    return write_outputs(out_dir, d.to_json(), diagnosis_figures(d), lambda images: render_diagnosis(d, images),
+                         "diagnosis.json")

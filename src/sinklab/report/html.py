@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import matplotlib.pyplot as plt
 
 from ..registry import REGISTRY
+from .figures import scan_figures
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..scan import ScanResult
@@ -96,7 +97,7 @@ def write_outputs(out_dir: Path, data: dict, figures: dict, render: Callable[[di
 
 def write_report(result: ScanResult, out_dir: Path) -> Path:
     """Write a scan's ``scan.json``, ``*.png`` and ``report.html`` to ``out_dir`` (atomically)."""
-    return write_outputs(out_dir, result.to_json(), result.figures(), lambda images: render_html(result, images),
+    return write_outputs(out_dir, result.to_json(), scan_figures(result), lambda images: render_html(result, images),
                          "scan.json")
 
 

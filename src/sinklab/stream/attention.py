@@ -16,6 +16,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..errors import UnsupportedModelError
 from ..rope import rotate
 
 __all__ = ["stream_attention", "ACTIVE_STREAM", "ATTN_NAME"]
@@ -47,9 +48,20 @@ def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     """Attention over a stream's kept tokens with positions by cache slot. Output ``[B, C, H, dv]``."""
     stream = ACTIVE_STREAM.get()
     if stream is None:
-        raise RuntimeError("sinklab's stream attention ran outside an open SinkCache; restore the model's "
-                           "attention implementation or open `with sinklab.SinkCache(model, ...)`")
-    state, rope = stream.state, stream.rope
+        raise RuntimeError("sinklab's stream attention ran outside a forward with a SinkCache; restore the model's "
+                           "attention implementation or pass the SinkCache to the model")
+    layer_idx = getattr(module, "layer_idx", None)
+    if len(stream.states) == 1:
+        state = stream.state
+    elif layer_idx is None:
+        raise UnsupportedModelError(f"{type(module).__name__} has no layer_idx; per-layer stream budgets need it")
+    else:
+        state = stream.layer_states[layer_idx]
+    if layer_idx is not None and kwargs.get("sliding_window") != stream.layer_windows[layer_idx]:
+        raise UnsupportedModelError(
+            f"layer {layer_idx} attends over a window of {kwargs.get('sliding_window')} tokens but its config says "
+            f"{stream.layer_windows[layer_idx]}; sinklab cannot tell this layer's own attention span")
+    rope = state.rope
     view = state.view
     b, h, c, dh = query.shape
     hkv = key.shape[1]
@@ -74,7 +86,7 @@ def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         probs = torch.softmax(torch.cat([scores, extra], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    probs = torch.nan_to_num(probs, nan=0.0)  # padding queries see nothing
+    probs = probs.masked_fill(~visible.any(-1)[:, None, None, :, None], 0.0)  # padding queries see nothing
     out = torch.matmul(probs, value.float()[:, :, None])  # (B, Hkv, rep, C, dv)
     out = out.reshape(b, h, c, -1).transpose(1, 2).contiguous()
     return out.to(query.dtype), None

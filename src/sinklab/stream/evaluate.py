@@ -192,8 +192,10 @@ class StreamEval:
     def curve(self, label: str) -> Curve:
         return next(c for c in self.curves if c.run.label == label)
 
-    def to_json(self, bins: int = 48) -> dict:
+    def to_json(self, bins: int | None = None) -> dict:
+        """JSON-ready dict; ``bins`` for the binned curves defaults to one per 8 scored tokens, at most 48."""
         pos = self.positions
+        bins = bins or min(48, max(1, pos.numel() // 8))
         stride = self.plan.resolved_stride(self.num_tokens)
         curves = {}
         for c in self.curves:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
+from ..errors import InputError
 from ..rope import RopeSpec, rotate, rotate_with
 from .state import StreamState
 
@@ -47,6 +48,8 @@ class SinkWindowLayer(CacheLayerMixin):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Store the new keys/values; return what attention should see (the buffer, or buffer ⧺ chunk)."""
+        if self.state.closed:
+            raise InputError("this SinkCache was closed; create a new one")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         plan, view = self.state.plan, self.state.view
@@ -97,7 +100,7 @@ class SinkWindowLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:  # pragma: no cover - streams are started afresh instead
-        raise NotImplementedError("a SinkCache cannot be reset; open a new `with SinkCache(...)` block")
+        raise NotImplementedError("a SinkCache cannot be reset; create a new SinkCache")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("beam search is not supported by SinkCache; use greedy or sampling")

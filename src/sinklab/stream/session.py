@@ -32,12 +32,17 @@ class StreamSession:
     """
 
     def __init__(self, model: nn.Module, num_sinks: int = 4, window: int = 1020, pinned=None,
-                 start_position: int = 0, chunk_size: int = 256, rebase_every: int | None = None) -> None:
+                 start_position: int = 0, chunk_size: int = 256, rebase_every: int | None = None, *,
+                 sliding_sinks: bool = False) -> None:
         if chunk_size < 1:
             raise InputError(f"chunk_size must be ≥ 1, got {chunk_size}")
+        from ..models import check_weights
+
+        check_weights(model)  # NaN/inf weights: one clear error now, not garbage tokens later
         self.model = model
         self.chunk_size = chunk_size
-        self.sink = SinkCache(model, num_sinks, window, pinned, start_position, rebase_every)
+        self.sink = SinkCache(model, num_sinks, window, pinned, start_position, rebase_every,
+                              sliding_sinks=sliding_sinks)
         self.cache = None
         self._cache_kwarg = _compat.cache_kwarg_name(model)
         self._device = _compat.input_device(model)
@@ -98,13 +103,17 @@ class StreamSession:
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path) -> Path:
         """Write the cache and position counters to a safetensors file (resume with :meth:`load`)."""
-        tensors = dict(self.state.state_dict())
+        tensors = {}
+        for g, state in enumerate(self.sink.states):
+            prefix = "" if g == 0 else f"group{g}."
+            tensors.update({prefix + k: v for k, v in state.state_dict().items()})
         for i, layer in enumerate(self.cache.layers):
             if layer.is_initialized:
                 tensors[f"layer.{i}.keys"] = layer.keys.contiguous()
                 tensors[f"layer.{i}.values"] = layer.values.contiguous()
                 tensors[f"layer.{i}.anchor_keys"] = layer.anchor_keys.contiguous()
-        meta = {"format": _FORMAT, "settings": self.state.settings(), "columns": self.state.columns,
+        meta = {"format": _FORMAT, "settings": self.sink.states[0].settings() | self._main_settings(),
+                "columns": self.state.columns,
                 "tokens_seen": self.tokens_seen, "chunk_size": self.chunk_size}
         path = Path(path)
         save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(path), metadata={"sinklab": json.dumps(meta)})
@@ -124,7 +133,10 @@ class StreamSession:
             raise InputError(f"{path}: unsupported stream format {meta.get('format')!r}")
         s = meta["settings"]
         session = cls(model, s["num_sinks"], s["window"], [tuple(p) for p in s["pinned"]], s["start_position"],
-                      meta["chunk_size"], s["rebase_every"])
+                      meta["chunk_size"], s["rebase_every"], sliding_sinks=s.get("sliding_sinks", False))
+        if len(session.sink.states) != s.get("groups", 1):
+            raise InputError(f"{path} was saved from a model with {s.get('groups', 1)} layer budgets; this one has "
+                             f"{len(session.sink.states)} — load it with the model that wrote it")
         tensors = load_file(str(path), device=str(_compat.input_device(model)))
         tensors["__columns__"] = torch.tensor(meta["columns"])
         session._restore = tensors
@@ -132,8 +144,10 @@ class StreamSession:
         return session
 
     def _load_tensors(self, tensors: dict[str, Tensor]) -> None:
-        self.state.load_state_dict({k: v for k, v in tensors.items() if k.startswith("state.")},
-                                   int(tensors["__columns__"]))
+        for g, state in enumerate(self.sink.states):
+            prefix = "state." if g == 0 else f"group{g}.state."
+            state.load_state_dict({k[len(prefix) - 6:]: v for k, v in tensors.items() if k.startswith(prefix)},
+                                  int(tensors["__columns__"]))
         for i, layer in enumerate(self.cache.layers):
             if f"layer.{i}.keys" in tensors:
                 layer.keys = tensors[f"layer.{i}.keys"]
@@ -141,6 +155,11 @@ class StreamSession:
                 layer.anchor_keys = tensors[f"layer.{i}.anchor_keys"]
                 layer.device, layer.dtype = layer.keys.device, layer.keys.dtype
                 layer.is_initialized = True
+
+    def _main_settings(self) -> dict:
+        main = self.sink.state
+        return {"num_sinks": main.num_sinks, "window": main.window, "pinned": main.pinned,
+                "sliding_sinks": self.sink.sliding_sinks, "groups": len(self.sink.states)}
 
     def cache_tokens(self) -> int:
         """Kept tokens per row (the cache's size in tokens, at most ``S + P + W``)."""
@@ -182,7 +201,11 @@ def stream_generate(model: nn.Module, tokenizer, prompt: str | list[str], *, num
         ids[row, width - len(e):] = torch.tensor(e)
         mask[row, width - len(e):] = 1
     if pin_prompt:
-        pinned = list(pinned or []) + [(0, max(len(e) for e in encoded))]
+        span = (0, max(len(e) for e in encoded))
+        if session is not None and not any(a <= 0 and span[1] <= b for a, b in session.state.pinned):
+            raise InputError(f"pin_prompt with an open session: the session must have been built with pinned="
+                             f"[{span}] (pins are fixed when a stream starts)")
+        pinned = list(pinned or []) + [span]
     own = session is None
     session = session or StreamSession(model, num_sinks, window, pinned, chunk_size=chunk_size)
     gen = torch.Generator().manual_seed(seed)

@@ -88,6 +88,8 @@ class StreamState:
         self.capacity = self.anchor_capacity + window
         self.start_position = int(start_position)
         self.rebase_every = int(rebase_every or max(4 * window, 2048))
+        self.rebase_keep = window  # re-base so the newest `rebase_keep` tokens keep virtual positions ≥ 0
+        self.closed = False
         self.columns = 0  # columns (incl. padding) fed so far: what generate() calls the past length
         self.batch: int | None = None
         self.layers: list = []  # SinkWindowLayer objects, for rebasing
@@ -246,7 +248,7 @@ class StreamState:
         newest = self.start_position + self.n_real + incoming - 1 - self.base  # (B,) largest v this forward
         if not bool((newest > self.rebase_every).any()):
             return
-        target = self.start_position + torch.clamp(self.n_real - self.window, min=0)
+        target = self.start_position + torch.clamp(self.n_real - self.rebase_keep, min=0)
         delta = torch.where(newest > self.rebase_every, target - self.base, torch.zeros_like(target))
         if not bool((delta != 0).any()):
             return

@@ -38,14 +38,19 @@ class BigramBackcopy:
         self.popularity = (popularity / popularity.sum()).float()
         self.bos = self.vocab
         self.trigger_ids = torch.arange(self.triggers)  # the most popular tokens
+        self._transition_cdf = self.transition.double().cumsum(-1).float().contiguous()  # (V, V)
+        self._popularity_cdf = self.popularity.double().cumsum(-1).float()  # (V,)
 
     def sample(self, batch: int, gen: torch.Generator) -> Tensor:
         """``[batch, seq_len]`` token ids, BOS first."""
+        # Inverse-CDF sampling from one block of uniforms: the same distribution as torch.multinomial row by row,
+        # at a fraction of the cost (one searchsorted per position instead of a multinomial draw).
+        u = torch.rand(self.seq_len, batch, 1, generator=gen)  # (T, B, 1): u[t] is contiguous
         x = torch.empty(batch, self.seq_len, dtype=torch.long)
         x[:, 0] = self.bos
-        x[:, 1] = torch.multinomial(self.popularity.expand(batch, -1), 1, generator=gen)[:, 0]
+        x[:, 1] = torch.searchsorted(self._popularity_cdf, u[1]).clamp_(max=self.vocab - 1)[:, 0]
         for t in range(1, self.seq_len - 1):
-            nxt = torch.multinomial(self.transition[x[:, t]], 1, generator=gen)[:, 0]
+            nxt = torch.searchsorted(self._transition_cdf[x[:, t]], u[t + 1]).clamp_(max=self.vocab - 1)[:, 0]
             copy = self.is_trigger(x[:, t]) & (t >= 2)
             x[:, t + 1] = torch.where(copy, x[:, t - 1], nxt)
         return x

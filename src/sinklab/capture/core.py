@@ -1,0 +1,355 @@
+"""The capture's plumbing: attention-function registration, block hooks, the forward pass, collection.
+
+:class:`AttentionCapture` is a context manager. On entry it registers sinklab's attention function
+with transformers' ``AttentionInterface`` (plus the matching mask function), switches the model to
+it, and hooks every transformer block's input/output; on exit everything is undone. The attention
+function computes the layer's output itself (:func:`~sinklab.capture.reduce.chunked_attention`), in
+query chunks from the post-RoPE ``q``/``k`` it is handed, and reduces each chunk's probabilities on the
+fly (:class:`~sinklab.capture.reduce.ColumnStats`); value/update statistics come from
+:mod:`~sinklab.capture.heads`, weight statistics from :mod:`~sinklab.capture.weights`, block-output
+statistics from :mod:`~sinklab.capture.hidden`. Statistics are accumulated in float32 (float64 for
+spectra) whatever the model dtype.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import torch
+from torch import Tensor, nn
+
+from .. import _compat
+from ..errors import UnsupportedModelError
+from .heads import head_statistics
+from .hidden import hidden_statistics
+from .reduce import ColumnStats, chunked_attention
+from .resume import UNKNOWN_MAP, BlockInputs, find_final_map, run_blocks
+from .types import CaptureBatch, CaptureConfig, ValueEdit
+from .weights import WeightStatistics
+
+__all__ = ["AttentionCapture"]
+
+_ACTIVE: contextvars.ContextVar[AttentionCapture | None] = contextvars.ContextVar("sinklab_capture", default=None)
+
+_PER_LAYER = ("column_mass", "column_min", "routed_fraction", "candidate_attention", "value_norm", "value_norm_out",
+              "update_norm", "update_spectrum", "common_mode", "learned_sink_mass", "column_queries")
+
+
+def _repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """``[B, Hkv, T, d]`` → ``[B, Hkv·n_rep, T, d]`` (query head ``h`` uses KV head ``h // n_rep``)."""
+    if n_rep == 1:
+        return x
+    b, hkv, t, d = x.shape
+    return x[:, :, None].expand(b, hkv, n_rep, t, d).reshape(b, hkv * n_rep, t, d)
+
+
+class AttentionCapture:
+    """Context manager that records sink statistics from a transformers model's forward passes.
+
+    ``edit`` (a :class:`ValueEdit`) is applied during every forward while set. ``weights`` shares
+    :class:`WeightStatistics` between captures of the same (unchanged) model. ``run(keep_inputs=True)``
+    keeps every block's input (:class:`~sinklab.capture.resume.BlockInputs`) so that :meth:`final_states`
+    can rerun an edited pass from the edited layer only, without statistics.
+
+    Examples
+    --------
+    >>> with AttentionCapture(model) as cap:                      # doctest: +SKIP
+    ...     batch = cap.run(input_ids=ids, attention_mask=mask)
+    >>> batch.column_mass.shape                                   # doctest: +SKIP
+    torch.Size([B, L, H, T])
+    """
+
+    def __init__(self, model: nn.Module, config: CaptureConfig | None = None, edit: ValueEdit | None = None,
+                 *, weights: WeightStatistics | None = None) -> None:
+        self.model = model
+        self.config = config or CaptureConfig()
+        self.edit = edit
+        self.weights = weights if weights is not None else WeightStatistics()
+        self.last_output: object = None
+        self.last_inputs: BlockInputs | None = None  # set by run(keep_inputs=True)
+        self.statistics = True  # False while final_states() runs: attention output only
+        self._layers: nn.ModuleList | None = None
+        self._layer_of: dict[int, int] = {}
+        self._handles: list = []
+        self._previous_impl: str | None = None
+        self._token_mask: Tensor | None = None
+        self._records: dict[int, dict[str, Tensor]] = {}
+        self._hidden: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        self._token: contextvars.Token | None = None
+        self._calls: list[tuple[tuple, dict]] | None = None  # block inputs while run(keep_inputs=True)
+        self._last_block: Tensor | None = None
+
+    # ------------------------------------------------------------------ set-up / tear-down
+    def __enter__(self) -> AttentionCapture:
+        self._layers = _compat.find_layers(self.model)
+        for index, layer in enumerate(self._layers):
+            for sub in layer.modules():
+                self._layer_of[id(sub)] = index
+        _compat.register_attention(_compat.ATTN_IMPLEMENTATION, _dispatch)
+        self._previous_impl = _compat.get_attn_implementation(self.model)
+        _compat.set_attn_implementation(self.model, _compat.ATTN_IMPLEMENTATION)
+        try:
+            self._handles.append(self._layers[0].register_forward_pre_hook(self._embed_hook, with_kwargs=True))
+            for layer in self._layers:
+                self._handles.append(layer.register_forward_pre_hook(self._keep_hook, with_kwargs=True))
+            for index, layer in enumerate(self._layers):
+                self._handles.append(layer.register_forward_hook(self._make_block_hook(index)))
+            self._token = _ACTIVE.set(self)
+        except BaseException:
+            self._teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._teardown()
+
+    def _teardown(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._token is not None:
+            _ACTIVE.reset(self._token)
+            self._token = None
+        if self._previous_impl is not None and _compat.get_attn_implementation(self.model) != self._previous_impl:
+            self.model.set_attn_implementation(self._previous_impl)
+
+    @property
+    def num_layers(self) -> int:
+        if self._layers is None:
+            raise RuntimeError("AttentionCapture is not active; use it as a context manager")
+        return len(self._layers)
+
+    # ------------------------------------------------------------------ running
+    @torch.no_grad()
+    def run(self, *, full_model: bool = False, keep_inputs: bool = False, **inputs: Tensor) -> CaptureBatch:
+        """Run one forward pass (no cache) and return its statistics.
+
+        The base model runs by default (no LM head); ``full_model=True`` runs the whole model and keeps
+        its output in ``self.last_output`` (e.g. for logits under a :class:`ValueEdit`). ``keep_inputs``
+        keeps every block's input in ``self.last_inputs`` for :meth:`final_states`.
+        """
+        if self._layers is None:
+            raise RuntimeError("AttentionCapture.run() must be called inside `with AttentionCapture(model):`")
+        self._records.clear()
+        self._hidden.clear()
+        mask = inputs.get("attention_mask")
+        self._token_mask = None if mask is None else mask.bool()
+        self._calls = [] if keep_inputs else None
+        self.last_inputs = None
+        try:
+            self.last_output = self._forward(full_model, inputs)
+            if keep_inputs:
+                self.last_inputs = self._block_inputs(inputs)
+        finally:
+            self._calls = None
+            self._last_block = None
+        missing = [i for i in range(len(self._layers)) if i not in self._records]
+        if missing:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__}: the attention of layer(s) {missing} did not go through "
+                "transformers' AttentionInterface, so sinklab cannot observe it. Supported: models whose "
+                "attention modules call ALL_ATTENTION_FUNCTIONS (Llama, Qwen2/3, Mistral, Gemma, Phi-3, GPT-NeoX, "
+                "GPT-2, OPT, BERT, ViT, DINOv2, gpt-oss …)."
+            )
+        return self._collect()
+
+    @torch.no_grad()
+    def forward(self, *, full_model: bool = False, **inputs: Tensor) -> object:
+        """One forward pass under ``self.edit`` without statistics; returns the model's output."""
+        if self._layers is None:
+            raise RuntimeError("AttentionCapture.forward() must be called inside `with AttentionCapture(model):`")
+        mask = inputs.get("attention_mask")
+        self.statistics, token_mask = False, self._token_mask
+        self._token_mask = None if mask is None else mask.bool()
+        try:
+            return self._forward(full_model, inputs)
+        finally:
+            self.statistics, self._token_mask = True, token_mask
+
+    def _forward(self, full_model: bool, inputs: dict) -> object:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            kwargs = dict(inputs)
+            if "input_ids" in kwargs or "inputs_embeds" in kwargs:
+                kwargs.setdefault("use_cache", False)
+            # The base model skips the LM head: logits (T × vocab) are never needed for the statistics.
+            target = self.model if full_model else _compat.base_model(self.model)
+            return target(**kwargs)
+        finally:
+            self.model.train(was_training)
+
+    def _block_inputs(self, batch: dict) -> BlockInputs:
+        final = getattr(self.last_output, "last_hidden_state", None)
+        if final is None or self._calls is None or len(self._calls) != len(self._layers):
+            final_map = UNKNOWN_MAP
+        else:
+            final_map = find_final_map(self.model, self._layers, self._last_block, final, self._token_mask)
+        return BlockInputs(calls=self._calls, token_mask=self._token_mask, final=final, final_map=final_map,
+                           batch=dict(batch))
+
+    @torch.no_grad()
+    def final_states(self, inputs: BlockInputs, start: int = 0, stop: int | None = None) -> Tensor | None:
+        """Rerun blocks ``start … stop − 1`` from ``inputs`` under ``self.edit``, without statistics.
+
+        Returns the base model's final hidden states ``[B, T, d]`` (``stop`` None: through the last block and
+        the final norm), or the hidden states after block ``stop − 1``. No LM head, no statistics. Where the
+        final map is unknown the whole base model runs on ``inputs.batch`` instead (same result, slower).
+        """
+        if self._layers is None:
+            raise RuntimeError("AttentionCapture.final_states() must be called inside `with AttentionCapture(model):`")
+        n = len(self._layers)
+        stop = n if stop is None else stop
+        self.statistics, token_mask = False, self._token_mask
+        self._token_mask = inputs.token_mask
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            if stop == n and not inputs.resumable:
+                output = self._forward(False, inputs.batch)
+                return output.last_hidden_state
+            hidden = run_blocks(self._layers, inputs, start, stop)
+            if stop < n or inputs.final_map is None:
+                return hidden
+            return inputs.final_map(hidden)
+        finally:
+            self.statistics, self._token_mask = True, token_mask
+            self.model.train(was_training)
+
+    def _collect(self) -> CaptureBatch:
+        n = len(self._layers)
+        rec = [self._records[i] for i in range(n)]
+        hidden = [self._hidden[i] for i in range(n + 1)]
+        stacked = {key: torch.stack([r[key] for r in rec], dim=1) for key in _PER_LAYER}
+        return CaptureBatch(
+            **stacked,
+            hidden_norm=torch.stack([h[0] for h in hidden], dim=1),
+            hidden_max_abs=torch.stack([h[1] for h in hidden], dim=1),
+            hidden_max_dim=torch.stack([h[2] for h in hidden], dim=1),
+            hidden_median_abs=torch.stack([h[3] for h in hidden], dim=1),
+            token_mask=rec[0]["token_mask"],
+            attention_maps=torch.stack([r["map"] for r in rec], dim=0) if self.config.map_len > 0 else None,
+            qk_spectrum=torch.stack([r["qk"] for r in rec], dim=0),
+            output_space=[bool(r["output_space"]) for r in rec],
+        )
+
+    # ------------------------------------------------------------------ hidden-state hooks
+    def _hidden_stats(self, index: int, hidden: Tensor) -> None:
+        mask = self._positions_mask(hidden.shape[0], hidden.shape[1], hidden.device)
+        self._hidden[index] = hidden_statistics(hidden, mask, index)
+
+    def _embed_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.statistics:
+            self._hidden_stats(0, _compat.block_input(args, kwargs))
+
+    def _keep_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._calls is None or not self.statistics:
+            return
+        hidden = _compat.block_input(args, kwargs).detach().clone()  # private copy: nothing later aliases it
+        if args and isinstance(args[0], Tensor):
+            args = (hidden,) + tuple(args[1:])
+        else:
+            kwargs = {**kwargs, "hidden_states": hidden}
+        self._calls.append((tuple(args), dict(kwargs)))
+
+    def _make_block_hook(self, index: int):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            if not self.statistics:
+                return
+            hidden = _compat.block_hidden_states(output)
+            self._hidden_stats(index + 1, hidden)
+            if self._calls is not None and index == len(self._layers) - 1:
+                self._last_block = hidden.detach()
+
+        return hook
+
+    def _positions_mask(self, b: int, t: int, device: torch.device) -> Tensor:
+        """``[B, T]`` real-token mask for a sequence of length ``t`` (all real without a mask)."""
+        mask = self._token_mask
+        if mask is None or mask.shape[-1] < t:
+            return torch.ones(b, t, dtype=torch.bool, device=device)
+        return mask[:, -t:].to(device) if mask.shape[-1] != t else mask.to(device)
+
+    # ------------------------------------------------------------------ attention
+    def attend(
+        self,
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs: object,
+    ) -> tuple[Tensor, None]:
+        """Attention forward (same maths as transformers' eager path) plus on-the-fly statistics.
+
+        ``query`` ``[B, H, Tq, dh]``, ``key``/``value`` ``[B, Hkv, Tk, dh]`` (post-RoPE), ``attention_mask``
+        boolean ``[B, 1, Tq, Tk]`` (True = attend), additive float, or ``None``. Returns the output as
+        ``[B, Tq, H, dh]`` in the query's dtype.
+        """
+        index = self._layer_of.get(id(module))
+        if index is None:
+            raise UnsupportedModelError(f"attention module {type(module).__name__} is outside the block list")
+        if self.statistics and index in self._records:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__}: layer {index} ran attention twice in one forward "
+                "(cross-attention?); encoder-decoder models are not supported by the scan."
+            )
+        cfg = self.config
+        b, h, tq, dh = query.shape
+        hkv, tk, dv = key.shape[1], key.shape[2], value.shape[-1]
+        dev = query.device
+        scale = dh**-0.5 if scaling is None else float(scaling)
+        is_causal = kwargs.get("is_causal")
+        is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+        sinks = kwargs.get("s_aux")
+        variant = getattr(module, "sinklab_variant", None)  # sinklab.variants applied to this model
+        if variant is not None:
+            if variant.kv_bias:
+                raise UnsupportedModelError("capturing a model with the kv-bias variant is not supported yet")
+            if variant.sink_logit:
+                sinks = module.sinklab_sink_logit
+            elif variant.softmax1:
+                sinks = torch.zeros(h, device=query.device)
+        k = _repeat_kv(key.float(), h // hkv)  # (B, H, Tk, dh)
+        v = _repeat_kv(value.float(), h // hkv).clone()  # (B, H, Tk, dv), private: edits write into it
+        edit = self.edit if self.edit is not None and self.edit.layer == index else None
+        drop = edit.apply(v) if edit is not None else None  # may edit v in place (a private float copy)
+        qmask = self._positions_mask(b, tk, dev)[:, tk - tq :]  # (B, Tq)
+        if attention_mask is not None:
+            attention_mask = attention_mask[..., :tk]
+        stats = None
+        if self.statistics:
+            stats = ColumnStats(b, h, tq, tk, qmask, candidates=cfg.candidates, map_len=cfg.map_len,
+                                route_threshold=cfg.route_threshold, has_sink=sinks is not None)
+        out = chunked_attention(query, k, v, attention_mask, qmask, is_causal=is_causal, scale=scale,
+                                chunk_elements=cfg.chunk_elements, softcap=kwargs.get("softcap"), sinks=sinks,
+                                bias=kwargs.get("position_bias"), drop=drop, stats=stats)  # (B, H, Tq, dv)
+        if variant is not None and variant.gate is not None:  # output gate σ(X W) on each head's output
+            gate = torch.sigmoid(module.sinklab_gate(module.sinklab_gate_input).float())  # (B, Tq, H·dv | H)
+            out = out * gate.view(b, tq, h, -1).transpose(1, 2)
+        if stats is None:  # final_states(): the output is all that is needed
+            return out.to(query.dtype).transpose(1, 2).contiguous(), None
+        info = self.weights.get(index, self._layers[index], module, h, hkv, dv, dev)
+        key_mask = self._positions_mask(b, tk, dev)
+        record = {
+            **stats.finish(),
+            **head_statistics(v, out, info.r, qmask, key_mask[:, None], index),
+            "token_mask": key_mask,
+            "qk": info.qk,
+            "output_space": torch.tensor(info.output_space),
+        }
+        self._records[index] = {name: value.cpu() for name, value in record.items()}
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _dispatch(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, **kwargs):
+    """The function registered with ``AttentionInterface``; routes to the active capture."""
+    capture = _ACTIVE.get()
+    if capture is None:
+        raise RuntimeError(
+            "sinklab's capture attention was called outside an active AttentionCapture; "
+            "restore the model's attention implementation (e.g. model.set_attn_implementation('sdpa'))."
+        )
+    return capture.attend(module, query, key, value, attention_mask, **kwargs)

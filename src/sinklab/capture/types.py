@@ -1,0 +1,99 @@
+"""The capture's data: what to keep (:class:`CaptureConfig`), what one pass returns (:class:`CaptureBatch`),
+and a causal edit of one head's values (:class:`ValueEdit`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+__all__ = ["CaptureConfig", "CaptureBatch", "ValueEdit", "EDIT_MODES"]
+
+
+@dataclass
+class CaptureConfig:
+    """What :class:`~sinklab.capture.AttentionCapture` keeps besides the always-on statistics."""
+
+    candidates: tuple[int, ...] = (0, 1, 2, 3)  # positions whose per-query attention is kept
+    map_len: int = 128  # keep sample 0's attention maps over its first map_len positions (0: none)
+    chunk_elements: int = 1 << 21  # score entries per query chunk (bounds the temporaries)
+    route_threshold: float = 0.5  # A_ij at or above this counts a query as routed to column j
+
+    def __post_init__(self) -> None:
+        if any(p < 0 for p in self.candidates):
+            raise ValueError(f"candidate positions must be ≥ 0, got {self.candidates}")
+        if self.map_len < 0 or self.chunk_elements < 1:
+            raise ValueError("map_len must be ≥ 0 and chunk_elements ≥ 1")
+
+
+@dataclass
+class CaptureBatch:
+    """Statistics of one forward pass over a batch (CPU tensors; padding positions are NaN).
+
+    Shapes: ``B`` batch, ``L`` layers, ``H`` heads, ``T`` positions, ``K`` candidates, ``r`` head width.
+    """
+
+    column_mass: Tensor  # (B, L, H, T) mean attention received from the queries that see it
+    column_min: Tensor  # (B, L, H, T) min over those queries
+    routed_fraction: Tensor  # (B, L, H, T) share of those queries with A >= route_threshold
+    candidate_attention: Tensor  # (B, L, H, T, K) attention of each query to each candidate position
+    value_norm: Tensor  # (B, L, H, T) ||v_j|| in head space
+    value_norm_out: Tensor  # (B, L, H, T) ||W_O^h v_j|| in output space (head space if W_O unknown)
+    update_norm: Tensor  # (B, L, H, T) ||W_O^h o_i|| of each query's head update
+    update_spectrum: Tensor  # (B, L, H, r) singular values of the head update U over real queries
+    common_mode: Tensor  # (B, L, H) ||mean u||^2 / mean ||u||^2
+    learned_sink_mass: Tensor  # (B, L, H) mean over queries of 1 - sum_j A_ij
+    column_queries: Tensor  # (B, L, T) number of real queries that see each key (0 at padding)
+    hidden_norm: Tensor  # (B, L+1, T) ||x|| per token, index 0 = block-0 input
+    hidden_max_abs: Tensor  # (B, L+1, T) max |x| per token
+    hidden_max_dim: Tensor  # (B, L+1, T) its dimension (long)
+    hidden_median_abs: Tensor  # (B, L+1) median |x| over real tokens and dims
+    token_mask: Tensor  # (B, T) real tokens
+    attention_maps: Tensor | None  # (L, H, m, m) sample 0's attention over its first m positions
+    qk_spectrum: Tensor  # (L, H, dh) singular values of Wq_h^T Wk_h (NaN if layout unknown)
+    output_space: list[bool] = field(default_factory=list)  # per layer: W_O found
+
+
+EDIT_MODES = ("record", "zero", "replace", "remove_column")
+
+
+@dataclass
+class ValueEdit:
+    """A causal edit of one head's attention at one key position per sample.
+
+    ``mode``: ``"record"`` stores the head's value vectors at ``positions`` in ``recorded`` (``[B, dh]``);
+    ``"zero"`` sets them to 0; ``"replace"`` sets them to ``replacement`` (``[B, dh]`` or ``[dh]``);
+    ``"remove_column"`` masks the column for this head so each row renormalises over the rest.
+    ``positions`` is a ``[B]`` long tensor (one key position per sample).
+    """
+
+    layer: int
+    head: int
+    positions: Tensor
+    mode: str = "record"
+    replacement: Tensor | None = None
+    recorded: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in EDIT_MODES:
+            raise ValueError(f"unknown edit mode {self.mode!r}; choose one of {EDIT_MODES}")
+        if self.mode == "replace" and self.replacement is None:
+            raise ValueError("mode 'replace' needs a replacement vector")
+
+    def apply(self, v: Tensor) -> tuple[int, Tensor] | None:
+        """Apply the edit to one layer's per-head values ``v`` ``[B, H, Tk, dv]`` (in place, a private copy).
+
+        Returns ``(head, positions)`` for a column removal (done on the mask by the caller), else ``None``.
+        """
+        rows = torch.arange(v.shape[0], device=v.device)
+        pos = self.positions.to(v.device).long()
+        if self.mode == "record":
+            self.recorded = v[rows, self.head, pos].detach().cpu().clone()  # (B, dv)
+        elif self.mode == "zero":
+            v[rows, self.head, pos] = 0.0
+        elif self.mode == "replace":
+            v[rows, self.head, pos] = self.replacement.to(v.device, v.dtype).expand(v.shape[0], v.shape[-1])
+        elif self.mode == "remove_column":
+            return self.head, pos
+        return None

@@ -1,0 +1,48 @@
+"""One rich progress bar per phase of a long run (scan samples, edited passes), each with its library-given total."""
+
+from __future__ import annotations
+
+import warnings
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..scan import ShortSequenceWarning
+from ._common import err
+
+__all__ = ["PhaseBars", "print_warnings"]
+
+
+def print_warnings(meta: dict) -> None:
+    """The run's warnings (e.g. sequences too short for Sink^ε), one yellow line each on stderr."""
+    for note in meta.get("warnings", []):
+        err.print(f"[yellow]warning:[/yellow] {note}", highlight=False)
+
+
+class PhaseBars:
+    """Context manager and ``progress(phase, advance, total)`` callback: a bar appears on a phase's first call.
+
+    The total comes from the library (the samples actually cut from the text, the edited passes it plans),
+    so it is right even when the text yields fewer samples than ``--samples``.
+    """
+
+    def __init__(self, labels: dict[str, str] | None = None) -> None:
+        self.labels = labels or {}
+        self._bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                              console=err, transient=True)
+        self._tasks: dict[str, int] = {}
+
+    def __enter__(self) -> PhaseBars:
+        self._quiet = warnings.catch_warnings()
+        self._quiet.__enter__()
+        warnings.simplefilter("ignore", ShortSequenceWarning)  # printed once by print_warnings instead
+        self._bars.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._bars.__exit__(*exc)
+        self._quiet.__exit__(*exc)
+
+    def __call__(self, phase: str, advance: int, total: int) -> None:
+        if phase not in self._tasks:
+            self._tasks[phase] = self._bars.add_task(self.labels.get(phase, phase), total=total)
+        self._bars.update(self._tasks[phase], advance=advance, total=total)

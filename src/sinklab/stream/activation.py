@@ -1,0 +1,137 @@
+"""Which stream a model is running: the forward hooks that switch a model into a ``SinkCache`` and back.
+
+One :class:`ModelStreams` per model, created by the first ``SinkCache`` on it. While any of its caches is
+alive it holds a forward pre-hook and an always-called forward hook on the decoder stack:
+
+* a forward whose cache argument is a ``SinkCache`` *activates* that cache (the model's attention
+  implementation becomes sinklab's stream attention — once, not per call — and the pre-hook plans the
+  forward: virtual positions, token-id check); the stream is set for this call's thread, so
+  ``generate()`` in a background thread (``TextIteratorStreamer``) works too;
+* any other forward first *releases* an implicitly activated cache (the model's own attention comes
+  back); inside ``with SinkCache(...)`` it is an error instead (the user opened the block on purpose);
+* closing (``close()``, leaving the ``with`` block, or garbage collection) releases the model and, with the
+  last cache, removes the hooks: nothing of sinklab stays on the model.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+from .. import _compat
+from ..errors import InputError, ModelWeightsError
+from .attention import ACTIVE_STREAM, ATTN_NAME, stream_attention
+
+__all__ = ["ModelStreams", "streams_of"]
+
+_REGISTRY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def streams_of(model: nn.Module) -> ModelStreams:
+    """The model's stream bookkeeping (created, and its hooks installed, on first request)."""
+    entry = _REGISTRY.get(model)
+    if entry is None:
+        entry = _REGISTRY[model] = ModelStreams(model)
+    return entry
+
+
+class ModelStreams:
+    """The caches alive on one model, the one that is active, and the hooks that switch between them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = weakref.ref(model)
+        self._caches: set[int] = set()
+        self.active: int | None = None  # id of the active cache
+        self.explicit = False  # the active cache was opened by `with` (foreign forwards are errors)
+        self._previous: str | None = None  # attention implementation to restore
+        self._local = threading.local()
+        base = _compat.base_model(model)
+        self._handles = (base.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
+                         base.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True))
+
+    def __deepcopy__(self, memo: dict) -> ModelStreams:
+        """A copied model (``copy.deepcopy``) gets inert hooks: its streams are its own, not the original's."""
+        inert = object.__new__(ModelStreams)
+        inert._model, inert._caches, inert.active, inert.explicit = (lambda: None), set(), None, False
+        inert._previous, inert._local, inert._handles = None, threading.local(), ()
+        return inert
+
+    # ------------------------------------------------------------------ lifetime
+    def add(self, cache) -> None:
+        self._caches.add(id(cache))
+        weakref.finalize(cache, self.discard, id(cache))
+
+    def discard(self, cache_id: int) -> None:
+        """Forget a cache (closed or garbage-collected); the last one takes the hooks with it."""
+        if self.active == cache_id:
+            self.release()
+        self._caches.discard(cache_id)
+        if not self._caches:
+            for handle in self._handles:
+                handle.remove()
+            model = self._model()
+            if model is not None and _REGISTRY.get(model) is self:
+                del _REGISTRY[model]
+
+    def activate(self, cache, explicit: bool = False) -> None:
+        if self.active == id(cache):
+            self.explicit = self.explicit or explicit
+            return
+        if self.active is not None:
+            if self.explicit:
+                raise InputError("another SinkCache is open on this model in a `with` block; close it first "
+                                 "(one stream per model at a time)")
+            self.release()
+        from transformers import AttentionInterface
+
+        model = self._model()
+        AttentionInterface.register(ATTN_NAME, stream_attention)
+        self._previous = _compat.get_attn_implementation(model)
+        _compat.set_attn_implementation(model, ATTN_NAME)
+        self.active, self.explicit = id(cache), explicit
+
+    def release(self) -> None:
+        """Give the model its own attention implementation back."""
+        model = self._model()
+        if model is not None and self._previous is not None and _compat.get_attn_implementation(model) != self._previous:
+            model.set_attn_implementation(self._previous)
+        self.active, self.explicit, self._previous = None, False, None
+
+    # ------------------------------------------------------------------ hooks
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        stack = self._local.__dict__.setdefault("tokens", [])
+        stack.append(None)
+        if self._model() is None:  # inert copy (see __deepcopy__)
+            return None
+        _, cache = _compat.cache_argument(kwargs)
+        if not getattr(cache, "is_sinklab_stream", False):
+            if self.active is not None:
+                if self.explicit:
+                    raise InputError("inside `with SinkCache(model) as cache:` pass that cache to the model "
+                                     "(cache=cache, or past_key_values=cache)")
+                self.release()
+            return None
+        if cache.closed:
+            raise InputError("this SinkCache was closed; create a new one (a stream cannot be resumed after close — "
+                             "use StreamSession.save/load for that)")
+        self.activate(cache)
+        stack[-1] = (ACTIVE_STREAM.set(cache), cache)
+        return cache.plan_forward(args, kwargs)
+
+    def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        stack = self._local.__dict__.get("tokens")
+        entry = stack.pop() if stack else None
+        if entry is None:
+            return
+        token, stream = entry
+        ACTIVE_STREAM.reset(token)
+        if output is not None:
+            hidden = _compat.block_hidden_states(output)
+            if not bool(torch.isfinite(hidden).all()):
+                raise ModelWeightsError(
+                    f"the model produced NaN or inf hidden states while streaming (columns "
+                    f"{stream.state.columns - hidden.shape[1]}–{stream.state.columns - 1} of the stream); check its weights with "
+                    "sinklab.models.check_weights, or run in float32 if it overflows in half precision")

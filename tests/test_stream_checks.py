@@ -1,0 +1,134 @@
+"""Stream features that must do what they say: --pin-prompt, bad token ids, non-finite values, first-chunk
+overflow, sampling — each against an independent reference (dense generation, float64 reference, torch by hand)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from stream_reference import Reference
+from tiny_models import build
+from typer.testing import CliRunner
+
+import sinklab
+from sinklab.cli import app
+from sinklab.errors import InputError, ModelWeightsError
+from sinklab.stream import SinkCache, StreamSession, stream_generate
+
+V = 97
+
+
+def _tokens(n: int, seed: int = 3) -> torch.Tensor:
+    return torch.randint(2, V, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    return sinklab.load_model("builtin:tiny-lm")
+
+
+def test_cli_pin_prompt_equals_dense_greedy(tiny_lm):
+    """A 23-token prompt pinned, 8 new tokens, W = 8: nothing the model needs is evicted → dense greedy output."""
+    prompt = "The first rule of the code is that every function returns a value. The second rule of the code is that"
+    ids = tiny_lm.tokenizer(prompt, return_tensors="pt")["input_ids"]
+    assert ids.shape[1] > 8
+    with torch.no_grad():
+        dense = tiny_lm.model.generate(ids, do_sample=False, max_new_tokens=8)
+    expected = tiny_lm.tokenizer.decode(dense[0, ids.shape[1]:], skip_special_tokens=True)
+    runner = CliRunner()
+    args = ["stream", "builtin:tiny-lm", "--prompt", prompt, "--sinks", "2", "--window", "8", "--max-new-tokens", "8"]
+    pinned = runner.invoke(app, [*args, "--pin-prompt"])
+    assert pinned.exit_code == 0, pinned.output
+    assert pinned.stdout.strip() == expected.strip()
+    plain = "".join(stream_generate(tiny_lm.model, tiny_lm.tokenizer, prompt, num_sinks=2, window=8, max_new_tokens=8))
+    assert plain.strip() != expected.strip()  # without the pin the prompt is evicted
+
+
+def test_pin_prompt_with_an_unpinned_session_is_refused(tiny_lm):
+    with StreamSession(tiny_lm.model, num_sinks=2, window=8) as s, pytest.raises(InputError, match="pinned"):
+        next(stream_generate(tiny_lm.model, tiny_lm.tokenizer, "hello there", pin_prompt=True, session=s))
+
+
+def test_token_ids_outside_the_vocabulary_are_input_errors():
+    model = build("llama-gqa")
+    with StreamSession(model, num_sinks=2, window=4) as s:
+        with pytest.raises(InputError, match=f"token id {V} is outside the model's vocabulary"):
+            s.feed(torch.tensor([[3, 4, V]]))
+        with pytest.raises(InputError, match="token id -1"):
+            s.step(torch.tensor([-1]))
+    with SinkCache(model, num_sinks=2, window=4) as cache, pytest.raises(InputError, match="vocabulary"):
+        model.generate(torch.tensor([[3, 400]]), cache=cache, max_new_tokens=2, pad_token_id=0)
+
+
+def test_non_finite_values_raise_on_every_stream_path():
+    model = build("llama-gqa")
+    tokens = _tokens(12)[None]
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ModelWeightsError, match="NaN"):  # the weight check scan runs, before any work
+        StreamSession(model, num_sinks=2, window=4)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight[0, 0] = 0.0
+
+    def overflow(module, args, output):  # finite weights whose activations overflow: only the run can tell
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden[:, -1, 0] = float("inf")
+
+    model.model.layers[0].register_forward_hook(overflow)
+    with StreamSession(model, num_sinks=2, window=4, chunk_size=5) as s:
+        with pytest.raises(ModelWeightsError, match="NaN or inf"):
+            s.feed(tokens)  # chunked prefill (it used to turn NaN into zeros)
+    with StreamSession(model, num_sinks=2, window=4) as s:
+        with pytest.raises(ModelWeightsError, match="NaN or inf"):
+            s.step(tokens[0, :1])  # decode
+    with pytest.raises(ModelWeightsError, match="NaN or inf"):  # generate(), no with block
+        model.generate(tokens, past_key_values=SinkCache(model, num_sinks=2, window=4), max_new_tokens=2,
+                       pad_token_id=0)
+    assert model.config._attn_implementation == "sdpa"  # the failed forward released the model
+
+
+@pytest.mark.parametrize("num_sinks", [0, 3])
+def test_first_chunk_overflowing_the_window_matches_reference(num_sinks):
+    """The first chunk (16 tokens) is longer than S + W (3 + 5): evictions happen inside the very first forward."""
+    model = build("llama-gqa")
+    tokens = _tokens(24, seed=21)
+    ref = Reference(model, num_sinks, 5)
+    with StreamSession(model, num_sinks=num_sinks, window=5, chunk_size=16) as s:
+        ours = s.feed(tokens[None], all_logits=True)[0]
+        assert s.cache_tokens() == num_sinks + 5
+    worst = max(_rel(ours[i], ref.step(int(tokens[i]))) for i in range(24))
+    assert worst < 1e-4, worst
+
+
+def test_sampling_matches_torch_by_hand():
+    """temperature + top-k: the same draws as softmax/top-k/multinomial written out on the dense logits."""
+    model = sinklab.models.tiny_llama(num_hidden_layers=2, vocab_size=V)
+
+    class Ids:  # a tokenizer that is the identity on ids, so the yielded pieces are the sampled ids
+        pad_token_id, eos_token_id = 0, None
+
+        def __call__(self, text):
+            return {"input_ids": [int(t) for t in text.split()]}
+
+        def decode(self, ids):
+            return "".join(f"{i} " for i in ids)
+
+    prompt = [5, 17, 42, 8, 61]
+    got = [int(p) for p in stream_generate(model, Ids(), " ".join(map(str, prompt)), num_sinks=2, window=64,
+                                           max_new_tokens=12, temperature=0.7, top_k=5, seed=11)]
+    gen, seq = torch.Generator().manual_seed(11), list(prompt)
+    for _ in range(12):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([seq])).logits[0, -1].double() / 0.7
+        top = torch.topk(logits, 5)
+        probs = torch.zeros_like(logits)
+        probs[top.indices] = torch.softmax(top.values, -1)
+        seq.append(int(torch.multinomial(probs.float()[None], 1, generator=gen)))
+    assert got == seq[len(prompt):]
+    greedy = [int(p) for p in stream_generate(model, Ids(), "5 17 42", window=64, max_new_tokens=6, temperature=2.0,
+                                              top_k=1)]
+    argmax = [int(p) for p in stream_generate(model, Ids(), "5 17 42", window=64, max_new_tokens=6)]
+    assert greedy == argmax
