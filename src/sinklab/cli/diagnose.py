@@ -89,7 +89,7 @@ def synth(
     import json
 
     from ..synth import BroadcastTask, NopTask, run_broadcast, run_nop
-    from ._common import atomic_output, check_count, check_out_dir
+    from ._common import _progress, atomic_output, check_count, check_out_dir
 
     with _user_errors():
         if task not in ("nop", "broadcast"):
