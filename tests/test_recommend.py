@@ -113,17 +113,17 @@ def test_html_fragment_escapes(nop):
 
 
 def test_bb_closed_loop_fix_shrinks_its_target(tmp_path):
-    """Reduced closed loop (≈ 20 s on 2 busy cores): baseline → recommendation → fixed model → diagnosis."""
+    """Reduced closed loop (400 steps instead of 800): baseline → recommendation → fixed model → diagnosis."""
     from sinklab.closed_loop import bb_closed_loop
     from sinklab.train import TrainConfig
 
-    cfg = TrainConfig(data="bb", layers=1, heads=1, width=32, seq_len=24, batch=32, steps=200, lr=3e-3, warmup=40,
-                      monitor_every=100)
+    cfg = TrainConfig(data="bb", layers=1, heads=1, width=64, seq_len=32, batch=32, steps=400, lr=3e-3, warmup=80,
+                      monitor_every=400)
     result = bb_closed_loop(cfg, tmp_path)
     base, fixed = result["runs"]["baseline"], result["runs"]["fixed"]
     fix = result["fix"]
     assert fix in ("gated", "registers", "gated+registers")
-    assert fixed["train"]["steps"] == base["train"]["steps"] == 200  # equal budget
+    assert fixed["train"]["steps"] == base["train"]["steps"] == 400  # equal budget
     b, f = base["sinks"], fixed["sinks"]
     before = result["recommendation"]["evidence"]["counts"]  # unhoused sinks by class (registers excluded)
     after = fixed["recommendation_after"]["evidence"]["counts"]
