@@ -9,6 +9,7 @@ with the recommended fix.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from dataclasses import replace
 
@@ -112,18 +113,21 @@ def test_html_fragment_escapes(nop):
     assert "Recommended fix: gated" in page
 
 
+@pytest.mark.skipif(not os.environ.get("SINKLAB_SLOW"), reason="two 800-step trainings (≈ 1–2 min on an idle 2-core "
+                    "machine); set SINKLAB_SLOW=1. Shorter runs proved unreliable: at 200–400 steps the BB sink is still "
+                    "changing class (broadcast-valued → NOP-valued), so the outcome depends on thread count")
 def test_bb_closed_loop_fix_shrinks_its_target(tmp_path):
-    """Reduced closed loop (≈ 20 s on 2 busy cores): baseline → recommendation → fixed model → diagnosis."""
+    """The closed loop at the benchmark's settings (seed 0): baseline → recommendation → fixed model → diagnosis."""
     from sinklab.closed_loop import bb_closed_loop
     from sinklab.train import TrainConfig
 
-    cfg = TrainConfig(data="bb", layers=1, heads=1, width=32, seq_len=24, batch=32, steps=200, lr=3e-3, warmup=40,
-                      monitor_every=100)
+    cfg = TrainConfig(data="bb", layers=1, heads=1, width=64, seq_len=32, batch=32, steps=800, lr=3e-3, warmup=100,
+                      monitor_every=160)
     result = bb_closed_loop(cfg, tmp_path)
     base, fixed = result["runs"]["baseline"], result["runs"]["fixed"]
     fix = result["fix"]
     assert fix in ("gated", "registers", "gated+registers")
-    assert fixed["train"]["steps"] == base["train"]["steps"] == 200  # equal budget
+    assert fixed["train"]["steps"] == base["train"]["steps"] == 800  # equal budget
     b, f = base["sinks"], fixed["sinks"]
     before = result["recommendation"]["evidence"]["counts"]  # unhoused sinks by class (registers excluded)
     after = fixed["recommendation_after"]["evidence"]["counts"]
