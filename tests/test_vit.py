@@ -143,6 +143,11 @@ def test_save_load_by_path_keeps_the_variant(tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded(pixel_values=x).last_hidden_state, model(pixel_values=x).last_hidden_state)
     assert loaded.sinklab_variant_handle.config == model.sinklab_variant_handle.config
+    import sinklab  # the general loader (what every command uses) dispatches to the ViT loader by path
+
+    by_path = sinklab.load_model(str(tmp_path / "m")).model
+    with torch.no_grad():
+        assert torch.equal(by_path(pixel_values=x).last_hidden_state, model(pixel_values=x).last_hidden_state)
     from sinklab.vit.variants import is_vit_checkpoint
 
     assert is_vit_checkpoint(tmp_path / "m") and not is_vit_checkpoint(tmp_path)

@@ -262,6 +262,13 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
     folder = _local_folder(name, path)
     common = dict(revision=revision, trust_remote_code=trust_remote_code, local_files_only=folder is not None)
     if folder is not None:
+        from .vit.variants import is_vit_checkpoint, load_vit
+
+        if is_vit_checkpoint(folder):  # a ViT saved with its variant by sinklab.vit.save_vit
+            model = load_vit(folder)
+            if torch_dtype is not None:
+                model = model.to(torch_dtype)
+            return LoadedModel(model.eval(), None, name, notes={"weights": "sinklab.vit checkpoint (variant restored)"})
         check_safetensors(folder)
     try:
         with _compat.quiet_loading():

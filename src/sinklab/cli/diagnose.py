@@ -9,6 +9,8 @@ import typer
 from rich.table import Table
 
 from ..errors import SinklabError
+from ..recommend import recommend
+from ..report.diagnose_html import write_diagnosis
 from ._common import (
     MODEL_HELP,
     _load,
@@ -23,6 +25,7 @@ from ._common import (
     trust_remote_code_option,
 )
 from ._progress import PhaseBars, print_warnings
+from .recommend import print_recommendation
 
 
 @app.command()
@@ -67,7 +70,9 @@ def diagnose(
         record_run(d.scan.meta, loaded, texts, device=device, dtype=dtype)
         _print_diagnosis(d)
         print_warnings(d.scan.meta)
-        report = d.save(out)
+        rec = recommend(d, model=loaded.model)
+        print_recommendation(rec)
+        report = write_diagnosis(d, out, recommendation=rec)
         console.print(f"wrote {out / 'diagnosis.json'}, figures and {report}")
 
 
@@ -89,7 +94,7 @@ def synth(
     import json
 
     from ..synth import BroadcastTask, NopTask, run_broadcast, run_nop
-    from ._common import _progress, atomic_output, check_count, check_out_dir
+    from ._common import atomic_output, check_count, check_out_dir
 
     with _user_errors():
         if task not in ("nop", "broadcast"):

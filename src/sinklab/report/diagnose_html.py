@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..recommend import Recommendation, recommend
 from .diagnose_figures import diagnosis_figures
 from .html import images_html, page, write_outputs
+from .recommend_html import render_recommendation
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..diagnose import Diagnosis
@@ -20,7 +22,7 @@ def _f(x: float | None, fmt: str = "{:.3f}") -> str:
     return "–" if x is None or x != x else fmt.format(x)
 
 
-def render_diagnosis(d: Diagnosis, images: dict[str, bytes]) -> str:
+def render_diagnosis(d: Diagnosis, images: dict[str, bytes], rec: Recommendation | None = None) -> str:
     esc = html.escape
     meta = d.scan.meta
     layer_rows = "".join(
@@ -47,12 +49,19 @@ NOP if r_out ≤ {d.rules['nop_max_ratio']}; broadcast if r_out ≥ {d.rules['br
 <th>dominant</th><th>top sink (role@position)</th><th>there %</th><th>its usual token</th><th>median r_out</th><th>median srank</th></tr>{layer_rows}</table>
 <h2>Causal value edits (relative RMS change of the final hidden states)</h2>
 <table><tr><th>head</th><th>class</th>{edit_head}</tr>{edit_rows}</table>
+{render_recommendation(rec) if rec is not None else ''}
 <h2>Figures</h2>{images_html(images)}
 <h2>Rules and provenance</h2><pre>{esc(json.dumps({'rules': d.rules, 'meta': meta}, indent=2, default=str))}</pre>"""
     return page(f"sinklab diagnose — {meta.get('model')}", body)
 
 
-def write_diagnosis(d: Diagnosis, out_dir: Path) -> Path:
-    """Write a diagnosis's ``diagnosis.json``, ``*.png`` and ``report.html`` to ``out_dir`` (atomically)."""
-    return write_outputs(out_dir, d.to_json(), diagnosis_figures(d), lambda images: render_diagnosis(d, images),
+def write_diagnosis(d: Diagnosis, out_dir: Path, recommendation: Recommendation | None = None) -> Path:
+    """Write ``diagnosis.json`` (with its ``recommendation``), ``*.png`` and ``report.html`` to ``out_dir`` (atomically).
+
+    ``recommendation`` defaults to :func:`sinklab.recommend.recommend` of ``d`` (without the model, so the
+    architecture-support check falls back to the diagnosis' own metadata).
+    """
+    rec = recommendation if recommendation is not None else recommend(d)
+    data = {**d.to_json(), "recommendation": rec.to_json()}
+    return write_outputs(out_dir, data, diagnosis_figures(d), lambda images: render_diagnosis(d, images, rec),
                          "diagnosis.json")
