@@ -259,16 +259,17 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
 
     from .variants import CONFIG_FILE, check_safetensors, load, strict_load_report
 
-    folder = _local_folder(name, path)
-    common = dict(revision=revision, trust_remote_code=trust_remote_code, local_files_only=folder is not None)
-    if folder is not None:
+    if Path(path).is_dir():
         from .vit.variants import is_vit_checkpoint, load_vit
 
-        if is_vit_checkpoint(folder):  # a ViT saved with its variant by sinklab.vit.save_vit
-            model = load_vit(folder)
+        if is_vit_checkpoint(path):  # a ViT saved with its variant by sinklab.vit.save_vit (no config.json)
+            model = load_vit(path)
             if torch_dtype is not None:
                 model = model.to(torch_dtype)
             return LoadedModel(model.eval(), None, name, notes={"weights": "sinklab.vit checkpoint (variant restored)"})
+    folder = _local_folder(name, path)
+    common = dict(revision=revision, trust_remote_code=trust_remote_code, local_files_only=folder is not None)
+    if folder is not None:
         check_safetensors(folder)
     try:
         with _compat.quiet_loading():
