@@ -13,6 +13,17 @@ import torch  # noqa: E402
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-model tests: they gain nothing from a second one, and on a busy
+    2-core machine two threads spin against each other (a Bigram-Backcopy run took 6× longer with 2 than with 1).
+    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -20,15 +20,7 @@ from sinklab.cli import app
 from sinklab.cli._common import _user_errors, check_out_dir
 from sinklab.errors import InputError, SinklabWarning
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from a second intra-op thread, and on a busy 2-core machine two threads spin
-    against each other (measured: the Bigram-Backcopy run took 6× longer with 2 threads than with 1)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 runner = CliRunner()

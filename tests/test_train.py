@@ -15,15 +15,7 @@ from sinklab.monitor import SinkMonitor
 from sinklab.synth.bigram_backcopy import BigramBackcopy
 from sinklab.train import TrainConfig, train
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from a second intra-op thread, and on a busy 2-core machine two threads spin
-    against each other (measured: the Bigram-Backcopy run took 6× longer with 2 threads than with 1)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_bigram_backcopy_data_follows_its_rules():

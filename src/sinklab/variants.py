@@ -156,10 +156,16 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
 
 
 class VariantHandle:
-    """What :func:`apply_variant` did to a model; ``remove()`` (or leaving the ``with`` block) undoes it."""
+    """What :func:`apply_variant` did to a model; ``remove()`` (or leaving the ``with`` block) undoes it.
 
-    def __init__(self, model: nn.Module, config: VariantConfig, previous_impl: str | None) -> None:
+    ``base`` is the module whose attention implementation and config carry the variant (the model itself for a
+    causal LM; the ViT/DINOv2 backbone inside a classification model, see :mod:`sinklab.vit.variants`).
+    """
+
+    def __init__(self, model: nn.Module, config: VariantConfig, previous_impl: str | None,
+                 base: nn.Module | None = None) -> None:
         self.model = model
+        self.base = model if base is None else base
         self.config = config
         self.previous_impl = previous_impl
         self.hooks: list = []
@@ -180,9 +186,11 @@ class VariantHandle:
                 delattr(module, name)
         self.added.clear()
         if self.previous_impl is not None:
-            self.model.set_attn_implementation(self.previous_impl)
-        self.model.config.sinklab_variant = None
-        self.model.sinklab_variant_handle = None
+            self.base.set_attn_implementation(self.previous_impl)
+        self.base.config.sinklab_variant = None
+        self.base.sinklab_variant_handle = None
+        if self.model is not self.base:
+            self.model.sinklab_variant_handle = None
 
 
 def _add(handle: VariantHandle, module: nn.Module, name: str, value) -> None:

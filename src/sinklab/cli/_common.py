@@ -65,6 +65,20 @@ def record_run(meta: dict, loaded, texts: list[str] | None, *, device: str | Non
     return meta
 
 
+def prepare_run(model: str, text: str | None, file: Path | None, out: Path, seq_len: int, **load_kwargs):
+    """What every text analysis does before its work: read the texts, check ``--out``, load, check positions.
+
+    Returns ``(texts, out, loaded)``; bad input fails here, before anything heavy runs.
+    """
+    from ..models import check_positions
+
+    texts = _read_texts(text, file)
+    out = check_out_dir(out)
+    loaded = _load(model, **load_kwargs)
+    check_positions(loaded.model, seq_len)
+    return texts, out, loaded
+
+
 def _version(value: bool) -> None:
     if value:
         import torch

@@ -13,14 +13,13 @@ from ..recommend import recommend
 from ..report.diagnose_html import write_diagnosis
 from ._common import (
     MODEL_HELP,
-    _load,
     _progress,
-    _read_texts,
     _user_errors,
     app,
     check_out_dir,
     console,
     device_map_option,
+    prepare_run,
     record_run,
     trust_remote_code_option,
 )
@@ -53,14 +52,10 @@ def diagnose(
 ) -> None:
     """Classify MODEL's sinks (NOP / broadcast), run causal value edits, write diagnosis.json and report.html."""
     from ..diagnose import diagnose as run_diagnose
-    from ..models import check_positions
 
     with _user_errors():
-        texts = _read_texts(text, file)
-        out = check_out_dir(out)
-        loaded = _load(model, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code,
-                       device_map=device_map)
-        check_positions(loaded.model, seq_len)
+        texts, out, loaded = prepare_run(model, text, file, out, seq_len, dtype=dtype, device=device, revision=revision,
+                                         trust_remote_code=trust_remote_code, device_map=device_map)
         rules = {"rule": rule, "sink_mass": sink_mass, "nop_max_ratio": nop_max,
                  "broadcast_min_ratio": broadcast_min, "broadcast_max_srank": broadcast_srank}
         with PhaseBars({"scan": "statistics pass (samples)", "edits": "causal edits (edited passes)"}) as progress:
@@ -94,7 +89,7 @@ def synth(
     import json
 
     from ..synth import BroadcastTask, NopTask, run_broadcast, run_nop
-    from ._common import atomic_output, check_count, check_out_dir
+    from ._common import atomic_output, check_count
 
     with _user_errors():
         if task not in ("nop", "broadcast"):

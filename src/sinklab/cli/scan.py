@@ -10,13 +10,11 @@ from rich.table import Table
 
 from ._common import (
     MODEL_HELP,
-    _load,
-    _read_texts,
     _user_errors,
     app,
-    check_out_dir,
     console,
     device_map_option,
+    prepare_run,
     record_run,
     trust_remote_code_option,
 )
@@ -61,15 +59,11 @@ def scan(
     device_map: Annotated[str | None, device_map_option()] = None,
 ) -> None:
     """Scan MODEL for attention sinks; print a per-layer table and write scan.json, figures, report.html."""
-    from ..models import check_positions
     from ..scan import scan as run_scan
 
     with _user_errors():
-        texts = _read_texts(text, file)
-        out = check_out_dir(out)
-        loaded = _load(model, dtype=dtype, device=device, revision=revision, trust_remote_code=trust_remote_code,
-                       device_map=device_map)
-        check_positions(loaded.model, seq_len)
+        texts, out, loaded = prepare_run(model, text, file, out, seq_len, dtype=dtype, device=device, revision=revision,
+                                         trust_remote_code=trust_remote_code, device_map=device_map)
         with PhaseBars({"scan": "scanning samples"}) as progress:
             result = run_scan(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
                               batch_size=batch_size, thresholds={"eps": eps}, seed=seed, source=model,

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from .. import _compat
 from ..errors import InputError, ModelWeightsError, UnsupportedModelError
-from ..variants import ATTN_NAME, VariantConfig, parse_variant, variant_attention
+from ..variants import ATTN_NAME, VariantConfig, VariantHandle, _add, parse_variant, variant_attention
 
 __all__ = [
     "FORMAT",
@@ -87,44 +87,12 @@ def register_count(model: nn.Module) -> int:
     return 0 if cfg is None else cfg.registers
 
 
-class VitVariantHandle:
+class VitVariantHandle(VariantHandle):
     """What :func:`apply_vit_variant` did; ``remove()`` (or leaving the ``with`` block) undoes it."""
 
     def __init__(self, model: nn.Module, base: nn.Module, config: VariantConfig, previous_impl: str | None) -> None:
-        self.model, self.base, self.config, self.previous_impl = model, base, config, previous_impl
-        self.hooks: list = []
-        self.added: list[tuple[nn.Module, str]] = []
+        super().__init__(model, config, previous_impl, base=base)
 
-    def __enter__(self) -> VitVariantHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-    def remove(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks.clear()
-        for module, name in self.added:
-            if hasattr(module, name):
-                delattr(module, name)
-        self.added.clear()
-        if self.previous_impl is not None:
-            self.base.set_attn_implementation(self.previous_impl)
-        self.base.config.sinklab_variant = None
-        self.base.sinklab_variant_handle = None
-        if self.model is not self.base:
-            self.model.sinklab_variant_handle = None
-
-
-def _add(handle: VitVariantHandle, module: nn.Module, name: str, value) -> None:
-    if isinstance(value, nn.Module):
-        module.add_module(name, value)
-    elif isinstance(value, nn.Parameter):
-        module.register_parameter(name, value)
-    else:
-        setattr(module, name, value)
-    handle.added.append((module, name))
 
 
 def apply_vit_variant(model: nn.Module, variant: str | VariantConfig | dict, *, init: str = "default",
