@@ -96,3 +96,15 @@ def test_provenance_records_where_a_result_came_from(minilm):
     assert record["input"] == {"texts": 2, "characters": 20, "sha256": ref.hexdigest()}
     assert text_hash(["ab", "c"]) != text_hash(["a", "bc"])
     assert record["versions"]["sinklab"] == sinklab.__version__ and record["timestamp"].endswith("+00:00")
+
+
+def test_scan_windows_carry_readable_tokens(minilm):
+    from sinklab.texts import readable_tokens, tokenize_windows
+
+    tok = sinklab.load_model("builtin:tiny-lm").tokenizer
+    batch = tokenize_windows(tok, ["Return the value of the attribute. " * 4], seq_len=16, samples=1)
+    ids = batch.input_ids[0][batch.attention_mask[0].bool()].tolist()
+    assert batch.tokens[0] == [readable_token(tok, i) for i in ids] == readable_tokens(tok, ids)
+    assert " the" in batch.tokens[0] and not any("Ġ" in t for t in batch.tokens[0])
+    wp = tokenize_windows(minilm.tokenizer, ["the valuing of things"], seq_len=8, samples=1)
+    assert wp.tokens[0] == minilm.tokenizer.convert_ids_to_tokens(wp.input_ids[0][: len(wp.tokens[0])].tolist())

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .errors import InputError
 
-__all__ = ["default_texts", "TokenBatch", "tokenize_windows", "special_affixes", "readable_token", "byte_level_text"]
+__all__ = ["default_texts", "TokenBatch", "tokenize_windows", "special_affixes", "readable_token", "readable_tokens", "byte_level_text"]
 
 
 def default_texts(limit: int | None = None) -> list[str]:
@@ -102,7 +102,7 @@ def tokenize_windows(tokenizer, texts: list[str], seq_len: int, samples: int, se
     for row, w in enumerate(windows):
         ids[row, : len(w)] = torch.tensor(w, dtype=torch.long)
         mask[row, : len(w)] = 1
-    tokens = [tokenizer.convert_ids_to_tokens(w) for w in windows]
+    tokens = [readable_tokens(tokenizer, w) for w in windows]  # what reports show: "Ġthe" → " the"
     bos_ids = {tokenizer.bos_token_id, getattr(tokenizer, "cls_token_id", None)} - {None}
     added_bos = bool(prefix) and prefix[0] in bos_ids
     return TokenBatch(input_ids=ids, attention_mask=mask, tokens=tokens, added_bos=added_bos)
@@ -147,6 +147,22 @@ def byte_level_text(piece: str) -> str:
 def _is_byte_level(tokenizer) -> bool:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     return backend is not None and "ByteLevel" in f"{backend.decoder} {backend.pre_tokenizer}"
+
+
+def readable_tokens(tokenizer, token_ids: list[int]) -> list[str]:
+    """:func:`readable_token` for a whole sequence (the tokenizer's kind is looked up once)."""
+    pieces = tokenizer.convert_ids_to_tokens([int(t) for t in token_ids])
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    byte_level = _is_byte_level(tokenizer)
+    out = []
+    for tid, piece in zip(token_ids, pieces):
+        if piece is None:
+            out.append(f"<id {int(tid)}>")
+        elif int(tid) in special:
+            out.append(piece)
+        else:
+            out.append(byte_level_text(piece) if byte_level else _visible(piece.replace("\u2581", " ")))
+    return out
 
 
 def readable_token(tokenizer, token_id: int) -> str:
