@@ -183,3 +183,20 @@ def test_pipeline_and_streamers(chat, capsys):
         live = "".join(streamer)
         worker.join()
     assert " ".join(live.split()) == " ".join(expected.split())
+
+
+def test_stream_generate_prints_no_special_tokens():
+    import sinklab
+
+    loaded = sinklab.load_model("builtin:tiny-lm")
+    eos = loaded.tokenizer.eos_token_id
+    # Make </s> the argmax at every step: the stream must still print text only.
+    hook = loaded.model.lm_head.register_forward_hook(lambda m, i, out: out.index_add(
+        -1, torch.tensor([eos]), torch.full((*out.shape[:-1], 1), 1e4)))
+    try:
+        pieces = list(sinklab.stream_generate(loaded.model, loaded.tokenizer, "Return the value", num_sinks=2,
+                                              window=16, max_new_tokens=3, stop_at_eos=False))
+    finally:
+        hook.remove()
+    assert len(pieces) == 3 and pieces == ["", "", ""]
+    assert loaded.tokenizer.decode([eos]) == loaded.tokenizer.eos_token != ""  # it would have printed this

@@ -222,7 +222,9 @@ def stream_generate(model: nn.Module, tokenizer, prompt: str | list[str], *, num
             for row, (t, d) in enumerate(zip(token.tolist(), done.tolist())):
                 # Decode with a little context so word pieces and byte-level BPE join correctly.
                 tail = history[row][-4:]
-                pieces.append("" if d else tokenizer.decode(tail + [t])[len(tokenizer.decode(tail)):])
+                # Special tokens (</s>, <|im_end|> …) are not text: they print as nothing.
+                text = tokenizer.decode(tail + [t], skip_special_tokens=True)
+                pieces.append("" if d else text[len(tokenizer.decode(tail, skip_special_tokens=True)):])
                 history[row] = (tail + [t])[-4:]
             if eos is not None and stop_at_eos:
                 done |= token.cpu() == eos
