@@ -8,7 +8,17 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ._common import _progress, _read_texts, _user_errors, app, check_out_dir, console, device_map_option, err
+from ._common import (
+    MODEL_HELP,
+    _progress,
+    _read_texts,
+    _user_errors,
+    app,
+    check_out_dir,
+    console,
+    device_map_option,
+    err,
+)
 
 
 def _print_result(result) -> None:
@@ -30,7 +40,7 @@ def _print_result(result) -> None:
 
 @app.command("circuit")
 def circuit_cmd(
-    model: Annotated[str, typer.Argument(help="builtin:..., a local folder (a sinklab train checkpoint too) or a hub id[@revision]")],
+    model: Annotated[str, typer.Argument(help=MODEL_HELP + " (a sinklab train checkpoint too; hub ids take @revision)")],
     text: Annotated[str | None, typer.Option("--text", help="text to analyse")] = None,
     file: Annotated[Path | None, typer.Option("--file", help="UTF-8 text file")] = None,
     seq_len: Annotated[int, typer.Option("--seq-len")] = 64,

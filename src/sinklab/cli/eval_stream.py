@@ -13,7 +13,6 @@ from ..errors import SinklabError
 from ..provenance import provenance
 from ._common import (
     MODEL_HELP,
-    TRUST_HELP,
     _load,
     _progress,
     _read_texts,
@@ -22,6 +21,7 @@ from ._common import (
     check_out_dir,
     console,
     err,
+    trust_remote_code_option,
 )
 
 _DEFAULT_TEXT = "Python's pydoc topics (sinklab.texts.default_texts)"
@@ -55,7 +55,7 @@ def eval_stream(
     out: Annotated[Path, typer.Option("--out")] = Path("sinklab-eval-stream"),
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     device: Annotated[str | None, typer.Option("--device")] = None,
-    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help=TRUST_HELP)] = False,
+    trust_remote_code: Annotated[bool, trust_remote_code_option()] = False,
 ) -> None:
     """Per-token NLL over a long text: dense, window-only, recompute and sinks + window, all at cache size
     C = S + W and scored on the same positions (from the first eviction on). Writes JSON, figures and HTML."""
