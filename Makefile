@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= sinklab-demo
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test bench check-package clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ demo: venv
 
 test: venv
 	HF_HUB_OFFLINE=1 $(PY) -m pytest
+
+# Release check: build wheel + sdist, inspect their metadata and data files, install in a fresh venv, run the CLI.
+check-package: venv
+	$(PY) benchmarks/check_package.py
 
 bench: venv
 	$(PY) benchmarks/bench_scan.py
