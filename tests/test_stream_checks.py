@@ -113,7 +113,7 @@ def test_sampling_matches_torch_by_hand():
         def __call__(self, text):
             return {"input_ids": [int(t) for t in text.split()]}
 
-        def decode(self, ids):
+        def decode(self, ids, **kwargs):
             return "".join(f"{i} " for i in ids)
 
     prompt = [5, 17, 42, 8, 61]
