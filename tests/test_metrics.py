@@ -196,3 +196,23 @@ def test_high_norm_tokens_match_naive(seed, t, k):
     mad = float(np.sort(np.abs(x - med))[(t - 1) // 2])
     np.testing.assert_array_equal(flag.numpy(), x > med + k * 1.4826 * mad)
     assert bool(flag[0])
+
+
+def test_common_mode_fraction_batched_with_padding_rows_vs_loops():
+    """Batched [B, H, N, d] input with padded rows: each (b, h) equals a float64 loop over its real rows only."""
+    gen = torch.Generator().manual_seed(3)
+    u = torch.randn(2, 3, 5, 4, generator=gen)
+    mask = torch.ones(2, 3, 5, dtype=torch.bool)
+    mask[0, :, 3:] = False  # sample 0 has 3 real rows
+    mask[1, 1, 4] = False
+    u[~mask] = 1e3  # padding rows hold garbage that must not count
+    got = metrics.common_mode_fraction(u, mask)
+    assert got.shape == (2, 3)
+    for b in range(2):
+        for h in range(3):
+            rows = [u[b, h, i].double() for i in range(5) if mask[b, h, i]]
+            mean = sum(rows) / len(rows)
+            energy = sum(float((r * r).sum()) for r in rows) / len(rows)
+            assert float(got[b, h]) == pytest.approx(float((mean * mean).sum()) / energy, rel=1e-10)
+    full = torch.ones_like(mask)  # no mask means every row, batched too
+    torch.testing.assert_close(metrics.common_mode_fraction(u), metrics.common_mode_fraction(u, full))
