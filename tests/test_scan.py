@@ -53,6 +53,11 @@ def test_scan_json_report_and_escaping(minilm_scan, tmp_path):
     text = report.read_text()
     assert "<script>alert(1)</script>" not in text and "&lt;script&gt;alert(1)&lt;/script&gt;" in text
     assert text.count("data:image/png;base64,") == 4 and "src='http" not in text
+    from sinklab.registry import REGISTRY
+    from sinklab.report.html import SCAN_CAPTIONS
+
+    assert text.count("<p class='caption'>") == 4 and all(c[:40] in text for c in SCAN_CAPTIONS.values())
+    assert all(f"<dd>{row.description[:30]}" in text for row in REGISTRY if "<" not in row.description)
     data = json.loads((tmp_path / "out" / "scan.json").read_text())
     assert data["schema"] == "sinklab.scan/2" and "max(8, ceil(T/8))" in data["dominant_rule"]
     meta = data["meta"]

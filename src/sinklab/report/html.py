@@ -58,13 +58,15 @@ def render_html(result: ScanResult, images: dict[str, bytes]) -> str:
         alpha = 0.0 if mass0[i] != mass0[i] else min(1.0, float(mass0[i]) * 2)
         toks.append(f"<span class='tok' style='background:rgba(220,60,60,{alpha:.2f})' "
                     f"title='position {i}, mean column mass {float(mass0[i]):.3f}'>{esc(tok)}</span>")
-    figs = images_html(images)
+    figs = images_html(images, SCAN_CAPTIONS)
+    legend = "".join(f"<dt><b>{esc(r.title)}</b></dt><dd>{esc(r.description)}</dd>" for r in REGISTRY)
     provenance = esc(json.dumps(meta, indent=2, default=str))
     body = f"""<h1>sinklab scan: {esc(str(meta.get('model')))}</h1>
 <p>{result.num_samples} samples × {result.seq_len} tokens, {result.num_layers} layers × {result.num_heads} heads.
 Sink<sub>0</sub><sup>ε={meta['thresholds']['eps']}</sup> = <b>{result.sink_rate(0):.1f} %</b> of layer×head pairs
 (T = {meta['seq_len']}). Most common sink: position {pos} (<code>{esc(label)}</code>).</p>
 <h2>Per layer</h2><table><tr><th>layer</th>{head}</tr>{''.join(rows)}</table>
+<h3>What the columns mean</h3><dl>{legend}</dl>
 <h2>Sample 0 tokens (shaded by mean column mass)</h2><p>{''.join(toks)}</p>
 <h2>Figures</h2>{figs}
 <h2>Provenance</h2><pre>{provenance}</pre>"""
@@ -107,9 +109,25 @@ def page(title: str, body: str) -> str:
             f"<style>{_CSS}</style></head><body>{body}</body></html>")
 
 
-def images_html(images: dict[str, bytes]) -> str:
-    """Embedded ``<img>`` tags (base64 PNG) with escaped captions."""
+#: How to read each scan figure (shown under it in the report).
+SCAN_CAPTIONS = {
+    "sink_heatmap": "Mean column mass (attention received, averaged over the queries that see the key) at the most "
+                    "common sink position, per layer (rows) and head (columns); 0–1. Bright cells are sinking heads.",
+    "attention_map": "Sample 0's attention of the strongest sinking head: rows are queries, columns keys. A sink is "
+                     "a bright vertical stripe.",
+    "hidden_norms": "Hidden-state norm of each position relative to the median token, per block output. A sink "
+                    "position usually stands far above 1 (high-norm / massive activations).",
+    "sink_rate": "Sink^ε(k): share of layer×head pairs whose column mass at position k exceeds ε (Gu et al.), for "
+                 "the first positions. Depends on T: compare scans at the same sequence length.",
+}
+
+
+def images_html(images: dict[str, bytes], captions: dict[str, str] | None = None) -> str:
+    """Embedded ``<img>`` tags (base64 PNG) with escaped titles and, where given, a caption saying how to read it."""
+    captions = captions or {}
     return "".join(
         f"<h3>{html.escape(name.replace('_', ' '))}</h3><img alt='{html.escape(name)}' src='data:image/png;base64,"
-        f"{base64.b64encode(png).decode()}'>" for name, png in images.items()
+        f"{base64.b64encode(png).decode()}'>"
+        + (f"<p class='caption'>{html.escape(captions[name])}</p>" if name in captions else "")
+        for name, png in images.items()
     )
