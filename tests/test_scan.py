@@ -56,8 +56,10 @@ def test_scan_json_report_and_escaping(minilm_scan, tmp_path):
     from sinklab.registry import REGISTRY
     from sinklab.report.html import SCAN_CAPTIONS
 
-    assert text.count("<p class='caption'>") == 4 and all(c[:40] in text for c in SCAN_CAPTIONS.values())
-    assert all(f"<dd>{row.description[:30]}" in text for row in REGISTRY if "<" not in row.description)
+    import html as _html
+
+    assert text.count("<p class='caption'>") == 4 and all(_html.escape(c) in text for c in SCAN_CAPTIONS.values())
+    assert all(f"<dd>{_html.escape(row.description)}</dd>" in text for row in REGISTRY)
     data = json.loads((tmp_path / "out" / "scan.json").read_text())
     assert data["schema"] == "sinklab.scan/2" and "max(8, ceil(T/8))" in data["dominant_rule"]
     meta = data["meta"]
