@@ -6,8 +6,6 @@ import json
 
 import pytest
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from typer.testing import CliRunner
 
 from sinklab import metrics
@@ -21,38 +19,15 @@ from tiny_models import build, inputs_for
 
 
 def _reference_edit(model, inputs, layer, head, positions, mode, replacement=None):
-    """Final hidden states with the edit applied by a separately written attention (float64 softmax)."""
-    layers = model.model.layers
+    """Final hidden states with the edit applied by the separately written float64 attention of
+    tests/test_diagnose_reference.py (one reference for every edit test)."""
+    from test_diagnose_reference import _edited_final
 
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        h, hkv = query.shape[1], key.shape[1]
-        k = key.double().repeat_interleave(h // hkv, dim=1)
-        v = value.double().repeat_interleave(h // hkv, dim=1).clone()
-        t = query.shape[2]
-        allowed = torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(query.shape[0], h, t, t).clone()
-        if attention_mask is not None:
-            allowed &= attention_mask
-        if module is layers[layer].self_attn:
-            for b, p in enumerate(positions.tolist()):
-                if mode == "zero":
-                    v[b, head, p] = 0
-                elif mode == "replace":
-                    v[b, head, p] = replacement[b].double()
-                elif mode == "remove_column":
-                    allowed[b, head, :, p] = False
-        scores = (query.double() @ k.transpose(-1, -2)) * scaling
-        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-        probs = probs.nan_to_num(0.0)  # a row left with no key (its only key removed) contributes nothing
-        return (probs @ v).to(query.dtype).transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("sinklab_test_edit", attention)
-    AttentionMaskInterface.register("sinklab_test_edit", sdpa_mask)
-    model.set_attn_implementation("sinklab_test_edit")
-    try:
-        with torch.no_grad():
-            return model(**inputs, output_hidden_states=True).hidden_states[-1]
-    finally:
-        model.set_attn_implementation("sdpa")
+    rows = dict(enumerate(positions.tolist()))
+    if mode == "remove_column":
+        return _edited_final(model, inputs, layer, head, {}, removed=rows).float()
+    changes = {b: (p, None if mode == "zero" else replacement[b]) for b, p in rows.items()}
+    return _edited_final(model, inputs, layer, head, changes).float()
 
 
 @pytest.mark.parametrize("mode", ["zero", "replace", "remove_column"])
