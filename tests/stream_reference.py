@@ -5,7 +5,9 @@ rotary module and ``apply_rotary_pos_emb``, keeps its own store of pre-RoPE keys
 per-layer rules written out separately from sinklab's code: a layer of the model's own sliding-window
 attention with window ``w ≤ S + W`` keeps only its last ``w`` tokens (no sinks, no pinned spans); every other
 layer keeps ``S`` sinks, the pinned spans and the ``W`` most recent other tokens. Learned sink logits
-(gpt-oss ``s_aux``) and logit soft-capping (Gemma 2) are applied the way the papers/models define them.
+(gpt-oss ``s_aux``) and logit soft-capping (Gemma 2) are applied the way the papers/models define them, and
+so are sinklab's variants (sink logit, softmax₁, kv-bias slot scored by the query at its slot position,
+output gate); register tokens are fed by :meth:`Reference.feed_registers` as the first tokens.
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ class Reference:
         self.types = getattr(model.config, "layer_types", None)
         AttentionInterface.register("sinklab_test_reference", self._attend)
         self.model.set_attn_implementation("sinklab_test_reference")
+        # A sinklab register variant: the reference feeds the registers itself (feed_registers), as the first
+        # tokens of the stream; the copied model's own register hooks are taken out.
+        base = self.model.model if hasattr(self.model, "model") else self.model
+        self.registers = getattr(base, "sinklab_registers", None)
+        for hooks in (base._forward_pre_hooks, base._forward_hooks):
+            for key in [k for k, f in hooks.items() if "_add_registers" in getattr(f, "__qualname__", "")]:
+                del hooks[key]
 
     def _rope(self, layer: int, x, positions):
         if hasattr(self.rotary, "inv_freq"):
@@ -89,18 +98,44 @@ class Reference:
         scores = (q_rot @ k_rot.transpose(-1, -2)) * scaling  # (1, H, 1, n)
         if kwargs.get("softcap") is not None:
             scores = torch.tanh(scores / kwargs["softcap"]) * kwargs["softcap"]
+        nh = scores.shape[1]
+        extra, extra_values = [], []  # per-head learned columns: (logit (1, H, 1, 1), value (1, H, 1, dv))
         if kwargs.get("s_aux") is not None:  # gpt-oss: a per-head logit in the softmax, dropped afterwards
-            extra = kwargs["s_aux"].double().view(1, -1, 1, 1)
-            probs = torch.softmax(torch.cat([scores, extra], dim=-1), dim=-1)[..., :-1]
-        else:
-            probs = torch.softmax(scores, dim=-1)
-        return (probs @ values).transpose(1, 2), None
+            extra.append(kwargs["s_aux"].double().view(1, -1, 1, 1))
+            extra_values.append(torch.zeros_like(values[:, :, :1]))
+        variant = getattr(module, "sinklab_variant", None)  # sinklab.variants, written out from the papers
+        if variant is not None and (variant.sink_logit or variant.softmax1):
+            s = module.sinklab_sink_logit if variant.sink_logit else torch.zeros(nh)
+            extra.append(s.double().view(1, -1, 1, 1))
+            extra_values.append(torch.zeros_like(values[:, :, :1]))
+        if variant is not None and variant.kv_bias:  # a key with no position: scored by the query at its slot
+            kb = module.sinklab_k_bias.double().repeat_interleave(rep, 0)  # (H, dh)
+            vb = module.sinklab_v_bias.double().repeat_interleave(rep, 0)
+            extra.append(((q_rot[0, :, 0] * kb).sum(-1) * scaling).view(1, -1, 1, 1))
+            extra_values.append(vb.view(1, nh, 1, -1))
+        probs = torch.softmax(torch.cat([scores, *extra], dim=-1), dim=-1)
+        out = probs[..., :n] @ values
+        for i, val in enumerate(extra_values):
+            out = out + probs[..., n + i : n + i + 1] * val
+        out = out.transpose(1, 2)  # (1, 1, H, dv)
+        if variant is not None and variant.gate is not None:  # Y ⊙ σ(X W), X the attention module's input
+            g = torch.sigmoid(module.sinklab_gate(module.sinklab_gate_input.double()))
+            out = out * g.view(1, 1, nh, -1)
+        return out, None
 
     @torch.no_grad()
     def step(self, token: int) -> torch.Tensor:
         self.t += 1
         ids = torch.tensor([[token]])
         return self.model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits[0, -1]
+
+    @torch.no_grad()
+    def feed_registers(self) -> None:
+        """Step the variant's register vectors in, one by one, as the stream's first tokens."""
+        for vec in self.registers:
+            self.t += 1
+            self.model(inputs_embeds=vec.double().view(1, 1, -1), position_ids=torch.zeros(1, 1, dtype=torch.long),
+                       use_cache=False)
 
     def kept(self, layer: int) -> int:
         return len(self.store.get(layer, []))

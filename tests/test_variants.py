@@ -14,16 +14,8 @@ from sinklab.errors import InputError, ModelWeightsError, UnsupportedModelError
 from sinklab.variants import VARIANT_NAMES, VariantConfig, apply_variant, load, parse_variant, save
 
 from tiny_models import build
+from variant_reference import V, naive_forward as _naive_forward, tiny_llama
 
-V = 97
-
-
-def tiny_llama(heads=4, kv=2, layers=2):
-    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=64)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(4)
-    return tf.LlamaForCausalLM(cfg).double()
 
 
 def test_softmax_with_sink_closed_forms_and_worked_example():
@@ -42,58 +34,6 @@ def test_softmax_with_sink_closed_forms_and_worked_example():
     assert float(w[..., torch.ones(4, 4).triu(1).bool()].abs().max()) == 0.0
     ref = scores.exp() / (scores.exp().sum(-1, keepdim=True) + s.exp()[None, :, :, None].squeeze(-1)[..., None])
     torch.testing.assert_close(w, ref)
-
-
-def _naive_forward(model, ids, cfg: VariantConfig):
-    """Independent float64 forward of a Llama block stack with the variants, written from the papers."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    m = model.model
-    x = m.embed_tokens(ids)
-    if cfg.registers:
-        x = torch.cat([m.sinklab_registers[None].expand(ids.shape[0], -1, -1), x], dim=1)
-    t = x.shape[1]
-    pos = torch.arange(t)[None]
-    cos, sin = m.rotary_emb(x, pos)
-    for layer in m.layers:
-        a = layer.self_attn
-        h_in = layer.input_layernorm(x)
-        nh, dh = model.config.num_attention_heads, a.head_dim
-        nkv = model.config.num_key_value_heads
-        q = a.q_proj(h_in).view(1, t, nh, dh).transpose(1, 2)
-        k = a.k_proj(h_in).view(1, t, nkv, dh).transpose(1, 2)
-        v = a.v_proj(h_in).view(1, t, nkv, dh).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        outs = []
-        for head in range(nh):  # deliberately naive: one head at a time
-            kh, vh = k[0, head // (nh // nkv)], v[0, head // (nh // nkv)]
-            if cfg.kv_bias:
-                kh = torch.cat([a.sinklab_k_bias[head // (nh // nkv)][None], kh])
-                vh = torch.cat([a.sinklab_v_bias[head // (nh // nkv)][None], vh])
-            z = q[0, head] @ kh.T / math.sqrt(dh)
-            causal = torch.ones(t, t).tril().bool()
-            if cfg.kv_bias:
-                causal = torch.cat([torch.ones(t, 1, dtype=torch.bool), causal], dim=1)
-            z = z.masked_fill(~causal, -math.inf)
-            logits = list(z.unbind(-1))
-            if cfg.sink_logit or cfg.softmax1:
-                s = a.sinklab_sink_logit[head] if cfg.sink_logit else torch.tensor(0.0, dtype=z.dtype)
-                e = torch.exp(z)
-                wts = e / (e.sum(-1, keepdim=True) + torch.exp(s))
-            else:
-                wts = torch.softmax(torch.stack(logits, -1), -1)
-            outs.append(wts @ vh)
-        o = torch.stack(outs, dim=1)  # (T, H, dh)
-        if cfg.gate == "elementwise":
-            o = o * torch.sigmoid(a.sinklab_gate(h_in[0])).view(t, nh, dh)
-        elif cfg.gate == "headwise":
-            o = o * torch.sigmoid(a.sinklab_gate(h_in[0])).view(t, nh, 1)
-        x = x + a.o_proj(o.reshape(1, t, nh * dh))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    x = m.norm(x)
-    if cfg.registers:
-        x = x[:, cfg.registers:]
-    return model.lm_head(x)
 
 
 CASES = ["sink-logit", "softmax1", "kv-bias", "gated", "gated-headwise", "registers", "sink-logit+gated",

@@ -155,7 +155,7 @@ REGISTRY: list[MetricRow] = [
     MetricRow("massive_tokens", "massive", "tokens per sample with a massive activation (|a|>100, ≥1000× median)", _massive),
     MetricRow("max_activation", "max |a|", "largest |activation| in the block output", _max_act, "{:.1f}", terminal=True),
     MetricRow("high_norm_tokens", "high-norm", "tokens per sample with norm > median + k·1.4826·MAD", _high_norm),
-    MetricRow("learned_sink_mass", "learned sink", "mean 1 − Σ_j A_ij (gpt-oss-style learned sink logits)", _learned_sink, "{:.3f}", terminal=True),
+    MetricRow("learned_sink_mass", "learned sink", "mean 1 − Σ_j A_ij: attention on learned slots, not tokens (sink logit, softmax₁, kv-bias)", _learned_sink, "{:.3f}", terminal=True),
 ]
 
 

@@ -19,6 +19,7 @@ from .errors import InputError
 from .models import check_vocab, check_weights
 from .registry import REGISTRY, per_layer_table
 from .texts import default_texts, tokenize_windows
+from .variants import register_count, register_labels
 
 __all__ = ["ScanResult", "scan", "scan_inputs", "SCHEMA_VERSION", "DEFAULT_THRESHOLDS", "DOMINANT_RULE", "check_thresholds",
            "ShortSequenceWarning", "short_sequence_warnings"]
@@ -358,7 +359,12 @@ def text_batches(model: nn.Module, tokenizer, texts: str | list[str] | None, *, 
                         "attention_mask": windows.attention_mask[a:b, :width].to(device)})
     meta = _provenance(model, source, revision, seed=seed, requested_seq_len=seq_len, corpus=corpus,
                        tokenizer_added_bos=windows.added_bos, tokenizer_class=type(tokenizer).__name__)
-    return batches, windows.tokens, meta
+    tokens = windows.tokens
+    registers = register_count(model)
+    if registers:  # the variant's register tokens sit in front of every sample
+        tokens = [register_labels(registers) + list(t) for t in tokens]
+        meta["registers"] = registers
+    return batches, tokens, meta
 
 
 def scan(

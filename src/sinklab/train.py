@@ -44,6 +44,7 @@ class TrainConfig:
     warmup: int = 100
     vocab_size: int = 4096  # BPE size for text data (bb uses its own)
     variant: str | None = None  # e.g. "sink-logit", "gated", "gated+registers" (sinklab.variants)
+    sink_init: float | None = None  # start of the learned sink logit (sink-logit variants; None: 0)
     seed: int = 0
     checkpoint_every: int = 0  # 0: only the final checkpoint
     monitor_every: int = 100
@@ -66,6 +67,10 @@ class TrainConfig:
                 raise InputError(f"{name} must be ≥ 0, got {getattr(self, name)}")
         if self.max_chars is not None and self.max_chars < 1:
             raise InputError(f"max_chars must be ≥ 1 (or None for the whole corpus), got {self.max_chars}")
+        if self.sink_init is not None and (not self.variant or "sink-logit" not in self.variant.split("+")):
+            raise InputError("sink_init needs a sink-logit variant (e.g. variant='sink-logit')")
+        if self.sink_init is not None and not math.isfinite(self.sink_init):
+            raise InputError(f"sink_init must be a finite number, got {self.sink_init!r}")
         if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
             raise InputError(f"kv_heads {self.kv_heads} must be ≥ 1 and divide heads {self.heads}")
 
@@ -85,7 +90,7 @@ def build_model(cfg: TrainConfig, vocab: int, bos_id: int | None, eos_id: int | 
     if cfg.variant:
         from .variants import apply_variant
 
-        apply_variant(model, cfg.variant)
+        apply_variant(model, cfg.variant, sink_init=cfg.sink_init)
     return model
 
 

@@ -32,7 +32,8 @@ from . import _compat
 from .attention import mask_rows
 from .errors import InputError, ModelWeightsError, UnsupportedModelError
 
-__all__ = ["VariantConfig", "VARIANT_NAMES", "parse_variant", "apply_variant", "VariantHandle", "save", "load"]
+__all__ = ["VariantConfig", "VARIANT_NAMES", "parse_variant", "apply_variant", "VariantHandle", "save", "load",
+           "variant_columns", "variant_gate", "register_count", "register_labels"]
 
 ATTN_NAME = "sinklab_variant"
 CONFIG_FILE = "sinklab_variant.json"
@@ -141,6 +142,39 @@ def variant_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     return out.contiguous(), None
 
 
+def variant_columns(module: nn.Module, heads: int) -> tuple[Tensor | None, tuple[Tensor, Tensor] | None]:
+    """What a variant adds to one attention module's softmax, for code that computes attention itself.
+
+    Returns ``(sink, slot)``: ``sink`` the per-head sink logit ``[H]`` (sink-logit; zeros for softmax₁) or
+    None; ``slot`` the kv-bias key and value ``([H, dh], [H, dv])``, repeated to ``heads`` query heads, or
+    None. The sink's value is 0; the slot's logit is ``q·k_slot·scale`` per query, its value ``v_slot``.
+    Neither is a token: both are position-free and always visible. (The capture and the stream use this.)
+    """
+    cfg: VariantConfig | None = getattr(module, "sinklab_variant", None)
+    if cfg is None:
+        return None, None
+    sink = None
+    if cfg.sink_logit:
+        sink = module.sinklab_sink_logit
+    elif cfg.softmax1:
+        sink = torch.zeros(heads, device=module.q_proj.weight.device)
+    slot = None
+    if cfg.kv_bias:
+        rep = heads // module.sinklab_k_bias.shape[0]
+        slot = (module.sinklab_k_bias.repeat_interleave(rep, 0), module.sinklab_v_bias.repeat_interleave(rep, 0))
+    return sink, slot
+
+
+def variant_gate(module: nn.Module, heads: int) -> Tensor | None:
+    """The output gate ``σ(X W)`` of one attention module for its current input, ``[B, Tq, H, dh | 1]``
+    (float32), or None without a gate. Multiply each head's attention output by it before ``o_proj``."""
+    cfg: VariantConfig | None = getattr(module, "sinklab_variant", None)
+    if cfg is None or cfg.gate is None:
+        return None
+    gate = torch.sigmoid(module.sinklab_gate(module.sinklab_gate_input).float())
+    return gate.view(*gate.shape[:2], heads, -1)
+
+
 # ----------------------------------------------------------------------------- applying
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
     mods = []
@@ -204,12 +238,17 @@ def _add(handle: VariantHandle, module: nn.Module, name: str, value) -> None:
 
 
 def apply_variant(model: nn.Module, variant: str | VariantConfig | dict, *, init: str = "default",
-                  **overrides) -> VariantHandle:
+                  sink_init: float | None = None, **overrides) -> VariantHandle:
     """Add sink-aware attention to a Llama-style model in place; returns a handle that can undo it.
 
     ``init="off"`` starts each variant at its identity (sink logit −inf, gate σ = 1) so a pretrained model's
     outputs are unchanged; ``"default"`` is for training (sink logit 0, gate from ``nn.Linear`` init with
     bias 0, KV slot 0). Registers start as small random vectors either way (they have no identity).
+
+    ``sink_init`` (sink-logit variant, ``init="default"``) is the logit's starting value. The default 0 gives
+    the slot ≈ 1/(N+1) of a row of N keys, and its gradient is proportional to the mass it holds, so a
+    first-token sink that forms early wins the race and the logit stays unused; ``sink_init ≈ log N`` lets it
+    take the parked mass instead (docs/sink_logit.md: on Bigram-Backcopy, BOS attention 0.995 at 0, 0.013 at 4).
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -217,6 +256,14 @@ def apply_variant(model: nn.Module, variant: str | VariantConfig | dict, *, init
     cfg = parse_variant(variant, **overrides)
     if init not in ("default", "off"):
         raise InputError(f"init must be 'default' or 'off', got {init!r}")
+    if sink_init is not None:
+        if not cfg.sink_logit:
+            raise InputError("sink_init sets the learned sink logit's start; the variant has no sink logit "
+                             "(use 'sink-logit', e.g. 'sink-logit+gated')")
+        if init == "off":
+            raise InputError("sink_init and init='off' contradict each other (off starts the sink logit at −inf)")
+        if not math.isfinite(float(sink_init)):
+            raise InputError(f"sink_init must be a finite number, got {sink_init!r}")
     if getattr(model, "sinklab_variant_handle", None) is not None:
         raise InputError("a variant is already applied to this model; call handle.remove() first")
     mods = _attention_modules(model)
@@ -230,7 +277,7 @@ def apply_variant(model: nn.Module, variant: str | VariantConfig | dict, *, init
     for attn in mods:
         _add(handle, attn, "sinklab_variant", cfg)
         if cfg.sink_logit:
-            start = -math.inf if init == "off" else 0.0
+            start = -math.inf if init == "off" else float(sink_init or 0.0)
             _add(handle, attn, "sinklab_sink_logit", nn.Parameter(torch.full((h,), start, dtype=ref.dtype, device=ref.device)))
         if cfg.kv_bias:
             _add(handle, attn, "sinklab_k_bias", nn.Parameter(torch.zeros(hkv, dh, dtype=ref.dtype, device=ref.device)))
@@ -261,37 +308,69 @@ def apply_variant(model: nn.Module, variant: str | VariantConfig | dict, *, init
 
 
 def _add_registers(handle: VariantHandle, model: nn.Module, n: int, d: int, ref: Tensor) -> None:
-    """Prepend ``n`` learned vectors to every sample's embeddings; drop them from the base model's output."""
+    """Prepend ``n`` learned vectors to every sample's embeddings; drop them from the base model's output.
+
+    The registers are positions ``0 … n−1`` of every sequence and the tokens follow at ``n, n+1, …``. With a
+    KV cache they are fed once, with the first forward into an empty cache (prefill), and stay in the cache
+    like tokens (in a :class:`sinklab.SinkCache` they are its first ``n`` kept tokens, so ``num_sinks ≥ n``
+    keeps them); later forwards feed tokens only, with the 2-D attention mask, ``position_ids`` and
+    ``cache_position`` shifted by ``n``. Outputs lose the ``n`` register positions only when they were fed.
+    """
     base = _compat.base_model(model)
     gen = torch.Generator().manual_seed(0)
     _add(handle, base, "sinklab_registers", nn.Parameter((torch.randn(n, d, generator=gen) * 0.02).to(ref.device, ref.dtype)))
+    fed: list[bool] = []  # per forward in flight: were the registers prepended (so the output must drop them)?
 
     def before(module, args, kwargs):
         _, cache = _compat.cache_argument(kwargs)
-        if cache is not None or kwargs.get("use_cache"):
-            kwargs["use_cache"] = False
-            if cache is not None:
-                raise InputError("register tokens do not support KV-cache generation; run full forwards (use_cache=False)")
+        first = cache is None or int(cache.get_seq_length()) == 0
         ids = kwargs.pop("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         if embeds is None:
             embeds = module.get_input_embeddings()(ids)
         b = embeds.shape[0]
-        kwargs["inputs_embeds"] = torch.cat([module.sinklab_registers.expand(b, n, -1).to(embeds.dtype), embeds], 1)
+        if first:
+            kwargs["inputs_embeds"] = torch.cat([module.sinklab_registers.expand(b, n, -1).to(embeds.dtype), embeds], 1)
+        else:
+            kwargs["inputs_embeds"] = embeds
         mask = kwargs.get("attention_mask")
-        if isinstance(mask, Tensor) and mask.dim() == 2:
+        if isinstance(mask, Tensor) and mask.dim() == 2:  # the cache (or this forward) holds the registers too
             kwargs["attention_mask"] = torch.cat([mask.new_ones(b, n), mask], dim=1)
-        kwargs.pop("position_ids", None)
+        for name in ("position_ids", "cache_position"):
+            pos = kwargs.get(name)
+            if isinstance(pos, Tensor):
+                pos = pos + n
+                if first:
+                    lead = torch.arange(n, device=pos.device, dtype=pos.dtype)
+                    pos = torch.cat([lead.expand(*pos.shape[:-1], n), pos], dim=-1)
+                kwargs[name] = pos
+        fed.append(first)
         return (), kwargs
 
     def after(module, args, kwargs, output):
+        if not (fed.pop() if fed else False) or output is None:
+            return output
         output.last_hidden_state = output.last_hidden_state[:, n:]
         if getattr(output, "hidden_states", None) is not None:
             output.hidden_states = tuple(hs[:, n:] for hs in output.hidden_states)
         return output
 
-    handle.hooks.append(base.register_forward_pre_hook(before, with_kwargs=True))
-    handle.hooks.append(base.register_forward_hook(after, with_kwargs=True))
+    # prepend: the registers are in place before any other pre-hook (a SinkCache's plans the stream positions)
+    handle.hooks.append(base.register_forward_pre_hook(before, with_kwargs=True, prepend=True))
+    handle.hooks.append(base.register_forward_hook(after, with_kwargs=True, always_call=True))
+
+
+def register_count(model: nn.Module) -> int:
+    """Register tokens a variant puts in front of every sequence of ``model`` (0 without registers).
+
+    Scans and diagnoses label them ``reg0 … reg{n−1}`` (role ``register``) ahead of the tokens."""
+    handle = getattr(model, "sinklab_variant_handle", None)
+    return 0 if handle is None else int(handle.config.registers)
+
+
+def register_labels(n: int) -> list[str]:
+    """``["reg0", …]``: the position labels of ``n`` register tokens."""
+    return [f"reg{i}" for i in range(n)]
 
 
 # ----------------------------------------------------------------------------- persistence

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from .. import _compat
 from ..errors import UnsupportedModelError
+from ..variants import variant_columns, variant_gate
 from .heads import head_statistics
 from .hidden import hidden_statistics
 from .reduce import ColumnStats, chunked_attention
@@ -264,11 +265,18 @@ class AttentionCapture:
         return hook
 
     def _positions_mask(self, b: int, t: int, device: torch.device) -> Tensor:
-        """``[B, T]`` real-token mask for a sequence of length ``t`` (all real without a mask)."""
+        """``[B, T]`` real-token mask for a sequence of length ``t`` (all real without a mask).
+
+        A sequence longer than the mask has positions the model put in front of the inputs (register
+        tokens, a [CLS] or prompt prefix): they are real. A shorter one is the mask's last ``t`` positions.
+        """
         mask = self._token_mask
-        if mask is None or mask.shape[-1] < t:
+        if mask is None:
             return torch.ones(b, t, dtype=torch.bool, device=device)
-        return mask[:, -t:].to(device) if mask.shape[-1] != t else mask.to(device)
+        mask = mask.to(device)
+        if mask.shape[-1] < t:
+            return torch.cat([mask.new_ones(mask.shape[0], t - mask.shape[-1]), mask], dim=-1)
+        return mask[:, -t:] if mask.shape[-1] != t else mask
 
     # ------------------------------------------------------------------ attention
     def attend(
@@ -304,14 +312,9 @@ class AttentionCapture:
         is_causal = kwargs.get("is_causal")
         is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
         sinks = kwargs.get("s_aux")
-        variant = getattr(module, "sinklab_variant", None)  # sinklab.variants applied to this model
-        if variant is not None:
-            if variant.kv_bias:
-                raise UnsupportedModelError("capturing a model with the kv-bias variant is not supported yet")
-            if variant.sink_logit:
-                sinks = module.sinklab_sink_logit
-            elif variant.softmax1:
-                sinks = torch.zeros(h, device=query.device)
+        learned, slot = variant_columns(module, h)  # sinklab.variants applied to this model
+        if learned is not None:
+            sinks = learned
         k = _repeat_kv(key.float(), h // hkv)  # (B, H, Tk, dh)
         v = _repeat_kv(value.float(), h // hkv).clone()  # (B, H, Tk, dv), private: edits write into it
         edit = self.edit if self.edit is not None and self.edit.layer == index else None
@@ -322,13 +325,13 @@ class AttentionCapture:
         stats = None
         if self.statistics:
             stats = ColumnStats(b, h, tq, tk, qmask, candidates=cfg.candidates, map_len=cfg.map_len,
-                                route_threshold=cfg.route_threshold, has_sink=sinks is not None)
+                                route_threshold=cfg.route_threshold, has_sink=sinks is not None or slot is not None)
         out = chunked_attention(query, k, v, attention_mask, qmask, is_causal=is_causal, scale=scale,
                                 chunk_elements=cfg.chunk_elements, softcap=kwargs.get("softcap"), sinks=sinks,
-                                bias=kwargs.get("position_bias"), drop=drop, stats=stats)  # (B, H, Tq, dv)
-        if variant is not None and variant.gate is not None:  # output gate σ(X W) on each head's output
-            gate = torch.sigmoid(module.sinklab_gate(module.sinklab_gate_input).float())  # (B, Tq, H·dv | H)
-            out = out * gate.view(b, tq, h, -1).transpose(1, 2)
+                                slot=slot, bias=kwargs.get("position_bias"), drop=drop, stats=stats)  # (B, H, Tq, dv)
+        gate = variant_gate(module, h)  # output gate σ(X W) on each head's output, (B, Tq, H, dv | 1)
+        if gate is not None:
+            out = out * gate.transpose(1, 2)
         if stats is None:  # final_states(): the output is all that is needed
             return out.to(query.dtype).transpose(1, 2).contiguous(), None
         info = self.weights.get(index, self._layers[index], module, h, hkv, dv, dev)

@@ -115,6 +115,7 @@ def chunked_attention(
     chunk_elements: int,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    slot: tuple[Tensor, Tensor] | None = None,
     bias: Tensor | None = None,
     drop: tuple[int, Tensor] | None = None,
     stats: ColumnStats | None = None,
@@ -123,7 +124,9 @@ def chunked_attention(
 
     ``query`` ``[B, H, Tq, dh]``; ``k``/``v`` ``[B, H, Tk, dh|dv]`` float32 with the KV heads already
     repeated; ``attention_mask`` boolean ``[B|1, 1, Tq, Tk]`` (True = attend), additive float, or ``None``;
-    ``qmask`` ``[B, Tq]`` real queries; ``sinks`` ``[H]`` learned sink logits; ``bias`` additive
+    ``qmask`` ``[B, Tq]`` real queries; ``sinks`` ``[H]`` learned sink logits (value 0); ``slot`` a learned
+    key/value slot ``([H, dh], [H, dv])`` seen by every query (kv-bias; its weight is not a column's, so
+    ``1 − Σ_j A_ij`` counts it with the sink); ``bias`` additive
     ``[..., Tq, Tk]`` position bias; ``drop`` ``(head, positions [B])`` removes one key column per sample
     for one head (rows renormalise; a row left with no key outputs 0).
     """
@@ -159,17 +162,29 @@ def chunked_attention(
         # A finite floor (as eager attention uses) keeps rows with no visible key finite; their
         # queries are padding and excluded from the statistics.
         scores[..., full:].masked_fill_(~allowed[..., full:], _FLOOR)
+        extra = []  # logits of the learned columns, (B|1, H, C, 1) each
         if sinks is not None:
-            sink = sinks.float().to(dev).reshape(1, h, 1, 1)
-            top = torch.maximum(scores.amax(-1, keepdim=True), sink)
-            e = torch.exp(scores - top)
-            probs = e / (e.sum(-1, keepdim=True) + torch.exp(sink - top))
+            extra.append(sinks.float().to(dev).reshape(1, h, 1, 1).expand(scores.shape[0], h, c1 - c0, 1))
+        if slot is not None:
+            slot_logit = torch.matmul(query[:, :, c0:c1].float() * scale, slot[0].float().to(dev)[None, :, :, None])
+            extra.append(torch.tanh(slot_logit / softcap) * softcap if softcap is not None else slot_logit)
+        slot_p = None
+        if extra:
+            learned = torch.cat(extra, dim=-1)
+            top = torch.maximum(scores.amax(-1, keepdim=True), learned.amax(-1, keepdim=True))
+            e, e_learned = torch.exp(scores - top), torch.exp(learned - top)
+            denom = e.sum(-1, keepdim=True) + e_learned.sum(-1, keepdim=True)
+            probs = e / denom
+            if slot is not None:
+                slot_p = e_learned[..., -1:] / denom  # (B, H, C, 1)
         else:
             probs = torch.softmax(scores, dim=-1)
         del scores
         if drop is not None:  # a row whose only visible key was removed attends to nothing: output 0
             probs = probs.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
         out[:, :, c0:c1] = torch.matmul(probs, v[:, :, :kend])
+        if slot_p is not None:
+            out[:, :, c0:c1] += slot_p * slot[1].float().to(dev)[None, :, None, :]
         if stats is not None:
             stats.add(probs, allowed, c0, c1, kend, full, fast)
     return out

@@ -30,6 +30,9 @@ def train_cmd(
     warmup: Annotated[int, typer.Option("--warmup", help="linear warm-up steps")] = 100,
     vocab_size: Annotated[int, typer.Option("--vocab-size", help="BPE vocabulary for text data")] = 4096,
     variant: Annotated[str | None, typer.Option("--variant", help=_VARIANTS)] = None,
+    sink_init: Annotated[float | None, typer.Option(
+        "--sink-init", help="start of the learned sink logit (sink-logit variants; default 0). ≈ log(seq-len) "
+        "lets it win the race against a first-token sink (docs/sink_logit.md)")] = None,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="0: final only")] = 0,
     monitor_every: Annotated[int, typer.Option("--monitor-every")] = 100,
     max_chars: Annotated[int | None, typer.Option("--max-chars", help="cap the text corpus")] = None,
@@ -45,7 +48,7 @@ def train_cmd(
             batch_size = batch_alias
         cfg = TrainConfig(data=data, layers=layers, width=width, heads=heads, seq_len=seq_len, batch=batch_size,
                           steps=steps, lr=lr, weight_decay=weight_decay, warmup=warmup, vocab_size=vocab_size,
-                          variant=variant, seed=seed, checkpoint_every=checkpoint_every, monitor_every=monitor_every,
+                          variant=variant, sink_init=sink_init, seed=seed, checkpoint_every=checkpoint_every, monitor_every=monitor_every,
                           max_chars=max_chars)
         check_out_dir(out)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from ..errors import UnsupportedModelError
 from ..rope import rotate
+from ..variants import variant_columns, variant_gate
 
 __all__ = ["stream_attention", "ACTIVE_STREAM", "ATTN_NAME"]
 
@@ -68,11 +69,16 @@ def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     rep = h // hkv
     scale = dh**-0.5 if scaling is None else float(scaling)
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
-    if view.from_buffer and softcap is None and sinks is None:
+    learned, slot = variant_columns(module, h)  # a sinklab variant's sink logit / kv-bias slot (sinklab.variants)
+    if learned is not None:
+        sinks = learned
+    gate = variant_gate(module, h)  # (B, C, H, dv | 1) or None
+    if view.from_buffer and softcap is None and sinks is None and slot is None:
         # Decode: anchored slots were re-rotated in place, every visible slot is a plain key → fused SDPA.
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=view.visible[:, None, None, :], scale=scale, enable_gqa=rep > 1)
-        return out.transpose(1, 2).contiguous(), None
+        out = out.transpose(1, 2)
+        return (out * gate.to(out.dtype) if gate is not None else out).contiguous(), None
     q = query.float().view(b, hkv, rep, c, dh)
     scores = torch.matmul(q * scale, key.float()[:, :, None].transpose(-1, -2))  # (B, Hkv, rep, C, K)
     if not view.from_buffer and view.anchor_idx.numel():
@@ -81,12 +87,30 @@ def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         scores = torch.tanh(scores / softcap) * softcap
     visible = view.visible if view.visible.dim() == 3 else view.visible[:, None, :]  # (B, C, K)
     scores = scores.masked_fill(~visible[:, None, None], -math.inf)
-    if sinks is not None:  # learned sink logits (gpt-oss): an extra column dropped after softmax
-        extra = sinks.float().view(1, hkv, rep, 1, 1).expand(b, hkv, rep, c, 1)
-        probs = torch.softmax(torch.cat([scores, extra], dim=-1), dim=-1)[..., :-1]
+    extra = []  # learned columns (not tokens, always visible), dropped after the softmax
+    if sinks is not None:  # learned sink logits (gpt-oss, sink-logit, softmax₁): value 0
+        extra.append(sinks.float().view(1, hkv, rep, 1, 1).expand(b, hkv, rep, c, 1))
+    if slot is not None:  # kv-bias: a learned key (no RoPE) with a learned value
+        # The slot's key has no position, so its score depends on where the query is rotated: at the query's
+        # own cache-slot position (positions by cache slot), not at the stream's internal virtual position.
+        q_slot = query
+        if rope is not None and view.q_slot is not None:
+            q_slot = rotate(query, rope, (view.q_slot - view.q_v)[:, None, :])
+        slot_k = slot[0].float().view(1, hkv, rep, dh, 1)
+        slot_logit = torch.matmul(q_slot.float().view(b, hkv, rep, c, dh) * scale, slot_k)  # (B, Hkv, rep, C, 1)
+        extra.append(torch.tanh(slot_logit / softcap) * softcap if softcap is not None else slot_logit)
+    if extra:
+        full = torch.softmax(torch.cat([scores, *extra], dim=-1), dim=-1)
+        probs = full[..., : scores.shape[-1]]
     else:
         probs = torch.softmax(scores, dim=-1)
-    probs = probs.masked_fill(~visible.any(-1)[:, None, None, :, None], 0.0)  # padding queries see nothing
+    real = visible.any(-1)[:, None, None, :, None]  # padding queries see nothing
+    probs = probs.masked_fill(~real, 0.0)
     out = torch.matmul(probs, value.float()[:, :, None])  # (B, Hkv, rep, C, dv)
-    out = out.reshape(b, h, c, -1).transpose(1, 2).contiguous()
-    return out.to(query.dtype), None
+    if slot is not None:
+        slot_p = full[..., -1:].masked_fill(~real, 0.0)
+        out = out + slot_p * slot[1].float().view(1, hkv, rep, 1, -1)
+    out = out.reshape(b, h, c, -1).transpose(1, 2)
+    if gate is not None:
+        out = out * gate
+    return out.contiguous().to(query.dtype), None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from ..variants import register_labels
+
 __all__ = ["SinklabViT", "small_vit_config", "token_labels"]
 
 
@@ -49,4 +51,4 @@ class SinklabViT(nn.Module):
 
 def token_labels(num_patches: int, registers: int = 0) -> list[str]:
     """Labels of the positions inside the blocks: ``[CLS]``, ``reg<i>`` …, ``patch<i>`` … (diagnose's roles)."""
-    return ["[CLS]"] + [f"reg{i}" for i in range(registers)] + [f"patch{i}" for i in range(num_patches)]
+    return ["[CLS]"] + register_labels(registers) + [f"patch{i}" for i in range(num_patches)]
