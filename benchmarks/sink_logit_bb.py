@@ -33,7 +33,7 @@ from sinklab.synth.bigram_backcopy import BigramBackcopy
 from sinklab.variants import apply_variant
 
 
-def build(kind: str, vocab: int, width: int, seed: int, attention_bias: bool) -> nn.Module:
+def build(kind: str, vocab: int, width: int, seed: int, attention_bias: bool, sink_init: float = 0.0) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=1,
@@ -42,8 +42,8 @@ def build(kind: str, vocab: int, width: int, seed: int, attention_bias: bool) ->
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    if kind != "baseline":
-        apply_variant(model, kind)
+    if kind != "baseline":  # the shipped option: apply_variant(..., sink_init=…) (sinklab train --sink-init)
+        apply_variant(model, kind, sink_init=sink_init if "sink-logit" in kind.split("+") else None)
     return model
 
 
@@ -101,11 +101,7 @@ def train_bb(kind: str, *, steps: int, seed: int, lr: float = 3e-3, sink_lr_mult
              attention_bias: bool = False, log_every: int = 50, width: int = 64, seq_len: int = 32,
              batch: int = 32) -> dict:
     task = BigramBackcopy(vocab=64, triggers=3, seq_len=seq_len, seed=seed)
-    model = build(kind, 65, width, seed, attention_bias)
-    attn = model.model.layers[0].self_attn
-    if getattr(attn, "sinklab_variant", None) is not None and attn.sinklab_variant.sink_logit:
-        with torch.no_grad():
-            attn.sinklab_sink_logit.fill_(sink_init)
+    model = build(kind, 65, width, seed, attention_bias, sink_init)
     sink = [p for n, p in model.named_parameters() if "sinklab_sink_logit" in n]
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "sinklab_" not in n]
     rest = [p for n, p in model.named_parameters() if p.dim() < 2 and "sinklab_sink_logit" not in n]

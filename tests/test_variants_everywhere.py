@@ -187,3 +187,63 @@ def test_sink_init_lets_the_sink_logit_replace_the_bos_sink(tmp_path):
         model = sinklab.models.load_model(str(tmp_path / f"run{s0}" / "final")).model
         assert sinklab.variants.register_count(model) == 0 and model.config.sinklab_variant["sink_logit"]
     assert found[None] > 0.5 and found[4.0] < 0.1, found
+
+
+# ----------------------------------------------------------------------------- the CLI, by path
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from sinklab.cli import app
+
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    return result.exit_code, " ".join(result.output.split())
+
+
+def _small_vit(kind: str):
+    from transformers import Dinov2Config, Dinov2Model, ViTConfig, ViTModel
+
+    torch.manual_seed(0)
+    args = {"hidden_size": 24, "num_hidden_layers": 2, "num_attention_heads": 3, "intermediate_size": 48,
+            "image_size": 16, "patch_size": 4}
+    return (ViTModel(ViTConfig(**args), add_pooling_layer=False) if kind == "vit"
+            else Dinov2Model(Dinov2Config(**args))).eval()
+
+
+def test_cli_scans_and_diagnoses_vision_models_by_path(tmp_path):
+    """A transformers ViT folder and a sinklab ViT checkpoint with kv-bias + registers, by path: scan and
+    diagnose run on the embedded images and label [CLS], reg<i>, patch<i>; text commands refuse clearly."""
+    import json
+
+    from sinklab.vit import apply_vit_variant, save_vit
+
+    _small_vit("vit").save_pretrained(str(tmp_path / "hf"))
+    model = _small_vit("dinov2")
+    apply_vit_variant(model, "kv-bias+registers", registers=2)
+    save_vit(model, tmp_path / "sl")
+    for folder, tokens, registers in ((tmp_path / "hf", 1 + 16, 0), (tmp_path / "sl", 1 + 2 + 16, 2)):
+        code, text = _cli("scan", folder, "--samples", "3", "--out", folder / "scan")
+        assert code == 0, text
+        scan = json.loads((folder / "scan" / "scan.json").read_text())
+        assert scan["meta"]["registers"] == registers and "shapes images" in scan["meta"]["corpus"]
+        assert len(scan["tokens"][0]) == tokens and scan["tokens"][0][:2] == ["[CLS]", "reg0" if registers else "patch0"]
+        code, text = _cli("diagnose", folder, "--samples", "3", "--out", folder / "diag")
+        assert code == 0 and (folder / "diag" / "diagnosis.json").is_file(), text
+    code, text = _cli("scan", tmp_path / "sl", "--text", "hello", "--out", tmp_path / "x")
+    assert code == 2 and "vision transformer" in text and "Traceback" not in text
+    code, text = _cli("stream", tmp_path / "sl", "--prompt", "hello")
+    assert code == 2 and "vision transformer" in text and "language models" in text
+
+
+def test_cli_points_a_run_folder_to_its_model(tmp_path):
+    code, text = _cli("train", "--data", "bb", "--out", tmp_path / "run", "--layers", "1", "--heads", "1",
+                      "--width", "16", "--seq-len", "8", "--batch-size", "4", "--steps", "2", "--variant",
+                      "kv-bias", "--monitor-every", "2", "--sink-init", "3")
+    assert code == 2 and "sink-logit" in text  # --sink-init needs a sink logit
+    code, text = _cli("train", "--data", "bb", "--out", tmp_path / "run", "--layers", "1", "--heads", "1",
+                      "--width", "16", "--seq-len", "8", "--batch-size", "4", "--steps", "2", "--variant",
+                      "sink-logit", "--monitor-every", "2", "--sink-init", "3")
+    assert code == 0, text
+    model = sinklab.models.load_model(str(tmp_path / "run" / "final")).model
+    assert 2.0 < float(model.model.layers[0].self_attn.sinklab_sink_logit.detach().min()) < 4.0  # from 3, 2 steps
+    code, text = _cli("stream", tmp_path / "run", "--prompt", "x")
+    assert code == 2 and f"its model is {tmp_path / 'run' / 'final'}" in text

@@ -9,12 +9,13 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from sinklab.capture import AttentionCapture, CaptureConfig
 from sinklab.errors import InputError, ModelWeightsError, UnsupportedModelError
 from sinklab.vit import ShapesConfig, ShapesDataset, apply_vit_variant, load_vit, save_vit
 from sinklab.vit.data import patch_targets
 from sinklab.vit.probe import frozen_features, miou, ridge_fit, ridge_predict
 
-VARIANTS = ["registers", "gated", "gated-headwise", "gated+registers"]
+VARIANTS = ["registers", "gated", "gated-headwise", "gated+registers", "kv-bias", "kv-bias+gated+registers"]
 
 
 def _vit(kind: str):
@@ -39,8 +40,9 @@ def _randomise(model) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
 
 
-def _naive(model, x: torch.Tensor, n_regs: int, gate: str | None) -> torch.Tensor:
-    """float64 ViT/DINOv2 forward written out by hand: per-head loops, gate, registers inserted after [CLS]."""
+def _naive(model, x: torch.Tensor, n_regs: int, gate: str | None, kv: bool = False) -> torch.Tensor:
+    """float64 ViT/DINOv2 forward written out by hand: per-head loops, gate, registers inserted after [CLS],
+    kv-bias (one learned key/value column per head in front of the keys)."""
     dino = type(model).__name__.startswith("Dinov2")
     p = {k: v.detach().double() for k, v in model.state_dict().items()}
     e = "embeddings."
@@ -65,6 +67,9 @@ def _naive(model, x: torch.Tensor, n_regs: int, gate: str | None) -> torch.Tenso
             qq = xn @ p[a + "q_proj.weight"][sl].T + p[a + "q_proj.bias"][sl]
             kk = xn @ p[a + "k_proj.weight"][sl].T + p[a + "k_proj.bias"][sl]
             vv = xn @ p[a + "v_proj.weight"][sl].T + p[a + "v_proj.bias"][sl]
+            if kv:
+                kk = torch.cat([p[a + "sinklab_k_bias"][hd].expand(b, 1, dh), kk], 1)
+                vv = torch.cat([p[a + "sinklab_v_bias"][hd].expand(b, 1, dh), vv], 1)
             o = torch.softmax(qq @ kk.transpose(1, 2) / math.sqrt(dh), -1) @ vv  # (B, T, dh)
             if gate is not None:
                 g = torch.sigmoid(xn @ p[a + "sinklab_gate.weight"].T + p[a + "sinklab_gate.bias"])
@@ -92,13 +97,21 @@ def test_variant_matches_naive_float64(kind, variant):
     with torch.no_grad():
         out = model(pixel_values=x).last_hidden_state
     gate = handle.config.gate
-    ref = _naive(model, x, handle.config.registers, gate)
+    kv = handle.config.kv_bias
+    ref = _naive(model, x, handle.config.registers, gate, kv)
     assert out.shape == (2, 1 + 9, 24)  # registers dropped from the output
     assert torch.allclose(out.double(), ref, atol=2e-5), (out.double() - ref).abs().max()
-    # the test can fail: the reference without the registers (or without the gate) is far off
+    # the test can fail: the reference without the registers (or without the gate / the kv slot) is far off
     regs = handle.config.registers
-    wrong = _naive(model, x, 0, gate) if regs else _naive(model, x, regs, None)
+    wrong = _naive(model, x, 0, gate, kv) if regs else _naive(model, x, regs, None, False)
     assert not torch.allclose(out.double(), wrong, atol=1e-3)
+    # the capture (scan/diagnose) computes the same forward, and sees the kv slot's mass
+    with torch.no_grad(), AttentionCapture(model, CaptureConfig(candidates=(0,), map_len=0)) as cap:
+        batch = cap.run(pixel_values=x)
+        captured = cap.last_output.last_hidden_state
+    assert torch.allclose(captured.double(), ref, atol=2e-5)
+    assert batch.column_mass.shape[-1] == 1 + regs + 9
+    assert (float(batch.learned_sink_mass.min()) > 1e-3) == kv
 
 
 @pytest.mark.parametrize("kind", ["vit", "dinov2"])
@@ -175,8 +188,6 @@ def test_save_load_by_path_keeps_the_variant(tmp_path):
 def test_bad_inputs():
     from sinklab.vit.experiment import VitExperimentConfig
 
-    with pytest.raises(UnsupportedModelError):
-        apply_vit_variant(_vit("vit"), "kv-bias")
     with pytest.raises(InputError):
         VitExperimentConfig(variants=["baseline", "nope"])
     from sinklab.models import tiny_llama

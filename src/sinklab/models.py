@@ -233,6 +233,9 @@ def _local_folder(name: str, path: str) -> Path | None:
             raise InputError(f"{name}: is a file, not a model folder; give the folder that holds config.json "
                              "and the weights")
         if not (p / "config.json").is_file():
+            if (p / "final" / "config.json").is_file():  # a `sinklab train` run folder
+                raise InputError(f"{name}: this is a training run folder; its model is {p / 'final'} (checkpoints: "
+                                 f"{p}/checkpoint-*)")
             raise InputError(f"{name}: this folder has no config.json, so it is not a transformers model folder "
                              "(give the folder that holds config.json and the *.safetensors weights)")
         return p
@@ -283,6 +286,7 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InputError(f"{name!r} is not a local path and cannot be loaded from the Hugging Face hub "
                          f"(offline, not in the cache, or no such repository): {first}") from exc
+    pooler: set[str] = set()
     if folder is not None and ((folder / CONFIG_FILE).is_file() or getattr(config, "sinklab_variant", None)):
         model = load(folder, dtype=torch_dtype)
     else:
@@ -304,9 +308,16 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
         except (OSError, RuntimeError, ValueError) as exc:
             raise ModelWeightsError(f"{name}: the weights cannot be loaded: {exc}") from exc
         head_class = bool(architectures) and architectures[0] != type(model).__name__ and auto is AutoModel
+        missing = set(info.get("missing_keys") or ())
+        pooler = {k for k in missing if k.startswith("pooler.")} if getattr(model, "pooler", None) is not None else set()
+        if pooler:  # saved without its pooler (ViTModel(add_pooling_layer=False))
+            model.pooler = None  # rather than a random one; sinklab reads the blocks, not the pooled output
+            info = dict(info, missing_keys=missing - pooler)
         strict_load_report(name, info, allow_unexpected=head_class)
     tokenizer = load_tokenizer(path, **{k: v for k, v in common.items() if k != "local_files_only"})
     notes = {} if tokenizer is not None else {"tokenizer": "none in the folder: a model of token ids only"}
+    if pooler:
+        notes["pooler"] = "not in the checkpoint: the model runs without it (no pooled output)"
     return LoadedModel(model.eval(), tokenizer, name, revision=revision, notes=notes)
 
 

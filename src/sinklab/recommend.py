@@ -87,6 +87,10 @@ LLAMA_STYLE_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "o
                      "granite", "cohere", "starcoder2", "helium", "glm"}
 #: model types the ViT variants support (sinklab.vit).
 VIT_TYPES = {"vit", "dinov2", "sinklab-vit"}
+_LLAMA_NOTE = ("Llama-style decoder: every variant applies, and a model with any of them scans, diagnoses, "
+               "generates with a KV cache and streams with sinklab.SinkCache.")
+_VIT_NOTE = ("ViT-style encoder: registers, elementwise/headwise gating, the sink logit and kv-bias are supported; "
+             "sinklab scan/diagnose take the saved folder.")
 
 
 @dataclass
@@ -246,7 +250,7 @@ def variant_support(model_type: str | None, model: nn.Module | None = None) -> d
         try:
             vit_attention_modules(model)
             return {"supported": True, "api": "sinklab.vit.apply_vit_variant",
-                    "note": "ViT-style encoder: registers, elementwise/headwise gating (and the sink logit) are supported."}
+                    "note": _VIT_NOTE}
         except SinklabError:  # UnsupportedModelError: not a ViT-style encoder, try the decoder API
             layers = None
         try:
@@ -258,15 +262,13 @@ def variant_support(model_type: str | None, model: nn.Module | None = None) -> d
         if layers is not None and all(all(hasattr(getattr(layer, "self_attn", None), n)
                                           for n in ("q_proj", "k_proj", "v_proj", "o_proj")) for layer in layers):
             return {"supported": True, "api": "sinklab.apply_variant",
-                    "note": "Llama-style decoder: every variant applies; register tokens do not yet work with KV-cache "
-                            "generation, and a kv-bias model cannot yet be scanned or diagnosed."}
+                    "note": _LLAMA_NOTE}
     if model_type in VIT_TYPES:
         return {"supported": True, "api": "sinklab.vit.apply_vit_variant",
-                "note": "ViT-style encoder: registers, elementwise/headwise gating (and the sink logit) are supported."}
+                "note": _VIT_NOTE}
     if model_type in LLAMA_STYLE_TYPES:
         return {"supported": True, "api": "sinklab.apply_variant",
-                "note": "Llama-style decoder: every variant applies; register tokens do not yet work with KV-cache "
-                        "generation, and a kv-bias model cannot yet be scanned or diagnosed."}
+                "note": _LLAMA_NOTE}
     return {"supported": False, "api": None,
             "note": f"sinklab's variants do not support this architecture ({model_type or 'unknown'}) yet: they need "
                     "Llama-style self_attn.{q,k,v,o}_proj (sinklab.apply_variant) or a ViT/DINOv2 encoder "

@@ -75,8 +75,24 @@ def prepare_run(model: str, text: str | None, file: Path | None, out: Path, seq_
     texts = _read_texts(text, file)
     out = check_out_dir(out)
     loaded = _load(model, **load_kwargs)
-    check_positions(loaded.model, seq_len)
+    if loaded.tokenizer is not None:  # (a vision model's positions are its patches, not --seq-len)
+        check_positions(loaded.model, seq_len)
     return texts, out, loaded
+
+
+def vision_run(loaded, texts: list[str] | None, *, samples: int, batch_size: int, seed: int, source: str):
+    """``(backbone, batches, labels, meta)`` when ``loaded`` is a vision transformer (scan/diagnose then run
+    on the embedded shapes images, see :mod:`sinklab.vit.inputs`), else ``None``."""
+    from ..vit.inputs import image_batches, is_vision_model
+
+    if not is_vision_model(loaded.model):
+        return None
+    if texts is not None:
+        raise InputError(f"{source} is a vision transformer: it reads images, not --text/--file (it is scanned "
+                         "on sinklab's embedded shapes images; from Python pass pixel_values to sinklab.scan_inputs)")
+    base, batches, labels, meta = image_batches(loaded.model, samples=samples, batch_size=batch_size, seed=seed)
+    meta["model"] = source
+    return base, batches, labels, meta
 
 
 def _version(value: bool) -> None:
@@ -172,12 +188,20 @@ def atomic_output(out: Path | str) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load(model: str, *, needs_tokenizer: bool = True, **kwargs):
-    """Load ``model`` with a spinner; text commands need its tokenizer (a token-id checkpoint has none)."""
+def _load(model: str, *, needs_tokenizer: bool = True, images_ok: bool = False, **kwargs):
+    """Load ``model`` with a spinner; text commands need its tokenizer (a token-id checkpoint has none).
+
+    ``images_ok``: the command also runs a vision transformer (scan, diagnose: on the embedded images)."""
     from ..models import load_model
+    from ..vit.inputs import is_vision_model
 
     with console.status(f"loading {model} …"):
         loaded = load_model(model, **kwargs)
+    if loaded.tokenizer is None and is_vision_model(loaded.model):
+        if images_ok:
+            return loaded
+        raise InputError(f"{model} is a vision transformer: `sinklab scan` and `sinklab diagnose` run it (on "
+                         "sinklab's embedded images); this command is for language models")
     if needs_tokenizer and loaded.tokenizer is None:
         raise InputError(f"{model}: this checkpoint has no tokenizer, so it cannot read text (a `sinklab train "
                          "--data bb` checkpoint works on token ids only); use a model folder with tokenizer files")

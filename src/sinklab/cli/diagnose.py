@@ -22,6 +22,7 @@ from ._common import (
     prepare_run,
     record_run,
     trust_remote_code_option,
+    vision_run,
 )
 from ._progress import PhaseBars, print_warnings
 from .recommend import print_recommendation
@@ -52,16 +53,24 @@ def diagnose(
 ) -> None:
     """Classify MODEL's sinks (NOP / broadcast), run causal value edits, write diagnosis.json and report.html."""
     from ..diagnose import diagnose as run_diagnose
+    from ..diagnose import diagnose_inputs
 
     with _user_errors():
         texts, out, loaded = prepare_run(model, text, file, out, seq_len, dtype=dtype, device=device, revision=revision,
-                                         trust_remote_code=trust_remote_code, device_map=device_map)
+                                         trust_remote_code=trust_remote_code, device_map=device_map,
+                                         images_ok=True)
         rules = {"rule": rule, "sink_mass": sink_mass, "nop_max_ratio": nop_max,
                  "broadcast_min_ratio": broadcast_min, "broadcast_max_srank": broadcast_srank}
+        vision = vision_run(loaded, texts, samples=samples, batch_size=batch_size, seed=seed, source=model)
         with PhaseBars({"scan": "statistics pass (samples)", "edits": "causal edits (edited passes)"}) as progress:
-            d = run_diagnose(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
-                             batch_size=batch_size, rules=rules, edits=edits, edit_samples=edit_samples, seed=seed,
-                             source=model, revision=revision, progress=progress)
+            if vision is not None:  # a ViT / DINOv2: the embedded shapes images, positions [CLS], reg<i>, patch<i>
+                base, batches, labels, meta = vision
+                d = diagnose_inputs(base, batches, labels, rules=rules, edits=edits, edit_samples=edit_samples,
+                                    special={"cls": "[CLS]"}, meta=meta, progress=progress, seed=seed)
+            else:
+                d = run_diagnose(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
+                                 batch_size=batch_size, rules=rules, edits=edits, edit_samples=edit_samples,
+                                 seed=seed, source=model, revision=revision, progress=progress)
         record_run(d.scan.meta, loaded, texts, device=device, dtype=dtype)
         _print_diagnosis(d)
         print_warnings(d.scan.meta)

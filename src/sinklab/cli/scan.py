@@ -17,6 +17,7 @@ from ._common import (
     prepare_run,
     record_run,
     trust_remote_code_option,
+    vision_run,
 )
 from ._progress import PhaseBars, print_warnings
 
@@ -60,14 +61,21 @@ def scan(
 ) -> None:
     """Scan MODEL for attention sinks; print a per-layer table and write scan.json, figures, report.html."""
     from ..scan import scan as run_scan
+    from ..scan import scan_inputs
 
     with _user_errors():
         texts, out, loaded = prepare_run(model, text, file, out, seq_len, dtype=dtype, device=device, revision=revision,
-                                         trust_remote_code=trust_remote_code, device_map=device_map)
+                                         trust_remote_code=trust_remote_code, device_map=device_map,
+                                         images_ok=True)
+        vision = vision_run(loaded, texts, samples=samples, batch_size=batch_size, seed=seed, source=model)
         with PhaseBars({"scan": "scanning samples"}) as progress:
-            result = run_scan(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
-                              batch_size=batch_size, thresholds={"eps": eps}, seed=seed, source=model,
-                              revision=revision, progress=progress)
+            if vision is not None:  # a ViT / DINOv2: the embedded shapes images, positions [CLS], reg<i>, patch<i>
+                base, batches, labels, meta = vision
+                result = scan_inputs(base, batches, labels, thresholds={"eps": eps}, progress=progress, meta=meta)
+            else:
+                result = run_scan(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
+                                  batch_size=batch_size, thresholds={"eps": eps}, seed=seed, source=model,
+                                  revision=revision, progress=progress)
         record_run(result.meta, loaded, texts, device=device, dtype=dtype)
         _print_table(result)
         print_warnings(result.meta)

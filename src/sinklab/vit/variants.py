@@ -106,8 +106,6 @@ def apply_vit_variant(model: nn.Module, variant: str | VariantConfig | dict, *, 
     cfg = parse_variant(variant, **overrides)
     if init not in ("default", "off"):
         raise InputError(f"init must be 'default' or 'off', got {init!r}")
-    if cfg.kv_bias:
-        raise UnsupportedModelError("the kv-bias variant is not offered for ViTs (sinklab cannot capture it yet)")
     base = _base(model)
     if getattr(base, "sinklab_variant_handle", None) is not None:
         raise InputError("a variant is already applied to this model; call handle.remove() first")
@@ -123,6 +121,9 @@ def apply_vit_variant(model: nn.Module, variant: str | VariantConfig | dict, *, 
         if cfg.sink_logit:
             start = float("-inf") if init == "off" else 0.0
             _add(handle, attn, "sinklab_sink_logit", nn.Parameter(torch.full((h,), start, dtype=ref.dtype, device=ref.device)))
+        if cfg.kv_bias:  # a learned key/value slot per head, 0 at the start (the kv-bias slot scores 0)
+            for name in ("sinklab_k_bias", "sinklab_v_bias"):
+                _add(handle, attn, name, nn.Parameter(torch.zeros(h, dh, dtype=ref.dtype, device=ref.device)))
         if cfg.gate is not None:
             gate = nn.Linear(d, h * dh if cfg.gate == "elementwise" else h, bias=True)
             with torch.no_grad():
