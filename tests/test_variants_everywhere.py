@@ -247,3 +247,25 @@ def test_cli_points_a_run_folder_to_its_model(tmp_path):
     assert 2.0 < float(model.model.layers[0].self_attn.sinklab_sink_logit.detach().min()) < 4.0  # from 3, 2 steps
     code, text = _cli("stream", tmp_path / "run", "--prompt", "x")
     assert code == 2 and f"its model is {tmp_path / 'run' / 'final'}" in text
+
+
+def test_pin_prompt_counts_the_registers():
+    """stream_generate(pin_prompt=True) on a register model keeps registers + the whole prompt: == dense greedy."""
+    loaded = sinklab.load_model("builtin:tiny-lm")
+    apply_variant(loaded.model, "registers", registers=3)
+    with torch.no_grad():
+        loaded.model.model.sinklab_registers.mul_(50.0)  # registers the model cannot ignore
+    prompt = "The first rule of the code is that every function returns a value. The second rule of the code is that"
+    ids = loaded.tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        dense = loaded.model.generate(ids, do_sample=False, max_new_tokens=8)
+    expected = loaded.tokenizer.decode(dense[0, ids.shape[1]:], skip_special_tokens=True)
+    pinned = "".join(sinklab.stream_generate(loaded.model, loaded.tokenizer, prompt, num_sinks=1, window=7,
+                                             max_new_tokens=8, pin_prompt=True))
+    assert pinned.strip() == expected.strip()
+    # the pinned span is counted in stream tokens: registers + prompt (a session pinned on the prompt alone is short)
+    t = ids.shape[1]
+    short = sinklab.StreamSession(loaded.model, 1, 7, pinned=[(0, t)])
+    with pytest.raises(InputError, match=rf"\(0, {t + 3}\)"):
+        next(sinklab.stream_generate(loaded.model, loaded.tokenizer, prompt, pin_prompt=True, session=short))
+    short.sink.close()

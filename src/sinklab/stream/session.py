@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from .. import _compat
 from ..errors import InputError
+from ..variants import register_count
 from .cache import SinkCache
 
 __all__ = ["StreamSession", "stream_generate"]
@@ -201,7 +202,7 @@ def stream_generate(model: nn.Module, tokenizer, prompt: str | list[str], *, num
         ids[row, width - len(e):] = torch.tensor(e)
         mask[row, width - len(e):] = 1
     if pin_prompt:
-        span = (0, max(len(e) for e in encoded))
+        span = (0, max(len(e) for e in encoded) + register_count(model))  # a variant's registers come first
         if session is not None and not any(a <= 0 and span[1] <= b for a, b in session.state.pinned):
             raise InputError(f"pin_prompt with an open session: the session must have been built with pinned="
                              f"[{span}] (pins are fixed when a stream starts)")
