@@ -28,7 +28,7 @@ def _sink_classes(results: list[dict], variants: list[str]):
         ax.set_xlabel("layer")
     axes[0][0].set_ylabel("sinks (per run, all images)")
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle("sink classes per layer (mean over seeds)", fontsize=10)
+    fig.suptitle("sink classes per layer (mean over seeds)", fontsize=10, y=1.04)
     return fig
 
 
@@ -70,7 +70,7 @@ def _norms(results: list[dict], variants: list[str]):
         ax.set_title(variant, fontsize=9)
         ax.set_xlabel("‖x‖ at the last block's output")
         ax.legend(fontsize=7)
-    fig.suptitle("output-norm histograms (held-out images, all seeds)", fontsize=10)
+    fig.suptitle("output-norm histograms (held-out images, all seeds)", fontsize=10, y=1.04)
     return fig
 
 
