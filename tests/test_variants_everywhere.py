@@ -87,6 +87,8 @@ def test_scan_and_diagnose_label_registers(tmp_path):
     d = sinklab.diagnose(again.model, again.tokenizer, seq_len=32, samples=2, batch_size=2, edits=False)
     roles = {r.token_index: r.role for r in d.records}
     assert roles and all((role == "register") == (i < 3) for i, role in roles.items())
+    code, text = _cli("circuit", tmp_path / "reg", "--seq-len", "32", "--samples", "2", "--out", tmp_path / "c")
+    assert code == 2 and "register tokens" in text and not (tmp_path / "c").exists()  # P0 is a register here
 
 
 @pytest.mark.parametrize("name", ["registers", "gated+registers", "kv-bias+gated+registers", "kv-bias", "gated"])

@@ -32,8 +32,9 @@ from torch import Tensor, nn
 
 from .. import metrics
 from ..capture import AttentionCapture, CaptureConfig
-from ..errors import InputError
+from ..errors import InputError, UnsupportedModelError
 from ..models import check_weights
+from ..variants import register_count
 from . import stage as rules
 from .hooks import Patch, PositionZeroRecorder, find_sublayers
 from .inputs import REFERENCE, CircuitInputs, text_inputs
@@ -377,6 +378,11 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
     """
     if not 0.0 <= eps <= 1.0:
         raise InputError(f"eps must be in [0, 1], got {eps}")
+    if register_count(model):
+        raise UnsupportedModelError(
+            f"the model puts {register_count(model)} register tokens in front of every sequence, so position 0 is "
+            "a register, not the first token: the P0 circuit (first-token ablation) does not apply. Scan or "
+            "diagnose it instead (sinks on registers are reported with role 'register').")
     check_weights(model)
     with _Session(model) as session:
         common = {"pad_id": inputs.pad_id, "batch_size": batch_size, "padding_side": padding_side,
