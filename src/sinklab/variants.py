@@ -248,7 +248,7 @@ def apply_variant(model: nn.Module, variant: str | VariantConfig | dict, *, init
     ``sink_init`` (sink-logit variant, ``init="default"``) is the logit's starting value. The default 0 gives
     the slot ≈ 1/(N+1) of a row of N keys, and its gradient is proportional to the mass it holds, so a
     first-token sink that forms early wins the race and the logit stays unused; ``sink_init ≈ log N`` lets it
-    take the parked mass instead (docs/sink_logit.md: on Bigram-Backcopy, BOS attention 0.995 at 0, 0.013 at 4).
+    take the parked mass instead (docs/sink_logit.md: on Bigram-Backcopy, BOS attention 0.994 at 0, 0.017 at 4).
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
