@@ -190,6 +190,10 @@ def test_bad_inputs():
 
     with pytest.raises(InputError):
         VitExperimentConfig(variants=["baseline", "nope"])
+    from sinklab.vit.experiment import build
+
+    kv = build(VitExperimentConfig(variants=["baseline", "kv-bias"], width=24, heads=3, layers=1), "kv-bias", 0)
+    assert any("sinklab_k_bias" in n for n, _ in kv.named_parameters())
     from sinklab.models import tiny_llama
 
     with pytest.raises(UnsupportedModelError, match="ViT/DINOv2-style"):

@@ -14,7 +14,7 @@ from ._common import _user_errors, app, console, err
 @app.command("vit-experiment")
 def vit_experiment(
     variants: Annotated[str, typer.Option("--variants", help="comma-separated: baseline, registers, gated, "
-                                          "gated-headwise, gated+registers, sink-logit")] = "baseline,registers,gated,gated+registers",
+                                          "gated-headwise, gated+registers, sink-logit, kv-bias")] = "baseline,registers,gated,gated+registers",
     seeds: Annotated[int, typer.Option("--seeds")] = 3,
     minutes: Annotated[float, typer.Option("--minutes", help="total budget; one step count for every run")] = 10.0,
     out: Annotated[Path, typer.Option("--out", help="run folder (resumable)")] = Path("sinklab-vit-experiment"),

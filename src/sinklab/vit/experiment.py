@@ -40,7 +40,7 @@ __all__ = ["VARIANT_SPECS", "VitExperimentConfig", "run_experiment", "summarise"
 
 #: experiment variant name → sinklab variant spec (``None``: the baseline).
 VARIANT_SPECS = {"baseline": None, "registers": "registers", "gated": "gated", "gated-headwise": "gated-headwise",
-                 "gated+registers": "gated+registers", "sink-logit": "sink-logit"}
+                 "gated+registers": "gated+registers", "sink-logit": "sink-logit", "kv-bias": "kv-bias"}
 
 
 @dataclass
