@@ -56,3 +56,40 @@ def test_smollm2_multi_turn_chat_without_with(smollm2):
     assert torch.equal(ids[:, :n], first)
     cache.close()
     assert model.config._attn_implementation != "sinklab_stream"
+
+
+def test_smollm2_with_variants_generates_and_streams(smollm2):
+    """kv-bias + output gate + 2 registers on the real model (variant weights moved off their start): KV-cache
+    decoding == full forwards; SinkCache == dense before eviction and == the float64 reference after."""
+    from sinklab.variants import apply_variant
+
+    model = smollm2.model
+    ids = torch.tensor([smollm2.tokenizer(TEXT)["input_ids"][:20]])
+    handle = apply_variant(model, "kv-bias+gated+registers", init="off", registers=2)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "sinklab_" in name:
+                    p.add_(torch.randn(p.shape, generator=gen) * (0.3 if "gate.bias" not in name else 0.0) - (
+                        28.0 if "gate.bias" in name else 0.0))  # gate σ(≈ 2 ± noise): it now scales every head
+            dense = model(input_ids=ids, use_cache=False).logits[0]
+            out = model(input_ids=ids[:, :12], use_cache=True)
+            cache, steps = out.past_key_values, [out.logits[0]]
+            for i in range(12, 20):
+                steps.append(model(input_ids=ids[:, i : i + 1], cache=cache).logits[0])
+        assert _rel(torch.cat(steps), dense) < 1e-4, _rel(torch.cat(steps), dense)
+        with StreamSession(model, num_sinks=4, window=28, chunk_size=8) as s:  # 2 registers + 20 < 32: no eviction
+            early = s.feed(ids, all_logits=True)[0]
+        assert _rel(early, dense) < 1e-4, _rel(early, dense)
+        ref = Reference(model, 4, 6)  # the 2 registers and 2 tokens are the sinks
+        ref.feed_registers()
+        with StreamSession(model, num_sinks=4, window=6, chunk_size=8) as s:
+            late = s.feed(ids[:, :8], all_logits=True)[0]
+            late = torch.cat([late, torch.stack([s.step(ids[:, i])[0] for i in range(8, 16)])])
+        worst = max(_rel(late[i], ref.step(int(ids[0, i]))) for i in range(16))
+        assert worst < 1e-4, worst
+        assert _rel(late[15], dense[15]) > 1e-3  # evictions did change something
+    finally:
+        handle.remove()
+    assert not any("sinklab_" in n for n, _ in model.named_parameters())

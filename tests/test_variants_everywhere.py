@@ -16,6 +16,7 @@ from sinklab.train import TrainConfig, train
 from sinklab.variants import apply_variant
 
 from stream_reference import Reference
+from tiny_models import tiny_vit
 from variant_reference import V, naive_forward, tiny_llama
 
 CASES = ["sink-logit", "softmax1", "kv-bias", "kv-bias+sink-logit", "gated", "gated-headwise", "registers",
@@ -201,16 +202,6 @@ def _cli(*args):
     return result.exit_code, " ".join(result.output.split())
 
 
-def _small_vit(kind: str):
-    from transformers import Dinov2Config, Dinov2Model, ViTConfig, ViTModel
-
-    torch.manual_seed(0)
-    args = {"hidden_size": 24, "num_hidden_layers": 2, "num_attention_heads": 3, "intermediate_size": 48,
-            "image_size": 16, "patch_size": 4}
-    return (ViTModel(ViTConfig(**args), add_pooling_layer=False) if kind == "vit"
-            else Dinov2Model(Dinov2Config(**args))).eval()
-
-
 def test_cli_scans_and_diagnoses_vision_models_by_path(tmp_path):
     """A transformers ViT folder and a sinklab ViT checkpoint with kv-bias + registers, by path: scan and
     diagnose run on the embedded images and label [CLS], reg<i>, patch<i>; text commands refuse clearly."""
@@ -218,8 +209,8 @@ def test_cli_scans_and_diagnoses_vision_models_by_path(tmp_path):
 
     from sinklab.vit import apply_vit_variant, save_vit
 
-    _small_vit("vit").save_pretrained(str(tmp_path / "hf"))
-    model = _small_vit("dinov2")
+    tiny_vit("vit", image_size=16).save_pretrained(str(tmp_path / "hf"))
+    model = tiny_vit("dinov2", image_size=16)
     apply_vit_variant(model, "kv-bias+registers", registers=2)
     save_vit(model, tmp_path / "sl")
     for folder, tokens, registers in ((tmp_path / "hf", 1 + 16, 0), (tmp_path / "sl", 1 + 2 + 16, 2)):
@@ -271,3 +262,26 @@ def test_pin_prompt_counts_the_registers():
     with pytest.raises(InputError, match=rf"\(0, {t + 3}\)"):
         next(sinklab.stream_generate(loaded.model, loaded.tokenizer, prompt, pin_prompt=True, session=short))
     short.sink.close()
+
+
+def test_a_switched_off_sink_logit_is_not_a_corrupt_weight():
+    """init="off" puts the sink logit at −inf: scan and stream accept it (and equal the bare model); NaN or
+    +inf in it is still refused."""
+    from sinklab.errors import ModelWeightsError
+
+    model = tiny_llama()
+    ids = torch.randint(0, V, (1, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        bare = sinklab.scan_inputs(model, [{"input_ids": ids}], [[str(int(i)) for i in ids[0]]])
+        handle = apply_variant(model, "sink-logit", init="off")
+        off = sinklab.scan_inputs(model, [{"input_ids": ids}], [[str(int(i)) for i in ids[0]]])
+        torch.testing.assert_close(off.column_mass, bare.column_mass)
+        with sinklab.StreamSession(model, num_sinks=2, window=4) as s:
+            s.feed(ids)
+        model.model.layers[1].self_attn.sinklab_sink_logit[0] = float("nan")
+        with pytest.raises(ModelWeightsError, match="sinklab_sink_logit"):
+            sinklab.scan_inputs(model, [{"input_ids": ids}], [[str(int(i)) for i in ids[0]]])
+        model.model.layers[1].self_attn.sinklab_sink_logit[0] = float("inf")
+        with pytest.raises(ModelWeightsError, match="sinklab_sink_logit"):
+            sinklab.StreamSession(model, num_sinks=2, window=4)
+    handle.remove()

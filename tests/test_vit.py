@@ -15,20 +15,13 @@ from sinklab.vit import ShapesConfig, ShapesDataset, apply_vit_variant, load_vit
 from sinklab.vit.data import patch_targets
 from sinklab.vit.probe import frozen_features, miou, ridge_fit, ridge_predict
 
+from tiny_models import tiny_vit
+
 VARIANTS = ["registers", "gated", "gated-headwise", "gated+registers", "kv-bias", "kv-bias+gated+registers"]
 
 
 def _vit(kind: str):
-    from transformers import Dinov2Config, Dinov2Model, ViTConfig, ViTModel
-
-    torch.manual_seed(0)
-    args = {"hidden_size": 24, "num_hidden_layers": 2, "num_attention_heads": 3, "intermediate_size": 48,
-            "image_size": 12, "patch_size": 4, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-    if kind == "vit":
-        model = ViTModel(ViTConfig(**args), add_pooling_layer=False)
-    else:
-        model = Dinov2Model(Dinov2Config(**args, layerscale_value=0.5))
-    return model.eval()
+    return tiny_vit(kind)
 
 
 def _randomise(model) -> None:

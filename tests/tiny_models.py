@@ -74,3 +74,14 @@ def inputs_for(name: str, batch: int = 2, length: int = 12, pad: bool = True):
     if pad and batch > 1:
         mask[1, length - 4 :] = 0
     return {"input_ids": ids, "attention_mask": mask}
+
+
+def tiny_vit(kind: str, image_size: int = 12):
+    """A 2-layer, width-24 transformers ``ViTModel`` (no pooler) or ``Dinov2Model`` (LayerScale 0.5), patch 4."""
+    torch.manual_seed(0)
+    args = {"hidden_size": 24, "num_hidden_layers": 2, "num_attention_heads": 3, "intermediate_size": 48,
+            "image_size": image_size, "patch_size": 4, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    if kind == "vit":
+        return tf.ViTModel(tf.ViTConfig(**args), add_pooling_layer=False).eval()
+    return tf.Dinov2Model(tf.Dinov2Config(**args, layerscale_value=0.5)).eval()
+

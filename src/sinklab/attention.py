@@ -26,7 +26,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["softmax_with_sink", "sink_mass", "mask_rows"]
+__all__ = ["softmax_with_columns", "softmax_with_sink", "sink_mass", "mask_rows"]
+
+
+def softmax_with_columns(scores: Tensor, extra: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax over ``[scores | extra]`` on the last axis, returned split: ``(weights [..., T], extra [..., E])``.
+
+    ``extra`` ``[..., E]`` holds the logits of learned columns that are not tokens (a sink logit, a kv-bias
+    slot's score) with the same leading shape as ``scores``. Masked entries may be ``−inf``.
+
+    >>> w, x = softmax_with_columns(torch.zeros(1, 3), torch.zeros(1, 1))
+    >>> [round(v, 2) for v in w[0].tolist()], round(float(x[0, 0]), 2)
+    ([0.25, 0.25, 0.25], 0.25)
+    """
+    top = torch.maximum(scores.amax(dim=-1, keepdim=True), extra.amax(dim=-1, keepdim=True)).detach()
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    e, x = torch.exp(scores - top), torch.exp(extra - top)
+    denom = e.sum(dim=-1, keepdim=True) + x.sum(dim=-1, keepdim=True)
+    return e / denom, x / denom
 
 
 def softmax_with_sink(scores: Tensor, sink_logit: Tensor | float) -> Tensor:
@@ -38,11 +55,7 @@ def softmax_with_sink(scores: Tensor, sink_logit: Tensor | float) -> Tensor:
     gives all zeros (everything goes to the sink) unless the sink is ``−inf`` too (NaN, as softmax).
     """
     sink = torch.as_tensor(sink_logit, dtype=scores.dtype, device=scores.device)
-    sink = sink.expand(scores.shape[:-1]).unsqueeze(-1)  # (..., 1)
-    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink).detach()
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    e = torch.exp(scores - top)
-    return e / (e.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
+    return softmax_with_columns(scores, sink.expand(scores.shape[:-1]).unsqueeze(-1))[0]
 
 
 def sink_mass(weights: Tensor) -> Tensor:

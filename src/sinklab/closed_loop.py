@@ -22,6 +22,7 @@ import torch
 from .diagnose import Diagnosis, diagnose_inputs
 from .recommend import recommend
 from .train import TrainConfig, bb_metrics, train
+from .variants import register_count, register_labels
 
 __all__ = ["bb_closed_loop", "bb_diagnose", "sink_summary"]
 
@@ -29,8 +30,7 @@ __all__ = ["bb_closed_loop", "bb_diagnose", "sink_summary"]
 def bb_diagnose(model, task, samples: int = 16, seed: int = 123, edits: bool = True) -> Diagnosis:
     """Diagnose a Bigram-Backcopy model on ``samples`` fresh sequences (tokens labelled, BOS as ``<bos>``)."""
     x = task.sample(samples, torch.Generator().manual_seed(seed))
-    variant = getattr(getattr(model, "config", None), "sinklab_variant", None) or {}
-    regs = [f"reg{i}" for i in range(int(variant.get("registers", 0)))]  # prepended inside the model
+    regs = register_labels(register_count(model))  # prepended inside the model
     tokens = [regs + ["<bos>"] + [f"t{int(i)}" for i in row[1:]] for row in x]
     return diagnose_inputs(model, [{"input_ids": x}], tokens, special={"bos": "<bos>"}, edits=edits,
                            meta={"model": "bb", "model_type": "llama", "task": "bigram-backcopy"})

@@ -170,9 +170,17 @@ def _gguf_folder(name: str) -> tuple[str, dict]:
 
 
 def check_weights(model: nn.Module) -> None:
-    """Raise :class:`ModelWeightsError` naming the first parameter with NaN or inf entries."""
+    """Raise :class:`ModelWeightsError` naming the first parameter with NaN or inf entries.
+
+    A learned sink logit at −inf is not corrupt: it is the sink switched off (``apply_variant(init="off")``).
+    """
     for pname, param in _compat.named_weights(model):  # offloaded (device_map) blocks load one at a time
-        if param.is_floating_point() and not bool(torch.isfinite(param).all()):
+        if not param.is_floating_point():
+            continue
+        finite = torch.isfinite(param)
+        if pname.endswith("sinklab_sink_logit"):
+            finite = finite | (param == float("-inf"))
+        if not bool(finite.all()):
             raise ModelWeightsError(
                 f"{type(model).__name__}: parameter {pname!r} contains NaN or inf values; "
                 "the checkpoint is corrupt or was saved mid-divergence — reload or retrain it."

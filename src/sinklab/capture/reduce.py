@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..attention import mask_rows
+from ..attention import mask_rows, softmax_with_columns
 
 __all__ = ["ColumnStats", "chunked_attention"]
 
@@ -170,13 +170,9 @@ def chunked_attention(
             extra.append(torch.tanh(slot_logit / softcap) * softcap if softcap is not None else slot_logit)
         slot_p = None
         if extra:
-            learned = torch.cat(extra, dim=-1)
-            top = torch.maximum(scores.amax(-1, keepdim=True), learned.amax(-1, keepdim=True))
-            e, e_learned = torch.exp(scores - top), torch.exp(learned - top)
-            denom = e.sum(-1, keepdim=True) + e_learned.sum(-1, keepdim=True)
-            probs = e / denom
+            probs, learned_p = softmax_with_columns(scores, torch.cat(extra, dim=-1))
             if slot is not None:
-                slot_p = e_learned[..., -1:] / denom  # (B, H, C, 1)
+                slot_p = learned_p[..., -1:]  # (B, H, C, 1)
         else:
             probs = torch.softmax(scores, dim=-1)
         del scores

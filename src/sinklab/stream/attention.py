@@ -16,6 +16,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..attention import softmax_with_columns
 from ..errors import UnsupportedModelError
 from ..rope import rotate
 from ..variants import variant_columns, variant_gate
@@ -94,21 +95,22 @@ def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         # The slot's key has no position, so its score depends on where the query is rotated: at the query's
         # own cache-slot position (positions by cache slot), not at the stream's internal virtual position.
         q_slot = query
-        if rope is not None and view.q_slot is not None:
-            q_slot = rotate(query, rope, (view.q_slot - view.q_v)[:, None, :])
+        if rope is not None:
+            shift = view.slot_shift
+            shift = shift if isinstance(shift, Tensor) else torch.full((b, c), shift, device=query.device)
+            q_slot = rotate(query, rope, shift[:, None, :])
         slot_k = slot[0].float().view(1, hkv, rep, dh, 1)
         slot_logit = torch.matmul(q_slot.float().view(b, hkv, rep, c, dh) * scale, slot_k)  # (B, Hkv, rep, C, 1)
         extra.append(torch.tanh(slot_logit / softcap) * softcap if softcap is not None else slot_logit)
     if extra:
-        full = torch.softmax(torch.cat([scores, *extra], dim=-1), dim=-1)
-        probs = full[..., : scores.shape[-1]]
+        probs, learned_p = softmax_with_columns(scores, torch.cat(extra, dim=-1))
     else:
         probs = torch.softmax(scores, dim=-1)
     real = visible.any(-1)[:, None, None, :, None]  # padding queries see nothing
     probs = probs.masked_fill(~real, 0.0)
     out = torch.matmul(probs, value.float()[:, :, None])  # (B, Hkv, rep, C, dv)
     if slot is not None:
-        slot_p = full[..., -1:].masked_fill(~real, 0.0)
+        slot_p = learned_p[..., -1:].masked_fill(~real, 0.0)
         out = out + slot_p * slot[1].float().view(1, hkv, rep, 1, -1)
     out = out.reshape(b, h, c, -1).transpose(1, 2)
     if gate is not None:

@@ -49,7 +49,9 @@ class View:
     anchor_idx: Tensor | None = None  # key positions holding anchored tokens (chunk path)
     anchor_cos: Tensor | None = None  # (B, 1, A, r/2) decode: rotation of each anchored key to its slot distance
     anchor_sin: Tensor | None = None
-    q_slot: Tensor | None = None  # (B, C) each query's own cache-slot position (kept tokens it sees − 1)
+    # Rotation taking each query from its virtual position to its own cache-slot position (kept tokens it
+    # sees − 1): (B, C), or one int when every row agrees (decode). Only a kv-bias slot's score needs it.
+    slot_shift: Tensor | int = 0
 
 
 def _check_pinned(pinned) -> list[tuple[int, int]]:
@@ -186,7 +188,7 @@ class StreamState:
             view.anchor_idx = view.k_anchored.any(0).nonzero()[:, 0]
             self.view = view
             self._write_meta(rows, cols, slot, valid, sidx, q_a, q_f, q_v)
-        self.view.q_slot = q_a + torch.clamp(q_f, max=self.window) - 1
+        self.view.slot_shift = q_a + torch.clamp(q_f, max=self.window) - 1 - q_v
         self.n_real += valid.sum(1)
         self.n_anchor += anchored.sum(1)
         self.n_free += free.sum(1)
@@ -213,8 +215,7 @@ class StreamState:
             dist = q_a - self.s_a[:, :n] + torch.clamp(q_f - self.s_f[:, :n], max=self.window)  # (B, A)
             cos, sin = angles(self.rope, v - dist - self.s_o[:, :n])
             view.anchor_cos, view.anchor_sin = cos.float()[:, None], sin.float()[:, None]
-        view.q_slot = torch.full((self.batch, 1), q_a + min(q_f, self.window) - 1, dtype=torch.long, device=self.device)
-        view.q_v = torch.full((self.batch, 1), v, dtype=torch.long, device=self.device)
+        view.slot_shift = q_a + min(q_f, self.window) - 1 - v
         self.view = view
         self.n_real += 1
         (self.n_anchor if anchored else self.n_free).add_(1)
