@@ -129,7 +129,7 @@ def massive_figure(result: CircuitResult) -> Figure:
     ax.plot(xs, vals, "-", color="#777")
     for x, m in zip(xs, result.massive):
         ax.plot(x, m["max_abs"], "o", color="#c03030" if m["max_position"] == 0 else "white", mec="#c03030", ms=5)
-    ax.plot(xs, [100 * 0 + m["median_abs"] for m in result.massive], ":", color="#4a78c8", label="median |a|")
+    ax.plot(xs, [m["median_abs"] for m in result.massive], ":", color="#4a78c8", label="median |a|")
     ax.set_yscale("log")
     ax.set_xticks(xs, ["emb"] + [str(b) for b in range(result.num_layers)], fontsize=7)
     ax.set_xlabel("block")
