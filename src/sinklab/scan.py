@@ -7,7 +7,6 @@ import platform
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -155,16 +154,6 @@ class ScanResult:
             "qk_sigma_ratio": _nested(metrics.sigma_ratio(self.qk_spectrum.double())),
         }
 
-    def save(self, out_dir: str | Path) -> Path:
-        """Write ``scan.json``, the PNG figures and a self-contained ``report.html`` into ``out_dir``.
-
-        A thin entry point into the report layer (:func:`sinklab.report.html.write_report`, the one
-        upward import the layer contract allows for scan). Everything is written to a temporary folder
-        first and moved in place at the end, so a failure leaves no partial report behind.
-        """
-        from .report.html import write_report  # the documented thin entry point (pyproject: importlinter)
-
-        return write_report(self, Path(out_dir))
 
 
 def _finite(x: float) -> float | None:

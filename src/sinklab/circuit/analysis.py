@@ -24,7 +24,6 @@ import inspect
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Self
 
 import torch
@@ -119,18 +118,6 @@ class CircuitResult:
                          f"points, loss {_fmt(e['donor']['delta_loss'], '{:+.4f}')}.")
         parts.append(f"Stage: {self.stage['stage']} (sink location: {self.stage['location']}).")
         return "\n".join(parts)
-
-    def figures(self) -> dict:
-        """Matplotlib figures keyed by file stem (see :mod:`sinklab.report.circuit_figures`)."""
-        from ..report.circuit_figures import circuit_figures
-
-        return circuit_figures(self)
-
-    def save(self, out_dir: str | Path) -> Path:
-        """Write ``circuit.json``, PNG figures and ``report.html`` into ``out_dir`` (atomically)."""
-        from ..report.circuit_html import write_circuit_report
-
-        return write_circuit_report(self, Path(out_dir))
 
 
 def _fmt(x: float | None, fmt: str = "{:+.1f}") -> str:

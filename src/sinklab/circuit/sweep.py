@@ -157,15 +157,6 @@ class SweepResult:
     def stages(self) -> list[tuple[int, str | None]]:
         return [(c["step"], c.get("stage")) for c in self.checkpoints]
 
-    def figures(self) -> dict:
-        from ..report.circuit_figures import sweep_figures
-
-        return sweep_figures(self)
-
-    def save(self, out_dir: str | Path) -> Path:
-        from ..report.circuit_html import write_sweep_report
-
-        return write_sweep_report(self, Path(out_dir))
 
 
 def circuit_sweep(sources: list[str], *, include_init: bool = True, texts=None, seq_len: int = 64, samples: int = 16,

@@ -22,8 +22,6 @@ in its header); loading refuses missing or unexpected keys.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -31,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _compat
+from ..atomic import atomic_file
 from ..errors import InputError, ModelWeightsError, UnsupportedModelError
 from ..variants import VariantConfig, VariantHandle, parse_variant, stash_gate_input
 
@@ -202,14 +201,8 @@ def save_vit(model: nn.Module, path: str | Path) -> Path:
     meta = {"format": FORMAT, "class": desc["class"], "config": json.dumps(desc["config"], default=str),
             "init": json.dumps(desc["init"]), "variant": json.dumps(asdict(cfg) if cfg is not None else None)}
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    fd, tmp = tempfile.mkstemp(dir=path, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(state, tmp, metadata=meta)
-        os.replace(tmp, path / WEIGHTS_FILE)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic_file(path / WEIGHTS_FILE) as tmp:
+        save_file(state, str(tmp), metadata=meta)
     return path
 
 
