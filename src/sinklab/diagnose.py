@@ -23,7 +23,7 @@ from . import metrics
 from .capture import AttentionCapture, CaptureConfig, ValueEdit
 from .capture.resume import BlockInputs
 from .errors import InputError
-from .models import check_weights
+from .checks import check_weights
 from .recommend import Recommendation, recommend
 from .scan import Progress, ScanResult, capture_config, check_thresholds, scan_result, text_batches
 

@@ -15,7 +15,7 @@ from . import _compat, metrics
 from ._version import __version__
 from .capture import AttentionCapture, CaptureBatch, CaptureConfig
 from .errors import InputError
-from .models import check_vocab, check_weights
+from .checks import check_vocab, check_weights
 from .registry import REGISTRY, per_layer_table
 from .texts import default_texts, tokenize_windows
 from .variants import register_count, register_labels

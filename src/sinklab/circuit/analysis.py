@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from .. import metrics
 from ..capture import AttentionCapture, CaptureConfig
 from ..errors import InputError, UnsupportedModelError
-from ..models import check_weights
+from ..checks import check_weights
 from ..variants import register_count
 from . import stage as rules
 from .hooks import Patch, PositionZeroRecorder, find_sublayers
@@ -430,7 +430,7 @@ def circuit(model: nn.Module, tokenizer, texts: str | list[str] | None = None, *
     (see :mod:`sinklab.circuit.inputs`); then the causal patches at the amplification layer. Progress is
     reported per sample through ``progress``; ``set_total`` receives the number of sample passes when known.
     """
-    from ..models import check_vocab
+    from ..checks import check_vocab
     from ..scan import _provenance
     from ..texts import default_texts
 

@@ -68,7 +68,7 @@ def prepare_run(model: str, text: str | None, file: Path | None, out: Path, seq_
 
     Returns ``(texts, out, loaded)``; bad input fails here, before anything heavy runs.
     """
-    from ..models import check_positions
+    from ..checks import check_positions
 
     texts = _read_texts(text, file)
     out = check_out_dir(out)

@@ -130,4 +130,4 @@ class ModelStreams:
                 raise ModelWeightsError(
                     f"the model produced NaN or inf hidden states while streaming (columns "
                     f"{stream.state.columns - hidden.shape[1]}–{stream.state.columns - 1} of the stream); check its weights with "
-                    "sinklab.models.check_weights, or run in float32 if it overflows in half precision")
+                    "sinklab.checks.check_weights, or run in float32 if it overflows in half precision")

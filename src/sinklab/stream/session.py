@@ -37,7 +37,7 @@ class StreamSession:
                  sliding_sinks: bool = False) -> None:
         if chunk_size < 1:
             raise InputError(f"chunk_size must be ≥ 1, got {chunk_size}")
-        from ..models import check_weights
+        from ..checks import check_weights
 
         check_weights(model)  # NaN/inf weights: one clear error now, not garbage tokens later
         self.model = model
