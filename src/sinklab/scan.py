@@ -199,7 +199,8 @@ def _merge(batches: list[CaptureBatch]) -> dict:
     return merged
 
 
-def _provenance(model: nn.Module, source: str | None, revision: str | None, **extra) -> dict:
+def model_meta(model: nn.Module, source: str | None, revision: str | None, **extra) -> dict:
+    """What a result's ``meta`` records about the model and the run (source, class, dtype, versions …)."""
     import transformers
 
     config = getattr(model, "config", None)
@@ -346,7 +347,7 @@ def text_batches(model: nn.Module, tokenizer, texts: str | list[str] | None, *, 
         width = int(windows.attention_mask[a:b].sum(-1).max())
         batches.append({"input_ids": windows.input_ids[a:b, :width].to(device),
                         "attention_mask": windows.attention_mask[a:b, :width].to(device)})
-    meta = _provenance(model, source, revision, seed=seed, requested_seq_len=seq_len, corpus=corpus,
+    meta = model_meta(model, source, revision, seed=seed, requested_seq_len=seq_len, corpus=corpus,
                        tokenizer_added_bos=windows.added_bos, tokenizer_class=type(tokenizer).__name__)
     tokens = windows.tokens
     registers = register_count(model)

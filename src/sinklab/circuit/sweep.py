@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import InputError, SinklabError
-from .analysis import CircuitResult, _clean, circuit, circuit_inputs
+from .analysis import CircuitResult, json_clean, circuit, circuit_inputs
 from .inputs import bb_inputs
 from .stage import LAYER_SINK_THRESHOLD, LOCATION_RULE, STAGE_RULE
 
@@ -146,7 +146,7 @@ class SweepResult:
     meta: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"schema": SWEEP_SCHEMA, **_clean(asdict(self))}
+        return {"schema": SWEEP_SCHEMA, **json_clean(asdict(self))}
 
     @classmethod
     def from_json(cls, data: dict) -> SweepResult:

@@ -64,7 +64,7 @@ def vit_attention_modules(model: nn.Module) -> list[nn.Module]:
     return mods
 
 
-def _base(model: nn.Module) -> nn.Module:
+def vit_base(model: nn.Module) -> nn.Module:
     """The module owning ``embeddings`` (``ViTModel``/``Dinov2Model``, or the backbone inside a wrapper)."""
     for candidate in (model, getattr(model, "backbone", None), _compat.base_model(model)):
         if candidate is not None and isinstance(getattr(candidate, "embeddings", None), nn.Module):
@@ -76,7 +76,7 @@ def _base(model: nn.Module) -> nn.Module:
 
 def vit_variant(model: nn.Module) -> VariantConfig | None:
     """The variant applied to ``model`` (or its backbone), or ``None``."""
-    handle = getattr(model, "sinklab_variant_handle", None) or getattr(_base(model), "sinklab_variant_handle", None)
+    handle = getattr(model, "sinklab_variant_handle", None) or getattr(vit_base(model), "sinklab_variant_handle", None)
     return None if handle is None else handle.config
 
 
@@ -105,7 +105,7 @@ def apply_vit_variant(model: nn.Module, variant: str | VariantConfig | dict, *, 
     cfg = parse_variant(variant, **overrides)
     if init not in ("default", "off"):
         raise InputError(f"init must be 'default' or 'off', got {init!r}")
-    base = _base(model)
+    base = vit_base(model)
     if getattr(base, "sinklab_variant_handle", None) is not None:
         raise InputError("a variant is already applied to this model; call handle.remove() first")
     mods = vit_attention_modules(base)
