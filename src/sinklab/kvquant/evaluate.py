@@ -96,10 +96,11 @@ class KvQuantResult:
     detected: list[list[int]]  # per sample: the detected sink positions
     dense_bytes_16: int  # bytes per token of a 16-bit unquantized cache
     meta: dict = field(default_factory=dict)
+    hf_skipped: dict[str, str] = field(default_factory=dict)  # backend → why transformers refused the model
 
     def to_json(self) -> dict:
         return {"rows": self.rows, "plan": asdict(self.plan), "detected": self.detected,
-                "dense_bytes_per_token_16bit": self.dense_bytes_16, "meta": self.meta}
+                "dense_bytes_per_token_16bit": self.dense_bytes_16, "hf_skipped": self.hf_skipped, "meta": self.meta}
 
     def row(self, bits: int, protect: str) -> dict:
         return next(r for r in self.rows if r["bits"] == bits and r["protect"] == protect)
@@ -194,13 +195,19 @@ def kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *,
     if ids.numel() < plan.tokens:
         raise InputError(f"kv-quant needs {plan.tokens} tokens ({plan.samples} samples × (context {plan.context} + "
                          f"score {plan.score})), the text has {ids.numel()}: give a longer text or fewer samples")
+    skipped = {}
     for name in plan.hf_backends:
-        _hf_cache(model, name, HF_BACKENDS[name][1], plan)  # a missing backend fails now, not after an hour
+        try:
+            _hf_cache(model, name, HF_BACKENDS[name][1], plan)  # a missing backend fails now, not after an hour
+        except ValueError as exc:  # transformers refuses the model (e.g. sliding-window layers): say so, go on
+            if isinstance(exc, InputError):
+                raise
+            skipped[name] = str(exc)
     model.eval()
     tick = progress or (lambda label, n: None)
     configs: list[tuple[str, int, str]] = [("full", 0, "full")]
     configs += [("sinklab", b, p) for b in plan.bits for p in plan.protect]
-    configs += [("hf", b, f"hf-{name}") for name, b in plan.hf_configs()]
+    configs += [("hf", b, f"hf-{name}") for name, b in plan.hf_configs() if name not in skipped]
     kl: dict[tuple, list[Tensor]] = {c: [] for c in configs}
     top1: dict[tuple, list[Tensor]] = {c: [] for c in configs}
     nll: dict[tuple, list[Tensor]] = {c: [] for c in configs}
@@ -259,4 +266,4 @@ def kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *,
             "ms_per_token": ms[config],
             "protected_tokens": sum(protected[config]) / len(protected[config]),
         })
-    return KvQuantResult(rows, plan, detected, dense16)
+    return KvQuantResult(rows, plan, detected, dense16, hf_skipped=skipped)
