@@ -82,7 +82,9 @@ def _command(chat, line: str) -> bool:
             err.print(f"[dim]saved to {escape(str(chat.save(Path(arg))))}[/dim]", highlight=False)
         else:
             chat.load(Path(arg))
-            err.print(f"[dim]loaded {escape(arg)}: {escape(chat.meter().line())}[/dim]", highlight=False)
+            m = chat.meter()
+            err.print(f"[dim]loaded {escape(arg)}: {m.tokens_seen} tokens streamed, {m.kept} kept[/dim]",
+                      highlight=False)
     else:
         raise InputError(f"unknown command {name}; {_HELP}")
     return True
