@@ -2,8 +2,8 @@
 
 ``sinklab.report.save(result, out)`` writes any sinklab result — a :class:`~sinklab.scan.ScanResult`, a
 :class:`~sinklab.diagnose.Diagnosis` (with the recommendation it carries), a
-:class:`~sinklab.circuit.CircuitResult`, a :class:`~sinklab.circuit.sweep.SweepResult` or a
-:class:`~sinklab.stream.evaluate.StreamEval` — as its JSON file, PNG figures and a self-contained
+:class:`~sinklab.circuit.CircuitResult`, a :class:`~sinklab.circuit.sweep.SweepResult`, a
+:class:`~sinklab.stream.evaluate.StreamEval` or a :class:`~sinklab.kvquant.evaluate.KvQuantResult` — as its JSON file, PNG figures and a self-contained
 ``report.html`` into the folder ``out``, atomically (:func:`sinklab.atomic.atomic_dir`). Results are data;
 the renderers here only render them.
 """
@@ -17,6 +17,7 @@ from ..circuit.analysis import CircuitResult
 from ..circuit.sweep import SweepResult
 from ..diagnose import Diagnosis
 from ..errors import InputError
+from ..kvquant.evaluate import KvQuantResult
 from ..scan import ScanResult
 from ..stream.evaluate import StreamEval
 
@@ -47,6 +48,12 @@ def _sweep(result, out: Path) -> Path:
     return write_sweep_report(result, out)
 
 
+def _kv_quant(result, out: Path) -> Path:
+    from .kvquant import write_kv_quant
+
+    return write_kv_quant(result.to_json(), out)
+
+
 def _eval_stream(result, out: Path) -> Path:
     from .stream_figures import write_eval_stream
 
@@ -60,6 +67,7 @@ WRITERS: dict[type, Callable[[object, Path], Path]] = {
     CircuitResult: _circuit,
     SweepResult: _sweep,
     StreamEval: _eval_stream,
+    KvQuantResult: _kv_quant,
 }
 
 
