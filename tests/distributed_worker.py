@@ -3,8 +3,9 @@
 Several checks share one launch (process start-up with torch + transformers costs seconds): each writes
 what the test compares into the folder ``argv[1]``; the single-process references are computed by the test.
 
-1. ``scan`` of builtin:tiny-lm split over the ranks (library), then the ``sinklab scan`` command in-process;
-2. ``diagnose`` (statistics split by batch, causal edits split by head);
+1. ``scan`` of builtin:tiny-lm split over the ranks (library), the ``sinklab scan`` command in-process, and
+   ``diagnose`` (statistics split by batch, causal edits split by head);
+2. ``sinklab train`` (DDP) in-process, as ``torchrun -m sinklab train`` runs it;
 3. SinkMonitor through a transformers ``Trainer`` (DDP, gradient accumulation 2) — weights kept per record;
 4. SinkMonitor in a plain loop on an FSDP2 model (``fully_shard``) — full weights kept per record;
 5. a rank whose weights hold a NaN: every rank must raise (rank 0 a DistributedError);
@@ -59,6 +60,19 @@ def check_scan(out: Path, rank: int) -> None:
     d = diagnose(loaded.model, loaded.tokenizer, **SCAN_ARGS, edit_samples=2)
     if distributed.is_main():
         (out / "diagnosis.json").write_text(json.dumps(d.to_json()))
+
+
+#: ``sinklab train`` options of check 2b (Bigram-Backcopy: no tokenizer to train).
+TRAIN_ARGS = {"data": "bb", "layers": 2, "width": 32, "heads": 4, "seq_len": 16, "batch": 4, "steps": 4,
+              "monitor_every": 2, "warmup": 1}
+
+
+def check_train_cli(out: Path, rank: int) -> None:
+    """``sinklab train`` in-process under the launcher (what ``torchrun -m sinklab train`` runs)."""
+    from sinklab.cli import app
+
+    args = [x for k, v in TRAIN_ARGS.items() for x in (f"--{k.replace('_', '-').replace('batch', 'batch-size')}", str(v))]
+    app(["train", *args, "--out", str(out / "train")], standalone_mode=False)
 
 
 def check_trainer_ddp(out: Path, rank: int) -> None:
@@ -126,7 +140,7 @@ def main() -> None:
     rank = distributed.rank()
     for name in ("ddp", "fsdp"):
         (out / name).mkdir(parents=True, exist_ok=True)
-    for check in (check_scan, check_trainer_ddp, check_fsdp, check_failure):
+    for check in (check_scan, check_train_cli, check_trainer_ddp, check_fsdp, check_failure):
         try:
             check(out, rank)
         except Exception:

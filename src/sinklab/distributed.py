@@ -32,7 +32,7 @@ from .errors import SinklabError
 
 __all__ = ["DistributedError", "launched", "init", "active", "rank", "world_size", "is_main", "timeout_seconds", "local",
            "local", "all_reduce", "gather_rows", "gather_objects", "broadcast_object", "batch_shares", "together",
-           "barrier", "shutdown", "fsdp_root", "probe_ranks", "unwrap", "local_device", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S"]
+           "barrier", "shutdown", "fsdp_root", "probe_ranks", "unwrap", "data_parallel", "local_device", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S"]
 
 #: Environment variable with the collective timeout in seconds.
 TIMEOUT_ENV = "SINKLAB_DIST_TIMEOUT"
@@ -308,3 +308,17 @@ def probe_ranks(model: nn.Module) -> Iterator[bool]:
         yield True
     finally:
         root.reshard()
+
+
+def data_parallel(model: nn.Module) -> nn.Module:
+    """``model`` in ``DistributedDataParallel`` under a launcher (gradients averaged over ranks), else itself.
+
+    The returned module is the one to call for training; ``model`` itself stays the plain module (a
+    :class:`~sinklab.monitor.SinkMonitor` or a checkpoint writer uses it).
+    """
+    if not active():
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = next(model.parameters()).device
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
