@@ -30,9 +30,10 @@ from torch import Tensor, nn
 
 from .errors import SinklabError
 
-__all__ = ["DistributedError", "launched", "init", "active", "rank", "world_size", "is_main", "timeout_seconds", "local",
+__all__ = ["DistributedError", "launched", "init", "active", "rank", "world_size", "is_main", "timeout_seconds",
            "local", "all_reduce", "gather_rows", "gather_objects", "broadcast_object", "batch_shares", "together",
-           "barrier", "shutdown", "fsdp_root", "probe_ranks", "unwrap", "data_parallel", "local_device", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S"]
+           "barrier", "shutdown", "fsdp_root", "probe_ranks", "unwrap", "data_parallel", "local_device",
+           "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S"]
 
 #: Environment variable with the collective timeout in seconds.
 TIMEOUT_ENV = "SINKLAB_DIST_TIMEOUT"
