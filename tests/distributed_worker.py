@@ -9,12 +9,13 @@ what the test compares into the folder ``argv[1]``; the single-process reference
 3. SinkMonitor through a transformers ``Trainer`` (DDP, gradient accumulation 2) — weights kept per record;
 4. SinkMonitor in a plain loop on an FSDP2 model (``fully_shard``) — full weights kept per record;
 5. a rank whose weights hold a NaN: every rank must raise (rank 0 a DistributedError);
-6. rank 1 raises outside sinklab and exits: rank 0's next collective must fail, not hang.
+6. rank 1 hangs: rank 0's collective must time out (``SINKLAB_DIST_TIMEOUT`` = 3 s) and the job end.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -36,6 +37,9 @@ def tiny_llama() -> tf.LlamaForCausalLM:
     torch.manual_seed(0)
     return tf.LlamaForCausalLM(cfg)
 
+
+#: How long rank 1 "hangs" in check 6 (far longer than the 3 s timeout; torchrun ends it sooner).
+JOB_HANG_S = 600
 
 #: The monitor's probe batch (32 tokens: long enough for Sink^ε to mean something).
 PROBE = {"input_ids": torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(7))}
@@ -146,16 +150,18 @@ def main() -> None:
         except Exception:
             (out / f"crash-{check.__name__}-{rank}.txt").write_text(traceback.format_exc())
             raise
-    # 6. rank 1 fails outside sinklab; rank 0 waits in a collective and must get an error, not hang.
+    # 6. rank 1 hangs outside sinklab; rank 0 waits in a collective and must time out, not wait forever.
     if rank == 1:
-        raise SystemExit("rank 1 fails on purpose")
+        time.sleep(JOB_HANG_S)  # torchrun stops this rank once rank 0 exits with an error
+    os.environ[distributed.TIMEOUT_ENV] = "3"
     start = time.perf_counter()
     try:
         distributed.all_reduce(torch.ones(1))
         outcome = "no error"
     except distributed.DistributedError as exc:
         outcome = f"DistributedError after {time.perf_counter() - start:.1f} s: {exc}"
-    (out / "peer-exit-0.txt").write_text(outcome)
+    (out / "hang-0.txt").write_text(outcome)
+    raise SystemExit(f"rank 0 stops: {outcome}")
 
 
 if __name__ == "__main__":

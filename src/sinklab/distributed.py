@@ -159,13 +159,19 @@ _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 def all_reduce(tensor: Tensor, op: str = "sum") -> Tensor:
     """``tensor`` reduced over ranks with ``op`` (``sum``, ``max``, ``min``); a new tensor on ``tensor``'s device.
 
-    No-op (``tensor`` itself) in one process. Booleans are reduced as integers (sum: counts; max: any).
+    No-op (``tensor`` itself) in one process. Booleans are reduced as integers (sum: counts; max: any). Waits
+    at most :func:`timeout_seconds` (read at each call), then raises :class:`DistributedError`.
     """
     if not active():
         return tensor
     dist = _dist()
     work = tensor.to(_comm_device(), torch.int64 if tensor.dtype == torch.bool else tensor.dtype, copy=True)
-    _collective("all_reduce", dist.all_reduce, work, op=getattr(dist.ReduceOp, _OPS[op]))
+    wait = datetime.timedelta(seconds=timeout_seconds())  # read now: the environment may have changed since init
+
+    def reduce() -> None:
+        dist.all_reduce(work, op=getattr(dist.ReduceOp, _OPS[op]), async_op=True).wait(timeout=wait)
+
+    _collective("all_reduce", reduce)
     return work.to(tensor.device)
 
 
