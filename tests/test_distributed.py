@@ -45,6 +45,11 @@ def job(tmp_path_factory):
     return out, proc, time.perf_counter() - start
 
 
+@pytest.fixture(scope="module")
+def tiny_lm():
+    return load_model("builtin:tiny-lm")
+
+
 def _close(a, b, rel: float, path: str = "") -> None:
     """Nested JSON values equal: strings/ints/None exactly, floats within ``rel`` relative (NaN == NaN)."""
     if isinstance(a, dict):
@@ -61,10 +66,9 @@ def _close(a, b, rel: float, path: str = "") -> None:
         assert a == b, (path, a, b)
 
 
-def test_scan_split_over_two_ranks_equals_one_process(job):
+def test_scan_split_over_two_ranks_equals_one_process(job, tiny_lm):
     out, _, _ = job
-    loaded = load_model("builtin:tiny-lm")
-    single = scan(loaded.model, loaded.tokenizer, **SCAN_ARGS)
+    single = scan(tiny_lm.model, tiny_lm.tokenizer, **SCAN_ARGS)
     for rank in (0, 1):  # every rank returns the whole result
         got = torch.load(out / f"scan-{rank}.pt")
         assert got["meta"] == {"world_size": 2, "split": got["meta"]["split"], "batches_per_rank": [[0, 2], [2, 3]],
@@ -80,10 +84,9 @@ def test_scan_split_over_two_ranks_equals_one_process(job):
         assert one["meta"][key] == two["meta"][key]
 
 
-def test_diagnose_split_over_two_ranks_equals_one_process(job):
+def test_diagnose_split_over_two_ranks_equals_one_process(job, tiny_lm):
     out, _, _ = job
-    loaded = load_model("builtin:tiny-lm")
-    single = diagnose(loaded.model, loaded.tokenizer, **SCAN_ARGS, edit_samples=2).to_json()
+    single = diagnose(tiny_lm.model, tiny_lm.tokenizer, **SCAN_ARGS, edit_samples=2).to_json()
     split = json.loads((out / "diagnosis.json").read_text())
     assert split["meta"].pop("distributed")["world_size"] == 2
     assert len(single["edits"]) >= 2 and single["records"]  # edits on several heads, so both ranks edit
@@ -114,6 +117,7 @@ def test_monitor_under_fsdp2_plain_loop(job):
     _check_monitor(job[0] / "fsdp", [2, 4], [2 * 128, 4 * 128])
 
 
+@pytest.mark.filterwarnings("ignore::sinklab.scan.ShortSequenceWarning")  # 16-token Bigram-Backcopy probes
 def test_train_under_torchrun_equals_one_process_on_the_whole_batch(job, tmp_path):
     from sinklab.train import TrainConfig, train
 
