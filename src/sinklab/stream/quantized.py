@@ -36,7 +36,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
 
     is_compileable = False
 
-    def __init__(self, state: StreamState, rope, bits: int = 4, group_size: int = 64) -> None:
+    def __init__(self, state: StreamState, rope, bits: int = 4, group_size: int = 16) -> None:
         if bits not in BITS:
             raise InputError(f"kv_bits must be one of {BITS} (or None for full precision), got {bits!r}")
         if group_size < 1:
