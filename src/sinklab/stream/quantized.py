@@ -112,6 +112,18 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
             shift = delta.to(self.device)[:, None, None]  # (B, 1, 1) broadcast over heads and slots
             self.ring_k = quantize(rotate(dequantize(self.ring_k), self.rope, shift), self.bits, self.group, dim=-1)
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search is not supported by SinkCache(kv_bits=...); use kv_bits=None")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("num_return_sequences > 1 is not supported by SinkCache(kv_bits=...)")
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        raise NotImplementedError("selecting batch rows is not supported by SinkCache(kv_bits=...)")
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("a SinkCache(kv_bits=...) cannot be cropped")
+
     def nbytes(self) -> int:
         """Bytes this layer holds: packed ring (codes, scales, zero points) + exact anchored keys and values."""
         exact = sum(t.numel() * t.element_size() for t in (self.anchor_keys, self.anchor_values))
