@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from ..errors import SinklabError
+from .. import distributed
 from ..report import save
 from ._common import (
     MODEL_HELP,
@@ -18,6 +19,7 @@ from ._common import (
     check_out_dir,
     console,
     device_map_option,
+    join_ranks,
     prepare_run,
     record_run,
     trust_remote_code_option,
@@ -55,6 +57,7 @@ def diagnose(
     from ..diagnose import diagnose_inputs
 
     with _user_errors():
+        device = join_ranks(device, device_map)
         texts, out, loaded = prepare_run(model, text, file, out, seq_len, dtype=dtype, device=device, revision=revision,
                                          trust_remote_code=trust_remote_code, device_map=device_map,
                                          images_ok=True)
@@ -70,6 +73,8 @@ def diagnose(
                 d = run_diagnose(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
                                  batch_size=batch_size, rules=rules, edits=edits, edit_samples=edit_samples,
                                  seed=seed, source=model, revision=revision, progress=progress)
+        if not distributed.is_main():  # the main process writes the one report
+            return
         record_run(d.scan.meta, loaded, texts, device=device, dtype=dtype)
         _print_diagnosis(d)
         print_warnings(d.scan.meta)
