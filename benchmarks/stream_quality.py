@@ -40,7 +40,8 @@ def _write(name: str, data: dict) -> None:
 
 
 def _meta(args, start: float) -> dict:
-    return {"model": "builtin:smollm2", "command": " ".join(sys.argv), "wall_seconds": time.perf_counter() - start,
+    model = args.model if args.experiment in ("endless", "prompts") else "smollm2"
+    return {"model": f"builtin:{model}", "command": " ".join(sys.argv), "wall_seconds": time.perf_counter() - start,
             "threads": args.threads, "torch": torch.__version__,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, shared with other jobs (timings under load)"}
 
@@ -104,12 +105,11 @@ def main() -> None:
             n = len(run.tokens)
             print(f"  [{time.strftime('%H:%M:%S')}] {label}: {n} tokens, {n / (time.perf_counter() - t0):.1f} tok/s",
                   flush=True)
-            _write(name, {"model": f"builtin:{args.model}",
+            _write(name, {
                 "label": label, "num_sinks": args.sinks, "window": window, "prompt": ENDLESS_PROMPT,
                 "temperature": 0.7, "top_k": 50, "seed": args.seed, "tokens_planned": args.tokens,
                 "tokens": run.tokens, "nll": run.nll, "blocks": run.stats(),
-                "text": tok.decode(run.tokens, skip_special_tokens=False), **_meta(args, start),
-                "model": f"builtin:{args.model}"})
+                "text": tok.decode(run.tokens, skip_special_tokens=False), **_meta(args, start)})
 
         run = quality.endless_generation(model, ids, args.tokens, num_sinks=args.sinks, window=window, seed=args.seed,
                                          label=label, every=250, on_update=save)
@@ -123,7 +123,7 @@ def main() -> None:
 
         rows = quality.many_prompts(model, tok, quality.PROMPTS[: args.prompts], num_sinks=args.sinks,
                                     window=args.window, max_new_tokens=args.max_new_tokens, progress=progress)
-        _write("prompts" if args.model == "smollm2" else f"prompts_{args.model}", {"model": f"builtin:{args.model}", "num_sinks": args.sinks, "window": args.window, "max_new_tokens": args.max_new_tokens,
+        _write("prompts" if args.model == "smollm2" else f"prompts_{args.model}", {"num_sinks": args.sinks, "window": args.window, "max_new_tokens": args.max_new_tokens,
                            "rows": [r.__dict__ for r in rows], **_meta(args, start)})
     print(f"wall {time.perf_counter() - start:.0f} s")
 
