@@ -254,8 +254,6 @@ def variant_support(model_type: str | None, model: nn.Module | None = None) -> d
         except SinklabError:  # UnsupportedModelError: not a ViT-style encoder, try the decoder API
             layers = None
         try:
-            from . import _compat
-
             layers = _compat.find_layers(model)
         except SinklabError:
             layers = None
