@@ -19,6 +19,7 @@ class CaptureConfig:
     map_len: int = 128  # keep sample 0's attention maps over its first map_len positions (0: none)
     chunk_elements: int = 1 << 21  # score entries per query chunk (bounds the temporaries)
     route_threshold: float = 0.5  # A_ij at or above this counts a query as routed to column j
+    head_statistics: bool = True  # value/update norms, update spectrum, QK spectrum (False: NaN, not computed)
 
     def __post_init__(self) -> None:
         if any(p < 0 for p in self.candidates):
