@@ -4,21 +4,32 @@ Tiny Llama-style model (d 256, 4 layers, 4 heads, random weights), one sample of
 {512, 2048, 8192}. Every measurement runs in its own subprocess so peak RSS (ru_maxrss) is clean.
 Prints a table and writes benchmarks/results/bench_scan.json. Not a test: numbers depend on the machine.
 
+Real-model mode (``--models``): per model, one process loads it once (load excluded) and times, in
+interleaved rounds on the same windows (16 × 64 tokens by default), the backbone forward
+(``model.model``, no LM head), ``sinklab.scan``, ``sinklab.diagnose`` and ``sinklab.circuit`` with their
+defaults: wall and CPU seconds (CPU time is steadier on a shared machine), medians over the rounds. Peak
+memory: each operation again in its own process, RSS sampled every 2 ms while it runs, against the
+same process's RSS after loading. Writes benchmarks/results/bench_scan_models.json.
+
     python benchmarks/bench_scan.py [--lengths 512 2048 8192] [--repeats 2]
+    python benchmarks/bench_scan.py --models builtin:smollm2 path/to/gemma-3-270m.gguf [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 MODES = ("plain-sdpa", "sinklab-scan", "eager-attentions")
+OPERATIONS = ("forward", "scan", "diagnose", "circuit")
 
 
 def _model(attn: str):
@@ -59,12 +70,131 @@ def worker(mode: str, length: int, repeats: int) -> dict:
     return {"mode": mode, "T": length, "seconds": min(times), "peak_rss_mb": peak_mb}
 
 
+def _operations(name: str, samples: int, seq_len: int) -> dict:
+    """Load ``name`` and return ``{operation: callable}`` on the same windows (see the module docstring)."""
+    import warnings
+
+    import torch
+
+    import sinklab
+    from sinklab.circuit import circuit
+    from sinklab.scan import text_batches
+
+    warnings.filterwarnings("ignore")
+    loaded = sinklab.load_model(name)
+    model, tok = loaded.model, loaded.tokenizer
+    batches, _, _ = text_batches(model, tok, None, seq_len=seq_len, samples=samples, batch_size=8)
+
+    def forward():
+        with torch.no_grad():
+            for batch in batches:
+                model.model(**batch, use_cache=False)
+
+    return {"forward": forward,
+            "scan": lambda: sinklab.scan(model, tok, seq_len=seq_len, samples=samples),
+            "diagnose": lambda: sinklab.diagnose(model, tok, seq_len=seq_len, samples=samples),
+            "circuit": lambda: circuit(model, tok, seq_len=seq_len, samples=samples)}
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def model_worker(name: str, repeats: int, samples: int, seq_len: int, memory_of: str | None) -> dict:
+    """Timings of every operation in interleaved rounds, or (``memory_of``) the peak RSS of one operation."""
+    import threading
+
+    ops = _operations(name, samples, seq_len)
+    if memory_of is not None:
+        ops["forward"]()  # warm: allocator and thread pools as in the timed runs
+        base, peak, done = _rss_mib(), [0.0], threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], _rss_mib())
+                time.sleep(0.002)
+
+        thread = threading.Thread(target=sample)
+        thread.start()
+        ops[memory_of]()
+        done.set()
+        thread.join()
+        return {"operation": memory_of, "rss_after_load_mib": base, "peak_rss_mib": max(peak[0], base)}
+    for op in ops.values():  # warm-up round (first-use costs: weight statistics, thread pools)
+        op()
+    times: dict[str, list[tuple[float, float]]] = {op: [] for op in ops}
+    for _ in range(repeats):
+        for op, fn in ops.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            times[op].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return {op: {"wall_s": statistics.median(t[0] for t in v), "cpu_s": statistics.median(t[1] for t in v),
+                 "rounds": v} for op, v in times.items()}
+
+
+def _child(args: list[str]) -> dict:
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def models_main(args) -> None:
+    rows = {}
+    for name in args.models:
+        common = ["--repeats", str(args.repeats), "--samples", str(args.samples), "--seq-len", str(args.seq_len)]
+        timing = _child(["--model-worker", name, *common])
+        memory = {op: _child(["--model-worker", name, "--memory-of", op, *common]) for op in OPERATIONS}
+        rows[name] = {"timing": timing, "memory": memory}
+        print(f"  {name}: done", flush=True)
+    print(f"\n{args.samples} × {args.seq_len} tokens, load excluded, medians of {args.repeats} interleaved rounds "
+          f"(threads: {os.environ.get('OMP_NUM_THREADS', 'default')})\n")
+    print("| model | operation | wall (s) | CPU (s) | wall / forward | CPU / forward | CPU / scan | "
+          "peak RSS (MiB) | peak − loaded (MiB) | peak / forward's |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, row in rows.items():
+        t, m = row["timing"], row["memory"]
+        for op in OPERATIONS:
+            print(f"| {name} | {op} | {t[op]['wall_s']:.2f} | {t[op]['cpu_s']:.2f} | "
+                  f"{t[op]['wall_s'] / t['forward']['wall_s']:.2f}× | {t[op]['cpu_s'] / t['forward']['cpu_s']:.2f}× | "
+                  f"{t[op]['cpu_s'] / t['scan']['cpu_s']:.2f}× | {m[op]['peak_rss_mib']:.0f} | "
+                  f"{m[op]['peak_rss_mib'] - m[op]['rss_after_load_mib']:.0f} | "
+                  f"{m[op]['peak_rss_mib'] / m['forward']['peak_rss_mib']:.2f}× |")
+    _write("bench_scan_models.json", {"benchmark": "scan-models", "samples": args.samples, "seq_len": args.seq_len,
+                                      "repeats": args.repeats, "models": rows})
+
+
+def _write(filename: str, result: dict) -> None:
+    import torch
+    import transformers
+
+    result["machine"] = {"platform": platform.platform(), "python": platform.python_version(),
+                         "torch": torch.__version__, "transformers": transformers.__version__,
+                         "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+    path = Path(__file__).parent / "results" / filename
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--worker", nargs=2, metavar=("MODE", "T"))
+    ap.add_argument("--models", nargs="+", help="real-model mode: builtin names or model paths")
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--model-worker")
+    ap.add_argument("--memory-of", choices=OPERATIONS)
     args = ap.parse_args()
+    if args.model_worker:
+        print(json.dumps(model_worker(args.model_worker, args.repeats, args.samples, args.seq_len, args.memory_of)))
+        return
+    if args.models:
+        models_main(args)
+        return
     if args.worker:
         print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.repeats)))
         return
@@ -84,16 +214,7 @@ def main() -> None:
             r["rss_ratio"] = r["peak_rss_mb"] / base["peak_rss_mb"]
             print(f"| {length} | {r['mode']} | {r['seconds']:.2f} | {r['peak_rss_mb']:.0f} | "
                   f"{r['time_ratio']:.2f}× | {r['rss_ratio']:.2f}× |")
-    import torch
-    import transformers
-
-    result = {"benchmark": "scan", "machine": {"platform": platform.platform(), "python": platform.python_version(),
-              "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads()},
-              "rows": rows}
-    path = Path(__file__).parent / "results" / "bench_scan.json"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {path}")
+    _write("bench_scan.json", {"benchmark": "scan", "rows": rows})
 
 
 if __name__ == "__main__":
