@@ -8,8 +8,7 @@ Real-model mode (``--models``): per model, one process loads it once (load exclu
 interleaved rounds on the same windows (16 × 64 tokens by default), the backbone forward
 (``model.model``, no LM head), ``sinklab.scan``, ``sinklab.diagnose`` and ``sinklab.circuit`` with their
 defaults: wall and CPU seconds (CPU time is steadier on a shared machine), medians over the rounds. Peak
-memory: each operation again in its own process, RSS sampled every 2 ms while it runs, against the
-same process's RSS after loading. Writes benchmarks/results/bench_scan_models.json.
+memory: RSS sampled every 2 ms during each operation's warm-up run, against the RSS after loading. Writes benchmarks/results/bench_scan_models.json.
 
     python benchmarks/bench_scan.py [--lengths 512 2048 8192] [--repeats 2]
     python benchmarks/bench_scan.py --models builtin:smollm2 path/to/gemma-3-270m.gguf [--repeats 3]
@@ -101,28 +100,41 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def model_worker(name: str, repeats: int, samples: int, seq_len: int, memory_of: str | None) -> dict:
-    """Timings of every operation in interleaved rounds, or (``memory_of``) the peak RSS of one operation."""
-    import threading
+class _PeakRSS:
+    """Samples this process's RSS every 2 ms and keeps the peak seen while each labelled operation runs."""
 
+    def __init__(self) -> None:
+        import threading
+
+        self.label: str | None = None
+        self.peak: dict[str, float] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            label, rss = self.label, _rss_mib()
+            if label is not None:
+                self.peak[label] = max(self.peak.get(label, 0.0), rss)
+            time.sleep(0.002)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def model_worker(name: str, repeats: int, samples: int, seq_len: int) -> dict:
+    """Wall/CPU seconds of every operation in interleaved rounds, and the peak RSS while each one ran."""
     ops = _operations(name, samples, seq_len)
-    if memory_of is not None:
-        ops["forward"]()  # warm: allocator and thread pools as in the timed runs
-        base, peak, done = _rss_mib(), [0.0], threading.Event()
-
-        def sample():
-            while not done.is_set():
-                peak[0] = max(peak[0], _rss_mib())
-                time.sleep(0.002)
-
-        thread = threading.Thread(target=sample)
-        thread.start()
-        ops[memory_of]()
-        done.set()
-        thread.join()
-        return {"operation": memory_of, "rss_after_load_mib": base, "peak_rss_mib": max(peak[0], base)}
-    for op in ops.values():  # warm-up round (first-use costs: weight statistics, thread pools)
-        op()
+    ops["forward"]()  # warm: allocator and thread pools
+    loaded = _rss_mib()
+    rss = _PeakRSS()
+    for op, fn in ops.items():  # warm-up round (first-use costs: weight statistics and check); memory peaks
+        rss.label = op
+        fn()
+        rss.label = None
+    rss.stop()
     times: dict[str, list[tuple[float, float]]] = {op: [] for op in ops}
     for _ in range(repeats):
         for op, fn in ops.items():
@@ -130,7 +142,8 @@ def model_worker(name: str, repeats: int, samples: int, seq_len: int, memory_of:
             fn()
             times[op].append((time.perf_counter() - wall, time.process_time() - cpu))
     return {op: {"wall_s": statistics.median(t[0] for t in v), "cpu_s": statistics.median(t[1] for t in v),
-                 "rounds": v} for op, v in times.items()}
+                 "rounds": v, "peak_rss_mib": max(rss.peak.get(op, loaded), loaded), "rss_after_load_mib": loaded}
+            for op, v in times.items()}
 
 
 def _child(args: list[str]) -> dict:
@@ -143,24 +156,21 @@ def _child(args: list[str]) -> dict:
 def models_main(args) -> None:
     rows = {}
     for name in args.models:
-        common = ["--repeats", str(args.repeats), "--samples", str(args.samples), "--seq-len", str(args.seq_len)]
-        timing = _child(["--model-worker", name, *common])
-        memory = {op: _child(["--model-worker", name, "--memory-of", op, *common]) for op in OPERATIONS}
-        rows[name] = {"timing": timing, "memory": memory}
+        rows[name] = _child(["--model-worker", name, "--repeats", str(args.repeats), "--samples", str(args.samples),
+                             "--seq-len", str(args.seq_len)])
         print(f"  {name}: done", flush=True)
     print(f"\n{args.samples} × {args.seq_len} tokens, load excluded, medians of {args.repeats} interleaved rounds "
           f"(threads: {os.environ.get('OMP_NUM_THREADS', 'default')})\n")
     print("| model | operation | wall (s) | CPU (s) | wall / forward | CPU / forward | CPU / scan | "
           "peak RSS (MiB) | peak − loaded (MiB) | peak / forward's |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, row in rows.items():
-        t, m = row["timing"], row["memory"]
+    for name, t in rows.items():
         for op in OPERATIONS:
             print(f"| {name} | {op} | {t[op]['wall_s']:.2f} | {t[op]['cpu_s']:.2f} | "
                   f"{t[op]['wall_s'] / t['forward']['wall_s']:.2f}× | {t[op]['cpu_s'] / t['forward']['cpu_s']:.2f}× | "
-                  f"{t[op]['cpu_s'] / t['scan']['cpu_s']:.2f}× | {m[op]['peak_rss_mib']:.0f} | "
-                  f"{m[op]['peak_rss_mib'] - m[op]['rss_after_load_mib']:.0f} | "
-                  f"{m[op]['peak_rss_mib'] / m['forward']['peak_rss_mib']:.2f}× |")
+                  f"{t[op]['cpu_s'] / t['scan']['cpu_s']:.2f}× | {t[op]['peak_rss_mib']:.0f} | "
+                  f"{t[op]['peak_rss_mib'] - t[op]['rss_after_load_mib']:.0f} | "
+                  f"{t[op]['peak_rss_mib'] / t['forward']['peak_rss_mib']:.2f}× |")
     _write("bench_scan_models.json", {"benchmark": "scan-models", "samples": args.samples, "seq_len": args.seq_len,
                                       "repeats": args.repeats, "models": rows})
 
@@ -187,10 +197,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--model-worker")
-    ap.add_argument("--memory-of", choices=OPERATIONS)
     args = ap.parse_args()
     if args.model_worker:
-        print(json.dumps(model_worker(args.model_worker, args.repeats, args.samples, args.seq_len, args.memory_of)))
+        print(json.dumps(model_worker(args.model_worker, args.repeats, args.samples, args.seq_len)))
         return
     if args.models:
         models_main(args)
