@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from .. import _compat
 from ..errors import UnsupportedModelError
 from ..variants import variant_columns, variant_gate
-from .heads import head_statistics, skipped_head_statistics
+from .heads import head_statistics
 from .hidden import hidden_statistics
 from .reduce import ColumnStats, chunked_attention
 from .resume import UNKNOWN_MAP, BlockInputs, find_final_map, run_blocks
@@ -34,6 +34,7 @@ _ACTIVE: contextvars.ContextVar[AttentionCapture | None] = contextvars.ContextVa
 
 _PER_LAYER = ("column_mass", "column_min", "routed_fraction", "candidate_attention", "value_norm", "value_norm_out",
               "update_norm", "update_spectrum", "common_mode", "learned_sink_mass", "column_queries")
+_PER_QUERY = ("row_entropy", "row_diagonal", "row_previous")  # CaptureConfig(row_stats=True) only
 
 
 def _repeat_kv(x: Tensor, n_rep: int) -> Tensor:
@@ -233,6 +234,7 @@ class AttentionCapture:
             attention_maps=torch.stack([r["map"] for r in rec], dim=0) if self.config.map_len > 0 else None,
             qk_spectrum=torch.stack([r["qk"] for r in rec], dim=0),
             output_space=[bool(r["output_space"]) for r in rec],
+            **{key: torch.stack([r[key] for r in rec], dim=1) for key in _PER_QUERY if self.config.row_stats},
         )
 
     # ------------------------------------------------------------------ hidden-state hooks
@@ -326,7 +328,8 @@ class AttentionCapture:
         stats = None
         if self.statistics:
             stats = ColumnStats(b, h, tq, tk, qmask, candidates=cfg.candidates, map_len=cfg.map_len,
-                                route_threshold=cfg.route_threshold, has_sink=sinks is not None or slot is not None)
+                                route_threshold=cfg.route_threshold, has_sink=sinks is not None or slot is not None,
+                                row_stats=cfg.row_stats)
         out = chunked_attention(query, k, v, attention_mask, qmask, is_causal=is_causal, scale=scale,
                                 chunk_elements=cfg.chunk_elements, softcap=kwargs.get("softcap"), sinks=sinks,
                                 slot=slot, bias=kwargs.get("position_bias"), drop=drop, stats=stats)  # (B, H, Tq, dv)
@@ -336,13 +339,14 @@ class AttentionCapture:
         if stats is None:  # final_states(): the output is all that is needed
             return out.to(query.dtype).transpose(1, 2).contiguous(), None
         key_mask = self._positions_mask(b, tk, dev)
-        if cfg.head_statistics:
-            info = self.weights.get(index, self._layers[index], module, h, hkv, dv, dev)
-            heads = head_statistics(v, out, info.r, qmask, key_mask[:, None], index)
-            qk, output_space = info.qk, info.output_space
-        else:
-            heads, qk, output_space = skipped_head_statistics(b, h, tq, tk, dv), torch.full((h, dh), torch.nan), False
-        record = {**stats.finish(), **heads, "token_mask": key_mask, "qk": qk, "output_space": torch.tensor(output_space)}
+        info = self.weights.get(index, self._layers[index], module, h, hkv, dv, dev)
+        record = {
+            **stats.finish(),
+            **head_statistics(v, out, info.r, qmask, key_mask[:, None], index),
+            "token_mask": key_mask,
+            "qk": info.qk,
+            "output_space": torch.tensor(info.output_space),
+        }
         self._records[index] = {name: value.cpu() for name, value in record.items()}
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 

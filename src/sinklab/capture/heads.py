@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..errors import ModelWeightsError
 
-__all__ = ["head_statistics", "skipped_head_statistics", "update_spectrum"]
+__all__ = ["head_statistics", "update_spectrum"]
 
 
 def head_statistics(v: Tensor, out: Tensor, r: Tensor, qmask: Tensor, key_mask: Tensor,
@@ -76,10 +76,3 @@ def update_spectrum(u: Tensor) -> Tensor:
         values = torch.nn.functional.pad(values, (0, dv - values.shape[-1]))
     return values
 
-
-def skipped_head_statistics(b: int, h: int, tq: int, tk: int, dv: int) -> dict[str, Tensor]:
-    """The fields of :func:`head_statistics`, all NaN, for a capture that does not compute them."""
-    nan = math.nan
-    return {"value_norm": torch.full((b, h, tk), nan), "value_norm_out": torch.full((b, h, tk), nan),
-            "update_norm": torch.full((b, h, tq), nan), "update_spectrum": torch.full((b, h, dv), nan),
-            "common_mode": torch.full((b, h), nan)}
