@@ -19,6 +19,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.table import Table
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import InputError, SinklabError, SinklabWarning
@@ -242,3 +243,13 @@ def _progress(total: int | None = None) -> Progress:
     """A transient bar on stderr: description, bar, done/total, elapsed (give each task its total)."""
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=err, transient=True)
+
+
+def print_table(title: str, header: tuple[str, ...] | list[str], rows: list[tuple[str, ...]]) -> None:
+    """Print right-aligned rows of formatted cells under ``header`` as one rich table."""
+    table = Table(title=title)
+    for col in header:
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)

@@ -17,7 +17,8 @@ from .html import images_html, page, write_outputs
 __all__ = ["kl_vs_bytes", "kv_quant_figures", "render_kv_quant", "table_rows", "TABLE_HEADER", "write_kv_quant"]
 
 TABLE_HEADER = ("bits", "protect", "median KL", "p90 KL", "top-1", "PPL", "bytes/token", "× 16-bit", "ms/token")
-_COLOURS = {"none": "tab:red", "first": "tab:orange", "detected": "tab:blue"}
+_COLOURS = {"none": "tab:red", "first": "tab:orange", "detected": "tab:blue", "hf-quanto": "tab:purple",
+            "hf-hqq": "tab:green"}
 CAPTIONS = {
     "kl_vs_bytes": "Median KL(full ‖ quantized) of the next-token distribution over the scored tokens against the "
                    "bytes one cached token takes (packed codes, scales, zero points, the full-precision residual and "
@@ -48,7 +49,7 @@ def kl_vs_bytes(data: dict) -> Figure:
         rows = sorted(rows, key=lambda r: r["bytes_per_token"])
         x = [r["bytes_per_token"] for r in rows]
         y = [max(r["median_kl"], 1e-7) for r in rows]
-        ax.plot(x, y, marker="o", label=name, color=_COLOURS.get(name), ls="-" if name in _COLOURS else ":")
+        ax.plot(x, y, marker="o", label=name, color=_COLOURS.get(name), ls=":" if name.startswith("hf-") else "-")
         for r, xi, yi in zip(rows, x, y):
             ax.annotate(f"{r['bits']}b", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.axvline(data["dense_bytes_per_token_16bit"], color="grey", ls="--", lw=1)

@@ -92,7 +92,7 @@ class SinkCache(Cache):
     def __init__(self, model: nn.Module, num_sinks: int = 4, window: int | None = None, pinned=None,
                  start_position: int = 0, rebase_every: int | None = None, *, sliding_sinks: bool = False,
                  window_length: int | None = None, num_sink_tokens: int | None = None, kv_bits: int | None = None,
-                 kv_group_size: int = 64) -> None:
+                 kv_group_size: int = 16) -> None:
         num_sinks, window = _legacy_sizes(num_sinks, window, window_length, num_sink_tokens)
         self.model = model
         self.sliding_sinks = bool(sliding_sinks)

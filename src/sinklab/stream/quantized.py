@@ -36,7 +36,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
 
     is_compileable = False
 
-    def __init__(self, state: StreamState, rope, bits: int = 4, group_size: int = 64) -> None:
+    def __init__(self, state: StreamState, rope, bits: int = 4, group_size: int = 16) -> None:
         if bits not in BITS:
             raise InputError(f"kv_bits must be one of {BITS} (or None for full precision), got {bits!r}")
         if group_size < 1:
@@ -75,6 +75,13 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         if n:
             self.values[:, :, :n] = self.anchor_values
         out = super().update(key_states, value_states, *args, **kwargs)
+        slot = self.state.plan.get("slot")
+        if isinstance(slot, int):  # one token, the same slot in every row: plain slicing, no index tensors
+            if slot < n:
+                self.anchor_values[:, :, slot] = value_states[:, :, 0]
+            else:
+                self._pack(slice(None), slot - n, key_states[:, :, 0], value_states[:, :, 0])
+            return out
         rows, slots = self._written(self.state.plan, key_states.shape[0])
         anchored = slots < n
         if bool(anchored.any()):
@@ -99,7 +106,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         valid = plan.get("valid")
         return (rows, slot) if valid is None else (rows[valid], slot[valid])
 
-    def _pack(self, rows: Tensor, ring_slots: Tensor, k: Tensor, v: Tensor) -> None:
+    def _pack(self, rows: Tensor | slice, ring_slots: Tensor | int, k: Tensor, v: Tensor) -> None:
         for q, x in ((self.ring_k, k), (self.ring_v, v)):
             new = quantize(x, self.bits, self.group, dim=-1)  # per token: (N, Hkv, ·)
             q.packed[rows, :, ring_slots] = new.packed
@@ -111,6 +118,18 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         if self.is_initialized:
             shift = delta.to(self.device)[:, None, None]  # (B, 1, 1) broadcast over heads and slots
             self.ring_k = quantize(rotate(dequantize(self.ring_k), self.rope, shift), self.bits, self.group, dim=-1)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search is not supported by SinkCache(kv_bits=...); use kv_bits=None")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("num_return_sequences > 1 is not supported by SinkCache(kv_bits=...)")
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        raise NotImplementedError("selecting batch rows is not supported by SinkCache(kv_bits=...)")
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("a SinkCache(kv_bits=...) cannot be cropped")
 
     def nbytes(self) -> int:
         """Bytes this layer holds: packed ring (codes, scales, zero points) + exact anchored keys and values."""
