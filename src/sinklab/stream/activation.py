@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from .. import _compat
-from ..errors import InputError, ModelWeightsError
-from .attention import ACTIVE_STREAM, ATTN_NAME, stream_attention
+from ..errors import InputError
+from .attention import ACTIVE_STREAM, ATTN_NAME, TRACED_STREAM, stream_attention, stream_mask
 
 __all__ = ["ModelStreams", "streams_of"]
 
@@ -49,8 +49,13 @@ class ModelStreams:
         self._previous: str | None = None  # attention implementation to restore
         self._local = threading.local()
         base = _compat.base_model(model)
-        self._handles = (base.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
-                         base.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True))
+        # The hooks run eagerly even inside a torch.compile'd forward (one deliberate graph break at the
+        # decoder-stack entry and exit): they hold the stream's host bookkeeping (Python ints, no tensor read
+        # back per token); the decoder stack in between — cache writes, re-rotation, masks, attention — is
+        # one graph with fixed shapes.
+        self._handles = (
+            base.register_forward_pre_hook(torch.compiler.disable(self._pre_hook), with_kwargs=True),
+            base.register_forward_hook(torch.compiler.disable(self._post_hook), with_kwargs=True, always_call=True))
 
     def __deepcopy__(self, memo: dict) -> ModelStreams:
         """A copied model (``copy.deepcopy``) gets inert hooks: its streams are its own, not the original's."""
@@ -86,9 +91,11 @@ class ModelStreams:
                                  "(one stream per model at a time)")
             self.release()
         from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
 
         model = self._model()
         AttentionInterface.register(ATTN_NAME, stream_attention)
+        AttentionMaskInterface.register(ATTN_NAME, stream_mask)
         self._previous = _compat.get_attn_implementation(model)
         _compat.set_attn_implementation(model, ATTN_NAME)
         self.active, self.explicit = id(cache), explicit
@@ -119,6 +126,7 @@ class ModelStreams:
                              "use StreamSession.save/load for that)")
         self.activate(cache)
         stack[-1] = (ACTIVE_STREAM.set(cache), cache)
+        TRACED_STREAM[0] = cache
         return cache.plan_forward(args, kwargs)
 
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
@@ -128,10 +136,6 @@ class ModelStreams:
             return
         token, stream = entry
         ACTIVE_STREAM.reset(token)
+        TRACED_STREAM[0] = None
         if output is not None:
-            hidden = _compat.block_hidden_states(output)
-            if not bool(torch.isfinite(hidden).all()):
-                raise ModelWeightsError(
-                    f"the model produced NaN or inf hidden states while streaming (columns "
-                    f"{stream.state.columns - hidden.shape[1]}–{stream.state.columns - 1} of the stream); check its weights with "
-                    "sinklab.models.check_weights, or run in float32 if it overflows in half precision")
+            stream.check_hidden(_compat.block_hidden_states(output))
