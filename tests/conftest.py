@@ -45,3 +45,13 @@ def smollm2():
     loaded = sinklab.load_model("builtin:smollm2")
     loaded.model.requires_grad_(False)
     return loaded
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """builtin:gemma3 (Gemma 3 270M base, dequantised Q4_K_M), joined and converted once by the set-up and cached."""
+    import sinklab
+
+    loaded = sinklab.load_model("builtin:gemma3")
+    loaded.model.requires_grad_(False)
+    return loaded

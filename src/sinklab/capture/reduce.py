@@ -28,7 +28,7 @@ class ColumnStats:
     """
 
     def __init__(self, b: int, h: int, tq: int, tk: int, qmask: Tensor, *, candidates: tuple[int, ...],
-                 map_len: int, route_threshold: float, has_sink: bool) -> None:
+                 map_len: int, route_threshold: float, has_sink: bool, row_stats: bool = False) -> None:
         dev = qmask.device
         self.qmask = qmask
         self.candidates = list(candidates)
@@ -44,6 +44,8 @@ class ColumnStats:
         self.amap = torch.zeros(h, self.m, self.m, device=dev) if map_len > 0 else None  # sample 0
         self.qweight = qmask.float()[:, None, None, :]  # (B, 1, 1, Tq) for matmul reductions over queries
         self.tk = tk
+        # per query: entropy, attention to its own key and to the key before it (query i is key i + Tk − Tq)
+        self.rows = torch.full((3, b, h, tq), math.nan, device=dev) if row_stats else None
 
     def add(self, probs: Tensor, allowed: Tensor, c0: int, c1: int, kend: int, full: int, fast: bool) -> None:
         """Fold in the probabilities ``[B, H, C, kend]`` of query rows ``c0:c1``.
@@ -74,9 +76,21 @@ class ColumnStats:
                 self.cand[:, :, c0:c1, j] = probs[..., p]
             elif p < self.tk:
                 self.cand[:, :, c0:c1, j] = 0.0
+        if self.rows is not None:
+            self._add_rows(probs, c0, c1, kend)
         if self.amap is not None and c0 < self.m:
             r1 = min(c1, self.m)
             self.amap[:, c0:r1, : min(self.m, kend)] = probs[0, :, : r1 - c0, : self.m]
+
+    def _add_rows(self, probs: Tensor, c0: int, c1: int, kend: int) -> None:
+        """Entropy ``−Σ_j A_ij log A_ij`` of rows ``c0:c1`` and their diagonal / previous-key entries."""
+        self.rows[0, :, :, c0:c1] = -torch.special.xlogy(probs, probs).sum(-1)
+        offset = self.tk - self.rows.shape[-1]
+        own = torch.arange(c0, c1, device=probs.device) + offset  # (C,) key index of each query
+        for slot, keys in ((1, own), (2, own - 1)):
+            ok = (keys >= 0) & (keys < kend)
+            picked = probs.gather(-1, keys.clamp(0, kend - 1)[None, None, :, None].expand(*probs.shape[:3], 1))[..., 0]
+            self.rows[slot, :, :, c0:c1] = torch.where(ok, picked, math.nan)
 
     def finish(self) -> dict[str, Tensor]:
         """The per-column and per-query statistics, NaN where no real query sees a key / for padding queries."""
@@ -94,6 +108,10 @@ class ColumnStats:
         }
         if self.amap is not None:
             stats["map"] = self.amap
+        if self.rows is not None:
+            real = self.qmask[:, None]  # (B, 1, Tq)
+            for name, row in zip(("row_entropy", "row_diagonal", "row_previous"), self.rows):
+                stats[name] = torch.where(real, row, math.nan)
         return stats
 
 

@@ -19,6 +19,7 @@ class CaptureConfig:
     map_len: int = 128  # keep sample 0's attention maps over its first map_len positions (0: none)
     chunk_elements: int = 1 << 21  # score entries per query chunk (bounds the temporaries)
     route_threshold: float = 0.5  # A_ij at or above this counts a query as routed to column j
+    row_stats: bool = False  # also keep each query's attention entropy and its share on itself / the previous key
 
     def __post_init__(self) -> None:
         if any(p < 0 for p in self.candidates):
@@ -53,6 +54,9 @@ class CaptureBatch:
     attention_maps: Tensor | None  # (L, H, m, m) sample 0's attention over its first m positions
     qk_spectrum: Tensor  # (L, H, dh) singular values of Wq_h^T Wk_h (NaN if layout unknown)
     output_space: list[bool] = field(default_factory=list)  # per layer: W_O found
+    row_entropy: Tensor | None = None  # (B, L, H, T) entropy (nats) of each query's attention row (row_stats)
+    row_diagonal: Tensor | None = None  # (B, L, H, T) A_ii, the query's attention to its own key (row_stats)
+    row_previous: Tensor | None = None  # (B, L, H, T) A_i,i−1, to the key just before it (NaN at i = 0) (row_stats)
 
 
 EDIT_MODES = ("record", "zero", "replace", "remove_column")

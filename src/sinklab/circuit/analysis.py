@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ from ..errors import InputError, UnsupportedModelError
 from ..models import check_weights
 from ..variants import register_count
 from . import stage as rules
+from .destination import DESTINATION_RULE, align_to_start, destination_summary, head_destinations
 from .hooks import Patch, PositionZeroRecorder, find_sublayers
 from .inputs import REFERENCE, CircuitInputs, text_inputs
 
@@ -102,7 +104,7 @@ class CircuitResult:
     def summary(self) -> str:
         """A few plain sentences: verdict, amplification, causal effect, stage."""
         c = self.causal
-        parts = [self.ablation["text"],
+        parts = [self.ablation["text"], *([self.ablation["attention_text"]] if self.ablation.get("attention_text") else []),
                  (f"Amplification layer (largest rise of r): block {self.amplification_layer}; blocks where r at least "
                   f"doubles and rises by ≥ 1: {self.amplification_blocks or 'none'}."),
                  f"Layers with Sink_0 ≥ {self.layer_threshold:g} %: {self.sink_layers or 'none'}."]
@@ -165,15 +167,6 @@ def _pad(rows: list[list[int]], pad_id: int, side: str) -> tuple[Tensor, Tensor]
     return ids, mask
 
 
-def _align_columns(column_mass: Tensor, starts: Tensor, k: int) -> Tensor:
-    """``[B, L, H, T]`` → ``[B, L, H, k]``: the column mass of each row's first ``k`` real positions."""
-    b, n_l, h, t = column_mass.shape
-    idx = (starts[:, None] + torch.arange(k)).clamp_max(t - 1)  # (B, k)
-    out = column_mass.gather(-1, idx[:, None, None, :].expand(b, n_l, h, k))
-    beyond = (starts[:, None] + torch.arange(k)) >= t
-    return out.masked_fill(beyond[:, None, None, :], math.nan)
-
-
 def _losses(logits: Tensor, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Per-row sum and count of next-token cross-entropy over real (token, next token) pairs."""
     valid = mask[:, :-1].bool() & mask[:, 1:].bool()  # (B, T-1)
@@ -193,7 +186,7 @@ class _Session:
         self.device = next(model.parameters()).device
 
     def __enter__(self) -> Self:
-        self.cap = AttentionCapture(self.model, CaptureConfig(candidates=(0,), map_len=0)).__enter__()
+        self.cap = AttentionCapture(self.model, CaptureConfig(candidates=(0,), map_len=0, row_stats=True)).__enter__()
         try:
             self.rec = PositionZeroRecorder(self.sub).__enter__()
         except BaseException:
@@ -212,7 +205,7 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
     """One pass over token ``rows``: attention column mass of the early positions, position-0 records, loss.
 
     Returns CPU tensors: ``column_mass`` ``[S, L, H, P]`` (P = 4 early positions, aligned to each row's first
-    real token), the :class:`~sinklab.circuit.hooks.PositionZeroRecorder` fields (``hidden_norm`` ``[S, L+1, T]``,
+    real token), the per-head destinations of :func:`~sinklab.circuit.destination.head_destinations`, the :class:`~sinklab.circuit.hooks.PositionZeroRecorder` fields (``hidden_norm`` ``[S, L+1, T]``,
     ``x0`` ``[S, L+1, d]``, ``attn0``/``mlp0`` ``[S, L, d]`` …), ``loss_sum``/``loss_count`` ``[S]``.
     ``patch(batch_slice)`` gives the :class:`~sinklab.circuit.hooks.Patch` for each batch (``None``: no edit).
     """
@@ -234,7 +227,10 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
                 kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp_min(0).to(session.device)
             batch = cap.run(full_model=True, **kwargs)
             part = rec.collect()
-            part["column_mass"] = _align_columns(batch.column_mass, mask.argmax(-1), EARLY)
+            starts = mask.argmax(-1)
+            part["column_mass"] = align_to_start(batch.column_mass, starts, EARLY)
+            part.update(head_destinations(batch.column_mass, batch.column_queries, batch.token_mask, batch.row_entropy,
+                                          batch.row_diagonal, batch.row_previous, batch.update_norm, starts))
             logits = getattr(cap.last_output, "logits", None)
             if logits is not None:
                 part["loss_sum"], part["loss_count"] = _losses(logits.cpu(), ids, mask)
@@ -248,7 +244,7 @@ def _merge(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     out = {}
     for key in parts[0]:
         tensors = [p[key] for p in parts]
-        if key in ("hidden_norm", "max_abs", "max_dim"):
+        if key in ("hidden_norm", "max_abs", "max_dim", "column_mass_all"):
             width = max(t.shape[-1] for t in tensors)
             fill = -1 if key == "max_dim" else math.nan
             tensors = [torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=fill) for t in tensors]
@@ -345,6 +341,29 @@ def _ablation(conditions: dict[str, dict], threshold: float) -> dict:
     return {"verdict": verdict, "text": text, "sink_layers": layers, "first_sink_layer": first, "rule": rule}
 
 
+def _sink_gone_condition(ablation: dict) -> str | None:
+    """The condition whose attention the table shows: the one with the fewest sink layers (not the reference)."""
+    others = [n for n in ablation["sink_layers"] if n != REFERENCE]
+    return min(others, key=lambda n: len(ablation["sink_layers"][n])) if others else None
+
+
+def _destination_text(ablation: dict, threshold: float) -> str:
+    name = ablation["attention_condition"]
+    if name is None:
+        return ""
+    ref, cond = ablation["attention"][REFERENCE], ablation["attention"][name]
+    mean = lambda xs: sum(x for x in xs if x is not None and math.isfinite(x)) / max(1, len(xs))  # noqa: E731
+    moved = [layer for layer, v in enumerate(cond["other_sink_pct"]) if v is not None and v >= threshold]
+    tokens = Counter(cond["other_sink_token"][layer] for layer in moved).most_common(2)
+    where = ("another token becomes the sink in layers " + ", ".join(map(str, moved)) + " (mostly "
+             + ", ".join(repr(t) for t, _ in tokens) + ")") if moved else "no other token becomes a sink in any layer"
+    return (f"Where the attention goes under {name}: mean entropy {mean(cond['entropy']):.2f} nats "
+            f"(as tokenized {mean(ref['entropy']):.2f}), on the diagonal {mean(cond['diagonal']):.3f} "
+            f"({mean(ref['diagonal']):.3f}), on the previous token {mean(cond['previous']):.3f} "
+            f"({mean(ref['previous']):.3f}), on position 0 {mean(cond['position0_mass']):.3f} "
+            f"({mean(ref['position0_mass']):.3f}); {where}.")
+
+
 def _causal(model, rows, base: dict, donor_rec: dict, layer: int, eps: float, common: dict) -> dict:
     ref_rates = base["sink_rate"][0]
 
@@ -413,18 +432,23 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
             a, b = ref["x0"].double(), rec["x0"].double()
             cross[name] = _r4(torch.nn.functional.cosine_similarity(a, b, dim=-1).mean(0))
     stage = rules.classify_stage(early, rules.stage_amplification(ratio.tolist()), threshold=layer_threshold)
+    ablation = _ablation(conds, layer_threshold)
+    ablation["attention"] = {name: destination_summary(rec, inputs.tokens[name], eps) for name, rec in recs.items()}
+    ablation["attention_condition"] = _sink_gone_condition(ablation)
+    ablation["attention_text"] = _destination_text(ablation, layer_threshold)
     return CircuitResult(
         num_layers=n_layers, num_heads=n_heads, seq_len=seq_len, num_samples=ref["x0"].shape[0], eps=eps,
         layer_threshold=layer_threshold, conditions=conds, ratio=_r4(ratio),
         contributions={k: _r4(v) for k, v in contrib.items()}, residual_error=_r4(resid),
         direction_cosine=_r4(_pairwise_cosine(ref["x0"])), cross_condition_cosine=cross,
         amplification_layer=amp, amplification_blocks=rules.amplification_blocks(ratio.tolist()),
-        sink_layers=rules.sink_layers(early[0], layer_threshold), ablation=_ablation(conds, layer_threshold),
+        sink_layers=rules.sink_layers(early[0], layer_threshold), ablation=ablation,
         massive=_massive(ref), causal=causal_out, causal_early=causal_early, stage=stage,
         uniform_baseline=sum(1.0 / (i + 1) for i in range(seq_len)) / seq_len,
         tokens=inputs.tokens[REFERENCE][:4],
         rules={"amplification": rules.AMPLIFICATION_RULE, "contributions": CONTRIBUTION_RULE,
-               "location": rules.LOCATION_RULE, "stage": rules.STAGE_RULE, "ablation": _ablation(conds, layer_threshold)["rule"],
+               "location": rules.LOCATION_RULE, "stage": rules.STAGE_RULE, "ablation": ablation["rule"],
+               "attention": DESTINATION_RULE,
                "massive": "|a| > 100 and ≥ 1000 × the median |a| of that hidden state (Sun et al. 2024)",
                "positions": "position 0 = each row's first real token (padding skipped)"},
         meta={**inputs.meta, "conditions": list(inputs.conditions), **(meta or {})},

@@ -29,7 +29,7 @@ console = Console(stderr=False)
 err = Console(stderr=True)
 
 #: Help text of every command's MODEL argument: each builtin, a local folder or a hub id.
-MODEL_HELP = ", ".join(sorted(BUILTIN_MODELS)) + ", a local model folder or a hub id"
+MODEL_HELP = ", ".join(sorted(BUILTIN_MODELS)) + ", a .gguf file (dequantised once, cached), a local model folder or a hub id"
 #: Help text of every ``--trust-remote-code`` flag.
 TRUST_HELP = "run the Python code of the model repository (off unless given)"
 

@@ -34,8 +34,35 @@ def _print_result(result) -> None:
                       f(result.contributions["mlp"][layer]), f(result.direction_cosine[layer + 1], "{:.3f}"),
                       *[f(result.conditions[n]["sink_rate"][0][layer], "{:.0f}") for n in names])
     console.print(table)
+    _print_destinations(result, f)
     console.print(result.summary(), highlight=False, markup=False)
     console.print("★ = " + result.rules["amplification"], highlight=False, markup=False)
+
+
+def _print_destinations(result, f) -> None:
+    """The "where the attention goes" table: the sink-losing condition next to the reference, per block."""
+    name = result.ablation.get("attention_condition")
+    if not name:
+        return
+    ref, cond = result.ablation["attention"]["as_tokenized"], result.ablation["attention"][name]
+    table = Table(title=f"Where the attention goes under {name} (as tokenized in brackets)")
+    for col in ("block", "Sink_0", "entropy", "pos 0 mass", "top pos (token)", "share", "diagonal", "previous",
+                "other sink % (token)", "‖out‖"):
+        table.add_column(col, justify="right")
+    for layer in range(result.num_layers):
+        other = cond["other_sink_pct"][layer]
+        tok = cond["other_sink_token"][layer]
+        table.add_row(
+            str(layer), f"{f(result.conditions[name]['sink_rate'][0][layer], '{:.0f}')} "
+                        f"({f(result.conditions['as_tokenized']['sink_rate'][0][layer], '{:.0f}')})",
+            f"{f(cond['entropy'][layer])} ({f(ref['entropy'][layer])})",
+            f"{f(cond['position0_mass'][layer], '{:.3f}')} ({f(ref['position0_mass'][layer], '{:.3f}')})",
+            f"{cond['top_position'][layer]} ({cond['top_token'][layer]!r})", f(cond["top_share"][layer], "{:.3f}"),
+            f"{f(cond['diagonal'][layer], '{:.3f}')} ({f(ref['diagonal'][layer], '{:.3f}')})",
+            f"{f(cond['previous'][layer], '{:.3f}')} ({f(ref['previous'][layer], '{:.3f}')})",
+            f"{f(other, '{:.0f}')}" + (f" ({tok!r})" if tok is not None else ""),
+            f"{f(cond['out_norm'][layer], '{:.3g}')} ({f(ref['out_norm'][layer], '{:.3g}')})")
+    console.print(table, markup=False)
 
 
 @app.command("circuit")

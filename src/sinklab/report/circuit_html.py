@@ -48,7 +48,31 @@ position 0 a column mass of {result.uniform_baseline:.3f} at this T. Embeddings:
 <ul>{desc}</ul><p>First sample: {toks}</p>
 <table><tr><th>block (★ amplifies)</th><th>r</th><th>c_attn</th><th>c_mlp</th><th>cos x₀ across texts</th>{head}
 <th>massive tokens (on pos. 0)</th></tr>{''.join(rows)}</table>
-<h3>Rules</h3><ul>{rules}</ul>{figs}</section>"""
+{_destinations_html(result)}<h3>Rules</h3><ul>{rules}</ul>{figs}</section>"""
+
+
+def _destinations_html(result: CircuitResult) -> str:
+    """Where the attention goes under the sink-losing condition, as tokenized in brackets (tokens escaped)."""
+    esc = html.escape
+    name = result.ablation.get("attention_condition")
+    if not name:
+        return ""
+    ref, cond = result.ablation["attention"]["as_tokenized"], result.ablation["attention"][name]
+    pair = lambda key, fmt="{:.3f}": f"{_f(cond[key][i], fmt)} ({_f(ref[key][i], fmt)})"  # noqa: E731
+    rows = []
+    for i in range(result.num_layers):
+        tok = cond["other_sink_token"][i]
+        rows.append(f"<tr><th>{i}</th><td>{_f(result.conditions[name]['sink_rate'][0][i], '{:.0f}')} "
+                    f"({_f(result.conditions['as_tokenized']['sink_rate'][0][i], '{:.0f}')})</td>"
+                    f"<td>{pair('entropy', '{:.2f}')}</td><td>{pair('position0_mass')}</td>"
+                    f"<td>{cond['top_position'][i]} ({esc(repr(cond['top_token'][i]))})</td>"
+                    f"<td>{_f(cond['top_share'][i], '{:.3f}')}</td><td>{pair('diagonal')}</td><td>{pair('previous')}</td>"
+                    f"<td>{_f(cond['other_sink_pct'][i], '{:.0f}')}{'' if tok is None else ' (' + esc(repr(tok)) + ')'}"
+                    f"</td><td>{pair('out_norm', '{:.3g}')}</td></tr>")
+    return f"""<h3>Where the attention goes under {esc(name)}</h3>
+<p>{esc(result.ablation.get('attention_text', ''))} As tokenized in brackets.</p>
+<table><tr><th>block</th><th>Sink_0</th><th>entropy (nats)</th><th>position-0 mass</th><th>top position (token)</th>
+<th>share</th><th>diagonal</th><th>previous</th><th>other sink % (token)</th><th>‖out‖</th></tr>{''.join(rows)}</table>"""
 
 
 def render_circuit_html(result: CircuitResult, images: dict[str, bytes]) -> str:

@@ -19,7 +19,7 @@ from ..errors import InputError
 from ..variants import register_count
 from .cache import SinkCache
 
-__all__ = ["StreamSession", "stream_generate"]
+__all__ = ["StreamSession", "TextPieces", "sample_token", "stream_generate"]
 
 _FORMAT = "sinklab.stream/1"
 
@@ -172,7 +172,8 @@ class StreamSession:
         return int(self.state.s_valid.sum(1).max()) if self.state.batch is not None else 0
 
 
-def _sample(logits: Tensor, temperature: float, top_k: int, gen: torch.Generator | None) -> Tensor:
+def sample_token(logits: Tensor, temperature: float, top_k: int, gen: torch.Generator | None) -> Tensor:
+    """One token per row of ``logits`` ``[B, V]``: argmax when ``temperature ≤ 0``, else top-k sampling → ``[B]``."""
     if temperature <= 0:
         return logits.argmax(-1)
     logits = logits.float() / temperature
@@ -180,6 +181,21 @@ def _sample(logits: Tensor, temperature: float, top_k: int, gen: torch.Generator
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=gen)[:, 0].to(logits.device)
+
+
+class TextPieces:
+    """Turn generated token ids into the text each one adds, decoding with a little context so word pieces
+    and byte-level BPE join correctly; special tokens (``</s>``, ``<|im_end|>`` …) print as nothing."""
+
+    def __init__(self, tokenizer, context: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.tail = list(context[-4:])
+
+    def add(self, token: int) -> str:
+        before = self.tokenizer.decode(self.tail, skip_special_tokens=True)
+        text = self.tokenizer.decode(self.tail + [token], skip_special_tokens=True)
+        self.tail = (self.tail + [token])[-4:]
+        return text[len(before):]
 
 
 def stream_generate(model: nn.Module, tokenizer, prompt: str | list[str], *, num_sinks: int = 4, window: int = 1020,
@@ -221,17 +237,10 @@ def stream_generate(model: nn.Module, tokenizer, prompt: str | list[str], *, num
     try:
         logits = session.feed(ids, mask if not bool(mask.all()) else None)
         done = torch.zeros(len(encoded), dtype=torch.bool)
-        history = [list(e[-4:]) for e in encoded]
+        decoders = [TextPieces(tokenizer, e) for e in encoded]
         for _ in range(max_new_tokens):
-            token = _sample(logits, temperature, top_k, gen)
-            pieces = []
-            for row, (t, d) in enumerate(zip(token.tolist(), done.tolist())):
-                # Decode with a little context so word pieces and byte-level BPE join correctly.
-                tail = history[row][-4:]
-                # Special tokens (</s>, <|im_end|> …) are not text: they print as nothing.
-                text = tokenizer.decode(tail + [t], skip_special_tokens=True)
-                pieces.append("" if d else text[len(tokenizer.decode(tail, skip_special_tokens=True)):])
-                history[row] = (tail + [t])[-4:]
+            token = sample_token(logits, temperature, top_k, gen)
+            pieces = [("" if d else dec.add(t)) for t, d, dec in zip(token.tolist(), done.tolist(), decoders)]
             if eos is not None and stop_at_eos:
                 done |= token.cpu() == eos
             yield pieces if batch else pieces[0]

@@ -1,0 +1,147 @@
+"""Documented runs (not tests): what a stream forgets and whether it stays fluent (sinklab.stream.quality).
+
+Three experiments on ``builtin:smollm2`` (SmolLM2-135M-Instruct), each in its own process so they can run side
+by side, each writing ``benchmarks/results/quality_<name>.json`` (rewritten as it goes, so a run cut short
+still leaves its finished part):
+
+    python benchmarks/stream_quality.py recall  [--distances 32,192,288,512,1024] [--facts 6]
+    python benchmarks/stream_quality.py endless --sinks 4 [--tokens 10000] [--model smollm2|tiny-lm]  # sinks + window
+    python benchmarks/stream_quality.py endless --sinks 0 [--tokens 10000] [--model …]  # window only, same cache
+    python benchmarks/stream_quality.py prompts [--prompts 32] [--max-new-tokens 48]
+    python benchmarks/stream_quality.py report  # figures into docs/img/ and the tables, from the JSON files
+
+All at cache size C = S + W = 256 (S = 4, W = 252) unless ``--window`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+DOCS_IMG = HERE.parent / "docs" / "img"
+ENDLESS_PROMPT = "Tell me a long story about a lighthouse keeper and the sea."
+
+
+def _write(name: str, data: dict) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"quality_{name}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def _meta(args, start: float) -> dict:
+    return {"model": "builtin:smollm2", "command": " ".join(sys.argv), "wall_seconds": time.perf_counter() - start,
+            "threads": args.threads, "torch": torch.__version__,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, shared with other jobs (timings under load)"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("experiment", choices=("recall", "endless", "prompts", "report"))
+    ap.add_argument("--window", type=int, default=252)
+    ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=10_000)
+    ap.add_argument("--distances", default="32,192,288,512,1024")
+    ap.add_argument("--facts", type=int, default=6)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-lm"), help="endless only")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.experiment == "report":
+        return report()
+    import sinklab
+    from sinklab.stream import quality
+
+    loaded = sinklab.load_model(f"builtin:{args.model if args.experiment == 'endless' else 'smollm2'}")
+    model, tok = loaded.model.requires_grad_(False), loaded.tokenizer
+    # Every StreamSession checks the weights for NaN/inf (seconds for 135M parameters); these runs open
+    # hundreds of sessions on one model that does not change, so it is checked once here.
+    sinklab.models.check_weights(model)
+    sinklab.models.check_weights = lambda model: None
+    start = time.perf_counter()
+    if args.experiment == "recall":
+        from sinklab.texts import default_texts
+
+        distances = [int(x) for x in args.distances.split(",")]
+        filler = torch.tensor(tok(" ".join(default_texts()[:40]), add_special_tokens=False)["input_ids"])
+        facts = quality.FACTS[: args.facts]
+        done = {"n": 0}
+
+        def progress(label: str, n: int) -> None:
+            done["n"] += n
+            print(f"  [{time.strftime('%H:%M:%S')}] {label} ({done['n']})", flush=True)
+
+        res = quality.fact_recall(model, tok, filler, distances, num_sinks=args.sinks, window=args.window,
+                                  facts=facts, progress=progress)
+        _write("recall", {**res.to_json(), **_meta(args, start)})
+    elif args.experiment == "endless":
+        label = "sinks + window" if args.sinks else "window only"
+        window = args.window if args.sinks else args.window + 4  # same cache size C = 4 + W
+        if tok.chat_template:
+            prompt = tok.apply_chat_template([{"role": "user", "content": ENDLESS_PROMPT}], tokenize=False,
+                                             add_generation_prompt=True)
+            ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        else:  # builtin:tiny-lm is no chat model: its own kind of text
+            ids = tok("The lighthouse keeper walked to the sea.")["input_ids"]
+        name = f"endless_{args.model}_s{args.sinks}"
+        t0 = time.perf_counter()
+
+        def save(run) -> None:
+            n = len(run.tokens)
+            print(f"  [{time.strftime('%H:%M:%S')}] {label}: {n} tokens, {n / (time.perf_counter() - t0):.1f} tok/s",
+                  flush=True)
+            _write(name, {"model": f"builtin:{args.model}",
+                "label": label, "num_sinks": args.sinks, "window": window, "prompt": ENDLESS_PROMPT,
+                "temperature": 0.7, "top_k": 50, "seed": args.seed, "tokens_planned": args.tokens,
+                "tokens": run.tokens, "nll": run.nll, "blocks": run.stats(),
+                "text": tok.decode(run.tokens, skip_special_tokens=False), **_meta(args, start),
+                "model": f"builtin:{args.model}"})
+
+        run = quality.endless_generation(model, ids, args.tokens, num_sinks=args.sinks, window=window, seed=args.seed,
+                                         label=label, every=250, on_update=save)
+        save(run)
+    elif args.experiment == "prompts":
+        done = {"n": 0}
+
+        def progress(label: str, n: int) -> None:
+            done["n"] += n
+            print(f"  [{time.strftime('%H:%M:%S')}] {label} ({done['n']})", flush=True)
+
+        rows = quality.many_prompts(model, tok, quality.PROMPTS[: args.prompts], num_sinks=args.sinks,
+                                    window=args.window, max_new_tokens=args.max_new_tokens, progress=progress)
+        _write("prompts", {"num_sinks": args.sinks, "window": args.window, "max_new_tokens": args.max_new_tokens,
+                           "rows": [r.__dict__ for r in rows], **_meta(args, start)})
+    print(f"wall {time.perf_counter() - start:.0f} s")
+
+
+def report() -> None:
+    from sinklab.report.quality_figures import quality_figures, quality_tables
+
+    data = {}
+    for name in ("recall", "prompts", "endless_smollm2_s4", "endless_smollm2_s0", "endless_tiny-lm_s4",
+                 "endless_tiny-lm_s0"):
+        path = RESULTS / f"quality_{name}.json"
+        if path.exists():
+            data[name] = json.loads(path.read_text())
+    DOCS_IMG.mkdir(parents=True, exist_ok=True)
+    for stem, fig in quality_figures(data).items():
+        fig.savefig(DOCS_IMG / f"quality_{stem}.png", dpi=80)
+    print(quality_tables(data))
+
+
+if __name__ == "__main__":
+    main()
