@@ -144,3 +144,18 @@ def test_generate_with_compile_config_equals_eager_generate():
         assert cache.state.rebases >= 3
     assert counters["stats"]["unique_graphs"] == graphs
     assert torch.equal(compiled, eager)
+
+
+def test_cli_stream_compile_prints_the_eager_text():
+    """``sinklab stream --compile`` (aot_eager here; inductor in the benchmark): the same greedy text."""
+    from typer.testing import CliRunner
+
+    from sinklab.cli import app
+
+    args = ["stream", "builtin:tiny-lm", "--prompt", "The rule of the code is", "--sinks", "2", "--window", "8",
+            "--max-new-tokens", "12"]
+    runner = CliRunner()
+    eager = runner.invoke(app, args)
+    compiled = runner.invoke(app, [*args, "--compile", "--compile-backend", "aot_eager"])
+    assert eager.exit_code == 0 and compiled.exit_code == 0, compiled.output
+    assert compiled.stdout == eager.stdout and len(eager.stdout.strip()) > 0
