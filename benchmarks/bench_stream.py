@@ -148,7 +148,8 @@ def compile_main(args) -> None:
 
     models = [("SmolLM2-135M-Instruct", sinklab.load_model("builtin:smollm2"))]
     try:
-        models.append(("Gemma 3 270M", sinklab.load_model("builtin:gemma3")))
+        if not args.no_gemma:
+            models.append(("Gemma 3 270M", sinklab.load_model("builtin:gemma3")))
     except Exception as exc:  # noqa: BLE001 - not in the box: say so, run the rest
         print(f"Gemma 3 skipped: {exc}")
     results = _stream_compile.run(models, args.rounds, args.steps, args.threads, args.gen_tokens)
@@ -172,6 +173,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="--compile: timed decode steps per method per round")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="--compile: intra-op thread counts")
     ap.add_argument("--gen-tokens", type=int, default=8, help="--compile: new tokens for the beams/sampling rows")
+    ap.add_argument("--no-gemma", action="store_true", help="--compile: SmolLM2 only")
     args = ap.parse_args()
     if args.compile:
         return compile_main(args)
