@@ -96,7 +96,7 @@ def tiny_llama(seed: int = 0, vocab_size: int = 30522, **overrides) -> nn.Module
     )
     settings.update(overrides)
     config = LlamaConfig(**settings)
-    config._attn_implementation = "sdpa"
+    _compat.set_config_attention(config, "sdpa")
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)

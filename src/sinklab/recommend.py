@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
+from . import _compat
 from .diagnose import Diagnosis, EditResult
 
 __all__ = [
@@ -82,11 +83,6 @@ CONFIDENCE_RULE = (
 FIXES = ("none", "gated", "registers", "gated+registers")
 _LEVELS = ("low", "medium", "high")
 
-#: transformers model types whose blocks have Llama-style ``self_attn.{q,k,v,o}_proj`` (sinklab.variants).
-LLAMA_STYLE_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "olmo2", "smollm3",
-                     "granite", "cohere", "starcoder2", "helium", "glm"}
-#: model types the ViT variants support (sinklab.vit).
-VIT_TYPES = {"vit", "dinov2", "sinklab-vit"}
 _LLAMA_NOTE = ("Llama-style decoder: every variant applies, and a model with any of them scans, diagnoses, "
                "generates with a KV cache and streams with sinklab.SinkCache.")
 _VIT_NOTE = ("ViT-style encoder: registers, elementwise/headwise gating, the sink logit and kv-bias are supported; "
@@ -263,10 +259,10 @@ def variant_support(model_type: str | None, model: nn.Module | None = None) -> d
                                           for n in ("q_proj", "k_proj", "v_proj", "o_proj")) for layer in layers):
             return {"supported": True, "api": "sinklab.apply_variant",
                     "note": _LLAMA_NOTE}
-    if model_type in VIT_TYPES:
+    if model_type in _compat.VIT_TYPES:
         return {"supported": True, "api": "sinklab.vit.apply_vit_variant",
                 "note": _VIT_NOTE}
-    if model_type in LLAMA_STYLE_TYPES:
+    if model_type in _compat.LLAMA_STYLE_TYPES:
         return {"supported": True, "api": "sinklab.apply_variant",
                 "note": _LLAMA_NOTE}
     return {"supported": False, "api": None,

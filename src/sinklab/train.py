@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from . import _compat
 from .errors import InputError
 from .monitor import SinkMonitor
 
@@ -84,7 +85,7 @@ def build_model(cfg: TrainConfig, vocab: int, bos_id: int | None, eos_id: int | 
                          num_key_value_heads=cfg.kv_heads or cfg.heads, max_position_embeddings=max(2048, cfg.seq_len),
                          tie_word_embeddings=True, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id)
     config.sinklab_trained_positions = cfg.seq_len  # RoPE runs longer than this warn (sinklab.models.max_positions)
-    config._attn_implementation = "sdpa"
+    _compat.set_config_attention(config, "sdpa")
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(config)
     if cfg.variant:

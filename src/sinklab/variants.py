@@ -192,18 +192,17 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
 class VariantHandle:
     """What :func:`apply_variant` did to a model; ``remove()`` (or leaving the ``with`` block) undoes it.
 
-    ``base`` is the module whose attention implementation and config carry the variant (the model itself for a
-    causal LM; the ViT/DINOv2 backbone inside a classification model, see :mod:`sinklab.vit.variants`).
+    Every change (parameters, hooks, the attention backend, the config field ``sinklab_variant``) is owned by
+    one :class:`sinklab._compat.ModelPatch` (``patch``). ``base`` is the module whose attention implementation
+    carries the variant (the model itself for a causal LM; the ViT/DINOv2 backbone inside a classification
+    model, see :mod:`sinklab.vit.variants`).
     """
 
-    def __init__(self, model: nn.Module, config: VariantConfig, previous_impl: str | None,
-                 base: nn.Module | None = None) -> None:
+    def __init__(self, model: nn.Module, config: VariantConfig, base: nn.Module | None = None) -> None:
         self.model = model
         self.base = model if base is None else base
         self.config = config
-        self.previous_impl = previous_impl
-        self.hooks: list = []
-        self.added: list[tuple[nn.Module, str]] = []
+        self.patch = _compat.ModelPatch(model)
 
     def __enter__(self) -> VariantHandle:
         return self
@@ -211,30 +210,20 @@ class VariantHandle:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
+    def install(self) -> None:
+        """Switch the model to the variant attention and mark it (the parameters and hooks are already added)."""
+        self.patch.use_attention(ATTN_NAME, variant_attention, target=self.base)
+        self.patch.set_config("sinklab_variant", asdict(self.config), module=self.base)
+        for module in {id(m): m for m in (self.model, self.base)}.values():
+            self.patch.add(module, "sinklab_variant_handle", self)
+
     def remove(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks.clear()
-        for module, name in self.added:
-            if hasattr(module, name):
-                delattr(module, name)
-        self.added.clear()
-        if self.previous_impl is not None:
-            self.base.set_attn_implementation(self.previous_impl)
-        self.base.config.sinklab_variant = None
-        self.base.sinklab_variant_handle = None
-        if self.model is not self.base:
-            self.model.sinklab_variant_handle = None
+        self.patch.restore()
 
 
-def _add(handle: VariantHandle, module: nn.Module, name: str, value) -> None:
-    if isinstance(value, nn.Module):
-        module.add_module(name, value)
-    elif isinstance(value, nn.Parameter):
-        module.register_parameter(name, value)
-    else:
-        setattr(module, name, value)
-    handle.added.append((module, name))
+def stash_gate_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a gated attention module: keep its input ``X`` for the gate ``σ(X W)``."""
+    module.sinklab_gate_input = args[0] if args else kwargs["hidden_states"]
 
 
 def apply_variant(model: nn.Module, variant: str | VariantConfig | dict, *, init: str = "default",
@@ -250,9 +239,6 @@ def apply_variant(model: nn.Module, variant: str | VariantConfig | dict, *, init
     first-token sink that forms early wins the race and the logit stays unused; ``sink_init ≈ log N`` lets it
     take the parked mass instead (docs/sink_logit.md: on Bigram-Backcopy, BOS attention 0.994 at 0, 0.017 at 4).
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     cfg = parse_variant(variant, **overrides)
     if init not in ("default", "off"):
         raise InputError(f"init must be 'default' or 'off', got {init!r}")
@@ -273,15 +259,16 @@ def apply_variant(model: nn.Module, variant: str | VariantConfig | dict, *, init
     hkv = _compat.config_get(config, "num_key_value_heads", default=h)
     dh = getattr(mods[0], "head_dim", d // h)
     ref = mods[0].q_proj.weight
-    handle = VariantHandle(model, cfg, _compat.get_attn_implementation(model))
+    handle = VariantHandle(model, cfg)
+    add = handle.patch.add
     for attn in mods:
-        _add(handle, attn, "sinklab_variant", cfg)
+        add(attn, "sinklab_variant", cfg)
         if cfg.sink_logit:
             start = -math.inf if init == "off" else float(sink_init or 0.0)
-            _add(handle, attn, "sinklab_sink_logit", nn.Parameter(torch.full((h,), start, dtype=ref.dtype, device=ref.device)))
+            add(attn, "sinklab_sink_logit", nn.Parameter(torch.full((h,), start, dtype=ref.dtype, device=ref.device)))
         if cfg.kv_bias:
-            _add(handle, attn, "sinklab_k_bias", nn.Parameter(torch.zeros(hkv, dh, dtype=ref.dtype, device=ref.device)))
-            _add(handle, attn, "sinklab_v_bias", nn.Parameter(torch.zeros(hkv, dh, dtype=ref.dtype, device=ref.device)))
+            add(attn, "sinklab_k_bias", nn.Parameter(torch.zeros(hkv, dh, dtype=ref.dtype, device=ref.device)))
+            add(attn, "sinklab_v_bias", nn.Parameter(torch.zeros(hkv, dh, dtype=ref.dtype, device=ref.device)))
         if cfg.gate is not None:
             gate = nn.Linear(d, h * dh if cfg.gate == "elementwise" else h, bias=True).to(ref.device, ref.dtype)
             with torch.no_grad():
@@ -290,24 +277,20 @@ def apply_variant(model: nn.Module, variant: str | VariantConfig | dict, *, init
                     gate.bias.fill_(_OFF_GATE_BIAS)
                 else:
                     gate.bias.zero_()
-            _add(handle, attn, "sinklab_gate", gate)
-
-            def stash(module, args, kwargs):
-                module.sinklab_gate_input = args[0] if args else kwargs["hidden_states"]
-
-            handle.hooks.append(attn.register_forward_pre_hook(stash, with_kwargs=True))
-            handle.added.append((attn, "sinklab_gate_input"))
+            add(attn, "sinklab_gate", gate)
+            add(attn, "sinklab_gate_input", None)
+            handle.patch.hook(attn, stash_gate_input, pre=True, with_kwargs=True)
     if cfg.registers:
-        _add_registers(handle, model, cfg.registers, d, ref)
-    AttentionInterface.register(ATTN_NAME, variant_attention)
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
-    _compat.set_attn_implementation(model, ATTN_NAME)
-    model.config.sinklab_variant = asdict(cfg)
-    model.sinklab_variant_handle = handle
+        _add_registers(handle.patch, model, cfg.registers, d, ref)
+    try:
+        handle.install()
+    except BaseException:
+        handle.remove()
+        raise
     return handle
 
 
-def _add_registers(handle: VariantHandle, model: nn.Module, n: int, d: int, ref: Tensor) -> None:
+def _add_registers(patch: _compat.ModelPatch, model: nn.Module, n: int, d: int, ref: Tensor) -> None:
     """Prepend ``n`` learned vectors to every sample's embeddings; drop them from the base model's output.
 
     The registers are positions ``0 … n−1`` of every sequence and the tokens follow at ``n, n+1, …``. With a
@@ -318,7 +301,7 @@ def _add_registers(handle: VariantHandle, model: nn.Module, n: int, d: int, ref:
     """
     base = _compat.base_model(model)
     gen = torch.Generator().manual_seed(0)
-    _add(handle, base, "sinklab_registers", nn.Parameter((torch.randn(n, d, generator=gen) * 0.02).to(ref.device, ref.dtype)))
+    patch.add(base, "sinklab_registers", nn.Parameter((torch.randn(n, d, generator=gen) * 0.02).to(ref.device, ref.dtype)))
     fed: list[bool] = []  # per forward in flight: were the registers prepended (so the output must drop them)?
 
     def before(module, args, kwargs):
@@ -356,8 +339,8 @@ def _add_registers(handle: VariantHandle, model: nn.Module, n: int, d: int, ref:
         return output
 
     # prepend: the registers are in place before any other pre-hook (a SinkCache's plans the stream positions)
-    handle.hooks.append(base.register_forward_pre_hook(before, with_kwargs=True, prepend=True))
-    handle.hooks.append(base.register_forward_hook(after, with_kwargs=True, always_call=True))
+    patch.hook(base, before, pre=True, with_kwargs=True, prepend=True)
+    patch.hook(base, after, with_kwargs=True, always_call=True)
 
 
 def register_count(model: nn.Module) -> int:

@@ -1,8 +1,8 @@
 """The capture's plumbing: attention-function registration, block hooks, the forward pass, collection.
 
-:class:`AttentionCapture` is a context manager. On entry it registers sinklab's attention function
-with transformers' ``AttentionInterface`` (plus the matching mask function), switches the model to
-it, and hooks every transformer block's input/output; on exit everything is undone. The attention
+:class:`AttentionCapture` is a context manager. On entry it installs sinklab's attention function
+as the model's attention backend and hooks every transformer block's input/output, all through one
+:class:`sinklab._compat.ModelPatch`; on exit everything is undone. The attention
 function computes the layer's output itself (:func:`~sinklab.capture.reduce.chunked_attention`), in
 query chunks from the post-RoPE ``q``/``k`` it is handed, and reduces each chunk's probabilities on the
 fly (:class:`~sinklab.capture.reduce.ColumnStats`); value/update statistics come from
@@ -72,8 +72,7 @@ class AttentionCapture:
         self.statistics = True  # False while final_states() runs: attention output only
         self._layers: nn.ModuleList | None = None
         self._layer_of: dict[int, int] = {}
-        self._handles: list = []
-        self._previous_impl: str | None = None
+        self._patch: _compat.ModelPatch | None = None
         self._token_mask: Tensor | None = None
         self._records: dict[int, dict[str, Tensor]] = {}
         self._hidden: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
@@ -87,15 +86,14 @@ class AttentionCapture:
         for index, layer in enumerate(self._layers):
             for sub in layer.modules():
                 self._layer_of[id(sub)] = index
-        _compat.register_attention(_compat.ATTN_IMPLEMENTATION, _dispatch)
-        self._previous_impl = _compat.get_attn_implementation(self.model)
-        _compat.set_attn_implementation(self.model, _compat.ATTN_IMPLEMENTATION)
+        self._patch = patch = _compat.ModelPatch(self.model)
         try:
-            self._handles.append(self._layers[0].register_forward_pre_hook(self._embed_hook, with_kwargs=True))
+            patch.use_attention(_compat.ATTN_IMPLEMENTATION, _dispatch)
+            patch.hook(self._layers[0], self._embed_hook, pre=True, with_kwargs=True)
             for layer in self._layers:
-                self._handles.append(layer.register_forward_pre_hook(self._keep_hook, with_kwargs=True))
+                patch.hook(layer, self._keep_hook, pre=True, with_kwargs=True)
             for index, layer in enumerate(self._layers):
-                self._handles.append(layer.register_forward_hook(self._make_block_hook(index)))
+                patch.hook(layer, self._make_block_hook(index))
             self._token = _ACTIVE.set(self)
         except BaseException:
             self._teardown()
@@ -106,14 +104,12 @@ class AttentionCapture:
         self._teardown()
 
     def _teardown(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        if self._patch is not None:
+            self._patch.restore()
+            self._patch = None
         if self._token is not None:
             _ACTIVE.reset(self._token)
             self._token = None
-        if self._previous_impl is not None and _compat.get_attn_implementation(self.model) != self._previous_impl:
-            self.model.set_attn_implementation(self._previous_impl)
 
     @property
     def num_layers(self) -> int:
@@ -149,8 +145,8 @@ class AttentionCapture:
         if missing:
             raise UnsupportedModelError(
                 f"{type(self.model).__name__}: the attention of layer(s) {missing} did not go through "
-                "transformers' AttentionInterface, so sinklab cannot observe it. Supported: models whose "
-                "attention modules call ALL_ATTENTION_FUNCTIONS (Llama, Qwen2/3, Mistral, Gemma, Phi-3, GPT-NeoX, "
+                "transformers' attention interface, so sinklab cannot observe it. Supported: models whose "
+                "attention modules dispatch through it (Llama, Qwen2/3, Mistral, Gemma, Phi-3, GPT-NeoX, "
                 "GPT-2, OPT, BERT, ViT, DINOv2, gpt-oss …)."
             )
         return self._collect()
@@ -351,11 +347,11 @@ class AttentionCapture:
 
 
 def _dispatch(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, **kwargs):
-    """The function registered with ``AttentionInterface``; routes to the active capture."""
+    """The attention backend the capture installs; routes to the active capture."""
     capture = _ACTIVE.get()
     if capture is None:
         raise RuntimeError(
             "sinklab's capture attention was called outside an active AttentionCapture; "
-            "restore the model's attention implementation (e.g. model.set_attn_implementation('sdpa'))."
+            "the model was copied or changed while a capture was active."
         )
     return capture.attend(module, query, key, value, attention_mask, **kwargs)

@@ -22,8 +22,6 @@ __all__ = ["ATTN_NAMES", "MLP_NAMES", "Patch", "PositionZeroRecorder", "Sublayer
 
 ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")
 MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
-_ENCODER_TYPES = {"bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "xlm-roberta",
-                  "mpnet", "camembert", "vit", "dinov2", "dinov2_with_registers", "modernbert"}
 
 
 @dataclass
@@ -51,7 +49,7 @@ def find_sublayers(model: nn.Module) -> Sublayers:
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{name} is an encoder-decoder model; the P0 circuit is measured on causal "
                                     "decoder-only models.")
-    if model_type in _ENCODER_TYPES:
+    if model_type in _compat.ENCODER_TYPES:
         raise UnsupportedModelError(
             f"{name} ({model_type}) is an encoder: every position attends to every other, so no causal mask singles "
             "out position 0 and the P0 sink circuit does not apply. Use `sinklab scan`/`diagnose` for encoders.")

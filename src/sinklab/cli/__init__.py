@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from . import chat, circuit, diagnose, eval_stream, scan, stream, train, vit  # noqa: F401  (each module registers its commands on ``app``)
+from . import chat, circuit, diagnose, eval_stream, kv_quant, scan, stream, train, vit  # noqa: F401  (each module registers its commands on ``app``)
 from ._common import app, console, err
 
 __all__ = ["app", "console", "err", "main"]

@@ -4,7 +4,7 @@ One :class:`ModelStreams` per model, created by the first ``SinkCache`` on it. W
 alive it holds a forward pre-hook and an always-called forward hook on the decoder stack:
 
 * a forward whose cache argument is a ``SinkCache`` *activates* that cache (the model's attention
-  implementation becomes sinklab's stream attention — once, not per call — and the pre-hook plans the
+  backend becomes sinklab's stream attention, installed by a :class:`sinklab._compat.ModelPatch` — once, not per call — and the pre-hook plans the
   forward: virtual positions, token-id check); the stream is set for this call's thread, so
   ``generate()`` in a background thread (``TextIteratorStreamer``) works too;
 * any other forward first *releases* an implicitly activated cache (the model's own attention comes
@@ -46,22 +46,22 @@ class ModelStreams:
         self._caches: set[int] = set()
         self.active: int | None = None  # id of the active cache
         self.explicit = False  # the active cache was opened by `with` (foreign forwards are errors)
-        self._previous: str | None = None  # attention implementation to restore
+        self._backend: _compat.ModelPatch | None = None  # the stream attention, while a cache is active
         self._local = threading.local()
         base = _compat.base_model(model)
         # The hooks run eagerly even inside a torch.compile'd forward (one deliberate graph break at the
         # decoder-stack entry and exit): they hold the stream's host bookkeeping (Python ints, no tensor read
         # back per token); the decoder stack in between — cache writes, re-rotation, masks, attention — is
         # one graph with fixed shapes.
-        self._handles = (
-            base.register_forward_pre_hook(torch.compiler.disable(self._pre_hook), with_kwargs=True),
-            base.register_forward_hook(torch.compiler.disable(self._post_hook), with_kwargs=True, always_call=True))
+        self._hooks = _compat.ModelPatch(base)  # not the model: the registry must not keep it alive
+        self._hooks.hook(base, torch.compiler.disable(self._pre_hook), pre=True, with_kwargs=True)
+        self._hooks.hook(base, torch.compiler.disable(self._post_hook), with_kwargs=True, always_call=True)
 
     def __deepcopy__(self, memo: dict) -> ModelStreams:
         """A copied model (``copy.deepcopy``) gets inert hooks: its streams are its own, not the original's."""
         inert = object.__new__(ModelStreams)
         inert._model, inert._caches, inert.active, inert.explicit = (lambda: None), set(), None, False
-        inert._previous, inert._local, inert._handles = None, threading.local(), ()
+        inert._backend, inert._local, inert._hooks = None, threading.local(), None
         return inert
 
     # ------------------------------------------------------------------ lifetime
@@ -75,8 +75,8 @@ class ModelStreams:
             self.release()
         self._caches.discard(cache_id)
         if not self._caches:
-            for handle in self._handles:
-                handle.remove()
+            if self._hooks is not None:
+                self._hooks.restore()
             model = self._model()
             if model is not None and _REGISTRY.get(model) is self:
                 del _REGISTRY[model]
@@ -90,22 +90,19 @@ class ModelStreams:
                 raise InputError("another SinkCache is open on this model in a `with` block; close it first "
                                  "(one stream per model at a time)")
             self.release()
-        from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
 
-        model = self._model()
-        AttentionInterface.register(ATTN_NAME, stream_attention)
+        backend = _compat.ModelPatch(self._model())
+        backend.use_attention(ATTN_NAME, stream_attention)
+        # The stream's own mask function (the real new columns only; the attention masks by metadata).
         AttentionMaskInterface.register(ATTN_NAME, stream_mask)
-        self._previous = _compat.get_attn_implementation(model)
-        _compat.set_attn_implementation(model, ATTN_NAME)
-        self.active, self.explicit = id(cache), explicit
+        self._backend, self.active, self.explicit = backend, id(cache), explicit
 
     def release(self) -> None:
         """Give the model its own attention implementation back."""
-        model = self._model()
-        if model is not None and self._previous is not None and _compat.get_attn_implementation(model) != self._previous:
-            model.set_attn_implementation(self._previous)
-        self.active, self.explicit, self._previous = None, False, None
+        if self._backend is not None:
+            self._backend.restore()
+        self.active, self.explicit, self._backend = None, False, None
 
     # ------------------------------------------------------------------ hooks
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):

@@ -98,13 +98,17 @@ class SinkCache(Cache):
         each). Chunks, and every forward on the CPU, are checked at once.
     window_length, num_sink_tokens:
         transformers' old ``SinkCache`` names (deprecated): ``window = window_length − num_sinks``.
+    kv_bits, kv_group_size:
+        Store the window packed at 2, 3, 4 or 8 bits (scale and zero point per token and group of
+        ``kv_group_size`` channels); sinks and pinned spans stay exact (:mod:`sinklab.stream.quantized`).
     """
 
     is_sinklab_stream = True
 
     def __init__(self, model: nn.Module, num_sinks: int = 4, window: int | None = None, pinned=None,
                  start_position: int = 0, rebase_every: int | None = None, *, sliding_sinks: bool = False,
-                 check_every: int = 64, window_length: int | None = None, num_sink_tokens: int | None = None) -> None:
+                 check_every: int = 64, window_length: int | None = None, num_sink_tokens: int | None = None,
+                 kv_bits: int | None = None, kv_group_size: int = 16) -> None:
         num_sinks, window = _legacy_sizes(num_sinks, window, window_length, num_sink_tokens)
         self.model = model
         self.sliding_sinks = bool(sliding_sinks)
@@ -139,7 +143,13 @@ class SinkCache(Cache):
         self._pending_ids: torch.Tensor | bool = False
         self._pending_hidden: torch.Tensor | bool = False
         self._checked = 0  # columns checked so far
-        super().__init__(layers=[SinkWindowLayer(s, s.rope) for s in self.layer_states])
+        if kv_bits is None:
+            layers = [SinkWindowLayer(s, s.rope) for s in self.layer_states]
+        else:
+            from .quantized import QuantizedSinkWindowLayer
+
+            layers = [QuantizedSinkWindowLayer(s, s.rope, kv_bits, kv_group_size) for s in self.layer_states]
+        super().__init__(layers=layers)
         self._streams = streams_of(model)
         self._streams.add(self)
 
@@ -281,5 +291,6 @@ class SinkCache(Cache):
 
     @property
     def is_compileable(self) -> bool:
-        """Decoding is compileable (fixed shapes); transformers' ``generate`` compiles it under a CompileConfig."""
-        return True
+        """Decoding is compileable (fixed shapes; a packed ``kv_bits`` ring is not); transformers' ``generate``
+        compiles a compileable cache under a CompileConfig."""
+        return all(layer.is_compileable for layer in self.layers)

@@ -269,8 +269,8 @@ def _chunked_nll(model: nn.Module, ids: Tensor, positions: Tensor, chunk_size: i
             logits = logits[local.to(logits.device)]
         if local.numel():
             out.append(_nll(logits[: local.numel()], ids[want]))
-        if cache is None:  # transformers ≥ 5.2 returns it as ``cache``, older releases as ``past_key_values``
-            cache = output["cache"] if "cache" in output else output.past_key_values  # noqa: SIM401 (lazy)
+        if cache is None:
+            cache = _compat.output_cache(output)
         if advance:
             advance(c1 - c0)
     return torch.cat(out)

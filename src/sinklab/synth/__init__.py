@@ -6,7 +6,7 @@
   largest projection on a direction and writes its (rotated) content into every position.
 
 Both use :class:`sinklab.synth.model.SynthModel`, a tiny transformers ``PreTrainedModel`` whose attention
-goes through ``AttentionInterface``, so the very same scan/diagnose pipeline runs on it.
+dispatches through transformers' attention interface, so the very same scan/diagnose pipeline runs on it.
 """
 
 from .broadcast import BroadcastTask, run_broadcast

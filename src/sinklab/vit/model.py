@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from .. import _compat
 from ..variants import register_labels
 
 __all__ = ["SinklabViT", "small_vit_config", "token_labels"]
@@ -22,7 +23,7 @@ def small_vit_config(image_size: int = 32, patch_size: int = 4, width: int = 64,
     config = ViTConfig(hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
                        intermediate_size=4 * width, image_size=image_size, patch_size=patch_size, num_channels=3,
                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, qkv_bias=True)
-    config._attn_implementation = "sdpa"
+    _compat.set_config_attention(config, "sdpa")
     return config
 
 

@@ -2,7 +2,7 @@
 
 Applies to transformers' ViT (``ViTModel``, ``ViTForImageClassification`` …), DINOv2 (``Dinov2Model`` …) and
 the small :class:`~sinklab.vit.model.SinklabViT`, whose blocks hold an ``attention`` module with
-``q_proj``/``k_proj``/``v_proj``/``o_proj`` that calls transformers' ``AttentionInterface``.
+``q_proj``/``k_proj``/``v_proj``/``o_proj`` that dispatches through transformers' attention interface.
 
 * ``registers`` — ``n`` learned tokens inserted after the [CLS] token, right after the patch embedding
   (``[CLS, reg_0 … reg_{n−1}, patch_0 …]``, no position embedding, as DINOv2-with-registers), dropped
@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from .. import _compat
 from ..errors import InputError, ModelWeightsError, UnsupportedModelError
-from ..variants import ATTN_NAME, VariantConfig, VariantHandle, _add, parse_variant, variant_attention
+from ..variants import VariantConfig, VariantHandle, parse_variant, stash_gate_input
 
 __all__ = [
     "FORMAT",
@@ -90,8 +90,8 @@ def register_count(model: nn.Module) -> int:
 class VitVariantHandle(VariantHandle):
     """What :func:`apply_vit_variant` did; ``remove()`` (or leaving the ``with`` block) undoes it."""
 
-    def __init__(self, model: nn.Module, base: nn.Module, config: VariantConfig, previous_impl: str | None) -> None:
-        super().__init__(model, config, previous_impl, base=base)
+    def __init__(self, model: nn.Module, base: nn.Module, config: VariantConfig) -> None:
+        super().__init__(model, config, base=base)
 
 
 
@@ -114,16 +114,17 @@ def apply_vit_variant(model: nn.Module, variant: str | VariantConfig | dict, *, 
     h = _compat.config_get(base.config, "num_attention_heads")
     dh = getattr(mods[0], "head_dim", d // h)
     ref = mods[0].q_proj.weight
-    handle = VitVariantHandle(model, base, cfg, _compat.get_attn_implementation(base))
+    handle = VitVariantHandle(model, base, cfg)
+    add = handle.patch.add
     gen = torch.Generator().manual_seed(seed)
     for attn in mods:
-        _add(handle, attn, "sinklab_variant", cfg)
+        add(attn, "sinklab_variant", cfg)
         if cfg.sink_logit:
             start = float("-inf") if init == "off" else 0.0
-            _add(handle, attn, "sinklab_sink_logit", nn.Parameter(torch.full((h,), start, dtype=ref.dtype, device=ref.device)))
+            add(attn, "sinklab_sink_logit", nn.Parameter(torch.full((h,), start, dtype=ref.dtype, device=ref.device)))
         if cfg.kv_bias:  # a learned key/value slot per head, 0 at the start (the kv-bias slot scores 0)
             for name in ("sinklab_k_bias", "sinklab_v_bias"):
-                _add(handle, attn, name, nn.Parameter(torch.zeros(h, dh, dtype=ref.dtype, device=ref.device)))
+                add(attn, name, nn.Parameter(torch.zeros(h, dh, dtype=ref.dtype, device=ref.device)))
         if cfg.gate is not None:
             gate = nn.Linear(d, h * dh if cfg.gate == "elementwise" else h, bias=True)
             with torch.no_grad():
@@ -134,27 +135,23 @@ def apply_vit_variant(model: nn.Module, variant: str | VariantConfig | dict, *, 
                     bound = d**-0.5  # nn.Linear's default range, drawn from our generator (reproducible)
                     gate.weight.uniform_(-bound, bound, generator=gen)
                     gate.bias.zero_()
-            _add(handle, attn, "sinklab_gate", gate.to(ref.device, ref.dtype))
-            handle.hooks.append(attn.register_forward_pre_hook(_stash_gate_input, with_kwargs=True))
-            handle.added.append((attn, "sinklab_gate_input"))
+            add(attn, "sinklab_gate", gate.to(ref.device, ref.dtype))
+            add(attn, "sinklab_gate_input", None)
+            handle.patch.hook(attn, stash_gate_input, pre=True, with_kwargs=True)
     if cfg.registers:
-        _add_registers(handle, base, cfg.registers, d, ref, gen)
-    _compat.register_attention(ATTN_NAME, variant_attention)
-    _compat.set_attn_implementation(base, ATTN_NAME)
-    base.config.sinklab_variant = asdict(cfg)
-    base.sinklab_variant_handle = handle
-    if model is not base:
-        model.sinklab_variant_handle = handle
+        _add_registers(handle.patch, base, cfg.registers, d, ref, gen)
+    try:
+        handle.install()
+    except BaseException:
+        handle.remove()
+        raise
     return handle
 
 
-def _stash_gate_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    module.sinklab_gate_input = args[0] if args else kwargs["hidden_states"]
-
-
-def _add_registers(handle: VitVariantHandle, base: nn.Module, n: int, d: int, ref: Tensor, gen: torch.Generator) -> None:
+def _add_registers(patch: _compat.ModelPatch, base: nn.Module, n: int, d: int, ref: Tensor,
+                   gen: torch.Generator) -> None:
     """Insert ``n`` learned tokens after [CLS] at the embedding output; drop them from the base model's output."""
-    _add(handle, base, "sinklab_registers", nn.Parameter((torch.randn(n, d, generator=gen) * 0.02).to(ref.device, ref.dtype)))
+    patch.add(base, "sinklab_registers", nn.Parameter((torch.randn(n, d, generator=gen) * 0.02).to(ref.device, ref.dtype)))
 
     def after_embeddings(module, args, output: Tensor) -> Tensor:
         regs = base.sinklab_registers.to(output.dtype).expand(output.shape[0], n, d)  # (B, n, d)
@@ -171,8 +168,8 @@ def _add_registers(handle: VitVariantHandle, base: nn.Module, n: int, d: int, re
             output.hidden_states = tuple(drop(hs) for hs in output.hidden_states)
         return output
 
-    handle.hooks.append(base.embeddings.register_forward_hook(after_embeddings))
-    handle.hooks.append(base.register_forward_hook(after_model, with_kwargs=True))
+    patch.hook(base.embeddings, after_embeddings)
+    patch.hook(base, after_model, with_kwargs=True)
 
 
 # ----------------------------------------------------------------------------- persistence

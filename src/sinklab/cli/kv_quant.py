@@ -1,0 +1,86 @@
+"""``sinklab kv-quant``: packed KV caches at several bit widths, with and without exact sinks, against the full cache."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ..errors import SinklabError
+from ..provenance import provenance
+from ._common import MODEL_HELP, _load, _progress, _user_errors, app, check_out_dir, console, trust_remote_code_option
+from .eval_stream import _read_long_text
+
+
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise SinklabError(f"{option} takes comma-separated integers, got {text!r}") from exc
+
+
+@app.command("kv-quant")
+def kv_quant_command(
+    model: Annotated[str, typer.Argument(help="a causal LM: " + MODEL_HELP)],
+    file: Annotated[Path | None, typer.Option("--file", help="long UTF-8 text (default: Python's pydoc topics)")] = None,
+    bits: Annotated[str, typer.Option("--bits", help="comma-separated bit widths from 2, 3, 4, 8")] = "8,4,3,2",
+    protect: Annotated[str, typer.Option("--protect", help="comma-separated: none,first,detected")] =
+        "none,first,detected",
+    num_first: Annotated[int, typer.Option("--first", help="S: tokens the 'first' protection keeps exact")] = 4,
+    context: Annotated[int, typer.Option("--context", help="tokens cached per sample")] = 1024,
+    score: Annotated[int, typer.Option("--score", help="next tokens scored per sample")] = 256,
+    samples: Annotated[int, typer.Option("--samples", help="consecutive windows of the text")] = 4,
+    group_size: Annotated[int, typer.Option("--group-size", help="G: tokens per key block, channels per value group")] = 64,
+    residual: Annotated[int, typer.Option("--residual", help="R: most recent tokens kept in full precision")] = 32,
+    decode_steps: Annotated[int, typer.Option("--decode-steps", help="timed one-token forwards per cache")] = 16,
+    hf_backend: Annotated[str, typer.Option("--hf-backend", help="also transformers' QuantizedCache with these "
+                                           "comma-separated backends (quanto, hqq; must be installed)")] = "",
+    out: Annotated[Path, typer.Option("--out")] = Path("sinklab-kv-quant"),
+    dtype: Annotated[str | None, typer.Option("--dtype")] = None,
+    device: Annotated[str | None, typer.Option("--device")] = None,
+    trust_remote_code: Annotated[bool, trust_remote_code_option()] = False,
+) -> None:
+    """KL, top-1, PPL, bytes per token and decode time of packed KV caches (KIVI layout) at each bit width, keeping
+    nothing, the first S tokens or the detected sinks in full precision. Writes kv_quant.json, a figure and HTML."""
+    import torch
+
+    from ..kvquant.evaluate import KvQuantPlan, kv_quant
+    from ..report.kvquant import TABLE_HEADER, table_rows, write_kv_quant
+    from ..texts import readable_tokens
+
+    with _user_errors():
+        plan = KvQuantPlan(bits=_ints(bits, "--bits"), protect=tuple(p.strip() for p in protect.split(",") if p.strip()),
+                           num_first=num_first, context=context, score=score, samples=samples, group_size=group_size,
+                           residual=residual, decode_steps=decode_steps,
+                           hf_backends=tuple(b.strip() for b in hf_backend.split(",") if b.strip()))
+        text, source = _read_long_text(file)
+        check_out_dir(out)
+        loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        tok = loaded.tokenizer
+        encoded = tok(text[: plan.tokens * 16], add_special_tokens=True, verbose=False)["input_ids"]
+        if len(encoded) < plan.tokens:
+            encoded = tok(text, add_special_tokens=True, verbose=False)["input_ids"]
+        ids = torch.tensor(encoded[: plan.tokens])
+        total = plan.work()
+        with _progress(total) as progress:
+            task = progress.add_task("kv-quant", total=total)
+            result = kv_quant(loaded.model, ids, plan,
+                              progress=lambda label, n: progress.update(task, advance=n, description=label))
+        span = plan.context + plan.score
+        result.meta = {"model": model, "text": source, "provenance": provenance(sys.argv, loaded, texts=[text]),
+                       "detected_tokens": [readable_tokens(tok, [int(ids[i * span + p]) for p in pos])
+                                           for i, pos in enumerate(result.detected)]}
+        data = result.to_json()
+        table = Table(title=f"{model}: {plan.samples} × ({plan.context} cached + {plan.score} scored) tokens; "
+                            f"16-bit cache {data['dense_bytes_per_token_16bit']:,} bytes/token")
+        for col in TABLE_HEADER:
+            table.add_column(col, justify="right")
+        for row in table_rows(data):
+            table.add_row(*row)
+        console.print(table)
+        console.print("detected sinks per sample: " + "; ".join(str(d) for d in result.detected))
+        report = write_kv_quant(data, out)
+        console.print(f"wrote {out / 'kv_quant.json'}, {out / 'kl_vs_bytes.png'} and {report}")

@@ -1,0 +1,144 @@
+"""Packed integer storage and asymmetric group quantization: pure tensor functions, no model.
+
+Codes of ``b`` bits are packed along the last dimension, ``k = 8 / gcd(b, 8)`` codes into ``k·b/8`` bytes
+(8 bits: 1 → 1, 4 bits: 2 → 1, 2 bits: 4 → 1, 3 bits: 8 → 3), little-endian within each word. Any last
+dimension works (it is padded to a multiple of ``k`` with zero codes, and the padding is cut off again).
+
+Quantization is asymmetric (min/max) over groups of ``group_size`` consecutive entries along one
+dimension: ``scale = (max − min) / (2^b − 1)``, ``zero = min``, ``code = round((x − zero) / scale)``,
+``x̂ = code · scale + zero``. Scales and zero points are stored in float16 (2 bytes each, counted in
+:meth:`QuantizedTensor.nbytes`), and codes are computed from the *stored* (rounded) scale and zero, so
+``x̂`` is exactly what the codes and the stored metadata say. A constant group stores scale 0 and
+decodes exactly to its (float16) value.
+
+KIVI (Liu et al., 2024, arXiv:2402.02750) groups keys **per channel** over blocks of tokens (``dim=-2``:
+outlier channels get their own range) and values **per token** (``dim=-1``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["BITS", "QuantizedTensor", "pack_bits", "unpack_bits", "packed_width", "quantize", "dequantize"]
+
+#: Bit widths with a packed layout.
+BITS = (2, 3, 4, 8)
+
+META_DTYPE = torch.float16
+
+
+def _codes_per_word(bits: int) -> int:
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+    return 8 // math.gcd(bits, 8)
+
+
+def packed_width(n: int, bits: int) -> int:
+    """Bytes that ``n`` codes of ``bits`` bits take when packed (the last dimension of :func:`pack_bits`)."""
+    k = _codes_per_word(bits)
+    return -(-n // k) * k * bits // 8
+
+
+def pack_bits(codes: Tensor, bits: int) -> Tensor:
+    """Pack integer codes ``[..., n]`` in ``[0, 2^bits)`` into bytes ``[..., packed_width(n, bits)]`` (uint8)."""
+    k = _codes_per_word(bits)
+    n = codes.shape[-1]
+    pad = (-n) % k
+    c = codes.to(torch.int32)
+    if pad:
+        c = torch.nn.functional.pad(c, (0, pad))
+    words = c.unflatten(-1, (-1, k))  # (..., n/k, k) one word of k·bits bits per row
+    shifts = torch.arange(k, dtype=torch.int32, device=codes.device) * bits
+    word = (words << shifts).sum(-1)  # (..., n/k) at most 24 bits
+    nbytes = k * bits // 8
+    byte_shifts = torch.arange(nbytes, dtype=torch.int32, device=codes.device) * 8
+    out = (word[..., None] >> byte_shifts) & 0xFF  # (..., n/k, nbytes)
+    return out.flatten(-2).to(torch.uint8)
+
+
+def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
+    """Inverse of :func:`pack_bits`: bytes ``[..., m]`` → codes ``[..., n]`` (uint8)."""
+    k = _codes_per_word(bits)
+    nbytes = k * bits // 8
+    if bits == 8:
+        return packed[..., :n]
+    if nbytes == 1:  # 2 and 4 bits: shift each byte k ways, no word assembly
+        shifts = torch.arange(k, dtype=torch.uint8, device=packed.device) * bits
+        codes = (packed[..., None] >> shifts) & ((1 << bits) - 1)  # (..., m, k)
+        return codes.flatten(-2)[..., :n]
+    b = packed.to(torch.int32).unflatten(-1, (-1, nbytes))  # (..., words, nbytes)
+    byte_shifts = torch.arange(nbytes, dtype=torch.int32, device=packed.device) * 8
+    word = (b << byte_shifts).sum(-1)  # (..., words)
+    shifts = torch.arange(k, dtype=torch.int32, device=packed.device) * bits
+    codes = (word[..., None] >> shifts) & ((1 << bits) - 1)  # (..., words, k)
+    return codes.flatten(-2)[..., :n].to(torch.uint8)
+
+
+@dataclass
+class QuantizedTensor:
+    """A tensor stored as packed codes plus one float16 scale and zero point per group.
+
+    ``packed`` is ``shape`` with the last dimension packed (uint8); ``scale`` and ``zero`` are ``shape``
+    with dimension ``dim`` divided by ``group_size``.
+    """
+
+    packed: Tensor
+    scale: Tensor
+    zero: Tensor
+    bits: int
+    group_size: int
+    dim: int  # non-negative
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # what dequantize returns
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes actually held: packed codes + scales + zero points."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.zero))
+
+
+def _check_groups(shape: tuple[int, ...], dim: int, group_size: int) -> int:
+    d = dim % len(shape)
+    if group_size < 1 or shape[d] % group_size:
+        raise ValueError(f"dimension {dim} of size {shape[d]} is not a multiple of group_size {group_size}")
+    return d
+
+
+def quantize(x: Tensor, bits: int, group_size: int, dim: int = -1) -> QuantizedTensor:
+    """Asymmetric ``bits``-bit quantization of ``x`` over groups of ``group_size`` entries along ``dim``.
+
+    Parameters
+    ----------
+    x:
+        Any shape; ``x.shape[dim]`` must be a multiple of ``group_size``.
+    bits:
+        One of :data:`BITS`.
+    group_size:
+        Consecutive entries along ``dim`` that share a scale and a zero point.
+    dim:
+        ``-1`` groups within each row (per token for ``[B, H, T, d]`` values); ``-2`` groups over
+        consecutive rows of one column (per channel over blocks of tokens for keys).
+    """
+    _codes_per_word(bits)
+    d = _check_groups(tuple(x.shape), dim, group_size)
+    levels = (1 << bits) - 1
+    xf = x.float()
+    xg = xf.unflatten(d, (-1, group_size))  # group axis at d + 1
+    zero = xg.amin(d + 1).to(META_DTYPE)
+    scale = ((xg.amax(d + 1) - xg.amin(d + 1)) / levels).to(META_DTYPE)
+    s, z = scale.float().unsqueeze(d + 1), zero.float().unsqueeze(d + 1)
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    codes = torch.round((xg - z) / safe).clamp_(0, levels).to(torch.uint8).flatten(d, d + 1)
+    return QuantizedTensor(pack_bits(codes, bits), scale, zero, bits, group_size, d, tuple(x.shape), x.dtype)
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> Tensor:
+    """``x̂ = code · scale + zero`` with the shape of the quantized tensor (``dtype``: default the original)."""
+    codes = unpack_bits(q.packed, q.bits, q.shape[-1])
+    cg = codes.unflatten(q.dim, (-1, q.group_size)).float()  # (..., groups, group_size, ...)
+    out = cg * q.scale.float().unsqueeze(q.dim + 1) + q.zero.float().unsqueeze(q.dim + 1)
+    return out.flatten(q.dim, q.dim + 1).to(dtype or q.dtype)

@@ -1,0 +1,269 @@
+"""``kv_quant``: what each KV bit width × protection costs (bytes, time) and buys (KL, top-1, PPL).
+
+Protocol, per sample (a window of ``context + score`` tokens of a long text): the first ``context`` tokens
+are prefilled into the cache under test, then the next ``score`` tokens are fed in one forward; their
+next-token distributions are compared with the same two forwards over transformers' unquantized
+``DynamicCache`` (KL(full ‖ quantized), top-1 agreement) and scored against the text (PPL). Bytes per
+cached token are what the cache holds after both forwards (packed codes, scales, zero points, protected
+and residual tokens), divided by the tokens cached. Decode time is ``decode_steps`` greedy one-token
+forwards on top of sample 0's cache.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+from .. import _compat
+from ..errors import InputError
+from .codec import BITS
+from .detect import detect_sinks
+from .layer import dense_bytes_per_token, quantized_sink_cache
+from .plan import PROTECTIONS, Protection
+
+__all__ = ["KvQuantPlan", "KvQuantResult", "kv_quant", "ROW_KEYS", "HF_BACKENDS"]
+
+#: Keys every row of ``kv_quant.json`` has.
+ROW_KEYS = ("bits", "protect", "median_kl", "p90_kl", "top1", "ppl", "bytes_per_token", "ms_per_token")
+#: transformers' ``QuantizedCache`` backends that run on CPU, and the bit widths each accepts.
+HF_BACKENDS = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}
+
+Progress = Callable[[str, int], None]
+
+
+@dataclass
+class KvQuantPlan:
+    """What :func:`kv_quant` measures."""
+
+    bits: tuple[int, ...] = (8, 4, 3, 2)  # bit widths of the packed cache
+    protect: tuple[str, ...] = PROTECTIONS  # "none", "first" (the first num_first tokens), "detected"
+    num_first: int = 4  # S of the "first" protection
+    context: int = 1024  # tokens cached per sample before scoring
+    score: int = 256  # next tokens scored per sample
+    samples: int = 4  # windows of context + score tokens, consecutive in the text
+    group_size: int = 64  # G: tokens per key block, channels per value group
+    residual: int = 32  # R: most recent tokens kept in full precision
+    eps: float = 0.3  # sink detection: column mass above eps …
+    share: float = 0.1  # … in at least this share of layer×head pairs
+    decode_steps: int = 16  # timed one-token forwards per cache (sample 0)
+    hf_backends: tuple[str, ...] = ()  # also transformers' QuantizedCache with these backends ("quanto", "hqq")
+
+    def __post_init__(self) -> None:
+        self.bits, self.protect = tuple(int(b) for b in self.bits), tuple(self.protect)
+        bad = [b for b in self.bits if b not in BITS]
+        if bad or not self.bits:
+            raise InputError(f"--bits takes values from {BITS}, got {list(self.bits)}")
+        unknown = [p for p in self.protect if p not in PROTECTIONS]
+        if unknown or not self.protect:
+            raise InputError(f"--protect takes values from {PROTECTIONS}, got {list(self.protect)}")
+        if self.context < 2 * self.group_size or self.score < 1 or self.samples < 1:
+            raise InputError(f"context ({self.context}) must hold at least two groups of {self.group_size} tokens, "
+                             f"score ({self.score}) and samples ({self.samples}) must be ≥ 1")
+        self.hf_backends = tuple(self.hf_backends)
+        unknown = [b for b in self.hf_backends if b not in HF_BACKENDS]
+        if unknown:
+            raise InputError(f"--hf-backend takes values from {sorted(HF_BACKENDS)}, got {unknown}")
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of text the plan needs."""
+        return self.samples * (self.context + self.score)
+
+    def work(self) -> int:
+        """Forwards (and timed decodes) the plan runs, for a progress bar."""
+        hf = len(self.hf_configs())
+        return self.samples * (2 + len(self.bits) * len(self.protect) + hf) + self.decode_steps * (
+            1 + len(self.bits) * len(self.protect) + hf)
+
+    def hf_configs(self) -> list[tuple[str, int]]:
+        """``(backend, bits)`` pairs of transformers' ``QuantizedCache`` runs (the bit widths each backend takes)."""
+        return [(name, b) for name in self.hf_backends for b in self.bits if b in HF_BACKENDS[name]]
+
+
+@dataclass
+class KvQuantResult:
+    """Rows (one per cache: ``bits`` × ``protect``, plus the full-precision and transformers baselines) and meta."""
+
+    rows: list[dict]
+    plan: KvQuantPlan
+    detected: list[list[int]]  # per sample: the detected sink positions
+    dense_bytes_16: int  # bytes per token of a 16-bit unquantized cache
+    meta: dict = field(default_factory=dict)
+    hf_skipped: dict[str, str] = field(default_factory=dict)  # backend → why transformers refused the model
+
+    def to_json(self) -> dict:
+        return {"rows": self.rows, "plan": asdict(self.plan), "detected": self.detected,
+                "dense_bytes_per_token_16bit": self.dense_bytes_16, "hf_skipped": self.hf_skipped, "meta": self.meta}
+
+    def row(self, bits: int, protect: str) -> dict:
+        return next(r for r in self.rows if r["bits"] == bits and r["protect"] == protect)
+
+    def save(self, out_dir: str | Path) -> Path:
+        """Write ``kv_quant.json``, the figure and ``report.html`` into ``out_dir`` (atomically)."""
+        from ..report.kvquant import write_kv_quant
+
+        return write_kv_quant(self.to_json(), Path(out_dir))
+
+
+def _cache_nbytes(cache) -> int:
+    """Bytes a cache holds: sinklab's layers count themselves; transformers' quantized layers are walked."""
+    total = 0
+    for layer in cache.layers:
+        if hasattr(layer, "nbytes"):
+            total += layer.nbytes()
+            continue
+        tensors = [layer.keys, layer.values]
+        for q in (getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)):
+            if isinstance(q, tuple):  # HQQ: (packed, meta)
+                tensors += [q[0], q[1]["scale"], q[1]["zero"]]
+            elif q is not None:  # quanto: a tensor subclass of packed data, scale and shift
+                names, _ = q.__tensor_flatten__()
+                tensors += [getattr(q, n) for n in names]
+        total += sum(_tensor_nbytes(t) for t in tensors if isinstance(t, Tensor))
+    return total
+
+
+def _tensor_nbytes(t: Tensor) -> int:
+    if hasattr(t, "__tensor_flatten__") and type(t) is not Tensor:  # packed tensor subclasses (quanto's int2/int4)
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_nbytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def _hf_cache(model: nn.Module, backend: str, bits: int, plan: KvQuantPlan):
+    try:
+        from transformers import QuantizedCache
+
+        return QuantizedCache(backend, model.config, nbits=bits, q_group_size=plan.group_size,
+                              residual_length=plan.residual)
+    except ImportError as exc:
+        raise InputError(f"transformers' QuantizedCache needs the {backend!r} backend: {exc}") from exc
+
+
+class _Runner:
+    """The forwards of one sample: prefill + scored chunk on a cache, and timed greedy decode."""
+
+    def __init__(self, model: nn.Module, ids: Tensor, plan: KvQuantPlan) -> None:
+        self.model, self.plan = model, plan
+        self.kwarg = _compat.cache_kwarg_name(model)
+        self.device = _compat.input_device(model)
+        self.ids = ids.to(self.device)[None]  # (1, context + score)
+
+    @torch.no_grad()
+    def logprobs(self, cache) -> Tensor:
+        """Log-probabilities ``[score, V]`` of the scored tokens' successors (the last one predicts past the text)."""
+        c = self.plan.context
+        self.model(input_ids=self.ids[:, :c], use_cache=True, **{self.kwarg: cache})
+        logits = self.model(input_ids=self.ids[:, c:], use_cache=True, **{self.kwarg: cache}).logits[0]
+        return torch.log_softmax(logits.float(), -1)
+
+    @torch.no_grad()
+    def decode_ms(self, caches: dict, steps: int, advance: Callable[[str, int], None]) -> dict:
+        """Median ms of a greedy one-token forward on top of each ``{key: (cache, first token)}``.
+
+        Interleaved: each round decodes one token on every cache in turn, so load on the machine spreads
+        over all caches alike."""
+        tokens = {key: first.view(1, 1).to(self.device) for key, (_, first) in caches.items()}
+        times: dict = {key: [] for key in caches}
+        for _ in range(steps):
+            for key, (cache, _) in caches.items():
+                t0 = time.perf_counter()
+                logits = self.model(input_ids=tokens[key], use_cache=True, **{self.kwarg: cache}).logits
+                times[key].append(time.perf_counter() - t0)
+                tokens[key] = logits[:, -1].argmax(-1, keepdim=True)
+                advance("decode (interleaved)", 1)
+        return {key: 1000.0 * float(torch.tensor(t).median()) if t else math.nan for key, t in times.items()}
+
+
+def kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *,
+             progress: Progress | None = None) -> KvQuantResult:
+    """Compare packed KV caches at ``plan.bits`` × ``plan.protect`` with the unquantized cache on ``ids`` ``[N]``.
+
+    Returns one row per cache with :data:`ROW_KEYS` (plus ``mean_kl``, ``bytes_ratio_16bit`` — bytes per
+    token over a 16-bit unquantized cache's — and ``protected_tokens``). The ``full`` row is the unquantized
+    ``DynamicCache`` in the model's dtype; ``hf-<backend>`` rows are transformers' ``QuantizedCache``.
+    """
+    plan = plan or KvQuantPlan()
+    ids = ids.reshape(-1).long().cpu()
+    if ids.numel() < plan.tokens:
+        raise InputError(f"kv-quant needs {plan.tokens} tokens ({plan.samples} samples × (context {plan.context} + "
+                         f"score {plan.score})), the text has {ids.numel()}: give a longer text or fewer samples")
+    skipped = {}
+    for name in plan.hf_backends:
+        try:
+            _hf_cache(model, name, HF_BACKENDS[name][1], plan)  # a missing backend fails now, not after an hour
+        except ValueError as exc:  # transformers refuses the model (e.g. sliding-window layers): say so, go on
+            if isinstance(exc, InputError):
+                raise
+            skipped[name] = str(exc)
+    model.eval()
+    tick = progress or (lambda label, n: None)
+    configs: list[tuple[str, int, str]] = [("full", 0, "full")]
+    configs += [("sinklab", b, p) for b in plan.bits for p in plan.protect]
+    configs += [("hf", b, f"hf-{name}") for name, b in plan.hf_configs() if name not in skipped]
+    kl: dict[tuple, list[Tensor]] = {c: [] for c in configs}
+    top1: dict[tuple, list[Tensor]] = {c: [] for c in configs}
+    nll: dict[tuple, list[Tensor]] = {c: [] for c in configs}
+    nbytes: dict[tuple, float] = {}
+    timed: dict[tuple, tuple] = {}  # sample 0's caches and next tokens, decoded at the end
+    protected: dict[tuple, list[int]] = {c: [] for c in configs}
+    detected: list[list[int]] = []
+    span = plan.context + plan.score
+    first_run = None
+    for s in range(plan.samples):
+        window = ids[s * span:(s + 1) * span]
+        run = _Runner(model, window, plan)
+        sinks = detect_sinks(model, window[: plan.context], eps=plan.eps, share=plan.share)
+        detected.append(sinks)
+        tick("detect sinks", 1)
+        targets = window[plan.context + 1:].to(run.device)
+        ref = None
+        for config in configs:
+            kind, bits, protect = config
+            if kind == "full":
+                cache = DynamicCache(config=model.config)
+                guard = Protection()
+            elif kind == "hf":
+                cache, guard = _hf_cache(model, protect[3:], bits, plan), Protection()
+            else:
+                guard = {"none": Protection(), "first": Protection(first=plan.num_first),
+                         "detected": Protection(positions=tuple(sinks))}[protect]
+                cache = quantized_sink_cache(model, bits, guard, group_size=plan.group_size, residual=plan.residual)
+            logp = run.logprobs(cache)
+            tick(f"{bits or 'full'}-bit {protect}", 1)
+            if ref is None:
+                ref = logp
+            kl[config].append((ref.exp() * (ref - logp)).sum(-1).clamp_min(0.0).cpu())
+            top1[config].append((logp.argmax(-1) == ref.argmax(-1)).cpu())
+            nll[config].append(-logp[:-1].gather(-1, targets[:, None])[:, 0].cpu())
+            protected[config].append(int(guard.mask(torch.arange(span)).sum()))
+            if s == 0:
+                nbytes[config] = _cache_nbytes(cache) / span
+                timed[config] = (cache, logp[-1].argmax())
+        if s == 0:
+            first_run = run
+    ms = first_run.decode_ms(timed, plan.decode_steps, tick)
+    del timed
+    dense16 = dense_bytes_per_token(model, 2)
+    rows = []
+    for config in configs:
+        kind, bits, protect = config
+        k = torch.cat(kl[config]).double()
+        rows.append({
+            "bits": bits if kind != "full" else 8 * next(model.parameters()).element_size(),
+            "protect": protect,
+            "median_kl": float(k.median()), "p90_kl": float(torch.quantile(k, 0.9)), "mean_kl": float(k.mean()),
+            "top1": float(torch.cat(top1[config]).double().mean()),
+            "ppl": float(torch.cat(nll[config]).double().mean().exp()),
+            "bytes_per_token": nbytes[config], "bytes_ratio_16bit": nbytes[config] / dense16,
+            "ms_per_token": ms[config],
+            "protected_tokens": sum(protected[config]) / len(protected[config]),
+        })
+    return KvQuantResult(rows, plan, detected, dense16, hf_skipped=skipped)

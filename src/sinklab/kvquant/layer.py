@@ -1,0 +1,197 @@
+"""``DynamicQuantizedSinkLayer``: a transformers cache layer that stores keys/values packed, sinks exact.
+
+Storage per layer (``[B, Hkv, ·, d]`` tensors):
+
+* **protected** tokens (:class:`~sinklab.kvquant.plan.Protection`: first ``S``, pinned spans, detected
+  sinks) are kept as they arrived, in the model's dtype, and never enter a quantization group — so an
+  outlier sink key does not stretch the range of the block it would share;
+* the **residual**: the most recent unprotected tokens in full precision, between ``R`` and ``R + G − 1`` of
+  them (KIVI);
+* **quantized blocks**: whenever ``R + G`` unprotected tokens are waiting, the oldest ``G`` are packed —
+  keys per channel over the block of ``G`` tokens (one scale and zero point per channel and block),
+  values per token over groups of ``G_v`` channels (one per token and group).
+
+``update`` returns everything stored, dequantized, in position order, followed by the new chunk in full
+precision: a chunk attends to itself exactly and to the past as stored (what transformers'
+``QuantizedLayer`` does). Attention reads dequantized tensors: each forward unpacks the whole cache once
+per layer (``O(T·d)`` per layer and step; no fused kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch import nn
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .. import _compat
+from ..errors import InputError
+from .codec import BITS, QuantizedTensor, dequantize, quantize
+from .plan import Protection
+
+__all__ = ["DynamicQuantizedSinkLayer", "quantized_sink_cache", "dense_bytes_per_token"]
+
+
+def _cat(a: Tensor | None, b: Tensor, dim: int = -2) -> Tensor:
+    return b if a is None else torch.cat([a, b], dim=dim)
+
+
+class DynamicQuantizedSinkLayer(DynamicLayer):
+    """One layer of a growing KV cache with packed ``bits``-bit storage and full-precision sinks.
+
+    Parameters
+    ----------
+    bits:
+        2, 3, 4 or 8.
+    group_size:
+        ``G``: tokens per key block (per-channel scales) and channels per value group (per-token scales;
+        capped at the head width).
+    residual:
+        ``R``: the most recent unprotected tokens always kept in full precision.
+    protect:
+        Stream positions kept exactly (default: none).
+    """
+
+    is_croppable = False
+
+    def __init__(self, bits: int = 4, group_size: int = 64, residual: int = 32, protect: Protection | None = None) -> None:
+        super().__init__()
+        if bits not in BITS:
+            raise InputError(f"kv bits must be one of {BITS}, got {bits!r}")
+        if group_size < 1 or residual < 0:
+            raise InputError(f"group_size must be ≥ 1 and residual ≥ 0, got {group_size} and {residual}")
+        self.bits, self.group_size, self.residual = bits, group_size, residual
+        self.protect = protect or Protection()
+        self.seen = 0  # tokens (columns) stored so far
+        self._empty()
+
+    def _empty(self) -> None:
+        self.qk: QuantizedTensor | None = None  # packed keys (B, Hkv, N, ·), N a multiple of G
+        self.qv: QuantizedTensor | None = None
+        self.q_pos: Tensor | None = None  # (N,) stream positions of the packed tokens
+        self.pk = self.pv = self.p_pos = None  # protected tokens, full precision
+        self.rk = self.rv = self.r_pos = None  # residual, full precision
+        self._order: Tensor | None = None  # permutation that puts the stored parts in position order
+
+    # ------------------------------------------------------------------ transformers' layer contract
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        dh = value_states.shape[-1]
+        self.value_group = min(self.group_size, dh)
+        if dh % self.value_group:
+            raise InputError(f"head width {dh} is not a multiple of the value group {self.value_group}")
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Store ``[B, Hkv, C, d]`` new keys/values; return the stored past (dequantized) ⧺ the new chunk."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        past_k, past_v = self.materialize()
+        keys, values = _cat(past_k, key_states), _cat(past_v, value_states)
+        self._store(key_states, value_states)
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def reset(self) -> None:
+        self.seen = 0
+        self._empty()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search is not supported by the quantized sink cache")
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("a quantized sink cache cannot be cropped")
+
+    # ------------------------------------------------------------------ storage
+    def _store(self, k: Tensor, v: Tensor) -> None:
+        c = k.shape[-2]
+        pos = torch.arange(self.seen, self.seen + c, device=k.device)
+        keep = self.protect.mask(pos)  # (C,)
+        if bool(keep.any()):
+            self.pk, self.pv = _cat(self.pk, k[:, :, keep]), _cat(self.pv, v[:, :, keep])
+            self.p_pos = _cat(self.p_pos, pos[keep], 0)
+        free = ~keep
+        self.rk, self.rv = _cat(self.rk, k[:, :, free]), _cat(self.rv, v[:, :, free])
+        self.r_pos = _cat(self.r_pos, pos[free], 0)
+        self.seen += c
+        waiting = self.r_pos.numel() - self.residual
+        n = (waiting // self.group_size) * self.group_size
+        if n > 0:  # pack the oldest n residual tokens (whole blocks of G)
+            qk = quantize(self.rk[:, :, :n], self.bits, self.group_size, dim=-2)  # per channel over G tokens
+            qv = quantize(self.rv[:, :, :n], self.bits, self.value_group, dim=-1)  # per token
+            self.qk, self.qv = self._append(self.qk, qk), self._append(self.qv, qv)
+            self.q_pos = _cat(self.q_pos, self.r_pos[:n], 0)
+            self.rk, self.rv, self.r_pos = self.rk[:, :, n:], self.rv[:, :, n:], self.r_pos[n:]
+        self._order = None
+
+    @staticmethod
+    def _append(old: QuantizedTensor | None, new: QuantizedTensor) -> QuantizedTensor:
+        if old is None:
+            return new
+        shape = list(old.shape)
+        shape[-2] += new.shape[-2]
+        return QuantizedTensor(torch.cat([old.packed, new.packed], -2), torch.cat([old.scale, new.scale], -2),
+                               torch.cat([old.zero, new.zero], -2), old.bits, old.group_size, old.dim,
+                               tuple(shape), old.dtype)
+
+    def materialize(self) -> tuple[Tensor | None, Tensor | None]:
+        """Everything stored, in position order: keys and values ``[B, Hkv, seen, d]`` (``None`` when empty)."""
+        parts_k, parts_v, parts_pos = [], [], []
+        if self.qk is not None:
+            parts_k.append(dequantize(self.qk, self.dtype))
+            parts_v.append(dequantize(self.qv, self.dtype))
+            parts_pos.append(self.q_pos)
+        for k, v, p in ((self.pk, self.pv, self.p_pos), (self.rk, self.rv, self.r_pos)):
+            if p is not None and p.numel():
+                parts_k.append(k)
+                parts_v.append(v)
+                parts_pos.append(p)
+        if not parts_k:
+            return None, None
+        keys, values = torch.cat(parts_k, -2), torch.cat(parts_v, -2)
+        if self._order is None:
+            pos = torch.cat(parts_pos)
+            order = torch.argsort(pos)
+            self._order = None if bool((order == torch.arange(pos.numel(), device=pos.device)).all()) else order
+            if self._order is None:
+                return keys, values
+        return keys.index_select(-2, self._order), values.index_select(-2, self._order)
+
+    # ------------------------------------------------------------------ accounting
+    def nbytes(self) -> int:
+        """Bytes held: packed codes, scales, zero points, protected and residual tokens (position ids excluded)."""
+        total = sum(q.nbytes for q in (self.qk, self.qv) if q is not None)
+        total += sum(t.numel() * t.element_size() for t in (self.pk, self.pv, self.rk, self.rv) if t is not None)
+        return total
+
+    def counts(self) -> dict[str, int]:
+        """Tokens in each part: ``quantized``, ``protected``, ``residual``."""
+        return {"quantized": 0 if self.q_pos is None else self.q_pos.numel(),
+                "protected": 0 if self.p_pos is None else self.p_pos.numel(),
+                "residual": 0 if self.r_pos is None else self.r_pos.numel()}
+
+
+def quantized_sink_cache(model: nn.Module, bits: int = 4, protect: Protection | None = None, *, group_size: int = 64,
+                         residual: int = 32) -> Cache:
+    """A transformers ``Cache`` of :class:`DynamicQuantizedSinkLayer`, one per decoder layer of ``model``.
+
+    >>> cache = quantized_sink_cache(model, bits=4, protect=Protection(first=4))   # doctest: +SKIP
+    >>> model(input_ids=ids, past_key_values=cache)                               # doctest: +SKIP
+    """
+    n = len(_compat.find_layers(model))
+    return Cache(layers=[DynamicQuantizedSinkLayer(bits, group_size, residual, protect) for _ in range(n)])
+
+
+def dense_bytes_per_token(model: nn.Module, bytes_per_element: int = 2) -> int:
+    """Bytes one token takes in an unquantized KV cache of ``bytes_per_element`` (2: a 16-bit cache)."""
+    cfg = _compat.config_get(model.config, "text_config", default=None) or model.config
+    heads = _compat.config_get(cfg, "num_attention_heads")
+    kv = _compat.config_get(cfg, "num_key_value_heads", default=heads) or heads
+    dh = _compat.config_get(cfg, "head_dim", default=None) or cfg.hidden_size // heads
+    return 2 * len(_compat.find_layers(model)) * kv * dh * bytes_per_element
+

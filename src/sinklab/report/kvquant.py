@@ -1,0 +1,99 @@
+"""Figure, table and HTML of ``kv-quant`` (drawn from ``kv_quant.json``, so they never need the model).
+
+* ``kl_vs_bytes`` — median KL of the next-token distribution against bytes per cached token, one line per
+  protection (points are bit widths), transformers' ``QuantizedCache`` as its own line.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from .figures import plt
+from .html import images_html, page, write_outputs
+
+__all__ = ["kl_vs_bytes", "kv_quant_figures", "render_kv_quant", "table_rows", "TABLE_HEADER", "write_kv_quant"]
+
+TABLE_HEADER = ("bits", "protect", "median KL", "p90 KL", "top-1", "PPL", "bytes/token", "× 16-bit", "ms/token")
+_COLOURS = {"none": "tab:red", "first": "tab:orange", "detected": "tab:blue", "hf-quanto": "tab:purple",
+            "hf-hqq": "tab:green"}
+CAPTIONS = {
+    "kl_vs_bytes": "Median KL(full ‖ quantized) of the next-token distribution over the scored tokens against the "
+                   "bytes one cached token takes (packed codes, scales, zero points, the full-precision residual and "
+                   "protected tokens included), one line per protection; each point is a bit width. Lower left is "
+                   "better. The dashed line is a 16-bit unquantized cache.",
+}
+
+
+def _fmt(value: float, spec: str) -> str:
+    return "–" if value is None or value != value else format(value, spec)
+
+
+def table_rows(data: dict) -> list[tuple[str, ...]]:
+    """One tuple of formatted cells per row of ``kv_quant.json`` (the CLI table and the HTML share them)."""
+    return [(str(r["bits"]), r["protect"], _fmt(r["median_kl"], ".4g"), _fmt(r["p90_kl"], ".4g"),
+             _fmt(100 * r["top1"], ".1f") + " %", _fmt(r["ppl"], ".3f"), _fmt(r["bytes_per_token"], ",.0f"),
+             _fmt(r["bytes_ratio_16bit"], ".3f"), _fmt(r["ms_per_token"], ".1f")) for r in data["rows"]]
+
+
+def kl_vs_bytes(data: dict) -> Figure:
+    """Median KL against bytes per cached token, one line per protection (see :data:`CAPTIONS`)."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    lines: dict[str, list[dict]] = {}
+    for r in data["rows"]:
+        if r["protect"] != "full":
+            lines.setdefault(r["protect"], []).append(r)
+    for name, rows in lines.items():
+        rows = sorted(rows, key=lambda r: r["bytes_per_token"])
+        x = [r["bytes_per_token"] for r in rows]
+        y = [max(r["median_kl"], 1e-7) for r in rows]
+        ax.plot(x, y, marker="o", label=name, color=_COLOURS.get(name), ls=":" if name.startswith("hf-") else "-")
+        for r, xi, yi in zip(rows, x, y):
+            ax.annotate(f"{r['bits']}b", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.axvline(data["dense_bytes_per_token_16bit"], color="grey", ls="--", lw=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("bytes per cached token")
+    ax.set_ylabel("median KL (nats)")
+    plan = data["plan"]
+    ax.set_title(f"{data['meta'].get('model', '')}: {plan['samples']} × ({plan['context']} cached + {plan['score']} "
+                 f"scored) tokens, G = {plan['group_size']}, R = {plan['residual']}", fontsize=8)
+    ax.legend(fontsize=8, title="protection", title_fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def kv_quant_figures(data: dict) -> dict[str, Figure]:
+    return {"kl_vs_bytes": kl_vs_bytes(data)}
+
+
+def render_kv_quant(data: dict, images: dict[str, bytes]) -> str:
+    """The report as one HTML string (every token string and model name escaped)."""
+    esc = html.escape
+    meta, plan = data["meta"], data["plan"]
+    head = "".join(f"<th>{esc(h)}</th>" for h in TABLE_HEADER)
+    body_rows = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in table_rows(data))
+    tokens = meta.get("detected_tokens") or [[] for _ in data["detected"]]
+    sinks = "".join(
+        f"<li>sample {i}: " + (", ".join(f"{p} <code>{esc(str(t))}</code>" for p, t in zip(pos, toks)) or "none")
+        + "</li>" for i, (pos, toks) in enumerate(zip(data["detected"], tokens)))
+    body = f"""<h1>sinklab kv-quant: {esc(str(meta.get('model')))}</h1>
+<p>{plan['samples']} samples of {plan['context']} cached tokens; the next {plan['score']} tokens are scored against the
+unquantized cache. Keys are quantized per channel over blocks of G = {plan['group_size']} tokens, values per token
+over groups of up to G channels; the R = {plan['residual']} most recent tokens stay in full precision.
+Protections: <b>none</b>; <b>first</b> (the first {plan['num_first']} tokens exact); <b>detected</b> (the positions
+receiving more than ε = {plan['eps']} of the attention in at least {100 * plan['share']:.0f} % of the heads, exact).
+A 16-bit unquantized cache takes {data['dense_bytes_per_token_16bit']:,} bytes per token.</p>
+<table><tr>{head}</tr>{body_rows}</table>
+<h2>Detected sinks</h2><ul>{sinks}</ul>
+<h2>Figures</h2>{images_html(images, CAPTIONS)}
+<h2>Provenance</h2><pre>{esc(str(meta.get('provenance', '')))}</pre>"""
+    return page(f"sinklab kv-quant — {meta.get('model')}", body)
+
+
+def write_kv_quant(data: dict, out_dir: Path) -> Path:
+    """Write ``kv_quant.json``, ``kl_vs_bytes.png`` and ``report.html`` into ``out_dir`` atomically."""
+    return write_outputs(out_dir, data, kv_quant_figures(data), lambda images: render_kv_quant(data, images),
+                         "kv_quant.json")

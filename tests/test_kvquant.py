@@ -1,0 +1,147 @@
+"""sinklab.kvquant: packing, quantization and the quantized sink cache against independent references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvquant_models import SINK_ID, massive_sink_llama
+from sinklab.kvquant import (
+    DynamicQuantizedSinkLayer,
+    Protection,
+    dequantize,
+    pack_bits,
+    quantize,
+    quantized_sink_cache,
+    unpack_bits,
+)
+from sinklab.kvquant.detect import detect_sinks
+from sinklab.models import tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _pack_reference(codes: list[int], bits: int) -> list[int]:
+    """Little-endian bit string of the codes, cut into bytes (padded with zero bits to whole words)."""
+    k = {2: 4, 3: 8, 4: 2, 8: 1}[bits]
+    codes = codes + [0] * ((-len(codes)) % k)
+    value = sum(c << (bits * i) for i, c in enumerate(codes))
+    return [(value >> (8 * j)) & 0xFF for j in range(len(codes) * bits // 8)]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("n", [1, 7, 64, 67])
+def test_pack_matches_bitstring_and_round_trips(bits, n):
+    codes = torch.randint(0, 1 << bits, (3, 2, n))
+    packed = pack_bits(codes, bits)
+    for row_codes, row_packed in zip(codes.reshape(-1, n).tolist(), packed.reshape(-1, packed.shape[-1]).tolist()):
+        assert row_packed == _pack_reference(row_codes, bits)
+    assert torch.equal(unpack_bits(packed, bits, n).long(), codes)
+
+
+def _quantize_reference(x: torch.Tensor, bits: int, group: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 min/max per group, scale and zero rounded to float16 (the stated storage): codes and x̂."""
+    xt = x.double().movedim(dim, -1)  # groups along the last axis
+    g = xt.reshape(*xt.shape[:-1], xt.shape[-1] // group, group)  # (..., groups, group)
+    levels = 2**bits - 1
+    lo = g.min(-1, keepdim=True).values.half().double()
+    scale = ((g.max(-1, keepdim=True).values - g.min(-1, keepdim=True).values) / levels).half().double()
+    codes = torch.where(scale > 0, torch.round((g - lo) / scale.clamp_min(1e-300)).clamp(0, levels), 0.0)
+    back = lambda t: t.reshape(xt.shape).movedim(-1, dim)  # noqa: E731
+    return back(codes), back(codes * scale + lo)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("dim", [-1, -2])
+def test_quantize_matches_float64_reference(bits, dim):
+    x = torch.randn(2, 3, 32, 16) * torch.linspace(0.1, 5.0, 16)  # channels of different ranges
+    x[0, 0, 3, 5] = 40.0  # an outlier
+    q = quantize(x, bits, 8, dim=dim)
+    codes_ref, x_ref = _quantize_reference(x, bits, 8, dim)
+    codes = unpack_bits(q.packed, bits, x.shape[-1]).double()
+    assert (codes != codes_ref).double().mean() < 1e-3  # only float32-vs-float64 rounding ties may differ
+    assert (codes - codes_ref).abs().max() <= 1
+    same = codes == codes_ref
+    torch.testing.assert_close(dequantize(q).double()[same], x_ref[same], atol=1e-5, rtol=1e-5)
+    assert q.scale.dtype == torch.float16 and q.scale.shape[dim] == x.shape[dim] // 8
+
+
+def _reference_past(keys, values, protect: Protection, bits: int, group: int, residual: int):
+    """The stored past rebuilt from full-precision k/v ``[B, H, T, d]`` with the float64 reference quantizer."""
+    t = keys.shape[-2]
+    keep = protect.mask(torch.arange(t))
+    free = (~keep).nonzero().flatten()
+    n = max(0, (free.numel() - residual) // group * group)
+    k, v = keys.double().clone(), values.double().clone()
+    packed = free[:n]
+    if n:
+        k[:, :, packed] = _quantize_reference(keys[:, :, packed], bits, group, -2)[1]
+        v[:, :, packed] = _quantize_reference(values[:, :, packed], bits, min(group, values.shape[-1]), -1)[1]
+    return k.float(), v.float()
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_attention_over_quantized_cache_equals_attention_over_reference_dequantized(bits):
+    model = tiny_llama(num_hidden_layers=2, vocab_size=1000)
+    ids = torch.randint(5, 1000, (2, 90))
+    protect = Protection(first=2, positions=(37,))
+    with torch.no_grad():
+        full = DynamicCache(config=model.config)
+        model(ids[:, :70], cache=full)
+        ref_cache = DynamicCache(config=model.config)
+        for i, layer in enumerate(full.layers):
+            ref_cache.update(*_reference_past(layer.keys, layer.values, protect, bits, 16, 8), i)
+        expected = model(ids[:, 70:], cache=ref_cache).logits
+        cache = quantized_sink_cache(model, bits, protect, group_size=16, residual=8)
+        model(ids[:, :70], cache=cache)
+        got = model(ids[:, 70:], cache=cache).logits
+    assert cache.layers[0].counts() == {"quantized": 64, "protected": 3, "residual": 23}
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
+    assert (got - model(ids).logits[:, 70:]).abs().max() > 1e-3  # the quantization is real
+
+
+def test_protected_tokens_stay_bit_exact_and_bytes_are_counted():
+    model = tiny_llama(num_hidden_layers=1, vocab_size=1000)
+    ids = torch.randint(5, 1000, (1, 40))
+    protect = Protection(first=1, spans=((10, 12),), positions=(30,))
+    with torch.no_grad():
+        full = DynamicCache(config=model.config)  # the same forwards, unquantized: the exact keys and values
+        cache = quantized_sink_cache(model, 2, protect, group_size=8, residual=4)
+        for c in (full, cache):
+            model(ids[:, :20], cache=c)
+            for t in range(20, 40):  # decode: blocks get packed around the protected tokens
+                model(ids[:, t:t + 1], cache=c)
+    layer: DynamicQuantizedSinkLayer = cache.layers[0]
+    keys, values = layer.materialize()
+    kept = [0, 10, 11, 30]
+    assert torch.equal(keys[:, :, kept], full.layers[0].keys[:, :, kept])
+    assert torch.equal(values[:, :, kept], full.layers[0].values[:, :, kept])
+    others = [p for p in range(32) if p not in kept]  # packed part
+    assert not torch.equal(keys[:, :, others], full.layers[0].keys[:, :, others])
+    b, h, _, d = keys.shape
+    counts = layer.counts()
+    packed = counts["quantized"] * b * h * d * 2 // 8 * 2  # keys + values, 2 bits
+    meta = 2 * 2 * (counts["quantized"] // 8) * b * h * d + 2 * 2 * counts["quantized"] * b * h * (d // 8)
+    fp = (counts["protected"] + counts["residual"]) * b * h * d * 4 * 2
+    assert layer.nbytes() == packed + meta + fp
+
+
+def test_massive_activation_sink_protection_cuts_kl():
+    model = massive_sink_llama()
+    ids = torch.randint(2, 256, (1, 160), generator=torch.Generator().manual_seed(0))
+    ids[0, 0] = ids[0, 40] = SINK_ID
+    detected = detect_sinks(model, ids[0, :128])
+    assert detected == [0, 40]
+
+    def median_kl(protect: Protection) -> float:
+        with torch.no_grad():
+            ref = model(ids).logits[0, 128:].log_softmax(-1)
+            cache = quantized_sink_cache(model, 2, protect, group_size=32, residual=8)
+            model(ids[:, :128], cache=cache)
+            got = model(ids[:, 128:], cache=cache).logits[0].log_softmax(-1)
+        return float((ref.exp() * (ref - got)).sum(-1).median())
+
+    none, first, sinks = median_kl(Protection()), median_kl(Protection(first=1)), median_kl(Protection(positions=detected))
+    assert none > 3 * sinks
+    assert sinks < first < none

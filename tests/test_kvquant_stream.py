@@ -1,0 +1,58 @@
+"""``SinkCache(kv_bits=)``: a packed window with exact sinks, against the full-precision stream and float64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sinklab.models import tiny_llama
+from sinklab.stream import SinkCache
+from test_kvquant import _quantize_reference
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _stream(model, ids, kv_bits, record=None, **kw):
+    """Prefill 24 tokens, then decode the rest one by one; returns (last-position logits ``[N, V]``, layer 0)."""
+    outs = []
+    with torch.no_grad(), SinkCache(model, num_sinks=2, window=12, pinned=[(5, 7)], rebase_every=40,
+                                    kv_bits=kv_bits, kv_group_size=16, **kw) as cache:
+        layer = cache.layers[0]
+        if record is not None:  # the exact key/value states layer 0 receives, in order
+            update = layer.update
+            layer.update = lambda k, v, *a, **kw_: (record.append((k.clone(), v.clone())), update(k, v, *a, **kw_))[1]
+        outs.append(model(ids[:, :24], cache=cache).logits[:, -1])
+        for t in range(24, ids.shape[1]):
+            outs.append(model(ids[:, t:t + 1], cache=cache).logits[:, -1])
+    return torch.cat(outs), layer
+
+
+def test_sinks_and_pinned_spans_stay_bit_exact_through_eviction_and_rebase():
+    model = tiny_llama(num_hidden_layers=2, vocab_size=1000)
+    ids = torch.randint(5, 1000, (1, 90))
+    full, exact = _stream(model, ids, None)
+    for bits in (2, 4):
+        quant, layer = _stream(model, ids, bits)  # 90 tokens through a window of 12: evicted, re-based
+        assert torch.equal(layer.anchor_keys, exact.anchor_keys)  # sinks 0, 1 and pinned 5, 6 as first rotated
+        assert torch.equal(layer.anchor_values, exact.values[:, :, :4])
+        assert (quant - full).abs().max() > 1e-3  # the window really is quantized
+    b, hkv, _, d = exact.keys.shape  # 4 bits: W × (d/2 bytes of codes + a float16 scale and zero per 16 channels)
+    assert layer.nbytes() == 2 * b * hkv * (12 * (d // 2 + 2 * 2 * d // 16) + 4 * d * 4)  # + 4 exact float32 tokens
+
+
+@pytest.mark.parametrize("bits", [3, 8])
+def test_window_as_stored_equals_float64_reference_of_what_was_written(bits):
+    model = tiny_llama(num_hidden_layers=1, vocab_size=1000)
+    ids = torch.randint(5, 1000, (1, 38))  # no re-base yet (virtual positions < 40)
+    record: list = []
+    _, layer = _stream(model, ids, bits, record)
+    keys = torch.cat([k for k, _ in record], dim=-2)  # (B, Hkv, 38, d): every stream token, post-RoPE
+    values = torch.cat([v for _, v in record], dim=-2)
+    free = [t for t in range(38) if t not in (0, 1, 5, 6)]  # the i-th free token lives in ring slot i mod W
+    newest = {i % 12: t for i, t in enumerate(free)}
+    ring_k, ring_v = layer.dequantized_ring()
+    for slot, t in newest.items():
+        k_ref = _quantize_reference(keys[:, :, t:t + 1], bits, 16, -1)[1]
+        v_ref = _quantize_reference(values[:, :, t:t + 1], bits, 16, -1)[1]
+        torch.testing.assert_close(ring_k[:, :, slot:slot + 1].double(), k_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ring_v[:, :, slot:slot + 1].double(), v_ref, atol=1e-5, rtol=1e-5)
