@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import metrics
+from . import distributed, metrics
 from .capture import AttentionCapture, CaptureConfig, ValueEdit
 from .capture.resume import BlockInputs
 from .errors import InputError
 from .models import check_weights
-from .scan import Progress, ScanResult, capture_config, check_thresholds, scan_result, text_batches
+from .scan import Progress, ScanResult, capture_config, check_thresholds, scan_result, split_batches, text_batches
 
 __all__ = ["SCHEMA_VERSION", "DEFAULT_RULES", "EDITS", "EDIT_SAMPLES", "SinkRecord", "EditResult", "Diagnosis", "diagnose", "diagnose_inputs",
            "token_roles", "causal_edits", "run_edit"]
@@ -450,28 +450,40 @@ def diagnose_inputs(
         raise InputError(f"edit_samples must be ≥ 1, got {edit_samples}")
     thresholds = check_thresholds({"eps": rules["sink_mass"], "eps_event": rules["eps_event"],
                                    "relaxed_share": rules["relaxed_share"]})
-    check_weights(model)
     n_edit = len(tokens) if edit_samples is None else min(edit_samples, len(tokens))
-    results, kept, start = [], [], 0
+    batches, mine, start, info = split_batches(batches)
+    sizes = [int(next(iter(b.values())).shape[0]) for b in batches]
+    todo = sum(sizes[i] for i in mine)
+    results, kept, first = [], [], 0
     with AttentionCapture(model, capture_config(candidates, map_len, thresholds)) as cap:
-        for batch in batches:  # the one statistics pass; batches with edited samples keep their block inputs
-            keep = bool(edits) and start < n_edit
-            results.append(cap.run(keep_inputs=keep, **batch))
-            size = results[-1].token_mask.shape[0]
-            if keep:
-                kept.append((slice(start, start + size), cap.last_inputs))
-            start += size
-            if progress is not None:
-                progress("scan", size, len(tokens))
-        scan = scan_result(results, tokens, candidates=candidates, thresholds=thresholds,
-                           meta={**(meta or {}), "edit_samples": n_edit if edits else 0})
+        with distributed.together("diagnose (statistics pass)"):
+            check_weights(model)
+            # The one statistics pass over this rank's batches; batches with edited samples keep their block
+            # inputs (under a launcher every rank runs those, as each rank edits its share of the heads).
+            for i, (batch, size) in enumerate(zip(batches, sizes, strict=True)):
+                keep = bool(edits) and first < n_edit
+                if i in mine or keep:
+                    stats = cap.run(keep_inputs=keep, **batch)
+                    if i in mine:
+                        results.append(stats)
+                        if progress is not None:
+                            progress("scan", size, todo)
+                    if keep:
+                        kept.append((slice(first, first + size), cap.last_inputs))
+                first += size
+        scan = scan_result(results, tokens, candidates=candidates, thresholds=thresholds, start=start,
+                           meta={**(meta or {}), **info, "edit_samples": n_edit if edits else 0})
         records = sink_records(scan, rules, special or {})
         diagnosis = Diagnosis(scan=scan, records=records, rules=rules)
         targets = _edit_targets(edits, records, scan)
-        total = len(targets) * len(kept) * len(EDITS)
-        for layer, head, kind in targets:
-            diagnosis.edits.append(causal_edits(cap, kept, scan, layer, head, samples=n_edit, rows=edit_rows,
-                                                seed=seed, kind=kind, progress=progress, total=total))
+        rank, world = (distributed.rank(), distributed.world_size()) if distributed.active() else (0, 1)
+        ours = targets[rank::world]  # each rank edits every world-th head; gathered back in order below
+        total = len(ours) * len(kept) * len(EDITS)
+        with distributed.together("diagnose (causal edits)"):
+            done = [causal_edits(cap, kept, scan, layer, head, samples=n_edit, rows=edit_rows, seed=seed, kind=kind,
+                                 progress=progress, total=total) for layer, head, kind in ours]
+        by_rank = distributed.gather_objects(done)
+        diagnosis.edits = [by_rank[i % world][i // world] for i in range(len(targets))]
     return diagnosis
 
 

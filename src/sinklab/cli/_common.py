@@ -19,6 +19,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.table import Table
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import InputError, SinklabError, SinklabWarning
@@ -107,12 +108,47 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+#: Commands that run as one process per rank under ``torchrun`` / ``accelerate launch`` (docs/distributed.md).
+DISTRIBUTED_COMMANDS = ("scan", "diagnose", "train")
+
+
 @app.callback()
 def _main(
+    ctx: typer.Context,
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, metavar="",
                                           help="print the versions and exit")] = False,
 ) -> None:
     """sinklab: attention-sink scanning for Hugging Face transformers models."""
+    from .. import distributed
+
+    if distributed.launched() and ctx.invoked_subcommand not in DISTRIBUTED_COMMANDS:
+        err.print(f"[red]error:[/red] `sinklab {ctx.invoked_subcommand}` does not run under a multi-process launcher "
+                  f"(WORLD_SIZE={os.environ.get('WORLD_SIZE')}); run it as one process. Distributed: "
+                  f"{', '.join(DISTRIBUTED_COMMANDS)} (docs/distributed.md)", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=2)
+
+
+def join_ranks(device: str | None, device_map: str | None = None) -> str | None:
+    """Under ``torchrun`` / ``accelerate launch``: join the process group and quiet every rank but the main one.
+
+    Returns the device this rank runs on (``cuda`` becomes ``cuda:LOCAL_RANK``). ``--device-map`` (one model
+    spread over devices) does not combine with one process per rank. One process: ``device`` unchanged.
+    """
+    import atexit
+
+    from .. import distributed
+
+    if not distributed.launched():
+        return device
+    if device_map is not None:
+        raise InputError("--device-map spreads one model over devices and does not combine with a multi-process "
+                         "launch (one model per process); drop one of them (docs/distributed.md)")
+    device = distributed.local_device(device)
+    if distributed.init(device):
+        atexit.register(distributed.shutdown)
+        if not distributed.is_main():
+            console.quiet = True  # the main process prints the tables; errors still print on every rank
+    return device
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
@@ -242,3 +278,13 @@ def _progress(total: int | None = None) -> Progress:
     """A transient bar on stderr: description, bar, done/total, elapsed (give each task its total)."""
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=err, transient=True)
+
+
+def print_table(title: str, header: tuple[str, ...] | list[str], rows: list[tuple[str, ...]]) -> None:
+    """Print right-aligned rows of formatted cells under ``header`` as one rich table."""
+    table = Table(title=title)
+    for col in header:
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)

@@ -11,6 +11,7 @@ from rich.table import Table
 from ..errors import SinklabError
 from ..recommend import recommend
 from ..report.diagnose_html import write_diagnosis
+from .. import distributed
 from ._common import (
     MODEL_HELP,
     _progress,
@@ -19,6 +20,7 @@ from ._common import (
     check_out_dir,
     console,
     device_map_option,
+    join_ranks,
     prepare_run,
     record_run,
     trust_remote_code_option,
@@ -56,6 +58,7 @@ def diagnose(
     from ..diagnose import diagnose_inputs
 
     with _user_errors():
+        device = join_ranks(device, device_map)
         texts, out, loaded = prepare_run(model, text, file, out, seq_len, dtype=dtype, device=device, revision=revision,
                                          trust_remote_code=trust_remote_code, device_map=device_map,
                                          images_ok=True)
@@ -71,6 +74,8 @@ def diagnose(
                 d = run_diagnose(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
                                  batch_size=batch_size, rules=rules, edits=edits, edit_samples=edit_samples,
                                  seed=seed, source=model, revision=revision, progress=progress)
+        if not distributed.is_main():  # the main process writes the one report
+            return
         record_run(d.scan.meta, loaded, texts, device=device, dtype=dtype)
         _print_diagnosis(d)
         print_warnings(d.scan.meta)

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from ..errors import SinklabError
 from ..provenance import provenance
@@ -20,6 +19,7 @@ from ._common import (
     app,
     check_out_dir,
     console,
+    print_table,
     err,
     trust_remote_code_option,
 )
@@ -107,13 +107,8 @@ def _print_table(data: dict, model: str) -> None:
     from ..report.stream_figures import TABLE_HEADER, scored_note, table_rows
 
     p = data["positions"]
-    table = Table(title=f"{model}: {data['num_tokens']} tokens, cache S + W = {data['cache_size']}; every method "
-                        f"scored on {scored_note(data)}")
-    for col in TABLE_HEADER:
-        table.add_column(col, justify="right")
-    for row in table_rows(data):
-        table.add_row(*row)
-    console.print(table)
+    print_table(f"{model}: {data['num_tokens']} tokens, cache S + W = {data['cache_size']}; every method "
+                f"scored on {scored_note(data)}", TABLE_HEADER, table_rows(data))
     if p["windows_spanned"] < 2:
         err.print(f"[yellow]warning:[/yellow] the scored range spans only {p['windows_spanned']:.1f} cache lengths; "
                   "window-only collapse and recovery need several (give more --tokens)", highlight=False)

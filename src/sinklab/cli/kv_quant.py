@@ -7,11 +7,20 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from ..errors import SinklabError
 from ..provenance import provenance
-from ._common import MODEL_HELP, _load, _progress, _user_errors, app, check_out_dir, console, trust_remote_code_option
+from ._common import (
+    MODEL_HELP,
+    _load,
+    _progress,
+    _user_errors,
+    app,
+    check_out_dir,
+    console,
+    print_table,
+    trust_remote_code_option,
+)
 from .eval_stream import _read_long_text
 
 
@@ -74,13 +83,8 @@ def kv_quant_command(
                        "detected_tokens": [readable_tokens(tok, [int(ids[i * span + p]) for p in pos])
                                            for i, pos in enumerate(result.detected)]}
         data = result.to_json()
-        table = Table(title=f"{model}: {plan.samples} × ({plan.context} cached + {plan.score} scored) tokens; "
-                            f"16-bit cache {data['dense_bytes_per_token_16bit']:,} bytes/token")
-        for col in TABLE_HEADER:
-            table.add_column(col, justify="right")
-        for row in table_rows(data):
-            table.add_row(*row)
-        console.print(table)
+        print_table(f"{model}: {plan.samples} × ({plan.context} cached + {plan.score} scored) tokens; 16-bit cache "
+                    f"{data['dense_bytes_per_token_16bit']:,} bytes/token", TABLE_HEADER, table_rows(data))
         console.print("detected sinks per sample: " + "; ".join(str(d) for d in result.detected))
         report = write_kv_quant(data, out)
         console.print(f"wrote {out / 'kv_quant.json'}, {out / 'kl_vs_bytes.png'} and {report}")

@@ -17,6 +17,7 @@ outlier channels get their own range) and values **per token** (``dim=-1``).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -29,6 +30,12 @@ __all__ = ["BITS", "QuantizedTensor", "pack_bits", "unpack_bits", "packed_width"
 BITS = (2, 3, 4, 8)
 
 META_DTYPE = torch.float16
+
+
+@functools.lru_cache(maxsize=64)
+def _shifts(n: int, step: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``[0, step, 2·step, …]`` (``n`` entries), built once per device (decode packs one token per layer and step)."""
+    return torch.arange(n, dtype=dtype, device=device) * step
 
 
 def _codes_per_word(bits: int) -> int:
@@ -52,11 +59,11 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     if pad:
         c = torch.nn.functional.pad(c, (0, pad))
     words = c.unflatten(-1, (-1, k))  # (..., n/k, k) one word of k·bits bits per row
-    shifts = torch.arange(k, dtype=torch.int32, device=codes.device) * bits
-    word = (words << shifts).sum(-1)  # (..., n/k) at most 24 bits
+    word = (words << _shifts(k, bits, torch.int32, codes.device)).sum(-1)  # (..., n/k) at most 24 bits
     nbytes = k * bits // 8
-    byte_shifts = torch.arange(nbytes, dtype=torch.int32, device=codes.device) * 8
-    out = (word[..., None] >> byte_shifts) & 0xFF  # (..., n/k, nbytes)
+    if nbytes == 1:
+        return word.to(torch.uint8)
+    out = (word[..., None] >> _shifts(nbytes, 8, torch.int32, codes.device)) & 0xFF  # (..., n/k, nbytes)
     return out.flatten(-2).to(torch.uint8)
 
 
@@ -67,14 +74,11 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
     if bits == 8:
         return packed[..., :n]
     if nbytes == 1:  # 2 and 4 bits: shift each byte k ways, no word assembly
-        shifts = torch.arange(k, dtype=torch.uint8, device=packed.device) * bits
-        codes = (packed[..., None] >> shifts) & ((1 << bits) - 1)  # (..., m, k)
+        codes = (packed[..., None] >> _shifts(k, bits, torch.uint8, packed.device)) & ((1 << bits) - 1)  # (..., m, k)
         return codes.flatten(-2)[..., :n]
     b = packed.to(torch.int32).unflatten(-1, (-1, nbytes))  # (..., words, nbytes)
-    byte_shifts = torch.arange(nbytes, dtype=torch.int32, device=packed.device) * 8
-    word = (b << byte_shifts).sum(-1)  # (..., words)
-    shifts = torch.arange(k, dtype=torch.int32, device=packed.device) * bits
-    codes = (word[..., None] >> shifts) & ((1 << bits) - 1)  # (..., words, k)
+    word = (b << _shifts(nbytes, 8, torch.int32, packed.device)).sum(-1)  # (..., words)
+    codes = (word[..., None] >> _shifts(k, bits, torch.int32, packed.device)) & ((1 << bits) - 1)  # (..., words, k)
     return codes.flatten(-2)[..., :n].to(torch.uint8)
 
 
@@ -128,8 +132,9 @@ def quantize(x: Tensor, bits: int, group_size: int, dim: int = -1) -> QuantizedT
     levels = (1 << bits) - 1
     xf = x.float()
     xg = xf.unflatten(d, (-1, group_size))  # group axis at d + 1
-    zero = xg.amin(d + 1).to(META_DTYPE)
-    scale = ((xg.amax(d + 1) - xg.amin(d + 1)) / levels).to(META_DTYPE)
+    lo, hi = torch.aminmax(xg, dim=d + 1)
+    zero = lo.to(META_DTYPE)
+    scale = ((hi - lo) / levels).to(META_DTYPE)
     s, z = scale.float().unsqueeze(d + 1), zero.float().unsqueeze(d + 1)
     safe = torch.where(s > 0, s, torch.ones_like(s))
     codes = torch.round((xg - z) / safe).clamp_(0, levels).to(torch.uint8).flatten(d, d + 1)

@@ -79,6 +79,13 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         if n:
             self.values[:, :, :n] = self.anchor_values
         out = super().update(key_states, value_states, *args, **kwargs)
+        slot = self.state.plan.get("slot")
+        if isinstance(slot, int):  # one token, the same slot in every row: plain slicing, no index tensors
+            if slot < n:
+                self.anchor_values[:, :, slot] = value_states[:, :, 0]
+            else:
+                self._pack(slice(None), slot - n, key_states[:, :, 0], value_states[:, :, 0])
+            return out
         rows, slots = self._written(self.state.plan, key_states.shape[0])
         anchored = slots < n
         if bool(anchored.any()):
@@ -103,7 +110,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         valid = plan.get("valid")
         return (rows, slot) if valid is None else (rows[valid], slot[valid])
 
-    def _pack(self, rows: Tensor, ring_slots: Tensor, k: Tensor, v: Tensor) -> None:
+    def _pack(self, rows: Tensor | slice, ring_slots: Tensor | int, k: Tensor, v: Tensor) -> None:
         for q, x in ((self.ring_k, k), (self.ring_v, v)):
             new = quantize(x, self.bits, self.group, dim=-1)  # per token: (N, Hkv, ·)
             q.packed[rows, :, ring_slots] = new.packed
