@@ -15,7 +15,6 @@ import string
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +23,8 @@ from . import distributed, metrics
 from .capture import AttentionCapture, CaptureConfig, ValueEdit
 from .capture.resume import BlockInputs
 from .errors import InputError
-from .models import check_weights
+from .checks import check_weights
+from .recommend import Recommendation, recommend
 from .scan import Progress, ScanResult, capture_config, check_thresholds, scan_result, split_batches, text_batches
 
 __all__ = ["SCHEMA_VERSION", "DEFAULT_RULES", "EDITS", "EDIT_SAMPLES", "SinkRecord", "EditResult", "Diagnosis", "diagnose", "diagnose_inputs",
@@ -308,6 +308,7 @@ class Diagnosis:
     records: list[SinkRecord]
     rules: dict
     edits: list[EditResult] = field(default_factory=list)
+    recommendation: Recommendation | None = None  # computed by diagnose_inputs, with the model in hand
 
     @property
     def found(self) -> bool:
@@ -370,17 +371,9 @@ class Diagnosis:
             "per_head": self.per_head(),
             "edits": [asdict(e) for e in self.edits],
             "records": [asdict(r) for r in self.records],
+            **({} if self.recommendation is None else {"recommendation": self.recommendation.to_json()}),
         }
 
-    def save(self, out_dir: str | Path) -> Path:
-        """Write ``diagnosis.json``, figures and ``report.html`` into ``out_dir`` (atomically).
-
-        A thin entry point into the report layer (:func:`sinklab.report.diagnose_html.write_diagnosis`,
-        the one upward import the layer contract allows for diagnose).
-        """
-        from .report.diagnose_html import write_diagnosis  # the documented thin entry point (pyproject: importlinter)
-
-        return write_diagnosis(self, Path(out_dir))
 
 
 def _median(values: list[float]) -> float | None:
@@ -443,7 +436,9 @@ def diagnose_inputs(
     (default: all); batches that hold them keep their block inputs during the one statistics pass, and each
     edit reruns only the blocks from the edited layer on. ``edit_rows`` ``[S, T]`` restricts the rows the
     edit RMS is measured on (e.g. the damped queries of the NOP task). ``progress`` gets ``("scan", n,
-    samples)`` after each batch and ``("edits", 1, passes)`` after each edited pass.
+    samples)`` after each batch and ``("edits", 1, passes)`` after each edited pass. The returned
+    :class:`Diagnosis` carries its :class:`~sinklab.recommend.Recommendation`, computed with ``model`` in hand
+    (so it knows which fixes the model already has).
     """
     rules = _check_rules(rules or {})
     if edit_samples is not None and edit_samples < 1:
@@ -484,6 +479,7 @@ def diagnose_inputs(
                                  progress=progress, total=total) for layer, head, kind in ours]
         by_rank = distributed.gather_objects(done)
         diagnosis.edits = [by_rank[i % world][i // world] for i in range(len(targets))]
+    diagnosis.recommendation = recommend(diagnosis, model=model)
     return diagnosis
 
 

@@ -7,7 +7,6 @@ import platform
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -16,7 +15,7 @@ from . import _compat, distributed, metrics
 from ._version import __version__
 from .capture import AttentionCapture, CaptureBatch, CaptureConfig
 from .errors import InputError
-from .models import check_vocab, check_weights
+from .checks import check_vocab, check_weights
 from .registry import REGISTRY, per_layer_table
 from .texts import default_texts, tokenize_windows
 from .variants import register_count, register_labels
@@ -155,16 +154,6 @@ class ScanResult:
             "qk_sigma_ratio": _nested(metrics.sigma_ratio(self.qk_spectrum.double())),
         }
 
-    def save(self, out_dir: str | Path) -> Path:
-        """Write ``scan.json``, the PNG figures and a self-contained ``report.html`` into ``out_dir``.
-
-        A thin entry point into the report layer (:func:`sinklab.report.html.write_report`, the one
-        upward import the layer contract allows for scan). Everything is written to a temporary folder
-        first and moved in place at the end, so a failure leaves no partial report behind.
-        """
-        from .report.html import write_report  # the documented thin entry point (pyproject: importlinter)
-
-        return write_report(self, Path(out_dir))
 
 
 def _finite(x: float) -> float | None:
@@ -247,7 +236,8 @@ def split_batches(batches: Iterable[dict[str, Tensor]]) -> tuple[list[dict[str, 
     return batches, range(first, stop), starts[first], info
 
 
-def _provenance(model: nn.Module, source: str | None, revision: str | None, **extra) -> dict:
+def model_meta(model: nn.Module, source: str | None, revision: str | None, **extra) -> dict:
+    """What a result's ``meta`` records about the model and the run (source, class, dtype, versions …)."""
     import transformers
 
     config = getattr(model, "config", None)
@@ -408,7 +398,7 @@ def text_batches(model: nn.Module, tokenizer, texts: str | list[str] | None, *, 
         width = int(windows.attention_mask[a:b].sum(-1).max())
         batches.append({"input_ids": windows.input_ids[a:b, :width].to(device),
                         "attention_mask": windows.attention_mask[a:b, :width].to(device)})
-    meta = _provenance(model, source, revision, seed=seed, requested_seq_len=seq_len, corpus=corpus,
+    meta = model_meta(model, source, revision, seed=seed, requested_seq_len=seq_len, corpus=corpus,
                        tokenizer_added_bos=windows.added_bos, tokenizer_class=type(tokenizer).__name__)
     tokens = windows.tokens
     registers = register_count(model)

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -27,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _compat, distributed
+from .atomic import atomic_dir
 from .errors import InputError
 from .monitor import SinkMonitor
 
@@ -229,14 +227,8 @@ def train(cfg: TrainConfig, out: str | Path, progress: Callable[[int, float], No
 
 def _checkpoint(model: nn.Module, tokenizer, path: Path, save) -> Path:
     """Write a checkpoint folder atomically (a temporary sibling renamed into place): never half a checkpoint."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
+    with atomic_dir(path, replace=True) as tmp:
         save(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -1,15 +1,13 @@
 """Shared pieces of the command line: the Typer app, consoles, error handling, loading, outputs, progress.
 
 Every command wraps its body in :func:`_user_errors`, checks ``--out`` with :func:`check_out_dir` before
-loading anything, and writes its outputs through :func:`atomic_output` (or a writer that is atomic itself),
+loading anything, and writes its outputs through :func:`sinklab.atomic.atomic_dir` (or a writer that is atomic itself),
 so bad input gives one red line and exit code 2, Ctrl-C gives exit code 130, and neither leaves a partial
 output folder behind.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -71,7 +69,7 @@ def prepare_run(model: str, text: str | None, file: Path | None, out: Path, seq_
 
     Returns ``(texts, out, loaded)``; bad input fails here, before anything heavy runs.
     """
-    from ..models import check_positions
+    from ..checks import check_positions
 
     texts = _read_texts(text, file)
     out = check_out_dir(out)
@@ -201,27 +199,6 @@ def check_out_dir(out: Path | str, option: str = "--out") -> Path:
     except OSError as exc:
         raise InputError(f"{option} {out}: cannot write in {probe} ({exc.strerror or exc}); choose another folder") from exc
     return out
-
-
-@contextmanager
-def atomic_output(out: Path | str) -> Iterator[Path]:
-    """Yield a temporary folder beside ``out``; its files move into ``out`` only when the block succeeds.
-
-    On an error or Ctrl-C the temporary folder is removed and ``out`` is untouched (not even created).
-    """
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".sinklab-", dir=out.parent))
-    try:
-        yield tmp
-        out.mkdir(exist_ok=True)
-        for item in tmp.iterdir():
-            target = out / item.name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            os.replace(item, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load(model: str, *, needs_tokenizer: bool = True, images_ok: bool = False, **kwargs):

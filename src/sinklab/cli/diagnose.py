@@ -9,9 +9,8 @@ import typer
 from rich.table import Table
 
 from ..errors import SinklabError
-from ..recommend import recommend
-from ..report.diagnose_html import write_diagnosis
 from .. import distributed
+from ..report import save
 from ._common import (
     MODEL_HELP,
     _progress,
@@ -79,9 +78,8 @@ def diagnose(
         record_run(d.scan.meta, loaded, texts, device=device, dtype=dtype)
         _print_diagnosis(d)
         print_warnings(d.scan.meta)
-        rec = recommend(d, model=loaded.model)
-        print_recommendation(rec)
-        report = write_diagnosis(d, out, recommendation=rec)
+        print_recommendation(d.recommendation)
+        report = save(d, out)
         console.print(f"wrote {out / 'diagnosis.json'}, figures and {report}")
 
 
@@ -103,7 +101,8 @@ def synth(
     import json
 
     from ..synth import BroadcastTask, NopTask, run_broadcast, run_nop
-    from ._common import atomic_output, check_count
+    from ..atomic import atomic_dir
+    from ._common import check_count
 
     with _user_errors():
         if task not in ("nop", "broadcast"):
@@ -134,8 +133,8 @@ def synth(
         for key, value in result.metrics.items():
             table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
         console.print(table)
-        with atomic_output(out) as tmp:
-            result.diagnosis.save(tmp)
+        with atomic_dir(out) as tmp:
+            save(result.diagnosis, tmp)
             (tmp / "synth.json").write_text(json.dumps({"task": task, "metrics": result.metrics, "log": result.log},
                                                        indent=1))
         console.print(f"wrote {out / 'synth.json'}, {out / 'diagnosis.json'}, figures and {out / 'report.html'}")

@@ -62,6 +62,7 @@ def scan(
     device_map: Annotated[str | None, device_map_option()] = None,
 ) -> None:
     """Scan MODEL for attention sinks; print a per-layer table and write scan.json, figures, report.html."""
+    from ..report import save
     from ..scan import scan as run_scan
     from ..scan import scan_inputs
 
@@ -84,5 +85,5 @@ def scan(
         record_run(result.meta, loaded, texts, device=device, dtype=dtype)
         _print_table(result)
         print_warnings(result.meta)
-        report = result.save(out)
+        report = save(result, out)
         console.print(f"wrote {out / 'scan.json'}, figures and {report}")

@@ -230,7 +230,7 @@ class SinkCache(Cache):
         if isinstance(pending_hidden, torch.Tensor) and bool(pending_hidden):
             raise ModelWeightsError(
                 f"the model produced NaN or inf hidden states while streaming (columns {lo}–{hi} of the stream); "
-                "check its weights with sinklab.models.check_weights, or run in float32 if it overflows in half "
+                "check its weights with sinklab.checks.check_weights, or run in float32 if it overflows in half "
                 "precision")
         if isinstance(pending_ids, torch.Tensor) and bool(pending_ids):
             raise InputError(f"a token id outside the model's vocabulary (0 … {self._vocab - 1}) was fed in columns "

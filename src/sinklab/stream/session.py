@@ -39,7 +39,7 @@ class StreamSession:
             raise InputError(f"chunk_size must be ≥ 1, got {chunk_size}")
         if compile is not None and not isinstance(compile, (bool, dict)):
             raise InputError(f"compile is True or a dict of torch.compile options, got {compile!r}")
-        from ..models import check_weights
+        from ..checks import check_weights
 
         check_weights(model)  # NaN/inf weights: one clear error now, not garbage tokens later
         self.model = model
