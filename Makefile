@@ -31,10 +31,12 @@ demo: venv
 		--prompt "Attention sinks are tokens that"
 	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab eval-stream builtin:smollm2 --tokens 640 --cache-size 128 --sinks 0,4 \
 		--methods dense,window,sinks --out $(DEMO_OUT)/smollm2-eval-stream
+	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab scan builtin:gemma3 --samples 8 --out $(DEMO_OUT)/gemma3
+	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab circuit builtin:gemma3 --samples 4 --seq-len 32 --out $(DEMO_OUT)/gemma3-circuit
 	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab scan builtin:minilm --out $(DEMO_OUT)/minilm
 	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab scan builtin:tiny-lm --out $(DEMO_OUT)/tiny-lm
 	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab diagnose builtin:minilm --out $(DEMO_OUT)/minilm-diagnose
-	@echo "reports: $(DEMO_OUT)/{smollm2,smollm2-eval-stream,minilm,tiny-lm,minilm-diagnose}/report.html"
+	@echo "reports: $(DEMO_OUT)/{smollm2,smollm2-eval-stream,gemma3,gemma3-circuit,minilm,tiny-lm,minilm-diagnose}/report.html"
 
 test: venv
 	HF_HUB_OFFLINE=1 $(PY) -m pytest

@@ -18,6 +18,7 @@ Writes ``benchmarks/results/long_run_<model>.json`` and ``docs/img/long_run_<mod
 
     python benchmarks/long_run.py tiny-lm  [--tokens 1000000] [--window 252] [--chunk 64]
     python benchmarks/long_run.py smollm2  [--tokens 100000]  [--window 252] [--chunk 32]
+    python benchmarks/long_run.py figure|table benchmarks/results/long_run_<model>.json
 """
 
 from __future__ import annotations
@@ -189,8 +190,27 @@ def _figure(path: Path) -> None:
     plt.close(fig)
 
 
+def table(path: Path) -> str:
+    """The run as a Markdown table: per segment RSS, throughput and NLL; the drift checks below."""
+    data = json.loads(path.read_text())
+    rows = [f"{data['model']}: {data['tokens_done']:,} of {data['tokens_planned']:,} tokens, S = {data['num_sinks']}, "
+            f"W = {data['window']}, chunks of {data['chunk']}, {data['probe']} tokens one by one per segment; "
+            f"wall {data['wall_seconds']:.0f} s (under load on a shared 2-core CPU VM)", "",
+            "| tokens | RSS MB | chunked tok/s | decode tok/s | mean NLL | cache tokens |", "|---|---|---|---|---|---|"]
+    for r in data["segments"]:
+        rows.append(f"| {r['end']:,} | {r['rss_mb']:.0f} | {r['chunk_tok_s'] or 0:.0f} | {r['decode_tok_s'] or 0:.1f} | "
+                    f"{r['mean_nll']:.3f} | {r['cache_tokens']} |")
+    rows += ["", f"| drift check at token | max \\|Δlogit\\| vs fresh-window recompute ({data['fresh_window']} tokens) | "
+                 "relative | same argmax |", "|---|---|---|---|"]
+    for d in data["drift"]:
+        rows.append(f"| {d['token']:,} | {d['max_abs_logit_diff']:.2e} | {d['rel']:.1e} | {d['same_argmax']} |")
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "figure":
         _figure(Path(sys.argv[2]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "table":
+        print(table(Path(sys.argv[2])))
     else:
         main()

@@ -40,7 +40,8 @@ def _write(name: str, data: dict) -> None:
 
 
 def _meta(args, start: float) -> dict:
-    return {"model": "builtin:smollm2", "command": " ".join(sys.argv), "wall_seconds": time.perf_counter() - start,
+    model = args.model if args.experiment in ("endless", "prompts") else "smollm2"
+    return {"model": f"builtin:{model}", "command": " ".join(sys.argv), "wall_seconds": time.perf_counter() - start,
             "threads": args.threads, "torch": torch.__version__,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, shared with other jobs (timings under load)"}
 
@@ -57,7 +58,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-lm"), help="endless only")
+    ap.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-lm"), help="endless and prompts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -66,7 +67,7 @@ def main() -> None:
     import sinklab
     from sinklab.stream import quality
 
-    loaded = sinklab.load_model(f"builtin:{args.model if args.experiment == 'endless' else 'smollm2'}")
+    loaded = sinklab.load_model(f"builtin:{args.model if args.experiment in ('endless', 'prompts') else 'smollm2'}")
     model, tok = loaded.model.requires_grad_(False), loaded.tokenizer
     # Every StreamSession checks the weights for NaN/inf (seconds for 135M parameters); these runs open
     # hundreds of sessions on one model that does not change, so it is checked once here.
@@ -104,12 +105,11 @@ def main() -> None:
             n = len(run.tokens)
             print(f"  [{time.strftime('%H:%M:%S')}] {label}: {n} tokens, {n / (time.perf_counter() - t0):.1f} tok/s",
                   flush=True)
-            _write(name, {"model": f"builtin:{args.model}",
+            _write(name, {
                 "label": label, "num_sinks": args.sinks, "window": window, "prompt": ENDLESS_PROMPT,
                 "temperature": 0.7, "top_k": 50, "seed": args.seed, "tokens_planned": args.tokens,
                 "tokens": run.tokens, "nll": run.nll, "blocks": run.stats(),
-                "text": tok.decode(run.tokens, skip_special_tokens=False), **_meta(args, start),
-                "model": f"builtin:{args.model}"})
+                "text": tok.decode(run.tokens, skip_special_tokens=False), **_meta(args, start)})
 
         run = quality.endless_generation(model, ids, args.tokens, num_sinks=args.sinks, window=window, seed=args.seed,
                                          label=label, every=250, on_update=save)
@@ -123,7 +123,7 @@ def main() -> None:
 
         rows = quality.many_prompts(model, tok, quality.PROMPTS[: args.prompts], num_sinks=args.sinks,
                                     window=args.window, max_new_tokens=args.max_new_tokens, progress=progress)
-        _write("prompts", {"num_sinks": args.sinks, "window": args.window, "max_new_tokens": args.max_new_tokens,
+        _write("prompts" if args.model == "smollm2" else f"prompts_{args.model}", {"num_sinks": args.sinks, "window": args.window, "max_new_tokens": args.max_new_tokens,
                            "rows": [r.__dict__ for r in rows], **_meta(args, start)})
     print(f"wall {time.perf_counter() - start:.0f} s")
 
@@ -132,11 +132,13 @@ def report() -> None:
     from sinklab.report.quality_figures import quality_figures, quality_tables
 
     data = {}
-    for name in ("recall", "prompts", "endless_smollm2_s4", "endless_smollm2_s0", "endless_tiny-lm_s4",
+    for name in ("recall", "prompts", "prompts_tiny-lm", "endless_smollm2_s4", "endless_smollm2_s0", "endless_tiny-lm_s4",
                  "endless_tiny-lm_s0"):
         path = RESULTS / f"quality_{name}.json"
         if path.exists():
             data[name] = json.loads(path.read_text())
+    if "prompts" not in data and "prompts_tiny-lm" in data:
+        data["prompts"] = data.pop("prompts_tiny-lm")
     DOCS_IMG.mkdir(parents=True, exist_ok=True)
     for stem, fig in quality_figures(data).items():
         fig.savefig(DOCS_IMG / f"quality_{stem}.png", dpi=80)

@@ -124,7 +124,7 @@ def test_script_lines_and_json_lines_give_the_api_transcript(tmp_path, tiny_lm):
     assert result.exit_code == 0, result.output
     loaded = sinklab.load_model("builtin:tiny-lm")
     chat, _ = _chat(loaded.model, loaded.tokenizer, window=16, max_new_tokens=8)  # the plain layout, as the CLI
-    assert result.stdout == "".join(f"user: {t.user}\nassistant:{t.answer}\n" for t in chat.turns)
+    assert result.stdout == "".join(f"user: {t.user}\nassistant: {t.answer.lstrip()}\n" for t in chat.turns)
     script.write_text('{"user": 3}\n')
     bad = _cli("--script", script)
     assert bad.exit_code == 2 and "line 1: a JSON line must be a string" in " ".join(bad.output.split())

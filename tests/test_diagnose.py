@@ -8,6 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+import sinklab.report
 from sinklab import metrics
 from sinklab.capture import ValueEdit
 from sinklab.cli import app
@@ -137,7 +138,7 @@ def test_uniform_attention_gives_an_honest_no_sinks_result(tmp_path):
     d = diagnose_inputs(model, [inputs_for("bert", pad=False)], [["t"] * 12] * 2)
     assert not d.found and d.records == [] and d.edits == []
     torch.testing.assert_close(d.scan.column_mass, torch.full_like(d.scan.column_mass, 1 / 12))
-    d.save(tmp_path / "none")
+    sinklab.report.save(d, tmp_path / "none")
     data = json.loads((tmp_path / "none" / "diagnosis.json").read_text())
     assert data["found"] is False and "no sinks found" in data["message"]
 

@@ -176,7 +176,7 @@ def test_builtin_is_listed_with_gguf_paths():
 
     assert "builtin:gemma3" in sinklab.BUILTIN_MODELS and "Terms of Use" in sinklab.BUILTIN_MODELS["builtin:gemma3"]
     runner = CliRunner()
-    for command in ("scan", "diagnose", "circuit", "stream", "eval-stream", "chat"):
+    for command in ("scan", "diagnose", "circuit", "stream", "eval-stream", "chat", "kv-quant"):
         text = " ".join(runner.invoke(app, [command, "--help"], terminal_width=400).output.split())
         assert "builtin:gemma3" in text and ".gguf" in text, command
 

@@ -165,9 +165,12 @@ def test_guard_no_transformers_internals_outside_compat():
     forbidden = re.compile(r"_attn_implementation|AttentionInterface|AttentionMaskInterface|ALL_ATTENTION_FUNCTIONS|"
                            r"ALL_MASK_ATTENTION_FUNCTIONS|set_attn_implementation|_seen_tokens|\.key_cache\b|"
                            r"\.value_cache\b|_distributed_cache_data")
+    # synth/model.py is a model definition: transformers decides from its SOURCE whether it can switch the model's
+    # attention (it looks for "ALL_ATTENTION_FUNCTIONS.get_interface("), so it follows transformers' own convention.
+    allowed = {SRC / "_compat.py", SRC / "synth" / "model.py"}
     offenders = []
     for path in sorted(SRC.rglob("*.py")):
-        if path.name == "_compat.py" and path.parent == SRC:
+        if path in allowed:
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if forbidden.search(line):

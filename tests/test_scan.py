@@ -12,6 +12,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from typer.testing import CliRunner
 
 import sinklab
+import sinklab.report
 from sinklab import metrics
 from sinklab.cli import app
 from sinklab.errors import InputError, ModelWeightsError, UnsupportedModelError
@@ -47,7 +48,7 @@ def test_scan_json_report_and_escaping(minilm_scan, tmp_path):
     r = minilm_scan
     r.tokens[0][1] = "<script>alert(1)</script>"
     try:
-        report = r.save(tmp_path / "out")
+        report = sinklab.report.save(r, tmp_path / "out")
     finally:
         r.tokens[0][1] = "the"
     text = report.read_text()

@@ -17,7 +17,7 @@ from sinklab.capture.heads import update_spectrum
 from sinklab.capture.loss import head_matches, token_losses
 from sinklab.errors import ModelWeightsError
 from sinklab.fingerprint import forget
-from sinklab.models import _CHECKED, check_weights
+from sinklab.checks import _CHECKED, check_weights
 from sinklab.scan import scan_inputs
 
 
@@ -103,7 +103,7 @@ def test_weight_statistics_are_computed_once_and_never_stale(monkeypatch):
 
 def test_weight_check_runs_once_and_still_refuses_a_nan_weight(monkeypatch):
     model = build("llama-gqa")
-    import sinklab.models as models
+    import sinklab.checks as models
 
     calls = []
     real = models._check_finite

@@ -239,22 +239,36 @@ def test_stream_generate_yields_text_and_batches(minilm):
 
 
 def test_errors_are_clear():
+    """Every refusal names what was wrong and what to do (messages asserted, not just the exception type)."""
     gpt2 = build("gpt2")
     with pytest.raises(UnsupportedModelError, match="absolute position"):
         SinkCache(gpt2)
     llama = build("llama-gqa")
-    with pytest.raises(InputError, match="window"):
+    with pytest.raises(InputError, match=r"window must be an integer ≥ 1 \(it includes the current token\), got 0"):
         SinkCache(llama, window=0)
-    with pytest.raises(InputError, match="overlap"):
+    with pytest.raises(InputError, match=r"num_sinks must be an integer ≥ 0, got -1"):
+        SinkCache(llama, num_sinks=-1)
+    with pytest.raises(InputError, match=r"pinned spans \(3, 9\) and \(5, 12\) overlap"):
         SinkCache(llama, pinned=[(3, 9), (5, 12)])
-    with pytest.raises(InputError):
+    with pytest.raises(InputError, match=r"pinned span \(5, 5\) must satisfy 0 ≤ start < end \(half-open\)"):
         SinkCache(llama, pinned=[(5, 5)])
+    with pytest.raises(InputError, match="pinned spans are \\(start, end\\) pairs"):
+        SinkCache(llama, pinned=[5])
+    with pytest.raises(InputError, match="chunk_size must be ≥ 1, got 0"):
+        StreamSession(llama, chunk_size=0)
     SinkCache(llama, num_sinks=0, window=3)  # S = 0 (window-only baseline) and S > W are allowed
     SinkCache(llama, num_sinks=8, window=3)
-    ids = torch.tensor([[7, 8, 9, 10]])
-    with torch.no_grad(), SinkCache(llama, window=4) as cache:
-        with pytest.raises((NotImplementedError, InputError)):
-            llama.generate(ids, **kw(llama, cache), max_new_tokens=3, num_beams=2, pad_token_id=0)
+    with StreamSession(llama, window=4) as s:
+        with pytest.raises(InputError, match=r"token id 97 is outside the model's vocabulary \(0 … 96\)"):
+            s.feed(torch.tensor([[5, 97]]))
+        with pytest.raises(InputError, match="input_ids must be \\[batch, tokens\\] with at least one token"):
+            s.feed(torch.tensor([5, 6]))
+    cache = SinkCache(llama, window=4)
+    with torch.no_grad():
+        llama(input_ids=torch.tensor([[7, 8]]), **kw(llama, cache))
+        cache.close()
+        with pytest.raises(InputError, match="this SinkCache was closed; create a new one"):
+            llama(input_ids=torch.tensor([[9]]), **kw(llama, cache))
     assert llama.config._attn_implementation == "sdpa"
 
 

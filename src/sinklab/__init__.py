@@ -2,11 +2,11 @@
 
 Main entry points::
 
-    import sinklab
+    import sinklab, sinklab.report
     loaded = sinklab.load_model("builtin:minilm")
     result = sinklab.scan(loaded.model, loaded.tokenizer, ["some text", ...], seq_len=64)
     result.sink_rate(0)          # Gu et al.'s Sink_1^0.3 in percent, at this seq_len
-    result.save("out/")          # scan.json, PNG figures, report.html
+    sinklab.report.save(result, "out/")   # scan.json, PNG figures, report.html
 """
 
 from __future__ import annotations

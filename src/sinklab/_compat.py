@@ -78,13 +78,6 @@ def set_config_attention(config: object, name: str) -> None:
     config._attn_implementation = name
 
 
-def attention_function(config: object, default: Callable) -> Callable:
-    """The attention function a model built from ``config`` dispatches to (``default`` for ``"eager"``)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    return ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, default)
-
-
 def _set_attn_implementation(model: nn.Module, name: str) -> None:
     """Switch ``model`` (and its sub-models) to attention backend ``name``; raise if it cannot."""
     setter = getattr(model, "set_attn_implementation", None)

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from .diagnose import Diagnosis, diagnose_inputs
-from .recommend import recommend
 from .train import TrainConfig, bb_metrics, train
 from .variants import register_count, register_labels
 
@@ -77,7 +76,7 @@ def bb_closed_loop(cfg: TrainConfig, out: str | Path, samples: int = 16, progres
     base_summary = _train_or_reuse(cfg, out / "baseline", reuse, progress)
     base = variants.load(out / "baseline" / "final")
     base_diag = bb_diagnose(base, task, samples)
-    rec = recommend(base_diag, model=base)
+    rec = base_diag.recommendation  # computed by the diagnosis, with the model
     runs["baseline"] = {"train": _train_numbers(base_summary), "bb": bb_metrics(base, task, probe),
                         "sinks": sink_summary(base_diag)}
     result = {"config": asdict(cfg), "recommendation": rec.to_json(), "runs": runs, "fix": rec.fix}
@@ -88,7 +87,7 @@ def bb_closed_loop(cfg: TrainConfig, out: str | Path, samples: int = 16, progres
         fixed_diag = bb_diagnose(fixed, task, samples)
         runs["fixed"] = {"variant": rec.variant, "train": _train_numbers(fixed_summary),
                          "bb": bb_metrics(fixed, task, probe), "sinks": sink_summary(fixed_diag),
-                         "recommendation_after": recommend(fixed_diag, model=fixed).to_json()}
+                         "recommendation_after": fixed_diag.recommendation.to_json()}
         result["diagnoses"] = (base_diag, fixed_diag)
     else:
         result["diagnoses"] = (base_diag,)

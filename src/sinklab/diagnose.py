@@ -15,17 +15,17 @@ import string
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from . import metrics
+from . import distributed, metrics
 from .capture import AttentionCapture, CaptureConfig, ValueEdit
 from .capture.resume import BlockInputs
 from .errors import InputError
-from .models import check_weights
-from .scan import Progress, ScanResult, capture_config, check_thresholds, scan_result, text_batches
+from .checks import check_weights
+from .recommend import Recommendation, recommend
+from .scan import Progress, ScanResult, capture_config, check_thresholds, scan_result, split_batches, text_batches
 
 __all__ = ["SCHEMA_VERSION", "DEFAULT_RULES", "EDITS", "EDIT_SAMPLES", "SinkRecord", "EditResult", "Diagnosis", "diagnose", "diagnose_inputs",
            "token_roles", "causal_edits", "run_edit"]
@@ -308,6 +308,7 @@ class Diagnosis:
     records: list[SinkRecord]
     rules: dict
     edits: list[EditResult] = field(default_factory=list)
+    recommendation: Recommendation | None = None  # computed by diagnose_inputs, with the model in hand
 
     @property
     def found(self) -> bool:
@@ -370,17 +371,9 @@ class Diagnosis:
             "per_head": self.per_head(),
             "edits": [asdict(e) for e in self.edits],
             "records": [asdict(r) for r in self.records],
+            **({} if self.recommendation is None else {"recommendation": self.recommendation.to_json()}),
         }
 
-    def save(self, out_dir: str | Path) -> Path:
-        """Write ``diagnosis.json``, figures and ``report.html`` into ``out_dir`` (atomically).
-
-        A thin entry point into the report layer (:func:`sinklab.report.diagnose_html.write_diagnosis`,
-        the one upward import the layer contract allows for diagnose).
-        """
-        from .report.diagnose_html import write_diagnosis  # the documented thin entry point (pyproject: importlinter)
-
-        return write_diagnosis(self, Path(out_dir))
 
 
 def _median(values: list[float]) -> float | None:
@@ -443,35 +436,50 @@ def diagnose_inputs(
     (default: all); batches that hold them keep their block inputs during the one statistics pass, and each
     edit reruns only the blocks from the edited layer on. ``edit_rows`` ``[S, T]`` restricts the rows the
     edit RMS is measured on (e.g. the damped queries of the NOP task). ``progress`` gets ``("scan", n,
-    samples)`` after each batch and ``("edits", 1, passes)`` after each edited pass.
+    samples)`` after each batch and ``("edits", 1, passes)`` after each edited pass. The returned
+    :class:`Diagnosis` carries its :class:`~sinklab.recommend.Recommendation`, computed with ``model`` in hand
+    (so it knows which fixes the model already has).
     """
     rules = _check_rules(rules or {})
     if edit_samples is not None and edit_samples < 1:
         raise InputError(f"edit_samples must be ≥ 1, got {edit_samples}")
     thresholds = check_thresholds({"eps": rules["sink_mass"], "eps_event": rules["eps_event"],
                                    "relaxed_share": rules["relaxed_share"]})
-    check_weights(model)
     n_edit = len(tokens) if edit_samples is None else min(edit_samples, len(tokens))
-    results, kept, start = [], [], 0
+    batches, mine, start, info = split_batches(batches)
+    sizes = [int(next(iter(b.values())).shape[0]) for b in batches]
+    todo = sum(sizes[i] for i in mine)
+    results, kept, first = [], [], 0
     with AttentionCapture(model, capture_config(candidates, map_len, thresholds)) as cap:
-        for batch in batches:  # the one statistics pass; batches with edited samples keep their block inputs
-            keep = bool(edits) and start < n_edit
-            results.append(cap.run(keep_inputs=keep, **batch))
-            size = results[-1].token_mask.shape[0]
-            if keep:
-                kept.append((slice(start, start + size), cap.last_inputs))
-            start += size
-            if progress is not None:
-                progress("scan", size, len(tokens))
-        scan = scan_result(results, tokens, candidates=candidates, thresholds=thresholds,
-                           meta={**(meta or {}), "edit_samples": n_edit if edits else 0})
+        with distributed.together("diagnose (statistics pass)"):
+            check_weights(model)
+            # The one statistics pass over this rank's batches; batches with edited samples keep their block
+            # inputs (under a launcher every rank runs those, as each rank edits its share of the heads).
+            for i, (batch, size) in enumerate(zip(batches, sizes, strict=True)):
+                keep = bool(edits) and first < n_edit
+                if i in mine or keep:
+                    stats = cap.run(keep_inputs=keep, **batch)
+                    if i in mine:
+                        results.append(stats)
+                        if progress is not None:
+                            progress("scan", size, todo)
+                    if keep:
+                        kept.append((slice(first, first + size), cap.last_inputs))
+                first += size
+        scan = scan_result(results, tokens, candidates=candidates, thresholds=thresholds, start=start,
+                           meta={**(meta or {}), **info, "edit_samples": n_edit if edits else 0})
         records = sink_records(scan, rules, special or {})
         diagnosis = Diagnosis(scan=scan, records=records, rules=rules)
         targets = _edit_targets(edits, records, scan)
-        total = len(targets) * len(kept) * len(EDITS)
-        for layer, head, kind in targets:
-            diagnosis.edits.append(causal_edits(cap, kept, scan, layer, head, samples=n_edit, rows=edit_rows,
-                                                seed=seed, kind=kind, progress=progress, total=total))
+        rank, world = (distributed.rank(), distributed.world_size()) if distributed.active() else (0, 1)
+        ours = targets[rank::world]  # each rank edits every world-th head; gathered back in order below
+        total = len(ours) * len(kept) * len(EDITS)
+        with distributed.together("diagnose (causal edits)"):
+            done = [causal_edits(cap, kept, scan, layer, head, samples=n_edit, rows=edit_rows, seed=seed, kind=kind,
+                                 progress=progress, total=total) for layer, head, kind in ours]
+        by_rank = distributed.gather_objects(done)
+        diagnosis.edits = [by_rank[i % world][i // world] for i in range(len(targets))]
+    diagnosis.recommendation = recommend(diagnosis, model=model)
     return diagnosis
 
 

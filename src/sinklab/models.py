@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 from . import _compat
-from .errors import InputError, ModelWeightsError, SinklabWarning
-from .fingerprint import ModelCache
+from .errors import InputError, ModelWeightsError
+from .checks import (  # noqa: F401 - re-exported: the checks live in sinklab.checks
+    check_positions, check_vocab, check_weights, max_positions, uses_rope, warn_if_past_positions)
 from .gguf import is_gguf
 
 __all__ = ["LoadedModel", "BUILTIN_MODELS", "load_model", "minilm_path", "tiny_llama", "check_weights", "check_vocab",
@@ -194,51 +195,6 @@ def _gguf_folder(name: str) -> tuple[str, dict]:
     return str(folder), notes
 
 
-#: Models whose weights passed :func:`check_weights`, valid while their fingerprint is unchanged.
-_CHECKED = ModelCache()
-
-
-def check_weights(model: nn.Module) -> None:
-    """Raise :class:`ModelWeightsError` naming the first parameter with NaN or inf entries.
-
-    A learned sink logit at −inf is not corrupt: it is the sink switched off (``apply_variant(init="off")``).
-    The check runs once per loaded model and again only when a weight changed (an optimizer step, a
-    variant applied, ``load_state_dict``: see :mod:`sinklab.fingerprint`). Each parameter is first summed
-    (a sum is finite only if every entry is); only a non-finite sum gets the exact entry-wise test.
-    """
-    _CHECKED.get(model, "finite", model.parameters(), lambda: _check_finite(model))
-
-
-def _check_finite(model: nn.Module) -> bool:
-    for pname, param in _compat.named_weights(model):  # offloaded (device_map) blocks load one at a time
-        if not param.is_floating_point():
-            continue
-        total = param.detach().sum(dtype=torch.float32 if param.element_size() < 4 else None)
-        if bool(torch.isfinite(total)):  # NaN or ±inf anywhere makes the sum NaN or ±inf
-            continue
-        finite = torch.isfinite(param)  # the sum may also have overflowed: test every entry
-        if pname.endswith("sinklab_sink_logit"):
-            finite = finite | (param == float("-inf"))
-        if not bool(finite.all()):
-            raise ModelWeightsError(
-                f"{type(model).__name__}: parameter {pname!r} contains NaN or inf values; "
-                "the checkpoint is corrupt or was saved mid-divergence — reload or retrain it."
-            )
-    return True
-
-
-def check_vocab(model: nn.Module, tokenizer, input_ids: torch.Tensor) -> None:
-    """Raise if the tokenizer can produce ids the model's embedding has no row for."""
-    rows = _compat.embedding_rows(model)
-    if rows is None:
-        return
-    largest = int(input_ids.max()) if input_ids.numel() else -1
-    if largest >= rows or len(tokenizer) > rows:
-        raise ModelWeightsError(
-            f"the tokenizer has {len(tokenizer)} tokens (largest id in this input: {largest}) but "
-            f"{type(model).__name__}'s embedding has only {rows} rows; the tokenizer does not belong to this "
-            "model — pass the tokenizer saved with it."
-        )
 
 
 
@@ -367,48 +323,3 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
     if pooler:
         notes["pooler"] = "not in the checkpoint: the model runs without it (no pooled output)"
     return LoadedModel(model.eval(), tokenizer, name, revision=revision, notes=notes)
-
-
-# ----------------------------------------------------------------------------- positions
-def max_positions(model: nn.Module) -> int | None:
-    """Positions the model was trained on: ``sinklab_trained_positions`` (written by ``sinklab train``),
-    else the config's ``max_position_embeddings``/``n_positions``; ``None`` when the config says nothing."""
-    config = getattr(model, "config", None)
-    value = _compat.config_get(config, "sinklab_trained_positions", "max_position_embeddings", "n_positions",
-                               "max_sequence_length")
-    return int(value) if isinstance(value, int) else None
-
-
-def uses_rope(model: nn.Module) -> bool:
-    """Whether ``model`` encodes positions by rotary embedding (scores depend on distances only)."""
-    try:
-        _compat.rope_spec(model)
-    except Exception:
-        return False
-    return True
-
-
-def check_positions(model: nn.Module, seq_len: int) -> None:
-    """Raise :class:`InputError` when ``seq_len`` is beyond an absolute-position model's position table;
-    warn (:func:`warn_if_past_positions`) when a RoPE model runs past the positions it was trained on."""
-    limit = max_positions(model)
-    if limit is None or seq_len <= limit:
-        return
-    if uses_rope(model):
-        warn_if_past_positions(model, seq_len)
-        return
-    raise InputError(f"--seq-len {seq_len} is beyond {type(model).__name__}'s {limit} positions: it has a learned "
-                     f"absolute position table with {limit} rows; use --seq-len {limit} or less")
-
-
-def warn_if_past_positions(model: nn.Module, seq_len: int) -> str | None:
-    """Warn (:class:`~sinklab.errors.SinklabWarning`) if ``seq_len`` exceeds the positions a RoPE model was
-    trained on; returns the message (``None`` when within range). Streaming past them is the point of
-    ``sinklab stream``; scan and diagnose should call this."""
-    limit = max_positions(model)
-    if limit is None or seq_len <= limit:
-        return None
-    msg = (f"--seq-len {seq_len} runs {type(model).__name__} past the {limit} positions it was trained on: "
-           "attention there is extrapolation, and its sinks may not be the model's usual ones")
-    warnings.warn(msg, SinklabWarning, stacklevel=2)
-    return msg

@@ -7,6 +7,11 @@ first positions, the amplification layer and the P0-circuit stage (:func:`sinkla
 no sink / forming in deep layers / spread over the first positions / settled on position 0) — plus the
 loss and tokens seen. Records go to a JSONL file; :meth:`SinkMonitor.figure` draws the emergence figure
 (metrics vs tokens seen, one line per layer).
+
+Under ``torchrun`` / ``accelerate launch`` (see docs/distributed.md) the monitor is created and stepped on
+every rank: with DDP (or a plain model) only the main process runs the probe; with FSDP2 (``fully_shard``)
+every rank runs it, as FSDP needs. Only the main process keeps records, writes the JSONL and the figure.
+Call :meth:`SinkMonitor.step` once per optimiser step (not per micro-batch under gradient accumulation).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import metrics
+from . import distributed, metrics
 from .circuit.stage import amplification_layer, classify_stage, stage_amplification
 
 __all__ = ["SinkMonitor", "SinkMonitorCallback", "emergence_figure"]
@@ -35,21 +40,24 @@ class SinkMonitor:
         self.every = every
         self.eps = eps
         self.path = Path(path) if path is not None else None
-        self.records: list[dict] = []
-        if self.path is not None:
+        self.records: list[dict] = []  # on the main process only
+        if self.path is not None and distributed.is_main():
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text("")
 
-    def measure(self) -> dict:
-        """One scan of the probe batch: per-layer lists."""
+    def measure(self) -> dict | None:
+        """One scan of the probe batch: per-layer lists (None on a rank that does not run the probe)."""
         from .scan import scan_inputs
 
-        was_training = self.model.training
+        model = distributed.unwrap(self.model)  # DDP: the wrapped module (its forward has no collectives)
+        was_training = model.training
         n = next(iter(self.probe.values())).shape[1]
-        with torch.no_grad():
-            r = scan_inputs(self.model, [self.probe], [[""] * n] * next(iter(self.probe.values())).shape[0],
-                            candidates=(0,), map_len=0, thresholds={"eps": self.eps})
-        self.model.train(was_training)
+        with distributed.probe_ranks(model) as runs, torch.no_grad():
+            if not runs:
+                return None
+            r = scan_inputs(model, [self.probe], [[""] * n] * next(iter(self.probe.values())).shape[0],
+                            candidates=(0,), map_len=0, thresholds={"eps": self.eps}, split=False)
+        model.train(was_training)
         all_norms = r.hidden_norm.double()  # (S, L+1, T): embeddings, then block outputs
         ratio_all = (all_norms[..., 0] / all_norms[..., 1:].nanmedian(-1).values).nanmean(0)  # (L+1,)
         ratio = ratio_all[1:]
@@ -72,10 +80,17 @@ class SinkMonitor:
         }
 
     def step(self, step: int, *, loss: float | None = None, tokens: int | None = None, force: bool = False) -> dict | None:
-        """Call after each optimiser step; measures when ``step % every == 0`` (or ``force``)."""
+        """Call after each optimiser step; measures when ``step % every == 0`` (or ``force``).
+
+        ``step`` counts optimiser steps and ``tokens`` all ranks' tokens. Returns the record on the main
+        process (None elsewhere and off schedule). Under a launcher every rank must call it.
+        """
         if not force and step % self.every:
             return None
-        record = {"step": step, "tokens": tokens, "loss": loss, **self.measure()}
+        measured = self.measure()
+        if measured is None or not distributed.is_main():
+            return None
+        record = {"step": step, "tokens": tokens, "loss": loss, **measured}
         self.records.append(record)
         if self.path is not None:
             with self.path.open("a") as f:
@@ -83,9 +98,9 @@ class SinkMonitor:
         return record
 
     def figure(self, path: str | Path | None = None):
-        """The emergence figure; saved to ``path`` when given."""
+        """The emergence figure; saved to ``path`` when given (by the main process only)."""
         fig = emergence_figure(self.records)
-        if path is not None:
+        if path is not None and distributed.is_main():
             fig.savefig(path, dpi=110)
         return fig
 
@@ -121,7 +136,11 @@ try:  # pragma: no cover - exercised only where transformers' Trainer is used
     from transformers import TrainerCallback
 
     class SinkMonitorCallback(TrainerCallback):
-        """``Trainer(callbacks=[SinkMonitorCallback(monitor)])``: measures on the monitor's schedule."""
+        """``Trainer(callbacks=[SinkMonitorCallback(monitor)])``: measures on the monitor's schedule.
+
+        ``on_step_end`` runs once per optimiser step (``state.global_step``; micro-batches of gradient
+        accumulation do not count) on every rank; ``num_input_tokens_seen`` is all ranks' tokens.
+        """
 
         def __init__(self, monitor: SinkMonitor) -> None:
             self.monitor = monitor

@@ -33,10 +33,14 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from . import _compat
-from .diagnose import Diagnosis, EditResult
+
+if TYPE_CHECKING:  # pragma: no cover - the diagnosis computes its recommendation (diagnose imports this module)
+    from .diagnose import Diagnosis, EditResult
 
 __all__ = [
     "CONFIDENCE_RULE",

@@ -7,16 +7,15 @@ import platform
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from . import _compat, metrics
+from . import _compat, distributed, metrics
 from ._version import __version__
 from .capture import AttentionCapture, CaptureBatch, CaptureConfig
 from .errors import InputError
-from .models import check_vocab, check_weights
+from .checks import check_vocab, check_weights
 from .registry import REGISTRY, per_layer_table
 from .texts import default_texts, tokenize_windows
 from .variants import register_count, register_labels
@@ -155,16 +154,6 @@ class ScanResult:
             "qk_sigma_ratio": _nested(metrics.sigma_ratio(self.qk_spectrum.double())),
         }
 
-    def save(self, out_dir: str | Path) -> Path:
-        """Write ``scan.json``, the PNG figures and a self-contained ``report.html`` into ``out_dir``.
-
-        A thin entry point into the report layer (:func:`sinklab.report.html.write_report`, the one
-        upward import the layer contract allows for scan). Everything is written to a temporary folder
-        first and moved in place at the end, so a failure leaves no partial report behind.
-        """
-        from .report.html import write_report  # the documented thin entry point (pyproject: importlinter)
-
-        return write_report(self, Path(out_dir))
 
 
 def _finite(x: float) -> float | None:
@@ -191,8 +180,8 @@ def _pad_cat(parts: list[Tensor], dim: int, width: int, fill: float) -> Tensor:
     return torch.cat(padded, dim=0)
 
 
-def _merge(batches: list[CaptureBatch]) -> dict:
-    width = max(b.token_mask.shape[-1] for b in batches)
+def _merge(batches: list[CaptureBatch], width: int | None = None) -> dict:
+    width = max(b.token_mask.shape[-1] for b in batches) if width is None else width
     position_dim = {"candidate_attention": 3, "hidden_norm": 2, "hidden_max_abs": 2, "hidden_max_dim": 2, "token_mask": 1,
                     "column_queries": 2}
     merged = {}
@@ -210,7 +199,45 @@ def _merge(batches: list[CaptureBatch]) -> dict:
     return merged
 
 
-def _provenance(model: nn.Module, source: str | None, revision: str | None, **extra) -> dict:
+def _merge_ranks(batches: list[CaptureBatch], start: int, total: int) -> dict:
+    """:func:`_merge` of this process's batches; under a launcher, every rank's rows gathered (same on all ranks).
+
+    This rank's batches hold samples ``start …``; ``total`` samples in all. Per-sample statistics are
+    gathered exactly (:func:`sinklab.distributed.gather_rows`), so every statistic over samples is then
+    computed by the same code as in one process; sample 0's attention maps come from rank 0.
+    """
+    if not distributed.active():
+        return _merge(batches)
+    width = int(distributed.all_reduce(torch.tensor([max(b.token_mask.shape[-1] for b in batches)]), "max"))
+    merged = _merge(batches, width)
+    for name in _PER_SAMPLE:
+        merged[name] = distributed.gather_rows(merged[name], start, total)
+    merged["attention_maps"] = distributed.broadcast_object(merged["attention_maps"] if start == 0 else None)
+    return merged
+
+
+def split_batches(batches: Iterable[dict[str, Tensor]]) -> tuple[list[dict[str, Tensor]], range, int, dict]:
+    """Every batch, the range of batch indices this process computes, its first sample, and the split's ``meta``.
+
+    One process: all batches, no ``meta``. Under a launcher: contiguous whole batches per rank
+    (:func:`sinklab.distributed.batch_shares`), so each sample is computed in the batch it has in one process.
+    """
+    batches = list(batches)
+    if not distributed.active():
+        return batches, range(len(batches)), 0, {}
+    sizes = [int(next(iter(b.values())).shape[0]) for b in batches]
+    shares = distributed.batch_shares(sizes)
+    first, stop = shares[distributed.rank()]
+    starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    info = {"distributed": {"world_size": distributed.world_size(),
+                            "split": "contiguous whole batches per rank (each sample in its one-process batch)",
+                            "batches_per_rank": [[a, b] for a, b in shares],
+                            "samples_per_rank": [[starts[a], starts[b]] for a, b in shares]}}
+    return batches, range(first, stop), starts[first], info
+
+
+def model_meta(model: nn.Module, source: str | None, revision: str | None, **extra) -> dict:
+    """What a result's ``meta`` records about the model and the run (source, class, dtype, versions …)."""
     import transformers
 
     config = getattr(model, "config", None)
@@ -257,11 +284,15 @@ def capture_config(candidates: tuple[int, ...], map_len: int, thresholds: dict) 
 
 
 def scan_result(results: list[CaptureBatch], tokens: list[list[str]], *, candidates: tuple[int, ...],
-                thresholds: dict, meta: dict | None = None) -> ScanResult:
-    """Merge the capture batches of one scan into a :class:`ScanResult` (with its ``meta``)."""
+                thresholds: dict, meta: dict | None = None, start: int = 0) -> ScanResult:
+    """Merge the capture batches of one scan into a :class:`ScanResult` (with its ``meta``).
+
+    Under a launcher ``results`` are this rank's batches, whose first sample is ``start``; every rank gets
+    the whole result (see :func:`_merge_ranks`).
+    """
     if not results:
         raise InputError("no inputs to scan")
-    merged = _merge(results)
+    merged = _merge_ranks(results, start, len(tokens))
     seq_len = merged["token_mask"].shape[-1]
     notes = short_sequence_warnings(merged["token_mask"], merged["column_queries"], thresholds["eps"])
     for note in notes:
@@ -314,21 +345,31 @@ def scan_inputs(
     thresholds: dict | None = None,
     progress: Progress | None = None,
     meta: dict | None = None,
+    split: bool = True,
 ) -> ScanResult:
     """Scan prepared model inputs (e.g. ``pixel_values`` for a ViT) and return a :class:`ScanResult`.
 
     ``batches`` yields keyword dicts for ``model(**batch)``; ``tokens`` labels every sample's positions.
-    ``progress("scan", n, len(tokens))`` is called after each batch of ``n`` samples.
+    ``progress("scan", n, len(tokens))`` is called after each batch of ``n`` samples. Under ``torchrun`` /
+    ``accelerate launch`` (:mod:`sinklab.distributed`) each rank scans its share of the batches and every
+    rank returns the whole result; ``split=False`` scans every batch in this process without collectives.
     """
+    if not split:
+        with distributed.local():
+            return scan_inputs(model, batches, tokens, candidates=candidates, map_len=map_len, thresholds=thresholds,
+                               progress=progress, meta=meta)
     thresholds = check_thresholds(thresholds)
-    check_weights(model)
+    batches, mine, start, info = split_batches(batches)
+    batches, meta = [batches[i] for i in mine], {**(meta or {}), **info}
     results: list[CaptureBatch] = []
-    with AttentionCapture(model, capture_config(candidates, map_len, thresholds)) as cap:
-        for batch in batches:
-            results.append(cap.run(**batch))
-            if progress is not None:
-                progress("scan", results[-1].token_mask.shape[0], len(tokens))
-    return scan_result(results, tokens, candidates=candidates, thresholds=thresholds, meta=meta)
+    with distributed.together("scan"):
+        check_weights(model)
+        with AttentionCapture(model, capture_config(candidates, map_len, thresholds)) as cap:
+            for batch in batches:
+                results.append(cap.run(**batch))
+                if progress is not None:
+                    progress("scan", results[-1].token_mask.shape[0], len(tokens))
+    return scan_result(results, tokens, candidates=candidates, thresholds=thresholds, meta=meta, start=start)
 
 
 def text_batches(model: nn.Module, tokenizer, texts: str | list[str] | None, *, seq_len: int, samples: int,
@@ -357,7 +398,7 @@ def text_batches(model: nn.Module, tokenizer, texts: str | list[str] | None, *, 
         width = int(windows.attention_mask[a:b].sum(-1).max())
         batches.append({"input_ids": windows.input_ids[a:b, :width].to(device),
                         "attention_mask": windows.attention_mask[a:b, :width].to(device)})
-    meta = _provenance(model, source, revision, seed=seed, requested_seq_len=seq_len, corpus=corpus,
+    meta = model_meta(model, source, revision, seed=seed, requested_seq_len=seq_len, corpus=corpus,
                        tokenizer_added_bos=windows.added_bos, tokenizer_class=type(tokenizer).__name__)
     tokens = windows.tokens
     registers = register_count(model)

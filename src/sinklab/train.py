@@ -4,15 +4,17 @@ Data: ``pydoc`` (English prose that ships with Python, see :mod:`sinklab.corpus`
 trained on it), a UTF-8 text file, or ``bb`` (the Bigram-Backcopy task). Every run writes into ``out``:
 ``train_config.json``, ``monitor.jsonl`` (sink metrics vs tokens seen), ``emergence.png``, and
 checkpoints (``checkpoint-<step>/`` on the schedule and ``final/``) loadable with ``sinklab.load``.
+
+Under ``torchrun`` (``torchrun --standalone --nproc-per-node N -m sinklab train …``, DDP; gloo on CPU) every
+rank draws the same global batch of ``batch`` samples and trains on its ``batch / N`` slice, so a step is
+the single-process step on the whole batch (gradients averaged over equal slices); the main process
+writes every output.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -21,7 +23,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import _compat
+from . import _compat, distributed
+from .atomic import atomic_dir
 from .errors import InputError
 from .monitor import SinkMonitor
 
@@ -155,6 +158,9 @@ def train(cfg: TrainConfig, out: str | Path, progress: Callable[[int, float], No
 
     phase = phase or (lambda name: None)
     out = Path(out)
+    world, rank, main = distributed.world_size(), distributed.rank(), distributed.is_main()
+    if cfg.batch % world:
+        raise InputError(f"batch {cfg.batch} does not split over {world} processes: give a multiple of {world}")
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     tokenizer, task = None, None
@@ -168,8 +174,9 @@ def train(cfg: TrainConfig, out: str | Path, progress: Callable[[int, float], No
         phase("training the tokenizer")
         tokenizer, sample, vocab, corpus_tokens = _text_data(cfg)
         model = build_model(cfg, vocab, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=1))
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=1))
     probe = sample(8, torch.Generator().manual_seed(cfg.seed + 99))
     monitor = SinkMonitor(model, {"input_ids": probe}, every=cfg.monitor_every, path=out / "monitor.jsonl")
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "sinklab_" not in n]
@@ -178,35 +185,40 @@ def train(cfg: TrainConfig, out: str | Path, progress: Callable[[int, float], No
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup)) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.steps))))
+    trained = distributed.data_parallel(model)  # DDP under a launcher (gradients averaged), else the model
     model.train()
     phase("training")
     tokens = 0
     start = time.perf_counter()
     loss_value = float("nan")
     for step in range(1, cfg.steps + 1):
-        batch = sample(cfg.batch, gen)
+        batch = sample(cfg.batch, gen)  # the same global batch on every rank; each trains on its slice
+        part = batch.chunk(world)[rank]
         # LlamaForCausalLM shifts the labels itself: pass the inputs, not pre-shifted targets.
-        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss = trained(input_ids=part, labels=part, use_cache=False).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         schedule.step()
         tokens += batch.numel()
-        loss_value = loss.item()
+        loss_value = distributed.all_reduce(loss.detach()).item() / world  # mean over equal slices
         if not math.isfinite(loss_value):
             raise InputError(f"training diverged at step {step} (loss {loss_value}); lower --lr")
         monitor.step(step, loss=loss_value, tokens=tokens, force=step == cfg.steps)
         if progress:
             progress(step, loss_value)
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != cfg.steps:
+        if main and cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != cfg.steps:
             _checkpoint(model, tokenizer, out / f"checkpoint-{step}", save)
     model.eval()
     phase("measuring")
+    summary = {"steps": cfg.steps, "tokens": tokens, "seconds": time.perf_counter() - start, "final_loss": loss_value,
+               "corpus_tokens": corpus_tokens, "world_size": world}
+    if not main:  # the main process writes the checkpoint, the figure and the summary
+        return summary
     final = _checkpoint(model, tokenizer, out / "final", save)
     monitor.figure(out / "emergence.png")
-    summary = {"steps": cfg.steps, "tokens": tokens, "seconds": time.perf_counter() - start, "final_loss": loss_value,
-               "corpus_tokens": corpus_tokens, "last": monitor.records[-1], "checkpoint": str(final)}
+    summary.update(last=monitor.records[-1], checkpoint=str(final))
     if task is not None:
         summary["bb"] = bb_metrics(model, task, sample(16, torch.Generator().manual_seed(cfg.seed + 7)))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -215,14 +227,8 @@ def train(cfg: TrainConfig, out: str | Path, progress: Callable[[int, float], No
 
 def _checkpoint(model: nn.Module, tokenizer, path: Path, save) -> Path:
     """Write a checkpoint folder atomically (a temporary sibling renamed into place): never half a checkpoint."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
+    with atomic_dir(path, replace=True) as tmp:
         save(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path

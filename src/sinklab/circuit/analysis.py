@@ -25,7 +25,6 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Self
 
 import torch
@@ -35,7 +34,7 @@ from .. import metrics
 from ..capture import AttentionCapture, CaptureConfig
 from ..capture.loss import head_matches, token_losses
 from ..errors import InputError, UnsupportedModelError
-from ..models import check_weights
+from ..checks import check_weights
 from ..variants import register_count
 from . import stage as rules
 from .destination import DESTINATION_RULE, align_to_start, destination_summary, head_destinations
@@ -88,7 +87,7 @@ class CircuitResult:
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> dict:
         """JSON-ready dict with ``schema`` = :data:`SCHEMA_VERSION` (NaN written as ``None``)."""
-        return {"schema": SCHEMA_VERSION, **_clean(asdict(self))}
+        return {"schema": SCHEMA_VERSION, **json_clean(asdict(self))}
 
     @classmethod
     def from_json(cls, data: dict) -> CircuitResult:
@@ -123,30 +122,19 @@ class CircuitResult:
         parts.append(f"Stage: {self.stage['stage']} (sink location: {self.stage['location']}).")
         return "\n".join(parts)
 
-    def figures(self) -> dict:
-        """Matplotlib figures keyed by file stem (see :mod:`sinklab.report.circuit_figures`)."""
-        from ..report.circuit_figures import circuit_figures
-
-        return circuit_figures(self)
-
-    def save(self, out_dir: str | Path) -> Path:
-        """Write ``circuit.json``, PNG figures and ``report.html`` into ``out_dir`` (atomically)."""
-        from ..report.circuit_html import write_circuit_report
-
-        return write_circuit_report(self, Path(out_dir))
-
 
 def _fmt(x: float | None, fmt: str = "{:+.1f}") -> str:
     return "–" if x is None or not math.isfinite(x) else fmt.format(x)
 
 
-def _clean(obj):
+def json_clean(obj):
+    """``obj`` with dict keys as strings, tuples as lists and non-finite floats as ``None`` (JSON-safe)."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
+        return {str(k): json_clean(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
+        return [json_clean(v) for v in obj]
     return obj
 
 
@@ -473,8 +461,8 @@ def circuit(model: nn.Module, tokenizer, texts: str | list[str] | None = None, *
     (see :mod:`sinklab.circuit.inputs`); then the causal patches at the amplification layer. Progress is
     reported per sample through ``progress``; ``set_total`` receives the number of sample passes when known.
     """
-    from ..models import check_vocab
-    from ..scan import _provenance
+    from ..checks import check_vocab
+    from ..scan import model_meta
     from ..texts import default_texts
 
     if isinstance(texts, str):
@@ -483,7 +471,7 @@ def circuit(model: nn.Module, tokenizer, texts: str | list[str] | None = None, *
     inputs = text_inputs(tokenizer, default_texts() if texts is None else texts, seq_len=seq_len, samples=samples,
                          special_token=special_token)
     check_vocab(model, tokenizer, torch.tensor([max(max(r) for r in v) for v in inputs.conditions.values()]))
-    meta = _provenance(model, source, revision, corpus=corpus, requested_seq_len=seq_len)
+    meta = model_meta(model, source, revision, corpus=corpus, requested_seq_len=seq_len)
     return circuit_inputs(model, inputs, eps=eps, batch_size=batch_size, padding_side=padding_side,
                           layer_threshold=layer_threshold, causal=causal, progress=progress, set_total=set_total,
                           meta=meta)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import InputError, SinklabError
-from .analysis import CircuitResult, _clean, circuit, circuit_inputs
+from .analysis import CircuitResult, json_clean, circuit, circuit_inputs
 from .inputs import bb_inputs
 from .stage import LAYER_SINK_THRESHOLD, LOCATION_RULE, STAGE_RULE
 
@@ -146,7 +146,7 @@ class SweepResult:
     meta: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"schema": SWEEP_SCHEMA, **_clean(asdict(self))}
+        return {"schema": SWEEP_SCHEMA, **json_clean(asdict(self))}
 
     @classmethod
     def from_json(cls, data: dict) -> SweepResult:
@@ -157,15 +157,6 @@ class SweepResult:
     def stages(self) -> list[tuple[int, str | None]]:
         return [(c["step"], c.get("stage")) for c in self.checkpoints]
 
-    def figures(self) -> dict:
-        from ..report.circuit_figures import sweep_figures
-
-        return sweep_figures(self)
-
-    def save(self, out_dir: str | Path) -> Path:
-        from ..report.circuit_html import write_sweep_report
-
-        return write_sweep_report(self, Path(out_dir))
 
 
 def circuit_sweep(sources: list[str], *, include_init: bool = True, texts=None, seq_len: int = 64, samples: int = 16,

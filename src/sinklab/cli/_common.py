@@ -1,15 +1,13 @@
 """Shared pieces of the command line: the Typer app, consoles, error handling, loading, outputs, progress.
 
 Every command wraps its body in :func:`_user_errors`, checks ``--out`` with :func:`check_out_dir` before
-loading anything, and writes its outputs through :func:`atomic_output` (or a writer that is atomic itself),
+loading anything, and writes its outputs through :func:`sinklab.atomic.atomic_dir` (or a writer that is atomic itself),
 so bad input gives one red line and exit code 2, Ctrl-C gives exit code 130, and neither leaves a partial
 output folder behind.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -71,7 +69,7 @@ def prepare_run(model: str, text: str | None, file: Path | None, out: Path, seq_
 
     Returns ``(texts, out, loaded)``; bad input fails here, before anything heavy runs.
     """
-    from ..models import check_positions
+    from ..checks import check_positions
 
     texts = _read_texts(text, file)
     out = check_out_dir(out)
@@ -108,12 +106,47 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+#: Commands that run as one process per rank under ``torchrun`` / ``accelerate launch`` (docs/distributed.md).
+DISTRIBUTED_COMMANDS = ("scan", "diagnose", "train")
+
+
 @app.callback()
 def _main(
+    ctx: typer.Context,
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, metavar="",
                                           help="print the versions and exit")] = False,
 ) -> None:
     """sinklab: attention-sink scanning for Hugging Face transformers models."""
+    from .. import distributed
+
+    if distributed.launched() and ctx.invoked_subcommand not in DISTRIBUTED_COMMANDS:
+        err.print(f"[red]error:[/red] `sinklab {ctx.invoked_subcommand}` does not run under a multi-process launcher "
+                  f"(WORLD_SIZE={os.environ.get('WORLD_SIZE')}); run it as one process. Distributed: "
+                  f"{', '.join(DISTRIBUTED_COMMANDS)} (docs/distributed.md)", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=2)
+
+
+def join_ranks(device: str | None, device_map: str | None = None) -> str | None:
+    """Under ``torchrun`` / ``accelerate launch``: join the process group and quiet every rank but the main one.
+
+    Returns the device this rank runs on (``cuda`` becomes ``cuda:LOCAL_RANK``). ``--device-map`` (one model
+    spread over devices) does not combine with one process per rank. One process: ``device`` unchanged.
+    """
+    import atexit
+
+    from .. import distributed
+
+    if not distributed.launched():
+        return device
+    if device_map is not None:
+        raise InputError("--device-map spreads one model over devices and does not combine with a multi-process "
+                         "launch (one model per process); drop one of them (docs/distributed.md)")
+    device = distributed.local_device(device)
+    if distributed.init(device):
+        atexit.register(distributed.shutdown)
+        if not distributed.is_main():
+            console.quiet = True  # the main process prints the tables; errors still print on every rank
+    return device
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
@@ -166,27 +199,6 @@ def check_out_dir(out: Path | str, option: str = "--out") -> Path:
     except OSError as exc:
         raise InputError(f"{option} {out}: cannot write in {probe} ({exc.strerror or exc}); choose another folder") from exc
     return out
-
-
-@contextmanager
-def atomic_output(out: Path | str) -> Iterator[Path]:
-    """Yield a temporary folder beside ``out``; its files move into ``out`` only when the block succeeds.
-
-    On an error or Ctrl-C the temporary folder is removed and ``out`` is untouched (not even created).
-    """
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".sinklab-", dir=out.parent))
-    try:
-        yield tmp
-        out.mkdir(exist_ok=True)
-        for item in tmp.iterdir():
-            target = out / item.name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            os.replace(item, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load(model: str, *, needs_tokenizer: bool = True, images_ok: bool = False, **kwargs):

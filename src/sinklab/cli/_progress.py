@@ -7,7 +7,7 @@ import warnings
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..scan import ShortSequenceWarning
-from ._common import err
+from ._common import console, err
 
 __all__ = ["PhaseBars", "print_warnings"]
 
@@ -28,7 +28,7 @@ class PhaseBars:
     def __init__(self, labels: dict[str, str] | None = None) -> None:
         self.labels = labels or {}
         self._bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                              console=err, transient=True)
+                              console=err, transient=True, disable=console.quiet)  # quiet: not the main rank
         self._tasks: dict[str, int] = {}
 
     def __enter__(self) -> PhaseBars:

@@ -94,11 +94,15 @@ def _answer(chat, line: str, transcript: bool) -> None:
     """Stream one answer to stdout; Ctrl-C stops it (the stream stays consistent), not the chat."""
     if transcript:
         sys.stdout.write(f"user: {line}\n")
-    sys.stdout.write("assistant:" if transcript else "")
+    sys.stdout.write("assistant: " if transcript else "")
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, lambda *_: chat.stop()) if main else None
+    started = False
     try:
         for piece in chat.turn(line):
+            if not started:  # the answer's leading space (a word-initial token) is not printed
+                piece = piece.lstrip()
+                started = bool(piece)
             sys.stdout.write(piece)
             sys.stdout.flush()
     finally:

@@ -80,6 +80,7 @@ def circuit_cmd(
 ) -> None:
     """The P0 sink circuit: first-token ablation, amplification layer, attention vs MLP, causal check."""
     from ..circuit.sweep import Checkpoint, circuit_source, load_source
+    from ..report import save
 
     with _user_errors():
         texts = _read_texts(text, file)
@@ -105,7 +106,7 @@ def circuit_cmd(
                                     set_total=lambda n: progress.update(task, total=n),
                                     **({"special_token": special_token} if tokenizer is not None else {}))
         _print_result(result)
-        report = result.save(out)
+        report = save(result, out)
         console.print(f"wrote {out}/circuit.json, figures and {report}")
 
 
@@ -122,6 +123,7 @@ def circuit_sweep_cmd(
 ) -> None:
     """The circuit on every checkpoint: amplification layer, Sink_0 per layer and the stage vs training step."""
     from ..circuit.sweep import circuit_sweep, discover_checkpoints
+    from ..report import save
 
     with _user_errors():
         texts = _read_texts(text, file)
@@ -151,5 +153,5 @@ def circuit_sweep_cmd(
                                   set_total=more)
         console.print(table)
         console.print("stage rule: " + sweep.rules["stage"], highlight=False, markup=False)
-        report = sweep.save(out)
+        report = save(sweep, out)
         console.print(f"wrote {out}/sweep.json, figures and {report}")

@@ -9,8 +9,8 @@ import typer
 from rich.table import Table
 
 from ..errors import SinklabError
-from ..recommend import recommend
-from ..report.diagnose_html import write_diagnosis
+from .. import distributed
+from ..report import save
 from ._common import (
     MODEL_HELP,
     _progress,
@@ -19,6 +19,7 @@ from ._common import (
     check_out_dir,
     console,
     device_map_option,
+    join_ranks,
     prepare_run,
     record_run,
     trust_remote_code_option,
@@ -56,6 +57,7 @@ def diagnose(
     from ..diagnose import diagnose_inputs
 
     with _user_errors():
+        device = join_ranks(device, device_map)
         texts, out, loaded = prepare_run(model, text, file, out, seq_len, dtype=dtype, device=device, revision=revision,
                                          trust_remote_code=trust_remote_code, device_map=device_map,
                                          images_ok=True)
@@ -71,12 +73,13 @@ def diagnose(
                 d = run_diagnose(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
                                  batch_size=batch_size, rules=rules, edits=edits, edit_samples=edit_samples,
                                  seed=seed, source=model, revision=revision, progress=progress)
+        if not distributed.is_main():  # the main process writes the one report
+            return
         record_run(d.scan.meta, loaded, texts, device=device, dtype=dtype)
         _print_diagnosis(d)
         print_warnings(d.scan.meta)
-        rec = recommend(d, model=loaded.model)
-        print_recommendation(rec)
-        report = write_diagnosis(d, out, recommendation=rec)
+        print_recommendation(d.recommendation)
+        report = save(d, out)
         console.print(f"wrote {out / 'diagnosis.json'}, figures and {report}")
 
 
@@ -98,7 +101,8 @@ def synth(
     import json
 
     from ..synth import BroadcastTask, NopTask, run_broadcast, run_nop
-    from ._common import atomic_output, check_count
+    from ..atomic import atomic_dir
+    from ._common import check_count
 
     with _user_errors():
         if task not in ("nop", "broadcast"):
@@ -129,8 +133,8 @@ def synth(
         for key, value in result.metrics.items():
             table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
         console.print(table)
-        with atomic_output(out) as tmp:
-            result.diagnosis.save(tmp)
+        with atomic_dir(out) as tmp:
+            save(result.diagnosis, tmp)
             (tmp / "synth.json").write_text(json.dumps({"task": task, "metrics": result.metrics, "log": result.log},
                                                        indent=1))
         console.print(f"wrote {out / 'synth.json'}, {out / 'diagnosis.json'}, figures and {out / 'report.html'}")

@@ -61,7 +61,7 @@ def eval_stream(
     C = S + W and scored on the same positions (from the first eviction on). Writes JSON, figures and HTML."""
     import torch
 
-    from ..report.stream_figures import write_eval_stream
+    from ..report import save
     from ..stream.evaluate import EvalPlan, evaluate_stream, parse_sinks
 
     with _user_errors():
@@ -99,7 +99,7 @@ def eval_stream(
         }
         data = result.to_json()
         _print_table(data, model)
-        report = write_eval_stream(data, out)
+        report = save(result, out)
         console.print(f"wrote {out / 'eval_stream.json'}, figures and {report}")
 
 

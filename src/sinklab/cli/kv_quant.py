@@ -57,7 +57,8 @@ def kv_quant_command(
     import torch
 
     from ..kvquant.evaluate import KvQuantPlan, kv_quant
-    from ..report.kvquant import TABLE_HEADER, table_rows, write_kv_quant
+    from ..report import save
+    from ..report.kvquant import TABLE_HEADER, table_rows
     from ..texts import readable_tokens
 
     with _user_errors():
@@ -86,5 +87,5 @@ def kv_quant_command(
         print_table(f"{model}: {plan.samples} × ({plan.context} cached + {plan.score} scored) tokens; 16-bit cache "
                     f"{data['dense_bytes_per_token_16bit']:,} bytes/token", TABLE_HEADER, table_rows(data))
         console.print("detected sinks per sample: " + "; ".join(str(d) for d in result.detected))
-        report = write_kv_quant(data, out)
+        report = save(result, out)
         console.print(f"wrote {out / 'kv_quant.json'}, {out / 'kl_vs_bytes.png'} and {report}")

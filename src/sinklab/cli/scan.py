@@ -8,12 +8,14 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from .. import distributed
 from ._common import (
     MODEL_HELP,
     _user_errors,
     app,
     console,
     device_map_option,
+    join_ranks,
     prepare_run,
     record_run,
     trust_remote_code_option,
@@ -60,10 +62,12 @@ def scan(
     device_map: Annotated[str | None, device_map_option()] = None,
 ) -> None:
     """Scan MODEL for attention sinks; print a per-layer table and write scan.json, figures, report.html."""
+    from ..report import save
     from ..scan import scan as run_scan
     from ..scan import scan_inputs
 
     with _user_errors():
+        device = join_ranks(device, device_map)
         texts, out, loaded = prepare_run(model, text, file, out, seq_len, dtype=dtype, device=device, revision=revision,
                                          trust_remote_code=trust_remote_code, device_map=device_map,
                                          images_ok=True)
@@ -76,8 +80,10 @@ def scan(
                 result = run_scan(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
                                   batch_size=batch_size, thresholds={"eps": eps}, seed=seed, source=model,
                                   revision=revision, progress=progress)
+        if not distributed.is_main():  # the main process writes the one report
+            return
         record_run(result.meta, loaded, texts, device=device, dtype=dtype)
         _print_table(result)
         print_warnings(result.meta)
-        report = result.save(out)
+        report = save(result, out)
         console.print(f"wrote {out / 'scan.json'}, figures and {report}")

@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import InputError
-from ._common import _user_errors, app, check_out_dir, console, err
+from ._common import _user_errors, app, check_out_dir, console, err, join_ranks
 
 _VARIANTS = "sink-logit, softmax1, kv-bias, gated, gated-headwise, registers; combine with +"
 
@@ -37,11 +37,19 @@ def train_cmd(
     monitor_every: Annotated[int, typer.Option("--monitor-every")] = 100,
     max_chars: Annotated[int | None, typer.Option("--max-chars", help="cap the text corpus")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    nproc: Annotated[int, typer.Option("--nproc", help="processes (DDP, gloo on CPU): runs torchrun --standalone "
+                                       "--nproc-per-node N -m sinklab train with the other options")] = 1,
 ) -> None:
     """Train a small causal LM on CPU with a sink monitor; safetensors checkpoints (load with sinklab.load)."""
+    from .. import distributed
     from ..train import TrainConfig, train
 
+    if nproc > 1 and not distributed.launched():
+        raise typer.Exit(code=_relaunch(nproc))
     with _user_errors(interrupted=f"training stopped; the checkpoints written so far stay in {out}"):
+        if nproc < 1:
+            raise InputError(f"--nproc must be ≥ 1, got {nproc}")
+        join_ranks(None)
         if batch_alias is not None:
             if batch_size != 32 and batch_alias != batch_size:
                 raise InputError("--batch is the old name of --batch-size: give one of them")
@@ -53,10 +61,12 @@ def train_cmd(
         check_out_dir(out)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), console=err,
-                      transient=True) as progress:
+                      transient=True, disable=console.quiet) as progress:  # quiet: not the main rank
             task = progress.add_task("preparing data", total=steps, loss="–")
             summary = train(cfg, out, progress=lambda s, loss: progress.update(task, completed=s, loss=f"{loss:.3f}"),
                             phase=lambda name: progress.update(task, description=name))
+        if not distributed.is_main():
+            return
         last = summary["last"]
         console.print(f"trained {summary['steps']} steps ({summary['tokens']:,} tokens, {summary['seconds']:.0f} s), "
                       f"final loss {summary['final_loss']:.3f}")
@@ -65,3 +75,18 @@ def train_cmd(
             console.print("Bigram-Backcopy (layer 0, head 0): "
                           + ", ".join(f"{k} {v:.3f}" for k, v in summary["bb"].items()), highlight=False)
         console.print(f"wrote {out}/final (safetensors), monitor.jsonl, emergence.png, summary.json")
+
+
+def _relaunch(nproc: int) -> int:
+    """``sinklab train --nproc N …`` → ``torchrun --standalone --nproc-per-node N -m sinklab train …``; its exit code."""
+    import subprocess
+    import sys
+
+    args, skip = [], False
+    for arg in sys.argv[1:]:  # the same command line without --nproc
+        if skip or arg == "--nproc" or arg.startswith("--nproc="):
+            skip = arg == "--nproc"
+            continue
+        args.append(arg)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "sinklab", *args]
+    return subprocess.run(cmd, check=False).returncode

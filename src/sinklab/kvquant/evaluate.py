@@ -15,7 +15,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -104,12 +103,6 @@ class KvQuantResult:
 
     def row(self, bits: int, protect: str) -> dict:
         return next(r for r in self.rows if r["bits"] == bits and r["protect"] == protect)
-
-    def save(self, out_dir: str | Path) -> Path:
-        """Write ``kv_quant.json``, the figure and ``report.html`` into ``out_dir`` (atomically)."""
-        from ..report.kvquant import write_kv_quant
-
-        return write_kv_quant(self.to_json(), Path(out_dir))
 
 
 def _cache_nbytes(cache) -> int:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..recommend import Recommendation, recommend
+from ..recommend import Recommendation
 from .diagnose_figures import diagnosis_figures
 from .html import images_html, page, write_outputs
 from .recommend_html import render_recommendation
@@ -55,13 +55,8 @@ NOP if r_out ≤ {d.rules['nop_max_ratio']}; broadcast if r_out ≥ {d.rules['br
     return page(f"sinklab diagnose — {meta.get('model')}", body)
 
 
-def write_diagnosis(d: Diagnosis, out_dir: Path, recommendation: Recommendation | None = None) -> Path:
-    """Write ``diagnosis.json`` (with its ``recommendation``), ``*.png`` and ``report.html`` to ``out_dir`` (atomically).
-
-    ``recommendation`` defaults to :func:`sinklab.recommend.recommend` of ``d`` (without the model, so the
-    architecture-support check falls back to the diagnosis' own metadata).
-    """
-    rec = recommendation if recommendation is not None else recommend(d)
-    data = {**d.to_json(), "recommendation": rec.to_json()}
-    return write_outputs(out_dir, data, diagnosis_figures(d), lambda images: render_diagnosis(d, images, rec),
-                         "diagnosis.json")
+def write_diagnosis(d: Diagnosis, out_dir: Path) -> Path:
+    """Write ``diagnosis.json`` (with the ``recommendation`` the diagnosis carries), ``*.png`` and ``report.html``
+    to ``out_dir`` (atomically). Renders only: the recommendation was computed by the analysis."""
+    return write_outputs(out_dir, d.to_json(), diagnosis_figures(d),
+                         lambda images: render_diagnosis(d, images, d.recommendation), "diagnosis.json")

@@ -6,14 +6,13 @@ import base64
 import html
 import io
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 
+from ..atomic import atomic_dir
 from ..registry import REGISTRY
 from .figures import scan_figures
 
@@ -77,23 +76,16 @@ def write_outputs(out_dir: Path, data: dict, figures: dict, render: Callable[[di
                   json_name: str) -> Path:
     """Write ``json_name``, one PNG per figure and ``report.html`` into ``out_dir`` atomically.
 
-    Everything goes to a temporary folder beside ``out_dir`` first and is moved in place at the end, so
-    a failure leaves no partial report behind. ``render`` turns ``{stem: PNG bytes}`` into the HTML.
+    Everything goes to a temporary folder beside ``out_dir`` first and is moved in place at the end
+    (:func:`sinklab.atomic.atomic_dir`), so a failure leaves no partial report behind. ``render`` turns ``{stem: PNG bytes}`` into the HTML.
     """
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".sinklab-", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         images = {name: _png(fig) for name, fig in figures.items()}
         for name, png in images.items():
             (tmp / f"{name}.png").write_bytes(png)
         (tmp / json_name).write_text(json.dumps(data, indent=1, default=str))
         (tmp / "report.html").write_text(render(images), encoding="utf-8")
-        out_dir.mkdir(exist_ok=True)
-        for item in tmp.iterdir():
-            shutil.move(str(item), str(out_dir / item.name))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir / "report.html"
 
 

@@ -9,8 +9,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
-
-from .. import _compat
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 __all__ = ["SynthConfig", "SynthModel", "SynthResult", "fit", "task_settings"]
 
@@ -79,7 +78,7 @@ class SynthAttention(nn.Module):
         q = self.q_proj(x).view(shape).transpose(1, 2)  # (B, H, T, dh)
         k = self.k_proj(x).view(shape).transpose(1, 2)
         v = self.v_proj(x).view(shape).transpose(1, 2)
-        attention = _compat.attention_function(self.config, eager_attention_forward)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         out, _ = attention(self, q, k, v, None, scaling=self.head_dim**-0.5, dropout=0.0)
         return self.o_proj(out.reshape(b, t, -1))  # (B, T, d)
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -29,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import metrics
+from ..atomic import atomic_dir, atomic_file
 from ..diagnose import diagnose_inputs
 from ..errors import InputError
 from .data import ShapesConfig, ShapesDataset
@@ -158,26 +157,14 @@ def measure_throughput(cfg: VitExperimentConfig, warmup: int = 1, timed: int = 3
 
 # ----------------------------------------------------------------------------- checkpoints
 def _atomic_json(path: Path, obj: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=1))
 
 
 def _save_checkpoint(run_dir: Path, model: nn.Module, opt: torch.optim.Optimizer, step: int, losses: list) -> None:
-    ckpt = run_dir / "checkpoint"
-    tmp = run_dir / "checkpoint.tmp"
-    if tmp.exists():
-        import shutil
-
-        shutil.rmtree(tmp)
-    save_vit(model, tmp)
-    torch.save({"step": step, "optimizer": opt.state_dict(), "losses": losses}, tmp / "train_state.pt")
-    if ckpt.exists():
-        import shutil
-
-        shutil.rmtree(ckpt)
-    os.replace(tmp, ckpt)
+    with atomic_dir(run_dir / "checkpoint", replace=True) as tmp:
+        save_vit(model, tmp)
+        torch.save({"step": step, "optimizer": opt.state_dict(), "losses": losses}, tmp / "train_state.pt")
 
 
 def _load_checkpoint(run_dir: Path, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[int, list]:
@@ -236,8 +223,6 @@ def _median(values: list[float]) -> float | None:
 def run_one(cfg: VitExperimentConfig, variant: str, seed: int, steps: int, run_dir: Path,
             progress: Callable[[int], None] | None = None) -> dict:
     """Train (resuming from a checkpoint if any), evaluate and diagnose one (variant, seed); write result.json."""
-    from ..recommend import recommend
-
     run_dir.mkdir(parents=True, exist_ok=True)
     model = build(cfg, variant, seed)
     opt = _optimizer(model, cfg)
@@ -262,7 +247,7 @@ def run_one(cfg: VitExperimentConfig, variant: str, seed: int, steps: int, run_d
     tail = losses[-max(1, len(losses) // 10):]
     result = {"variant": variant, "seed": seed, "steps": steps, "resumed_from": start, "train_seconds": seconds,
               "final_loss": sum(tail) / len(tail), "probes": probes, "diagnosis": diag,
-              "recommendation": recommend(diagnosis, model=model.backbone).to_json()}
+              "recommendation": diagnosis.recommendation.to_json()}
     _atomic_json(run_dir / "result.json", result)
     return result
 

@@ -13,7 +13,7 @@ from .. import _compat
 from ..errors import InputError
 from .data import ShapesConfig, ShapesDataset
 from .model import token_labels
-from .variants import _base, register_count
+from .variants import vit_base, register_count
 
 __all__ = ["is_vision_model", "image_batches"]
 
@@ -21,7 +21,7 @@ __all__ = ["is_vision_model", "image_batches"]
 def is_vision_model(model: nn.Module) -> bool:
     """True for a model whose base has patch embeddings (ViT, DINOv2, a :class:`sinklab.vit.SinklabViT`)."""
     try:
-        base = _base(model)
+        base = vit_base(model)
     except Exception:
         return False
     return hasattr(base.embeddings, "patch_embeddings")
@@ -36,7 +36,7 @@ def image_batches(model: nn.Module, *, samples: int, batch_size: int, seed: int 
     """
     if samples < 1 or batch_size < 1:
         raise InputError(f"samples and batch_size must be ≥ 1, got {samples} and {batch_size}")
-    base = _base(model)
+    base = vit_base(model)
     config = base.config
     size = int(_compat.config_get(config, "image_size"))
     patch = int(_compat.config_get(config, "patch_size"))

@@ -22,8 +22,6 @@ in its header); loading refuses missing or unexpected keys.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -31,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _compat
+from ..atomic import atomic_file
 from ..errors import InputError, ModelWeightsError, UnsupportedModelError
 from ..variants import VariantConfig, VariantHandle, parse_variant, stash_gate_input
 
@@ -65,7 +64,7 @@ def vit_attention_modules(model: nn.Module) -> list[nn.Module]:
     return mods
 
 
-def _base(model: nn.Module) -> nn.Module:
+def vit_base(model: nn.Module) -> nn.Module:
     """The module owning ``embeddings`` (``ViTModel``/``Dinov2Model``, or the backbone inside a wrapper)."""
     for candidate in (model, getattr(model, "backbone", None), _compat.base_model(model)):
         if candidate is not None and isinstance(getattr(candidate, "embeddings", None), nn.Module):
@@ -77,7 +76,7 @@ def _base(model: nn.Module) -> nn.Module:
 
 def vit_variant(model: nn.Module) -> VariantConfig | None:
     """The variant applied to ``model`` (or its backbone), or ``None``."""
-    handle = getattr(model, "sinklab_variant_handle", None) or getattr(_base(model), "sinklab_variant_handle", None)
+    handle = getattr(model, "sinklab_variant_handle", None) or getattr(vit_base(model), "sinklab_variant_handle", None)
     return None if handle is None else handle.config
 
 
@@ -106,7 +105,7 @@ def apply_vit_variant(model: nn.Module, variant: str | VariantConfig | dict, *, 
     cfg = parse_variant(variant, **overrides)
     if init not in ("default", "off"):
         raise InputError(f"init must be 'default' or 'off', got {init!r}")
-    base = _base(model)
+    base = vit_base(model)
     if getattr(base, "sinklab_variant_handle", None) is not None:
         raise InputError("a variant is already applied to this model; call handle.remove() first")
     mods = vit_attention_modules(base)
@@ -202,14 +201,8 @@ def save_vit(model: nn.Module, path: str | Path) -> Path:
     meta = {"format": FORMAT, "class": desc["class"], "config": json.dumps(desc["config"], default=str),
             "init": json.dumps(desc["init"]), "variant": json.dumps(asdict(cfg) if cfg is not None else None)}
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    fd, tmp = tempfile.mkstemp(dir=path, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(state, tmp, metadata=meta)
-        os.replace(tmp, path / WEIGHTS_FILE)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic_file(path / WEIGHTS_FILE) as tmp:
+        save_file(state, str(tmp), metadata=meta)
     return path
 
 
