@@ -17,6 +17,7 @@ The bandwidth limit: bytes read per token (weights + the cached K/V) ÷ the copy
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 
@@ -68,7 +69,6 @@ class Sink(Method):
 
     def setup(self) -> None:
         self.cache = sinklab.SinkCache(self.model, num_sinks=self.num_sinks, window=self.window)
-        self.cache.__enter__()
         self.model(input_ids=_ids(self.cached + 64, self.vocab), **{self.kw: self.cache})  # past eviction
         self.forward = torch.compile(self.model.forward) if self.compiled else self.model.forward
 
@@ -158,10 +158,14 @@ def run(models: list[tuple[str, object]], rounds: int, steps: int, threads: list
         entry = {"model": label, "bytes_per_token": weights + kv, "bandwidth_floor_ms": floor_ms, "threads": {}}
         for n_threads in threads:
             torch.set_num_threads(n_threads)
-            methods = [Sink("sinklab compiled", model, cached, vocab, compiled=True, num_sinks=num_sinks, window=window),
-                       Static("static compiled", model, cached, vocab),
-                       Sink("sinklab eager", model, cached, vocab, compiled=False, num_sinks=num_sinks, window=window),
-                       Dynamic("dynamic eager", model, cached, vocab)]
+            # One copy of the model per method: interleaving caches on one model would switch its attention
+            # backend every step (and make the compiled forwards recompile).
+            copies = [copy.deepcopy(model) for _ in range(4)]
+            methods = [Sink("sinklab compiled", copies[0], cached, vocab, compiled=True, num_sinks=num_sinks,
+                            window=window),
+                       Static("static compiled", copies[1], cached, vocab),
+                       Sink("sinklab eager", copies[2], cached, vocab, compiled=False, num_sinks=num_sinks, window=window),
+                       Dynamic("dynamic eager", copies[3], cached, vocab)]
             warm = {m.name: m.warm() for m in methods}
             samples: dict[str, list[float]] = {m.name: [] for m in methods}
             for _ in range(rounds):  # interleaved
