@@ -4,21 +4,31 @@ Tiny Llama-style model (d 256, 4 layers, 4 heads, random weights), one sample of
 {512, 2048, 8192}. Every measurement runs in its own subprocess so peak RSS (ru_maxrss) is clean.
 Prints a table and writes benchmarks/results/bench_scan.json. Not a test: numbers depend on the machine.
 
+Real-model mode (``--models``): per model, one process loads it once (load excluded) and times, in
+interleaved rounds on the same windows (16 × 64 tokens by default), the backbone forward
+(``model.model``, no LM head), ``sinklab.scan``, ``sinklab.diagnose`` and ``sinklab.circuit`` with their
+defaults: wall and CPU seconds (CPU time is steadier on a shared machine), medians over the rounds. Peak
+memory: RSS sampled every 2 ms during each operation's warm-up run, against the RSS after loading. Writes benchmarks/results/bench_scan_models.json.
+
     python benchmarks/bench_scan.py [--lengths 512 2048 8192] [--repeats 2]
+    python benchmarks/bench_scan.py --models builtin:smollm2 path/to/gemma-3-270m.gguf [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 MODES = ("plain-sdpa", "sinklab-scan", "eager-attentions")
+OPERATIONS = ("forward", "scan", "diagnose", "circuit")
 
 
 def _model(attn: str):
@@ -59,12 +69,141 @@ def worker(mode: str, length: int, repeats: int) -> dict:
     return {"mode": mode, "T": length, "seconds": min(times), "peak_rss_mb": peak_mb}
 
 
+def _operations(name: str, samples: int, seq_len: int) -> dict:
+    """Load ``name`` and return ``{operation: callable}`` on the same windows (see the module docstring)."""
+    import warnings
+
+    import torch
+
+    import sinklab
+    from sinklab.circuit import circuit
+    from sinklab.scan import text_batches
+
+    warnings.filterwarnings("ignore")
+    loaded = sinklab.load_model(name)
+    model, tok = loaded.model, loaded.tokenizer
+    batches, _, _ = text_batches(model, tok, None, seq_len=seq_len, samples=samples, batch_size=8)
+
+    def forward():
+        with torch.no_grad():
+            for batch in batches:
+                model.model(**batch, use_cache=False)
+
+    return {"forward": forward,
+            "scan": lambda: sinklab.scan(model, tok, seq_len=seq_len, samples=samples),
+            "diagnose": lambda: sinklab.diagnose(model, tok, seq_len=seq_len, samples=samples),
+            "circuit": lambda: circuit(model, tok, seq_len=seq_len, samples=samples)}
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class _PeakRSS:
+    """Samples this process's RSS every 2 ms and keeps the peak seen while each labelled operation runs."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.label: str | None = None
+        self.peak: dict[str, float] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            label, rss = self.label, _rss_mib()
+            if label is not None:
+                self.peak[label] = max(self.peak.get(label, 0.0), rss)
+            time.sleep(0.002)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def model_worker(name: str, repeats: int, samples: int, seq_len: int) -> dict:
+    """Wall/CPU seconds of every operation in interleaved rounds, and the peak RSS while each one ran."""
+    ops = _operations(name, samples, seq_len)
+    ops["forward"]()  # warm: allocator and thread pools
+    loaded = _rss_mib()
+    rss = _PeakRSS()
+    for op, fn in ops.items():  # warm-up round (first-use costs: weight statistics and check); memory peaks
+        rss.label = op
+        fn()
+        rss.label = None
+    rss.stop()
+    times: dict[str, list[tuple[float, float]]] = {op: [] for op in ops}
+    for _ in range(repeats):
+        for op, fn in ops.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            times[op].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return {op: {"wall_s": statistics.median(t[0] for t in v), "cpu_s": statistics.median(t[1] for t in v),
+                 "rounds": v, "peak_rss_mib": max(rss.peak.get(op, loaded), loaded), "rss_after_load_mib": loaded}
+            for op, v in times.items()}
+
+
+def _child(args: list[str]) -> dict:
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def models_main(args) -> None:
+    rows = {}
+    for name in args.models:
+        rows[name] = _child(["--model-worker", name, "--repeats", str(args.repeats), "--samples", str(args.samples),
+                             "--seq-len", str(args.seq_len)])
+        print(f"  {name}: done", flush=True)
+    print(f"\n{args.samples} × {args.seq_len} tokens, load excluded, medians of {args.repeats} interleaved rounds "
+          f"(threads: {os.environ.get('OMP_NUM_THREADS', 'default')})\n")
+    print("| model | operation | wall (s) | CPU (s) | wall / forward | CPU / forward | CPU / scan | "
+          "peak RSS (MiB) | peak − loaded (MiB) | peak / forward's |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, t in rows.items():
+        for op in OPERATIONS:
+            print(f"| {name} | {op} | {t[op]['wall_s']:.2f} | {t[op]['cpu_s']:.2f} | "
+                  f"{t[op]['wall_s'] / t['forward']['wall_s']:.2f}× | {t[op]['cpu_s'] / t['forward']['cpu_s']:.2f}× | "
+                  f"{t[op]['cpu_s'] / t['scan']['cpu_s']:.2f}× | {t[op]['peak_rss_mib']:.0f} | "
+                  f"{t[op]['peak_rss_mib'] - t[op]['rss_after_load_mib']:.0f} | "
+                  f"{t[op]['peak_rss_mib'] / t['forward']['peak_rss_mib']:.2f}× |")
+    _write("bench_scan_models.json", {"benchmark": "scan-models", "samples": args.samples, "seq_len": args.seq_len,
+                                      "repeats": args.repeats, "models": rows})
+
+
+def _write(filename: str, result: dict) -> None:
+    import torch
+    import transformers
+
+    result["machine"] = {"platform": platform.platform(), "python": platform.python_version(),
+                         "torch": torch.__version__, "transformers": transformers.__version__,
+                         "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+    path = Path(__file__).parent / "results" / filename
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--worker", nargs=2, metavar=("MODE", "T"))
+    ap.add_argument("--models", nargs="+", help="real-model mode: builtin names or model paths")
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--model-worker")
     args = ap.parse_args()
+    if args.model_worker:
+        print(json.dumps(model_worker(args.model_worker, args.repeats, args.samples, args.seq_len)))
+        return
+    if args.models:
+        models_main(args)
+        return
     if args.worker:
         print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.repeats)))
         return
@@ -84,16 +223,7 @@ def main() -> None:
             r["rss_ratio"] = r["peak_rss_mb"] / base["peak_rss_mb"]
             print(f"| {length} | {r['mode']} | {r['seconds']:.2f} | {r['peak_rss_mb']:.0f} | "
                   f"{r['time_ratio']:.2f}× | {r['rss_ratio']:.2f}× |")
-    import torch
-    import transformers
-
-    result = {"benchmark": "scan", "machine": {"platform": platform.platform(), "python": platform.python_version(),
-              "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads()},
-              "rows": rows}
-    path = Path(__file__).parent / "results" / "bench_scan.json"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {path}")
+    _write("bench_scan.json", {"benchmark": "scan", "rows": rows})
 
 
 if __name__ == "__main__":

@@ -14,19 +14,34 @@ from torch import nn
 
 from . import _compat
 from .errors import InputError, ModelWeightsError, SinklabWarning
+from .fingerprint import ModelCache
 
 __all__ = ["check_positions", "check_vocab", "check_weights", "max_positions", "uses_rope", "warn_if_past_positions"]
+
+
+#: Models whose weights passed :func:`check_weights`, valid while their fingerprint is unchanged.
+_CHECKED = ModelCache()
 
 
 def check_weights(model: nn.Module) -> None:
     """Raise :class:`ModelWeightsError` naming the first parameter with NaN or inf entries.
 
     A learned sink logit at −inf is not corrupt: it is the sink switched off (``apply_variant(init="off")``).
+    The check runs once per loaded model and again only when a weight changed (an optimizer step, a
+    variant applied, ``load_state_dict``: see :mod:`sinklab.fingerprint`). Each parameter is first summed
+    (a sum is finite only if every entry is); only a non-finite sum gets the exact entry-wise test.
     """
+    _CHECKED.get(model, "finite", model.parameters(), lambda: _check_finite(model))
+
+
+def _check_finite(model: nn.Module) -> bool:
     for pname, param in _compat.named_weights(model):  # offloaded (device_map) blocks load one at a time
         if not param.is_floating_point():
             continue
-        finite = torch.isfinite(param)
+        total = param.detach().sum(dtype=torch.float32 if param.element_size() < 4 else None)
+        if bool(torch.isfinite(total)):  # NaN or ±inf anywhere makes the sum NaN or ±inf
+            continue
+        finite = torch.isfinite(param)  # the sum may also have overflowed: test every entry
         if pname.endswith("sinklab_sink_logit"):
             finite = finite | (param == float("-inf"))
         if not bool(finite.all()):
@@ -34,6 +49,7 @@ def check_weights(model: nn.Module) -> None:
                 f"{type(model).__name__}: parameter {pname!r} contains NaN or inf values; "
                 "the checkpoint is corrupt or was saved mid-divergence — reload or retrain it."
             )
+    return True
 
 
 def check_vocab(model: nn.Module, tokenizer, input_ids: torch.Tensor) -> None:

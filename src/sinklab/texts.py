@@ -77,7 +77,10 @@ def tokenize_windows(tokenizer, texts: list[str], seq_len: int, samples: int, se
     body = seq_len - len(prefix) - len(suffix)
     if body < 1:
         raise InputError(f"--seq-len {seq_len} leaves no room for text after {len(prefix) + len(suffix)} special tokens")
-    per_text = [tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"] for t in texts if t.strip()]
+    texts = [t for t in texts if t.strip()]
+    per_text = _encode(tokenizer, texts[:samples] if not seed else texts)
+    if not seed and len(texts) > samples and not all(per_text):  # an empty text gives no window: take them all
+        per_text = _encode(tokenizer, texts)
     if seed:
         gen = torch.Generator().manual_seed(int(seed))
         order = torch.randperm(len(per_text), generator=gen).tolist()
@@ -106,6 +109,12 @@ def tokenize_windows(tokenizer, texts: list[str], seq_len: int, samples: int, se
     bos_ids = {tokenizer.bos_token_id, getattr(tokenizer, "cls_token_id", None)} - {None}
     added_bos = bool(prefix) and prefix[0] in bos_ids
     return TokenBatch(input_ids=ids, attention_mask=mask, tokens=tokens, added_bos=added_bos)
+
+
+def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, without special tokens. With seed 0 the first window of each of the first
+    ``samples`` texts fills the samples (windows go round-robin), so only those texts need encoding."""
+    return [tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"] for t in texts]
 
 
 @lru_cache(maxsize=1)

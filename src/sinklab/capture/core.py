@@ -26,7 +26,7 @@ from .hidden import hidden_statistics
 from .reduce import ColumnStats, chunked_attention
 from .resume import UNKNOWN_MAP, BlockInputs, find_final_map, run_blocks
 from .types import CaptureBatch, CaptureConfig, ValueEdit
-from .weights import WeightStatistics
+from .weights import SHARED, WeightStatistics
 
 __all__ = ["AttentionCapture"]
 
@@ -48,8 +48,9 @@ def _repeat_kv(x: Tensor, n_rep: int) -> Tensor:
 class AttentionCapture:
     """Context manager that records sink statistics from a transformers model's forward passes.
 
-    ``edit`` (a :class:`ValueEdit`) is applied during every forward while set. ``weights`` shares
-    :class:`WeightStatistics` between captures of the same (unchanged) model. ``run(keep_inputs=True)``
+    ``edit`` (a :class:`ValueEdit`) is applied during every forward while set. ``weights``: the
+    :class:`WeightStatistics` to use (default: the shared one, which recomputes a block's entry when its
+    weights change). ``run(keep_inputs=True)``
     keeps every block's input (:class:`~sinklab.capture.resume.BlockInputs`) so that :meth:`final_states`
     can rerun an edited pass from the edited layer only, without statistics.
 
@@ -66,7 +67,7 @@ class AttentionCapture:
         self.model = model
         self.config = config or CaptureConfig()
         self.edit = edit
-        self.weights = weights if weights is not None else WeightStatistics()
+        self.weights = weights if weights is not None else SHARED
         self.last_output: object = None
         self.last_inputs: BlockInputs | None = None  # set by run(keep_inputs=True)
         self.statistics = True  # False while final_states() runs: attention output only
@@ -333,8 +334,8 @@ class AttentionCapture:
             out = out * gate.transpose(1, 2)
         if stats is None:  # final_states(): the output is all that is needed
             return out.to(query.dtype).transpose(1, 2).contiguous(), None
-        info = self.weights.get(index, self._layers[index], module, h, hkv, dv, dev)
         key_mask = self._positions_mask(b, tk, dev)
+        info = self.weights.get(index, self._layers[index], module, h, hkv, dv, dev)
         record = {
             **stats.finish(),
             **head_statistics(v, out, info.r, qmask, key_mask[:, None], index),

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from .. import metrics
 from ..capture import AttentionCapture, CaptureConfig
+from ..capture.loss import head_matches, token_losses
 from ..errors import InputError, UnsupportedModelError
 from ..checks import check_weights
 from ..variants import register_count
@@ -156,7 +157,8 @@ def _pad(rows: list[list[int]], pad_id: int, side: str) -> tuple[Tensor, Tensor]
 
 
 def _losses(logits: Tensor, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row sum and count of next-token cross-entropy over real (token, next token) pairs."""
+    """Per-row sum and count of next-token cross-entropy from full ``[B, T, V]`` logits (models whose head
+    :func:`~sinklab.capture.loss.head_matches` cannot reproduce)."""
     valid = mask[:, :-1].bool() & mask[:, 1:].bool()  # (B, T-1)
     ce = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten(),
                                            reduction="none").view(valid.shape)
@@ -165,10 +167,13 @@ def _losses(logits: Tensor, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
 
 class _Session:
     """One :class:`AttentionCapture` plus one :class:`PositionZeroRecorder` kept open over several passes
-    (the capture's per-layer weight factorisations are then computed once per model)."""
+    (the capture's per-layer weight factorisations are then computed once per model). The loss comes from the
+    base model's final hidden states through the LM head at the scored positions only (:func:`~sinklab.capture.loss.token_losses`)
+    where that reproduces the model's logits, else from a full forward."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.chunked_loss = head_matches(model)
         self.sub = find_sublayers(model)
         self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
         self.device = next(model.parameters()).device
@@ -213,15 +218,16 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
             kwargs = {"input_ids": ids.to(session.device), "attention_mask": mask.to(session.device)}
             if session.takes_positions:  # left padding: positions count real tokens only
                 kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp_min(0).to(session.device)
-            batch = cap.run(full_model=True, **kwargs)
+            batch = cap.run(full_model=not session.chunked_loss, **kwargs)
             part = rec.collect()
             starts = mask.argmax(-1)
             part["column_mass"] = align_to_start(batch.column_mass, starts, EARLY)
             part.update(head_destinations(batch.column_mass, batch.column_queries, batch.token_mask, batch.row_entropy,
                                           batch.row_diagonal, batch.row_previous, batch.update_norm, starts))
-            logits = getattr(cap.last_output, "logits", None)
-            if logits is not None:
-                part["loss_sum"], part["loss_count"] = _losses(logits.cpu(), ids, mask)
+            if session.chunked_loss:
+                part["loss_sum"], part["loss_count"] = token_losses(model, cap.last_output.last_hidden_state, ids, mask)
+            elif getattr(cap.last_output, "logits", None) is not None:
+                part["loss_sum"], part["loss_count"] = _losses(cap.last_output.logits.cpu(), ids, mask)
             parts.append(part)
             if progress is not None:
                 progress(sl.stop - sl.start)

@@ -28,6 +28,9 @@ def stream(
     trust_remote_code: Annotated[bool, trust_remote_code_option()] = False,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     device_map: Annotated[str | None, device_map_option()] = None,
+    compile: Annotated[bool, typer.Option("--compile", help="decode through torch.compile (the first tokens wait "
+                                          "for the compile)")] = False,
+    compile_backend: Annotated[str, typer.Option("--compile-backend", help="torch.compile backend for --compile")] = "inductor",
 ) -> None:
     """Generate with attention sinks + a sliding window in constant memory; tokens print as they come."""
     import sys as _sys
@@ -43,7 +46,8 @@ def stream(
         # --pin-prompt: the prompt's tokens are kept forever (pins are fixed when the stream starts).
         n_prompt = len(loaded.tokenizer(texts[0])["input_ids"]) if texts[0] else 0
         pinned = [(0, n_prompt)] if pin_prompt and n_prompt else None
-        session = StreamSession(loaded.model, num_sinks=sinks, window=window, pinned=pinned, chunk_size=chunk_size)
+        session = StreamSession(loaded.model, num_sinks=sinks, window=window, pinned=pinned, chunk_size=chunk_size,
+                                compile={"backend": compile_backend} if compile else None)
         start = time.perf_counter()
         count = 0
         with session:

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from .. import _compat
-from ..errors import InputError, ModelWeightsError
-from .attention import ACTIVE_STREAM, ATTN_NAME, stream_attention
+from ..errors import InputError
+from .attention import ACTIVE_STREAM, ATTN_NAME, TRACED_STREAM, stream_attention, stream_mask
 
 __all__ = ["ModelStreams", "streams_of"]
 
@@ -49,9 +49,13 @@ class ModelStreams:
         self._backend: _compat.ModelPatch | None = None  # the stream attention, while a cache is active
         self._local = threading.local()
         base = _compat.base_model(model)
+        # The hooks run eagerly even inside a torch.compile'd forward (one deliberate graph break at the
+        # decoder-stack entry and exit): they hold the stream's host bookkeeping (Python ints, no tensor read
+        # back per token); the decoder stack in between — cache writes, re-rotation, masks, attention — is
+        # one graph with fixed shapes.
         self._hooks = _compat.ModelPatch(base)  # not the model: the registry must not keep it alive
-        self._hooks.hook(base, self._pre_hook, pre=True, with_kwargs=True)
-        self._hooks.hook(base, self._post_hook, with_kwargs=True, always_call=True)
+        self._hooks.hook(base, torch.compiler.disable(self._pre_hook), pre=True, with_kwargs=True)
+        self._hooks.hook(base, torch.compiler.disable(self._post_hook), with_kwargs=True, always_call=True)
 
     def __deepcopy__(self, memo: dict) -> ModelStreams:
         """A copied model (``copy.deepcopy``) gets inert hooks: its streams are its own, not the original's."""
@@ -86,8 +90,12 @@ class ModelStreams:
                 raise InputError("another SinkCache is open on this model in a `with` block; close it first "
                                  "(one stream per model at a time)")
             self.release()
+        from transformers.masking_utils import AttentionMaskInterface
+
         backend = _compat.ModelPatch(self._model())
         backend.use_attention(ATTN_NAME, stream_attention)
+        # The stream's own mask function (the real new columns only; the attention masks by metadata).
+        AttentionMaskInterface.register(ATTN_NAME, stream_mask)
         self._backend, self.active, self.explicit = backend, id(cache), explicit
 
     def release(self) -> None:
@@ -115,6 +123,7 @@ class ModelStreams:
                              "use StreamSession.save/load for that)")
         self.activate(cache)
         stack[-1] = (ACTIVE_STREAM.set(cache), cache)
+        TRACED_STREAM[0] = cache
         return cache.plan_forward(args, kwargs)
 
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
@@ -124,10 +133,6 @@ class ModelStreams:
             return
         token, stream = entry
         ACTIVE_STREAM.reset(token)
+        TRACED_STREAM[0] = None
         if output is not None:
-            hidden = _compat.block_hidden_states(output)
-            if not bool(torch.isfinite(hidden).all()):
-                raise ModelWeightsError(
-                    f"the model produced NaN or inf hidden states while streaming (columns "
-                    f"{stream.state.columns - hidden.shape[1]}–{stream.state.columns - 1} of the stream); check its weights with "
-                    "sinklab.checks.check_weights, or run in float32 if it overflows in half precision")
+            stream.check_hidden(_compat.block_hidden_states(output))

@@ -21,10 +21,20 @@ from ..errors import UnsupportedModelError
 from ..rope import rotate
 from ..variants import variant_columns, variant_gate
 
-__all__ = ["stream_attention", "ACTIVE_STREAM", "ATTN_NAME"]
+__all__ = ["stream_attention", "stream_mask", "active_stream", "ACTIVE_STREAM", "ATTN_NAME", "TRACED_STREAM"]
 
 ATTN_NAME = "sinklab_stream"
 ACTIVE_STREAM: contextvars.ContextVar = contextvars.ContextVar("sinklab_stream", default=None)
+# The stream of the forward being compiled: torch.compile cannot read a ContextVar, so the eager pre-hook
+# also leaves the active stream here (a plain global read by the traced attention; guarded by type only).
+TRACED_STREAM: list = [None]
+
+
+def active_stream():
+    """The stream of the running forward (the ContextVar eagerly, :data:`TRACED_STREAM` under compile)."""
+    if torch.compiler.is_compiling():
+        return TRACED_STREAM[0]
+    return ACTIVE_STREAM.get()
 _PAIR_BUDGET = 1 << 15  # (query, anchored key) pairs rotated at once
 
 
@@ -45,10 +55,23 @@ def _anchored_scores(q: Tensor, keys: Tensor, view, idx: Tensor, window: int, ro
     return torch.cat(out, dim=3).float()
 
 
+def stream_mask(batch_size: int, q_length: int, kv_length: int, *args, attention_mask: Tensor | None = None,
+                **kwargs) -> Tensor | None:
+    """The "mask" transformers builds for the stream attention: which new columns are real, ``[B, 1, 1, C]``.
+
+    The attention masks by cache metadata and ignores it; it is there so that the padding of a left-padded
+    batch reaches the stream even where ``generate()`` turns the 2-D mask into a prepared one (compileable
+    caches get their masks built outside the forward). ``None`` when there is no padding mask.
+    """
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
+    return attention_mask[:, -q_length:].bool()[:, None, None, :]
+
+
 def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                      scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
     """Attention over a stream's kept tokens with positions by cache slot. Output ``[B, C, H, dv]``."""
-    stream = ACTIVE_STREAM.get()
+    stream = active_stream()
     if stream is None:
         raise RuntimeError("sinklab's stream attention ran outside a forward with a SinkCache; restore the model's "
                            "attention implementation or pass the SinkCache to the model")
@@ -96,9 +119,7 @@ def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         # own cache-slot position (positions by cache slot), not at the stream's internal virtual position.
         q_slot = query
         if rope is not None:
-            shift = view.slot_shift
-            shift = shift if isinstance(shift, Tensor) else torch.full((b, c), shift, device=query.device)
-            q_slot = rotate(query, rope, shift[:, None, :])
+            q_slot = rotate(query, rope, view.slot_shift[:, None, :])
         slot_k = slot[0].float().view(1, hkv, rep, dh, 1)
         slot_logit = torch.matmul(q_slot.float().view(b, hkv, rep, c, dh) * scale, slot_k)  # (B, Hkv, rep, C, 1)
         extra.append(torch.tanh(slot_logit / softcap) * softcap if softcap is not None else slot_logit)

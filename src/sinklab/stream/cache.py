@@ -29,7 +29,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from .. import _compat
-from ..errors import InputError
+from ..errors import InputError, ModelWeightsError
 from .activation import streams_of
 from .layer import SinkWindowLayer
 from .state import StreamState
@@ -59,6 +59,18 @@ def _legacy_sizes(num_sinks: int, window: int | None, window_length: int | None,
     return num_sinks, (1020 if window is None else window)
 
 
+def _real_columns(mask, b: int, c: int, device: torch.device) -> torch.Tensor:
+    """Which of the ``c`` new columns are real tokens, ``[B, C]`` bool (left padding: each row's sinks are its
+    own first real tokens). From a 2-D padding mask, or from a prepared 4-D one (``generate()`` with a
+    compileable cache): the last query — always real under left padding — sees exactly the real new columns."""
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return mask[:, -c:].bool()
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        last = mask[:, 0, -1, -c:]
+        return last if last.dtype == torch.bool else last == 0  # additive float masks: 0 = attend
+    return torch.ones(b, c, dtype=torch.bool, device=device)
+
+
 class SinkCache(Cache):
     """A transformers ``Cache`` that streams ``model`` with attention sinks + a sliding window.
 
@@ -80,6 +92,10 @@ class SinkCache(Cache):
     sliding_sinks:
         Also give the model's own sliding-window layers the sinks and pinned spans (default: they keep their
         native last-``w`` window).
+    check_every:
+        On an accelerator, single decoded columns are checked (token ids in range, finite hidden states) on
+        the device and read back every ``check_every`` columns (1: every token, a device synchronisation
+        each). Chunks, and every forward on the CPU, are checked at once.
     window_length, num_sink_tokens:
         transformers' old ``SinkCache`` names (deprecated): ``window = window_length − num_sinks``.
     kv_bits, kv_group_size:
@@ -91,8 +107,8 @@ class SinkCache(Cache):
 
     def __init__(self, model: nn.Module, num_sinks: int = 4, window: int | None = None, pinned=None,
                  start_position: int = 0, rebase_every: int | None = None, *, sliding_sinks: bool = False,
-                 window_length: int | None = None, num_sink_tokens: int | None = None, kv_bits: int | None = None,
-                 kv_group_size: int = 16) -> None:
+                 check_every: int = 64, window_length: int | None = None, num_sink_tokens: int | None = None,
+                 kv_bits: int | None = None, kv_group_size: int = 16) -> None:
         num_sinks, window = _legacy_sizes(num_sinks, window, window_length, num_sink_tokens)
         self.model = model
         self.sliding_sinks = bool(sliding_sinks)
@@ -121,6 +137,12 @@ class SinkCache(Cache):
         self.rope = self.state.rope
         self.closed = False
         self._vocab = _compat.embedding_rows(model)
+        if not isinstance(check_every, int) or check_every < 1:
+            raise InputError(f"check_every must be an integer ≥ 1, got {check_every!r}")
+        self.check_every = check_every
+        self._pending_ids: torch.Tensor | bool = False
+        self._pending_hidden: torch.Tensor | bool = False
+        self._checked = 0  # columns checked so far
         if kv_bits is None:
             layers = [SinkWindowLayer(s, s.rope) for s in self.layer_states]
         else:
@@ -160,17 +182,115 @@ class SinkCache(Cache):
         embeds = kwargs.get("inputs_embeds")
         ref = ids if ids is not None else embeds
         b, c = ref.shape[0], ref.shape[1]
-        if ids is not None and self._vocab is not None and ids.numel():
-            if bool(((ids < 0) | (ids >= self._vocab)).any()):
-                bad = ids[(ids < 0) | (ids >= self._vocab)][0]
-                raise InputError(f"token id {int(bad)} is outside the model's vocabulary (0 … {self._vocab - 1}); "
-                                 "the ids come from a different tokenizer or were corrupted")
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            valid = mask[:, -c:].bool()  # left padding: each row's sinks are its own first real tokens
-        else:
-            valid = torch.ones(b, c, dtype=torch.bool, device=ref.device)
+        if ids is not None:
+            self._check_ids(ids)
+        valid = _real_columns(kwargs.get("attention_mask"), b, c, ref.device)
         positions = [s.begin(valid) for s in self.states][0]
         kwargs["position_ids"] = positions
         kwargs.pop("cache_position", None)
         return args, kwargs
+
+    # ------------------------------------------------------------------ checks (per chunk, or deferred)
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        """Token ids in range: read on the host where they already are (CPU), else checked every ``check_every``."""
+        if self._vocab is None or not ids.numel():
+            return
+        if ids.device.type == "cpu" and ids.numel() <= 64:  # a decode step: a few Python comparisons, no tensor op
+            bad = next((v for v in ids.flatten().tolist() if not 0 <= v < self._vocab), None)
+        elif ids.device.type == "cpu" or ids.shape[1] > 1:
+            out = (ids < 0) | (ids >= self._vocab)
+            bad = int(ids[out][0]) if bool(out.any()) else None
+        else:  # one column on an accelerator: accumulate on the device, read back every `check_every` columns
+            self._pending_ids = ((ids < 0) | (ids >= self._vocab)).any() | self._pending_ids
+            return
+        if bad is not None:
+            raise InputError(f"token id {bad} is outside the model's vocabulary (0 … {self._vocab - 1}); "
+                             "the ids come from a different tokenizer or were corrupted")
+
+    def check_hidden(self, hidden: torch.Tensor) -> None:
+        """Called after each forward with the decoder stack's output ``[B, C, D]``: NaN/inf → ModelWeightsError.
+
+        A chunk, or any forward on the CPU, is checked at once (the values are on the host already); single
+        columns on an accelerator are accumulated on the device and read back every ``check_every`` columns.
+        """
+        bad = ~torch.isfinite(hidden).all()
+        state = self.state
+        if hidden.device.type != "cpu" and hidden.shape[1] == 1 and state.columns - self._checked < self.check_every:
+            self._pending_hidden = bad | self._pending_hidden
+            return
+        self._pending_hidden = bad | self._pending_hidden
+        self.flush_checks(state.columns - hidden.shape[1])
+
+    def flush_checks(self, first: int | None = None) -> None:
+        """Read the accumulated checks back (one host read) and raise for what they found."""
+        lo, hi = (self._checked if first is None else min(first, self._checked)), self.state.columns - 1
+        pending_ids, pending_hidden = self._pending_ids, self._pending_hidden
+        self._pending_ids = self._pending_hidden = False
+        self._checked = self.state.columns
+        if isinstance(pending_hidden, torch.Tensor) and bool(pending_hidden):
+            raise ModelWeightsError(
+                f"the model produced NaN or inf hidden states while streaming (columns {lo}–{hi} of the stream); "
+                "check its weights with sinklab.checks.check_weights, or run in float32 if it overflows in half "
+                "precision")
+        if isinstance(pending_ids, torch.Tensor) and bool(pending_ids):
+            raise InputError(f"a token id outside the model's vocabulary (0 … {self._vocab - 1}) was fed in columns "
+                             f"{lo}–{hi}; the ids come from a different tokenizer or were corrupted")
+
+    # ------------------------------------------------------------------ generate modes (rows, crop)
+    def _select_rows(self, index: torch.Tensor) -> None:
+        for state in self.states:
+            if state.batch is not None:
+                state.select_rows(index)
+        for layer in self.layers:
+            layer.select_rows(index)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` continues beam ``beam_idx[i]`` (every per-row tensor of the stream follows)."""
+        self._select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """``num_return_sequences`` / beams: each row becomes ``repeats`` identical rows."""
+        if self.state.batch is not None:
+            self._select_rows(torch.arange(self.state.batch, device=self.state.device).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows ``indices`` (in that order)."""
+        if self.state.batch is not None:
+            self._select_rows(torch.as_tensor(indices, device=self.state.device).long())
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Take back the last ``-tokens_to_remove`` columns (assisted decoding, prompt lookup).
+
+        Exact only while nothing has been evicted: a token that pushed another out of the window cannot be
+        taken back (the one it replaced is gone). Past that point this raises; use a DynamicCache for assisted
+        decoding, or a window larger than the whole generation.
+        """
+        if tokens_to_remove > 0:
+            raise InputError(f"SinkCache.crop takes minus the number of columns to remove (transformers ≥ 5), "
+                             f"got {tokens_to_remove}")
+        n = -int(tokens_to_remove)
+        if n == 0 or self.state.batch is None:
+            return
+        if n > self.state.columns:
+            raise InputError(f"cannot remove {n} columns from a stream of {self.state.columns}")
+        for state in self.states:
+            if bool((state.n_free > state.window).any()):
+                raise InputError(
+                    f"SinkCache cannot take back the last {n} tokens: the stream has already evicted tokens from its "
+                    f"{state.window}-token window, and those are gone (a cropped stream would differ from one that "
+                    "never saw the removed tokens). Assisted decoding and prompt lookup need a cache that keeps "
+                    "every token (DynamicCache), or a window larger than the whole generation")
+        for state in self.states:
+            state.drop_last(n)
+
+    # ------------------------------------------------------------------ compile
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """Columns fed so far; 0 inside a compiled forward, where the stream's own mask function ignores it
+        (reading the host counter there would make torch.compile specialise on it and recompile every token)."""
+        return 0 if torch.compiler.is_compiling() else self.state.columns
+
+    @property
+    def is_compileable(self) -> bool:
+        """Decoding is compileable (fixed shapes; a packed ``kv_bits`` ring is not); transformers' ``generate``
+        compiles a compileable cache under a CompileConfig."""
+        return all(layer.is_compileable for layer in self.layers)

@@ -22,8 +22,8 @@ __all__ = ["SinkWindowLayer"]
 class SinkWindowLayer(CacheLayerMixin):
     """One layer's StreamingLLM cache; all layers of a stream share one :class:`StreamState`."""
 
-    is_compileable = False
-    is_croppable = False
+    is_compileable = True
+    is_croppable = True  # until the window evicts (SinkCache.crop says why not after)
     is_sliding = False
 
     def __init__(self, state: StreamState, rope: RopeSpec) -> None:
@@ -65,12 +65,17 @@ class SinkWindowLayer(CacheLayerMixin):
         return keys, values
 
     def _write(self, key_states: Tensor, value_states: Tensor, plan: dict) -> None:
-        if "slot" in plan:  # one token, same slot in every row
-            slot = plan["slot"]
-            self.keys[:, :, slot] = key_states[:, :, 0]
-            self.values[:, :, slot] = value_states[:, :, 0]
-            if slot < self.state.anchor_capacity:
-                self.anchor_keys[:, :, slot] = key_states[:, :, 0]
+        if "slot" in plan:  # decode: one column, each row's own slot (fixed shapes: compiled as one graph)
+            rows, slot = plan["rows"], plan["slot"]
+            keep = ~plan["valid"][:, None, None]  # a padding column writes nothing
+            k, v = key_states[:, :, 0], value_states[:, :, 0]  # (B, Hkv, dh)
+            self.keys[rows, :, slot] = torch.where(keep, self.keys[rows, :, slot], k)
+            self.values[rows, :, slot] = torch.where(keep, self.values[rows, :, slot], v)
+            n = self.state.anchor_capacity
+            if n:
+                at = slot.clamp(max=n - 1)
+                anchored = plan["anchored"][:, None, None]
+                self.anchor_keys[rows, :, at] = torch.where(anchored, k, self.anchor_keys[rows, :, at])
             return
         rows, cols, slots = plan["rows"], plan["cols"], plan["slots"]
         if rows.numel():
@@ -80,6 +85,13 @@ class SinkWindowLayer(CacheLayerMixin):
             if bool(anchored.any()):
                 r, c, sl = rows[anchored], cols[anchored], slots[anchored]
                 self.anchor_keys[r, :, sl] = key_states[r, :, c]
+
+    def select_rows(self, index: Tensor) -> None:
+        """Row ``i`` becomes old row ``index[i]`` (the stream state is re-indexed by the cache, once)."""
+        if self.is_initialized:
+            index = index.to(self.keys.device)
+            self.keys, self.values, self.anchor_keys = (t.index_select(0, index) for t in
+                                                        (self.keys, self.values, self.anchor_keys))
 
     def rotate_ring(self, ring: slice, delta: Tensor) -> None:
         """Rotate the ring's keys by ``delta`` ``[B]`` positions (used when the stream re-bases)."""
@@ -102,14 +114,18 @@ class SinkWindowLayer(CacheLayerMixin):
     def reset(self) -> None:  # pragma: no cover - streams are started afresh instead
         raise NotImplementedError("a SinkCache cannot be reset; create a new SinkCache")
 
+    def _per_stream(self, name: str):
+        raise InputError(f"{name} changes state that all layers of a stream share: call it on the SinkCache "
+                         f"(cache.{name}(...)), not on one of its layers")
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("beam search is not supported by SinkCache; use greedy or sampling")
+        self._per_stream("reorder_cache")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("num_return_sequences > 1 is not supported by SinkCache; run one stream per sequence")
+        self._per_stream("batch_repeat_interleave")
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        raise NotImplementedError("selecting batch rows is not supported by SinkCache")
+        self._per_stream("batch_select_indices")
 
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError("a SinkCache cannot be cropped (assisted decoding is not supported)")
+    def crop(self, tokens_to_remove: int) -> None:
+        self._per_stream("crop")

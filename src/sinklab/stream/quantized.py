@@ -44,6 +44,10 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         super().__init__(state, rope)
         self.bits, self.group_size = bits, group_size
 
+    def select_rows(self, index: Tensor) -> None:
+        raise InputError("beams, num_return_sequences and row selection are not supported with kv_bits (the packed "
+                         "ring is not re-indexed); use SinkCache(..., kv_bits=None) for them")
+
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         b, hkv, _, dh = key_states.shape
         dv = value_states.shape[-1]

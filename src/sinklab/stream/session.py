@@ -34,9 +34,11 @@ class StreamSession:
 
     def __init__(self, model: nn.Module, num_sinks: int = 4, window: int = 1020, pinned=None,
                  start_position: int = 0, chunk_size: int = 256, rebase_every: int | None = None, *,
-                 sliding_sinks: bool = False) -> None:
+                 sliding_sinks: bool = False, compile: bool | dict | None = None) -> None:
         if chunk_size < 1:
             raise InputError(f"chunk_size must be ≥ 1, got {chunk_size}")
+        if compile is not None and not isinstance(compile, (bool, dict)):
+            raise InputError(f"compile is True or a dict of torch.compile options, got {compile!r}")
         from ..checks import check_weights
 
         check_weights(model)  # NaN/inf weights: one clear error now, not garbage tokens later
@@ -49,6 +51,9 @@ class StreamSession:
         self._device = _compat.input_device(model)
         self.tokens_seen = 0
         self._restore: dict[str, Tensor] | None = None
+        # Decoding (``step``) through torch.compile; chunks (``feed``) stay eager. Compiled once per model forward.
+        options = {} if compile is True else dict(compile or {})
+        self._step_forward = torch.compile(model.forward, **options) if compile else model.forward
 
     def __enter__(self) -> StreamSession:
         self.cache = self.sink.__enter__()
@@ -64,11 +69,11 @@ class StreamSession:
     def state(self):
         return self.sink.state
 
-    def _forward(self, ids: Tensor, mask: Tensor | None) -> Tensor:
+    def _forward(self, ids: Tensor, mask: Tensor | None, forward=None) -> Tensor:
         kwargs = {"input_ids": ids, "use_cache": True, self._cache_kwarg: self.cache}
         if mask is not None:
             kwargs["attention_mask"] = mask
-        return self.model(**kwargs).logits
+        return (forward or self.model)(**kwargs).logits
 
     @torch.no_grad()
     def feed(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, all_logits: bool = False) -> Tensor:
@@ -99,7 +104,7 @@ class StreamSession:
         if self.cache is None:
             raise RuntimeError("use the session as a context manager: `with StreamSession(...) as s:`")
         self.tokens_seen += 1
-        return self._forward(token_ids.reshape(-1, 1).to(self._device), None)[:, -1]
+        return self._forward(token_ids.reshape(-1, 1).to(self._device), None, self._step_forward)[:, -1]
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path) -> Path:
@@ -196,7 +201,7 @@ class TextPieces:
 def stream_generate(model: nn.Module, tokenizer, prompt: str | list[str], *, num_sinks: int = 4, window: int = 1020,
                     pinned=None, pin_prompt: bool = False, max_new_tokens: int = 256, temperature: float = 0.0,
                     top_k: int = 0, seed: int = 0, chunk_size: int = 256, stop_at_eos: bool = True,
-                    session: StreamSession | None = None) -> Iterator[str | list[str]]:
+                    session: StreamSession | None = None, compile: bool | dict | None = None) -> Iterator[str | list[str]]:
     """Generate from ``prompt`` in constant memory, yielding each new piece of text as it comes.
 
     A list of prompts is left-padded into one batch (each row's sinks are its own first real tokens) and
@@ -224,7 +229,7 @@ def stream_generate(model: nn.Module, tokenizer, prompt: str | list[str], *, num
                              f"[{span}] (pins are fixed when a stream starts)")
         pinned = list(pinned or []) + [span]
     own = session is None
-    session = session or StreamSession(model, num_sinks, window, pinned, chunk_size=chunk_size)
+    session = session or StreamSession(model, num_sinks, window, pinned, chunk_size=chunk_size, compile=compile)
     gen = torch.Generator().manual_seed(seed)
     eos = tokenizer.eos_token_id
     if own:

@@ -50,8 +50,8 @@ class View:
     anchor_cos: Tensor | None = None  # (B, 1, A, r/2) decode: rotation of each anchored key to its slot distance
     anchor_sin: Tensor | None = None
     # Rotation taking each query from its virtual position to its own cache-slot position (kept tokens it
-    # sees − 1): (B, C), or one int when every row agrees (decode). Only a kv-bias slot's score needs it.
-    slot_shift: Tensor | int = 0
+    # sees − 1): (B, C). Only a kv-bias slot's score needs it.
+    slot_shift: Tensor | None = None
 
 
 def _check_pinned(pinned) -> list[tuple[int, int]]:
@@ -93,6 +93,7 @@ class StreamState:
         self.rebase_every = int(rebase_every or max(4 * window, 2048))
         self.rebase_keep = window  # re-base so the newest `rebase_keep` tokens keep virtual positions ≥ 0
         self.closed = False
+        self.rebases = 0  # times the base was moved (ring rotated)
         self.columns = 0  # columns (incl. padding) fed so far: what generate() calls the past length
         self.batch: int | None = None
         self.layers: list = []  # SinkWindowLayer objects, for rebasing
@@ -114,11 +115,38 @@ class StreamState:
         self.s_a = torch.zeros(batch, cap, **long)
         self.s_f = torch.zeros(batch, cap, **long)
         self.s_o = torch.zeros(batch, cap, **long)
-        anchored = torch.zeros(cap, dtype=torch.bool, device=device)
+        self._set_rows(batch)
+        # Host-side upper bound on every row's next virtual position (start + n_real − base): decides rebases
+        # without reading a tensor back (no device synchronisation per token).
+        self.span = self.start_position
+
+    def per_row(self) -> dict[str, Tensor]:
+        """The per-row tensors (first dimension ``B``), by attribute name."""
+        names = ("n_real", "n_anchor", "n_free", "base", "s_valid", "s_sidx", "s_a", "s_f", "s_o")
+        return {n: getattr(self, n) for n in names}
+
+    def select_rows(self, index: Tensor) -> None:
+        """Keep/reorder/repeat batch rows: row ``i`` becomes old row ``index[i]`` (beams, batch expansion)."""
+        for name, value in self.per_row().items():
+            setattr(self, name, value.index_select(0, index.to(self.device)))
+        self._set_rows(int(index.shape[0]))
+
+    def _set_rows(self, batch: int) -> None:
+        self.batch = batch
+        self._rows = torch.arange(batch, device=self.device)
+        anchored = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
         anchored[: self.anchor_capacity] = True
-        self.s_anchored = anchored.expand(batch, cap)
-        self.uniform = True  # every row has the same counters (no padding so far): scalar fast path
-        self.__dict__.pop("_scalar_cache", None)
+        self.s_anchored = anchored.expand(batch, self.capacity)  # the anchored slots (the same in every row)
+
+    def drop_last(self, n: int) -> None:
+        """Forget each row's last ``n`` tokens (the caller checked that they evicted nothing; they are real)."""
+        gone = self.s_valid & (self.s_sidx >= (self.n_real - n)[:, None])  # (B, cap)
+        anchored = gone & self.s_anchored
+        self.s_valid = self.s_valid & ~gone
+        self.n_anchor -= anchored.sum(1)
+        self.n_free -= (gone & ~self.s_anchored).sum(1)
+        self.n_real -= gone.sum(1)
+        self.columns -= n
 
     def _is_anchored(self, sidx: Tensor) -> Tensor:
         out = sidx < self.num_sinks
@@ -128,23 +156,59 @@ class StreamState:
 
     # ------------------------------------------------------------------ one forward
     def begin(self, valid: Tensor) -> Tensor:
-        """Plan a forward over ``valid`` ``[B, C]`` new columns; returns the virtual positions ``[B, C]``."""
+        """Plan a forward over ``valid`` ``[B, C]`` new columns; returns the virtual positions ``[B, C]``.
+
+        Runs on the host before the layers (eagerly, also under ``torch.compile``): Python-int decisions only
+        (re-base or not, decode or chunk), tensor maths without reading values back.
+        """
         b, c = valid.shape
         if self.batch is None:
             self._init_rows(b, valid.device)
         elif b != self.batch:
             raise InputError(
-                f"this stream was started with batch size {self.batch} but got {b} rows; beam search and "
-                "num_return_sequences > 1 are not supported by SinkCache — use greedy/sampling with one row per stream, "
-                "or sinklab.stream_generate for batches"
-            )
+                f"this stream holds {self.batch} rows but the model was given {b}; change the number of rows "
+                "through the cache (reorder_cache, batch_repeat_interleave, batch_select_indices — generate() "
+                "does this for beams and num_return_sequences), or start a new SinkCache")
         valid = valid.to(self.device).bool()
-        all_valid = bool(valid.all())
         self._maybe_rebase(c)
-        if c == 1 and all_valid and self.uniform:
-            return self._begin_uniform_step()
-        if not all_valid:
-            self.uniform = False  # rows now differ (left padding): keep the general per-row path
+        q_v = self._begin_step(valid[:, 0]) if c == 1 else self._begin_chunk(valid)
+        self.span += c
+        self.columns += c
+        return q_v
+
+    def _begin_step(self, valid: Tensor) -> Tensor:
+        """Decode one column (``valid`` ``[B]``): fixed-shape tensor maths, no host read, no value branch."""
+        t = self.n_real  # stream index of the new token, per row
+        anchored = valid & self._is_anchored(t)
+        free = valid & ~anchored
+        q_a = self.n_anchor + anchored.long()
+        q_f = self.n_free + free.long()
+        q_v = torch.where(valid, self.start_position + t - self.base, torch.zeros_like(t))
+        slot = torch.where(anchored, self.n_anchor, self.anchor_capacity + self.n_free % self.window)
+        rows = self._rows
+        for buf, value in ((self.s_valid, valid), (self.s_sidx, t), (self.s_a, q_a), (self.s_f, q_f), (self.s_o, q_v)):
+            buf[rows, slot] = torch.where(valid, value, buf[rows, slot])  # a padding column writes nothing
+        self.plan = {"rows": rows, "slot": slot, "valid": valid, "anchored": anchored}
+        sidx = torch.where(valid, t, torch.full_like(t, -1))
+        view = View(self.s_valid, self.s_sidx, self.s_anchored, self.s_a, self.s_f, self.s_o,
+                    valid[:, None], sidx[:, None], q_a[:, None], q_f[:, None], q_v[:, None], from_buffer=True)
+        # The ring holds exactly the W most recent free tokens, so every valid slot is visible; anchored
+        # keys are re-rotated to their slot distance from this query (O(S + P) per layer).
+        view.visible = self.s_valid & valid[:, None]
+        n = self.anchor_capacity
+        if n:
+            dist = q_a[:, None] - self.s_a[:, :n] + torch.clamp(q_f[:, None] - self.s_f[:, :n], max=self.window)
+            cos, sin = angles(self.rope, q_v[:, None] - dist - self.s_o[:, :n])  # (B, A, r/2)
+            view.anchor_cos, view.anchor_sin = cos.float()[:, None], sin.float()[:, None]
+        view.slot_shift = (q_a + torch.clamp(q_f, max=self.window) - 1 - q_v)[:, None]
+        self.view = view
+        self.n_real += valid.long()
+        self.n_anchor += anchored.long()
+        self.n_free += free.long()
+        return q_v[:, None]
+
+    def _begin_chunk(self, valid: Tensor) -> Tensor:
+        """Plan a multi-column forward (prefill; eager): keys are the buffer as it was, then the chunk."""
         sidx = self.n_real[:, None] + valid.long().cumsum(1) - 1  # (B, C)
         anchored = valid & self._is_anchored(sidx)
         free = valid & ~anchored
@@ -159,115 +223,52 @@ class StreamState:
         slot = torch.where(anchored, q_a - 1, self.anchor_capacity + (q_f - 1) % self.window)
         last_f = q_f[:, -1:]
         write = anchored | (free & (q_f > last_f - self.window))
-        if bool((anchored & (q_a > self.anchor_capacity)).any()):  # pragma: no cover - guarded by capacity maths
-            raise RuntimeError("anchored capacity exceeded")
         rows, cols = write.nonzero(as_tuple=True)
         self.plan = {"rows": rows, "cols": cols, "slots": slot[rows, cols]}
-
-        query = dict(q_valid=valid, q_sidx=sidx, q_a=q_a, q_f=q_f, q_v=q_v)
-        if c == 1:  # decode: write first, the keys are the buffer itself
-            self._write_meta(rows, cols, slot, valid, sidx, q_a, q_f, q_v)
-            self.view = View(self.s_valid, self.s_sidx, self.s_anchored, self.s_a, self.s_f, self.s_o,
-                             from_buffer=True, **query)
-            # The ring holds exactly the W most recent free tokens, so every valid slot is visible; anchored
-            # keys are re-rotated to their slot distance from this query (O(S + P) per layer).
-            self.view.visible = self.s_valid & valid
-            n = self.anchor_capacity
-            if n:
-                dist = q_a - self.s_a[:, :n] + torch.clamp(q_f - self.s_f[:, :n], max=self.window)  # (B, A)
-                cos, sin = angles(self.rope, q_v - dist - self.s_o[:, :n])
-                self.view.anchor_cos, self.view.anchor_sin = cos.float()[:, None], sin.float()[:, None]
-        else:  # chunk: keys are the buffer as it was, then the chunk
-            view = View(
-                torch.cat([self.s_valid, valid], 1), torch.cat([self.s_sidx, sidx], 1),
-                torch.cat([self.s_anchored, anchored], 1), torch.cat([self.s_a, q_a], 1),
-                torch.cat([self.s_f, q_f], 1), torch.cat([self.s_o, q_v], 1), from_buffer=False, **query)
-            causal = view.k_sidx[:, None, :] <= sidx[:, :, None]  # (B, C, K)
-            recent = (q_f[:, :, None] - view.k_f[:, None, :]) < self.window
-            view.visible = view.k_valid[:, None, :] & valid[:, :, None] & causal & (view.k_anchored[:, None, :] | recent)
-            view.anchor_idx = view.k_anchored.any(0).nonzero()[:, 0]
-            self.view = view
-            self._write_meta(rows, cols, slot, valid, sidx, q_a, q_f, q_v)
-        self.view.slot_shift = q_a + torch.clamp(q_f, max=self.window) - 1 - q_v
-        self.n_real += valid.sum(1)
-        self.n_anchor += anchored.sum(1)
-        self.n_free += free.sum(1)
-        self.columns += c
-        self.__dict__.pop("_scalar_cache", None)
-        return q_v
-
-    def _begin_uniform_step(self) -> Tensor:
-        """Decode one token in every row when all rows share their counters (the common case): scalar maths."""
-        t, n_anchor, n_free, base = self._scalars
-        anchored = t < self.num_sinks or any(a <= t < b for a, b in self.pinned)
-        if anchored:
-            slot, q_a, q_f = n_anchor, n_anchor + 1, n_free
-        else:
-            slot, q_a, q_f = self.anchor_capacity + n_free % self.window, n_anchor, n_free + 1
-        v = self.start_position + t - base
-        for name, value in (("s_valid", True), ("s_sidx", t), ("s_a", q_a), ("s_f", q_f), ("s_o", v)):
-            getattr(self, name)[:, slot] = value
-        self.plan = {"slot": slot}
-        view = View(self.s_valid, self.s_sidx, self.s_anchored, self.s_a, self.s_f, self.s_o,
-                    None, None, None, None, None, from_buffer=True, visible=self.s_valid)
-        n = self.anchor_capacity
-        if n:
-            dist = q_a - self.s_a[:, :n] + torch.clamp(q_f - self.s_f[:, :n], max=self.window)  # (B, A)
-            cos, sin = angles(self.rope, v - dist - self.s_o[:, :n])
-            view.anchor_cos, view.anchor_sin = cos.float()[:, None], sin.float()[:, None]
-        view.slot_shift = q_a + min(q_f, self.window) - 1 - v
+        view = View(
+            torch.cat([self.s_valid, valid], 1), torch.cat([self.s_sidx, sidx], 1),
+            torch.cat([self.s_anchored, anchored], 1), torch.cat([self.s_a, q_a], 1),
+            torch.cat([self.s_f, q_f], 1), torch.cat([self.s_o, q_v], 1), valid, sidx, q_a, q_f, q_v,
+            from_buffer=False)
+        causal = view.k_sidx[:, None, :] <= sidx[:, :, None]  # (B, C, K)
+        recent = (q_f[:, :, None] - view.k_f[:, None, :]) < self.window
+        view.visible = view.k_valid[:, None, :] & valid[:, :, None] & causal & (view.k_anchored[:, None, :] | recent)
+        view.anchor_idx = view.k_anchored.any(0).nonzero()[:, 0]
+        view.slot_shift = q_a + torch.clamp(q_f, max=self.window) - 1 - q_v
         self.view = view
-        self.n_real += 1
-        (self.n_anchor if anchored else self.n_free).add_(1)
-        self._scalars = (t + 1, n_anchor + int(anchored), n_free + int(not anchored), base)
-        self.columns += 1
-        return torch.full((self.batch, 1), v, dtype=torch.long, device=self.device)
-
-    @property
-    def _scalars(self) -> tuple[int, int, int, int]:
-        """Row 0's counters as Python ints (valid while ``uniform``), cached to avoid device syncs."""
-        cached = self.__dict__.get("_scalar_cache")
-        if cached is None:
-            cached = (int(self.n_real[0]), int(self.n_anchor[0]), int(self.n_free[0]), int(self.base[0]))
-            self.__dict__["_scalar_cache"] = cached
-        return cached
-
-    @_scalars.setter
-    def _scalars(self, value: tuple[int, int, int, int]) -> None:
-        self.__dict__["_scalar_cache"] = value
-
-    def _write_meta(self, rows, cols, slot, valid, sidx, q_a, q_f, q_v) -> None:
-        slots = slot[rows, cols]
+        slots = self.plan["slots"]
         self.s_valid[rows, slots] = True
         self.s_sidx[rows, slots] = sidx[rows, cols]
         self.s_a[rows, slots] = q_a[rows, cols]
         self.s_f[rows, slots] = q_f[rows, cols]
         self.s_o[rows, slots] = q_v[rows, cols]
+        self.n_real += valid.sum(1)
+        self.n_anchor += anchored.sum(1)
+        self.n_free += free.sum(1)
+        return q_v
 
     def _maybe_rebase(self, incoming: int) -> None:
-        """Move each row's base so virtual positions stay below ``rebase_every`` (ring rotated once)."""
-        if self.uniform:
-            t, _, _, base = self._scalars
-            if self.start_position + t + incoming - 1 - base <= self.rebase_every:
-                return
-        newest = self.start_position + self.n_real + incoming - 1 - self.base  # (B,) largest v this forward
-        if not bool((newest > self.rebase_every).any()):
+        """Move the base so virtual positions stay at most ``rebase_every`` (the ring's keys rotated once).
+
+        Decided on the host from :attr:`span` (no tensor is read): when the newest column of this forward
+        could pass ``rebase_every``, every row moves its base so that its newest ``rebase_keep`` tokens keep
+        virtual positions ``≥ 0`` (a row with nothing to move rotates by 0, exactly).
+        """
+        if self.span + incoming - 1 <= self.rebase_every:
             return
         target = self.start_position + torch.clamp(self.n_real - self.rebase_keep, min=0)
-        delta = torch.where(newest > self.rebase_every, target - self.base, torch.zeros_like(target))
-        if not bool((delta != 0).any()):
-            return
+        delta = target - self.base
         ring = slice(self.anchor_capacity, self.capacity)
         for layer in self.layers:
             layer.rotate_ring(ring, -delta)
         self.s_o[:, ring] -= delta[:, None]
-        self.base += delta
-        self.__dict__.pop("_scalar_cache", None)
+        self.base = target
+        self.span = min(self.rebase_keep, self.columns)
+        self.rebases += 1
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Tensor]:
-        names = ("n_real", "n_anchor", "n_free", "base", "s_valid", "s_sidx", "s_a", "s_f", "s_o")
-        return {f"state.{n}": getattr(self, n).contiguous() for n in names}
+        return {f"state.{n}": v.contiguous() for n, v in self.per_row().items()}
 
     def load_state_dict(self, tensors: dict[str, Tensor], columns: int) -> None:
         b = tensors["state.n_real"].shape[0]
@@ -276,9 +277,7 @@ class StreamState:
             if key.startswith("state."):
                 getattr(self, key[6:]).copy_(value)
         self.columns = columns
-        self.__dict__.pop("_scalar_cache", None)
-        self.uniform = all(bool((getattr(self, n) == getattr(self, n)[0]).all())
-                           for n in ("n_real", "n_anchor", "n_free", "base"))
+        self.span = int((self.start_position + self.n_real - self.base).max())
 
     def settings(self) -> dict:
         return {"num_sinks": self.num_sinks, "window": self.window, "pinned": self.pinned,

@@ -1,0 +1,105 @@
+"""Next-token loss from the base model's final hidden states: the LM head only at the scored positions, in chunks.
+
+A causal LM's head maps every position to a vocabulary-wide row of logits (262,144 for Gemma 3): run over a
+whole batch it costs more than the backbone and holds ``B × T × V`` floats. The statistics never need it;
+a loss needs it only at the (token, next token) pairs it scores. :func:`token_losses` applies the model's
+own output embedding (and its final logit soft-capping, if the config has one) to those rows only, a chunk
+at a time. :func:`head_matches` checks once per model (and again when its weights change) that this gives
+the model's own logits; where it does not (an architecture with a different head), callers run the full
+model instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .. import _compat
+from ..fingerprint import ModelCache
+
+__all__ = ["head_matches", "head_logits", "token_losses", "CHUNK_ELEMENTS"]
+
+#: Logit entries per chunk (64 MB in float32).
+CHUNK_ELEMENTS = 1 << 24
+
+_VERIFIED = ModelCache()
+
+
+def _head(model: nn.Module) -> nn.Module | None:
+    getter = getattr(model, "get_output_embeddings", None)
+    try:
+        return getter() if getter is not None else None
+    except (NotImplementedError, AttributeError):
+        return None
+
+
+def head_logits(model: nn.Module, hidden: Tensor) -> Tensor:
+    """The LM head of ``model`` on final hidden states ``[..., d]`` → logits ``[..., V]`` (as the model's forward)."""
+    logits = _head(model)(hidden)
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+@torch.no_grad()
+def head_matches(model: nn.Module) -> bool:
+    """Whether :func:`head_logits` on the base model's output equals ``model(...).logits`` (a 3-token probe).
+
+    Cached per model while its weights are unchanged. Call it outside an active capture.
+    """
+    if _head(model) is None or _compat.base_model(model) is model or not _compat.embedding_rows(model):
+        return False
+
+    def probe() -> bool:
+        device = _compat.input_device(model)
+        ids = torch.arange(1, 4, device=device)[None] % _compat.embedding_rows(model)  # not 0: often padding
+        was_training = model.training
+        model.eval()
+        try:
+            ref = getattr(model(input_ids=ids, use_cache=False), "logits", None)
+            hidden = getattr(_compat.base_model(model)(input_ids=ids, use_cache=False), "last_hidden_state", None)
+        finally:
+            model.train(was_training)
+        if ref is None or hidden is None:
+            return False
+        mine = head_logits(model, hidden).float()
+        ref = ref.float()
+        return mine.shape == ref.shape and bool(((mine - ref).abs() <= 1e-4 * ref.abs().amax() + 1e-5).all())
+
+    return _VERIFIED.get(model, "lm_head", model.parameters(), probe)
+
+
+@torch.no_grad()
+def token_losses(model: nn.Module, hidden: Tensor, ids: Tensor, mask: Tensor,
+                 chunk_elements: int = CHUNK_ELEMENTS) -> tuple[Tensor, Tensor]:
+    """Per-row sum and count of next-token cross-entropy over the real (token, next token) pairs.
+
+    Parameters
+    ----------
+    hidden:
+        ``[B, T, d]`` the base model's final hidden states (after the final norm).
+    ids, mask:
+        ``[B, T]`` token ids and real-token mask.
+
+    Returns
+    -------
+    ``(loss_sum [B], count [B])`` float64 on the CPU. The head runs on the scored rows only, at most
+    ``chunk_elements`` logits at a time.
+    """
+    valid = mask[:, :-1].bool() & mask[:, 1:].bool()  # (B, T-1)
+    rows = valid.nonzero()  # (N, 2)
+    sums = torch.zeros(ids.shape[0], dtype=torch.float64)
+    if rows.numel():
+        h = hidden[rows[:, 0].to(hidden.device), rows[:, 1].to(hidden.device)]  # (N, d)
+        targets = ids[rows[:, 0], rows[:, 1] + 1].to(hidden.device)  # (N,)
+        head = _head(model)
+        vocab = int(getattr(head, "out_features", 0) or head.weight.shape[0])
+        step = max(1, chunk_elements // max(vocab, 1))
+        ce = torch.cat([torch.nn.functional.cross_entropy(head_logits(model, h[a : a + step]).float(),
+                                                          targets[a : a + step], reduction="none")
+                        for a in range(0, h.shape[0], step)])
+        sums.index_add_(0, rows[:, 0], ce.double().cpu())
+    return sums, valid.sum(-1).double()

@@ -1,0 +1,161 @@
+"""A compiled stream: torch.compile'd decoding equals eager decoding and the float64 reference, with no
+recompilation after warm-up across evictions and rebases.
+
+The suite compiles with ``backend="aot_eager"`` (dynamo + AOT autograd functionalisation of the cache's
+in-place writes, no C++ build: inductor's compile is too slow for a 2-core test run); the inductor numbers
+are in benchmarks/bench_stream.py ``--compile``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from stream_reference import Reference
+from tiny_models import build
+from transformers import CompileConfig
+
+import sinklab
+from sinklab.stream import SinkCache, StreamSession
+from sinklab.variants import apply_variant
+
+V = 97
+
+
+def _tokens(n: int, seed: int = 3) -> torch.Tensor:
+    return torch.randint(2, V, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _decode(model, forward, prompt, mask, steps, warm, **cache_kw):
+    """Feed ``prompt`` eagerly, then ``steps`` teacher-forced tokens through ``forward``; logits ``[steps, B, V]``.
+
+    After ``warm`` decode steps any recompilation raises (torch._dynamo's ``error_on_recompile``).
+    """
+    b = prompt.shape[0]
+    follow = torch.stack([_tokens(steps, seed=40 + r) for r in range(b)], 1)  # (steps, B)
+    cache = SinkCache(model, **cache_kw)
+    name = sinklab._compat.cache_kwarg_name(model)
+    out = []
+    with torch.no_grad():
+        model(input_ids=prompt, attention_mask=mask, **{name: cache})
+        for i in range(steps):
+            with torch._dynamo.config.patch(error_on_recompile=i >= warm):
+                out.append(forward(input_ids=follow[i][:, None], **{name: cache}).logits[:, -1])
+    rebases = cache.state.rebases
+    cache.close()
+    return torch.stack(out), follow, rebases
+
+
+def _reference_rows(model, prompt, mask, follow, **cache_kw):
+    """The float64 reference of each row alone (its real tokens only): logits ``[steps, B, V]``."""
+    rows = []
+    for r in range(prompt.shape[0]):
+        ref = Reference(model, cache_kw["num_sinks"], cache_kw["window"], cache_kw.get("pinned", ()))
+        real = prompt[r][mask[r].bool()] if mask is not None else prompt[r]
+        for t in real.tolist():
+            ref.step(t)
+        rows.append(torch.stack([ref.step(int(t)) for t in follow[:, r]]))
+    return torch.stack(rows, 1)
+
+
+def _llama_variant():
+    model = build("llama-gqa")
+    apply_variant(model, "sink-logit+gated")
+    return model
+
+
+CASES = {  # name: (model builder, batch, cache settings); batch 1 is what the sliding and variant cases run
+    "padded-batch-pinned": (lambda: build("llama-gqa"), 2, dict(num_sinks=1, window=5, pinned=[(3, 6)])),
+    "sliding-window-model": (lambda: build("mistral-sliding"), 1, dict(num_sinks=2, window=6)),
+    "variant-sink-logit-gate": (_llama_variant, 1, dict(num_sinks=2, window=6)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_decoding_equals_eager_and_reference(case):
+    """24 decode steps, a re-base every few tokens (≥ 3) and evictions from the 4th: compiled == eager ≤ 1e-5,
+    == the float64 reference of each row alone; no recompilation after 2 warm-up steps. The sliding case
+    compiles through ``StreamSession(compile=...)``, the others through ``torch.compile(model.forward)``."""
+    make, batch, cache_kw = CASES[case]
+    cache_kw = dict(cache_kw, rebase_every=10)
+    model = make()
+    steps, warm = 24, 2
+    if batch == 1:
+        prompt, mask = _tokens(9, seed=5)[None], None
+    else:  # left-padded: row 0 has 4 pads, row 1 none; each row's sinks and pins are its own
+        prompt = torch.stack([_tokens(9, seed=5), _tokens(9, seed=6)])
+        mask = torch.ones_like(prompt)
+        mask[0, :4] = 0
+    eager, follow, _ = _decode(model, model.forward, prompt, mask, steps, steps, **cache_kw)
+    if case == "sliding-window-model":
+        ours, rebases = _session_decode(model, prompt, follow, warm, **cache_kw)
+    else:
+        compiled = torch.compile(model.forward, backend="aot_eager")
+        ours, _, rebases = _decode(model, compiled, prompt, mask, steps, warm, **cache_kw)
+    assert rebases >= 3
+    worst = max(_rel(ours[i, r], eager[i, r]) for i in range(steps) for r in range(batch))
+    assert worst <= 1e-5, worst
+    ref = _reference_rows(model, prompt, mask, follow, **cache_kw)
+    worst_ref = max(_rel(ours[i, r], ref[i, r]) for i in range(steps) for r in range(batch))
+    assert worst_ref < 1e-4, worst_ref
+
+
+def _session_decode(model, prompt, follow, warm, **cache_kw):
+    """The same stream through ``StreamSession(compile=...)`` (what ``stream_generate`` / ``--compile`` use)."""
+    out = []
+    with StreamSession(model, chunk_size=64, compile={"backend": "aot_eager"}, **cache_kw) as s:
+        s.feed(prompt)
+        for i in range(follow.shape[0]):
+            with torch._dynamo.config.patch(error_on_recompile=i >= warm):
+                out.append(s.step(follow[i]))
+        return torch.stack(out), s.state.rebases
+
+
+def test_generate_with_compile_config_equals_eager_generate():
+    """``generate(past_key_values=SinkCache, compile_config=...)`` compiles the decode step (on a CPU only with
+    transformers' ``_compile_all_devices``): same tokens as eager, and no recompilation across rebases."""
+    model = build("llama-gqa")
+    ids = _tokens(7, seed=8)[None]
+    gen = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad(), SinkCache(model, num_sinks=2, window=6, rebase_every=10) as cache:
+        eager = model.generate(ids, past_key_values=cache, **gen)
+    config = CompileConfig(backend="aot_eager", fullgraph=False)
+    config._compile_all_devices = True
+    counters = torch._dynamo.utils.counters
+    with torch.no_grad(), SinkCache(model, num_sinks=2, window=6, rebase_every=10) as cache:
+        model.generate(ids, past_key_values=cache, compile_config=config, max_new_tokens=3, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)  # warm-up
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0  # it did compile
+    with torch.no_grad(), SinkCache(model, num_sinks=2, window=6, rebase_every=10) as cache, \
+            torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = model.generate(ids, past_key_values=cache, compile_config=config, **gen)
+        assert cache.state.rebases >= 3
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert torch.equal(compiled, eager)
+
+
+def test_cli_stream_compile_prints_the_eager_text():
+    """``sinklab stream --compile`` (aot_eager here; inductor in the benchmark): the same greedy text."""
+    from typer.testing import CliRunner
+
+    from sinklab.cli import app
+
+    args = ["stream", "builtin:tiny-lm", "--prompt", "The rule of the code is", "--sinks", "2", "--window", "8",
+            "--max-new-tokens", "12"]
+    runner = CliRunner()
+    eager = runner.invoke(app, args)
+    compiled = runner.invoke(app, [*args, "--compile", "--compile-backend", "aot_eager"])
+    assert eager.exit_code == 0 and compiled.exit_code == 0, compiled.output
+    assert compiled.stdout == eager.stdout and len(eager.stdout.strip()) > 0
