@@ -55,7 +55,7 @@ def transformers_version() -> str:
     return transformers.__version__
 
 
-def register_attention(name: str, fn: Callable) -> None:
+def register_attention(name: str, fn: Callable, mask: Callable | None = None) -> None:
     """Register ``fn`` as attention backend ``name`` with the boolean SDPA-style mask function.
 
     Registering the mask too matters: without it transformers hands the backend no mask at all.
@@ -64,7 +64,7 @@ def register_attention(name: str, fn: Callable) -> None:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(name, fn)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, sdpa_mask if mask is None else mask)
 
 
 def get_attn_implementation(model: nn.Module) -> str | None:
@@ -137,14 +137,15 @@ class ModelPatch:
         self.restore()
 
     # ------------------------------------------------------------------ changes
-    def use_attention(self, name: str, fn: Callable, *, target: nn.Module | None = None) -> None:
+    def use_attention(self, name: str, fn: Callable, *, mask: Callable | None = None,
+                      target: nn.Module | None = None) -> None:
         """Dispatch ``model``'s attention to ``fn`` (registered as backend ``name`` with the SDPA mask function).
 
         ``target`` is the sub-model whose ``set_attn_implementation`` is called (default: ``model``; a ViT
         backbone inside a classification wrapper). Raises :class:`UnsupportedModelError` (and changes nothing)
         when the model does not dispatch attention through transformers' ``AttentionInterface``.
         """
-        register_attention(name, fn)
+        register_attention(name, fn, mask)  # mask: the backend's own mask function (default: SDPA's boolean mask)
         self._private_configs()
         try:
             _set_attn_implementation(self.model if target is None else target, name)

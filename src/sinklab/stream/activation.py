@@ -90,12 +90,9 @@ class ModelStreams:
                 raise InputError("another SinkCache is open on this model in a `with` block; close it first "
                                  "(one stream per model at a time)")
             self.release()
-        from transformers.masking_utils import AttentionMaskInterface
-
         backend = _compat.ModelPatch(self._model())
-        backend.use_attention(ATTN_NAME, stream_attention)
         # The stream's own mask function (the real new columns only; the attention masks by metadata).
-        AttentionMaskInterface.register(ATTN_NAME, stream_mask)
+        backend.use_attention(ATTN_NAME, stream_attention, mask=stream_mask)
         self._backend, self.active, self.explicit = backend, id(cache), explicit
 
     def release(self) -> None:
