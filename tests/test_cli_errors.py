@@ -160,11 +160,11 @@ def test_synth_writes_atomically_and_ctrl_c_leaves_nothing(tmp_path, monkeypatch
     assert json.loads((out / "diagnosis.json").read_text())["meta"]["model"] == "synth:nop"
     assert (out / "report.html").stat().st_size > 1000 and leftovers(tmp_path) == []
 
-    def interrupted(self, folder):  # Ctrl-C after the diagnosis files went into the temporary folder
+    def interrupted(result, folder):  # Ctrl-C after the diagnosis files went into the temporary folder
         (Path(folder) / "diagnosis.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sinklab.Diagnosis, "save", interrupted)
+    monkeypatch.setattr(sinklab.cli.diagnose, "save", interrupted)
     again = tmp_path / "again"
     fails(args[:-1] + [again], 130, "interrupted: no output written")
     assert not again.exists() and leftovers(tmp_path) == []

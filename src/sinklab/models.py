@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from . import _compat
-from .errors import InputError, ModelWeightsError
+from .errors import InputError, ModelWeightsError, SinklabWarning
 from .checks import (  # noqa: F401 - re-exported: the checks live in sinklab.checks
     check_positions, check_vocab, check_weights, max_positions, uses_rope, warn_if_past_positions)
 from .gguf import is_gguf

@@ -8,6 +8,7 @@ output folder behind.
 
 from __future__ import annotations
 
+import os
 import tempfile
 import warnings
 from collections.abc import Iterator
