@@ -16,6 +16,7 @@ from sinklab.capture import AttentionCapture, weights as weight_stats
 from sinklab.capture.heads import update_spectrum
 from sinklab.capture.loss import head_matches, token_losses
 from sinklab.errors import ModelWeightsError
+from sinklab import fingerprint
 from sinklab.fingerprint import forget
 from sinklab.checks import _CHECKED, check_weights
 from sinklab.scan import scan_inputs
@@ -83,21 +84,37 @@ def test_weight_statistics_are_computed_once_and_never_stale(monkeypatch):
         torch.testing.assert_close(trained.qk_spectrum[layer].double(), _reference_qk(model, layer), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(trained.qk_spectrum, first.qk_spectrum)
 
+    # a fused optimizer (transformers' Trainer default) writes without bumping the version counter
+    fused = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    versions = [p._version for p in model.parameters()]
+    model(input_ids=ids, labels=ids).loss.backward()
+    fused.step()
+    assert [p._version for p in model.parameters()] == versions  # (why the fingerprint samples values too)
+    stepped = _scan(model)
+    assert len(calls) == 6
+    for layer in (0, 1):
+        torch.testing.assert_close(stepped.qk_spectrum[layer].double(), _reference_qk(model, layer), atol=1e-5, rtol=1e-5)
+
     # a swapped parameter (a variant applied, p.data = …) and an in-place edit under no_grad
     attn = model.model.layers[1].self_attn
     attn.q_proj.weight.data = attn.q_proj.weight.data * 3.0
     with torch.no_grad():
         model.model.layers[0].self_attn.k_proj.weight.mul_(0.5)
     edited = _scan(model)
-    assert len(calls) == 6
+    assert len(calls) == 8
     for layer in (0, 1):
         torch.testing.assert_close(edited.qk_spectrum[layer].double(), _reference_qk(model, layer), atol=1e-5, rtol=1e-5)
 
-    # a write through .data bypasses the version counter: forget() is the documented remedy
-    attn.q_proj.weight.data.mul_(2.0)
+    # a write through .data that misses every sampled element bypasses both: forget() is the documented remedy
+    monkeypatch.setattr(fingerprint, "SAMPLE", 2)  # samples elements 0 and numel/2 of each weight
+    _scan(model)
+    assert len(calls) == 10  # (a new sample size: new fingerprints)
+    attn.q_proj.weight.data[0, 1] += 1.0
+    _scan(model)
+    assert len(calls) == 10  # unseen, as documented
     forget(model)
     again = _scan(model)
-    assert len(calls) == 8
+    assert len(calls) == 12
     torch.testing.assert_close(again.qk_spectrum[1].double(), _reference_qk(model, 1), atol=1e-5, rtol=1e-5)
 
 

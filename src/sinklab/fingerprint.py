@@ -1,12 +1,15 @@
 """Cheap identity of a model's weights, so results that depend only on the weights are computed once.
 
 A :func:`weights_fingerprint` records, for every parameter, the parameter object itself (by weak
-reference), its storage address, shape, dtype, device and autograd's version counter. The counter goes
-up with every in-place change made through the tensor — an optimizer step, ``load_state_dict``,
-``with torch.no_grad(): p.mul_(2)`` — and a swapped parameter (``p.data = …``, a variant applied, a new
-module) changes the object or its address, so two equal fingerprints mean unchanged weights. Only a write
-through ``p.data`` bypasses the counter (as it bypasses autograd); :func:`forget` drops what was cached for a
-model after such a write. Weights that accelerate offloads (on the ``meta`` device) have no fingerprint:
+reference), its storage address, shape, dtype, device, autograd's version counter and a strided sample of
+its values (at most :data:`SAMPLE` elements spread over the whole tensor). The counter goes up with most
+in-place changes made through the tensor — ``load_state_dict``, ``with torch.no_grad(): p.mul_(2)``, the
+``foreach`` optimizers — and a swapped parameter (``p.data = …``, a variant applied, a new module) changes
+the object or its address. Some kernels write without bumping the counter: the *fused* optimizers
+(``torch.optim.AdamW(fused=True)``, transformers' Trainer default ``adamw_torch_fused``) and any write
+through ``p.data``. An optimizer step changes essentially every element, so the sample catches those; only
+a ``.data`` write that misses every sampled element (editing one entry, say) goes unseen: :func:`forget`
+drops what was cached for a model after such a write. Weights that accelerate offloads (on the ``meta`` device) have no fingerprint:
 whatever depends on them is recomputed each time.
 
 :class:`ModelCache` keeps one value per model (weakly: the model can be freed) and key, valid while the
@@ -19,14 +22,19 @@ import weakref
 from collections.abc import Callable, Hashable, Iterable
 from typing import TypeVar
 
+import torch
 from torch import Tensor, nn
 
 __all__ = ["weights_fingerprint", "ModelCache", "forget"]
 
 T = TypeVar("T")
 
-#: Fingerprint of one parameter: weak reference, storage address, shape, dtype, device, version counter.
-_Entry = tuple[weakref.ref, int, tuple[int, ...], str, str, int]
+#: Fingerprint of one parameter: weak reference, storage address, shape, dtype, device, version counter, and a
+#: strided sample of its values (compared with ``torch.equal``, so a NaN in it never matches: recomputed).
+_Entry = tuple[weakref.ref, int, tuple[int, ...], str, str, int, Tensor]
+
+#: Most elements sampled per parameter (evenly strided over the flattened tensor).
+SAMPLE = 1024
 
 _CACHES: list[ModelCache] = []
 
@@ -37,8 +45,16 @@ def weights_fingerprint(params: Iterable[Tensor]) -> tuple[_Entry, ...] | None:
     for p in params:
         if p.device.type == "meta":
             return None
-        out.append((weakref.ref(p), p.data_ptr(), tuple(p.shape), str(p.dtype), str(p.device), p._version))
+        out.append((weakref.ref(p), p.data_ptr(), tuple(p.shape), str(p.dtype), str(p.device), p._version,
+                    _sample(p)))
     return tuple(out)
+
+
+def _sample(p: Tensor) -> Tensor:
+    """At most :data:`SAMPLE` values of ``p``, evenly strided over its flattened elements (a copy)."""
+    flat = p.detach().reshape(-1)
+    step = max(1, -(-flat.numel() // SAMPLE))
+    return flat[::step].clone()
 
 
 def _same(a: tuple[_Entry, ...], b: tuple[_Entry, ...]) -> bool:
@@ -47,7 +63,7 @@ def _same(a: tuple[_Entry, ...], b: tuple[_Entry, ...]) -> bool:
         return False
     for x, y in zip(a, b):
         obj = x[0]()
-        if obj is None or obj is not y[0]() or x[1:] != y[1:]:
+        if obj is None or obj is not y[0]() or x[1:6] != y[1:6] or not torch.equal(x[6], y[6]):
             return False
     return True
 
