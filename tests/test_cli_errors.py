@@ -55,6 +55,7 @@ def bb_run(tmp_path_factory):
                        "--monitor-every", "3")
     assert result.exit_code == 0, text
     assert "Bigram-Backcopy" in text
+    assert (out / "emergence.png").stat().st_size > 1000  # rendered by the CLI from monitor.jsonl
     return out
 
 

@@ -42,6 +42,8 @@ def train_cmd(
 ) -> None:
     """Train a small causal LM on CPU with a sink monitor; safetensors checkpoints (load with sinklab.load)."""
     from .. import distributed
+    from ..monitor import read_records
+    from ..report.monitor_figures import write_emergence
     from ..train import TrainConfig, train
 
     if nproc > 1 and not distributed.launched():
@@ -67,6 +69,7 @@ def train_cmd(
                             phase=lambda name: progress.update(task, description=name))
         if not distributed.is_main():
             return
+        write_emergence(read_records(out / "monitor.jsonl"), out / "emergence.png")
         last = summary["last"]
         console.print(f"trained {summary['steps']} steps ({summary['tokens']:,} tokens, {summary['seconds']:.0f} s), "
                       f"final loss {summary['final_loss']:.3f}")

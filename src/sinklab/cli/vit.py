@@ -28,7 +28,8 @@ def vit_experiment(
     lr: Annotated[float, typer.Option("--lr")] = 2e-3,
 ) -> None:
     """Train each variant with identical data and budget, probe frozen features, diagnose; table + figures."""
-    from ..vit.experiment import VitExperimentConfig, run_experiment
+    from ..report.vit_figures import write_experiment_figures
+    from ..vit.experiment import VitExperimentConfig, experiment_runs, run_experiment
 
     with _user_errors():
         cfg = VitExperimentConfig(variants=[v.strip() for v in variants.split(",") if v.strip()], seeds=seeds,
@@ -44,5 +45,6 @@ def vit_experiment(
 
             console.print("measuring throughput …" if not (out / "plan.json").exists() else f"resuming {out}")
             summary = run_experiment(cfg, out, progress=update)
+        write_experiment_figures(summary, experiment_runs(cfg, out), cfg, out)
         console.print(summary["table_md"])
         console.print(f"wrote {out}/results.json, table.md, sink_classes.png, attention_maps.png, output_norms.png")
