@@ -12,10 +12,10 @@ from ..errors import SinklabError
 from ..provenance import provenance
 from ._common import (
     MODEL_HELP,
-    _load,
-    _progress,
-    _read_texts,
-    _user_errors,
+    load_for_command,
+    progress_bar,
+    read_texts,
+    user_errors,
     app,
     check_out_dir,
     console,
@@ -27,13 +27,13 @@ from ._common import (
 _DEFAULT_TEXT = "Python's pydoc topics (sinklab.texts.default_texts)"
 
 
-def _read_long_text(file: Path | None) -> tuple[str, str]:
+def read_long_text(file: Path | None) -> tuple[str, str]:
     """The text and where it came from; a missing, binary, non-UTF-8 or empty ``--file`` is an error."""
     from ..texts import default_texts
 
     if file is None:
         return "\n\n".join(default_texts()), _DEFAULT_TEXT
-    (text,) = _read_texts(None, file)
+    (text,) = read_texts(None, file)
     if "\x00" in text:
         raise SinklabError(f"--file {file} looks binary (it contains NUL bytes); give a UTF-8 text file")
     return text, str(file)
@@ -64,7 +64,7 @@ def eval_stream(
     from ..report import save
     from ..stream.evaluate import EvalPlan, evaluate_stream, parse_sinks
 
-    with _user_errors():
+    with user_errors():
         if window < 1:
             raise SinklabError(f"--window must be ≥ 1, got {window}")
         counts = parse_sinks(sinks)
@@ -73,10 +73,10 @@ def eval_stream(
         if tokens <= plan.first:
             raise SinklabError(f"--tokens {tokens}: scoring starts after the first eviction, at position {plan.first} "
                                f"(cache size {c}); ask for more tokens (several cache lengths, e.g. {4 * c})")
-        text, source = _read_long_text(file)
+        text, source = read_long_text(file)
         check_out_dir(out)
 
-        loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        loaded = load_for_command(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         tok = loaded.tokenizer
         encoded = tok(text[: tokens * 16], add_special_tokens=True, verbose=False)["input_ids"]
         if len(encoded) < tokens:
@@ -86,7 +86,7 @@ def eval_stream(
             raise SinklabError(f"the text has only {ids.numel()} tokens; scoring starts at position {plan.first} "
                                f"(cache size {c}): give a longer --file or a smaller cache")
         total = plan.work(ids.numel())
-        with _progress(total) as progress:
+        with progress_bar(total) as progress:
             task = progress.add_task("eval-stream", total=total)
             result = evaluate_stream(loaded.model, ids, plan,
                                      progress=lambda label, n: progress.update(task, advance=n, description=label))

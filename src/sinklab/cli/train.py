@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import InputError
-from ._common import _user_errors, app, check_out_dir, console, err, join_ranks
+from ._common import user_errors, app, check_out_dir, console, err, join_ranks
 
 _VARIANTS = "sink-logit, softmax1, kv-bias, gated, gated-headwise, registers; combine with +"
 
@@ -48,7 +48,7 @@ def train_cmd(
 
     if nproc > 1 and not distributed.launched():
         raise typer.Exit(code=_relaunch(nproc))
-    with _user_errors(interrupted=f"training stopped; the checkpoints written so far stay in {out}"):
+    with user_errors(interrupted=f"training stopped; the checkpoints written so far stay in {out}"):
         if nproc < 1:
             raise InputError(f"--nproc must be ≥ 1, got {nproc}")
         join_ranks(None)

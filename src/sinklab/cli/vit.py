@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ._common import _user_errors, app, console, err
+from ._common import user_errors, app, console, err
 
 
 @app.command("vit-experiment")
@@ -31,7 +31,7 @@ def vit_experiment(
     from ..report.vit_figures import write_experiment_figures
     from ..vit.experiment import VitExperimentConfig, experiment_runs, run_experiment
 
-    with _user_errors():
+    with user_errors():
         cfg = VitExperimentConfig(variants=[v.strip() for v in variants.split(",") if v.strip()], seeds=seeds,
                                   minutes=minutes, image_size=image_size, patch_size=patch_size, width=width, layers=layers, heads=heads, registers=registers,
                                   batch=batch, lr=lr)
