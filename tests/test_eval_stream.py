@@ -189,7 +189,7 @@ def no_model(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(mod, "_load", refuse)
+    monkeypatch.setattr(mod, "load_for_command", refuse)
 
 
 def test_cli_rejects_bad_input_before_loading_the_model(cli, tmp_path, no_model):

@@ -12,10 +12,10 @@ from ..errors import SinklabError
 from ..provenance import provenance
 from ._common import (
     MODEL_HELP,
-    _load,
-    _progress,
-    _read_texts,
-    _user_errors,
+    load_for_command,
+    progress_bar,
+    read_texts,
+    user_errors,
     app,
     check_out_dir,
     console,
@@ -27,13 +27,13 @@ from ._common import (
 _DEFAULT_TEXT = "Python's pydoc topics (sinklab.texts.default_texts)"
 
 
-def _read_long_text(file: Path | None) -> tuple[str, str]:
+def read_long_text(file: Path | None) -> tuple[str, str]:
     """The text and where it came from; a missing, binary, non-UTF-8 or empty ``--file`` is an error."""
     from ..texts import default_texts
 
     if file is None:
         return "\n\n".join(default_texts()), _DEFAULT_TEXT
-    (text,) = _read_texts(None, file)
+    (text,) = read_texts(None, file)
     if "\x00" in text:
         raise SinklabError(f"--file {file} looks binary (it contains NUL bytes); give a UTF-8 text file")
     return text, str(file)
@@ -79,7 +79,7 @@ def eval_stream(
     from ..stream.evaluate import EvalPlan, evaluate_stream, parse_sinks
     from ..stream.quality import evaluate_quality
 
-    with _user_errors():
+    with user_errors():
         if window < 1:
             raise SinklabError(f"--window must be ≥ 1, got {window}")
         counts = parse_sinks(sinks)
@@ -91,10 +91,10 @@ def eval_stream(
         qplan = _quality_plan(quality, max(counts), c - max(counts), chunk_size, recall_distances=recall_distances,
                               facts=recall_facts, endless_tokens=endless_tokens, seed=seed, prompts=prompts,
                               answer_tokens=answer_tokens)
-        text, source = _read_long_text(file)
+        text, source = read_long_text(file)
         check_out_dir(out)
 
-        loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        loaded = load_for_command(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         tok = loaded.tokenizer
         encoded = tok(text[: tokens * 16], add_special_tokens=True, verbose=False)["input_ids"]
         if len(encoded) < tokens:
@@ -104,7 +104,7 @@ def eval_stream(
             raise SinklabError(f"the text has only {ids.numel()} tokens; scoring starts at position {plan.first} "
                                f"(cache size {c}): give a longer --file or a smaller cache")
         total = plan.work(ids.numel())
-        with _progress(total) as progress:
+        with progress_bar(total) as progress:
             task = progress.add_task("eval-stream", total=total)
             result = evaluate_stream(loaded.model, ids, plan,
                                      progress=lambda label, n: progress.update(task, advance=n, description=label))
@@ -115,7 +115,7 @@ def eval_stream(
                 raise SinklabError(f"the text has only {filler.numel()} tokens; the recall distance {longest} needs "
                                    "that many between a fact and its question: give a longer --file or shorter "
                                    "--recall-distances")
-            with _progress(qplan.work()) as progress:
+            with progress_bar(qplan.work()) as progress:
                 task = progress.add_task("quality", total=qplan.work())
                 result.quality = evaluate_quality(
                     loaded.model, tok, qplan, filler, model_name=model,
