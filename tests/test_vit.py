@@ -17,6 +17,8 @@ from sinklab.vit.probe import frozen_features, miou, ridge_fit, ridge_predict
 
 from tiny_models import tiny_vit
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only spins
+
 VARIANTS = ["registers", "gated", "gated-headwise", "gated+registers", "kv-bias", "kv-bias+gated+registers"]
 
 

@@ -215,6 +215,7 @@ class StreamEval:
     curves: list[Curve]
     trained_positions: int | None = None  # the model's max_position_embeddings, if it has one
     meta: dict = field(default_factory=dict)
+    quality: dict = field(default_factory=dict)  # sinklab.stream.quality.evaluate_quality's tables, when run
 
     def curve(self, label: str) -> Curve:
         return next(c for c in self.curves if c.run.label == label)
@@ -243,6 +244,7 @@ class StreamEval:
             "trained_positions": self.trained_positions,
             "scored_positions": pos.tolist(),
             "curves": curves,
+            **({"quality": self.quality} if self.quality else {}),
             **self.meta,
         }
 
