@@ -68,7 +68,9 @@ def test_quantize_matches_float64_reference(bits, dim):
 
 
 def _reference_past(keys, values, protect: Protection, bits: int, group: int, residual: int):
-    """The stored past rebuilt from full-precision k/v ``[B, H, T, d]`` with the float64 reference quantizer."""
+    """The stored past rebuilt from full-precision k/v ``[B, H, T, d]`` with the float64 reference quantizer
+    (unquantized tokens are stored in float16, and the quantizer reads that storage)."""
+    keys, values = keys.half(), values.half()
     t = keys.shape[-2]
     keep = protect.mask(torch.arange(t))
     free = (~keep).nonzero().flatten()
@@ -107,8 +109,9 @@ def test_protected_tokens_stay_bit_exact_and_bytes_are_counted():
     protect = Protection(first=1, spans=((10, 12),), positions=(30,))
     with torch.no_grad():
         full = DynamicCache(config=model.config)  # the same forwards, unquantized: the exact keys and values
-        cache = quantized_sink_cache(model, 2, protect, group_size=8, residual=4)
-        for c in (full, cache):
+        cache = quantized_sink_cache(model, 2, protect, group_size=8, residual=4, exact_dtype=torch.float32)
+        half = quantized_sink_cache(model, 2, protect, group_size=8, residual=4)  # default: 16-bit storage
+        for c in (full, cache, half):
             model(ids[:, :20], cache=c)
             for t in range(20, 40):  # decode: blocks get packed around the protected tokens
                 model(ids[:, t:t + 1], cache=c)
@@ -123,8 +126,12 @@ def test_protected_tokens_stay_bit_exact_and_bytes_are_counted():
     counts = layer.counts()
     packed = counts["quantized"] * b * h * d * 2 // 8 * 2  # keys + values, 2 bits
     meta = 2 * 2 * (counts["quantized"] // 8) * b * h * d + 2 * 2 * counts["quantized"] * b * h * (d // 8)
-    fp = (counts["protected"] + counts["residual"]) * b * h * d * 4 * 2
-    assert layer.nbytes() == packed + meta + fp
+    fp = (counts["protected"] + counts["residual"]) * b * h * d * 2  # keys + values, one element each
+    assert layer.nbytes() == packed + meta + 4 * fp  # float32 storage
+    assert half.layers[0].nbytes() == packed + meta + 2 * fp  # float16 storage
+    half_keys, half_values = half.layers[0].materialize()
+    assert torch.equal(half_keys[:, :, kept], full.layers[0].keys[:, :, kept].half().float())
+    assert torch.equal(half_values[:, :, kept], full.layers[0].values[:, :, kept].half().float())
 
 
 def test_massive_activation_sink_protection_cuts_kl():

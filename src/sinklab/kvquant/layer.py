@@ -3,10 +3,14 @@
 Storage per layer (``[B, Hkv, ·, d]`` tensors):
 
 * **protected** tokens (:class:`~sinklab.kvquant.plan.Protection`: first ``S``, pinned spans, detected
-  sinks) are kept as they arrived, in the model's dtype, and never enter a quantization group — so an
-  outlier sink key does not stretch the range of the block it would share;
-* the **residual**: the most recent unprotected tokens in full precision, between ``R`` and ``R + G − 1`` of
+  sinks) are never quantized and never enter a quantization group — so an outlier sink key does not stretch
+  the range of the block it would share;
+* the **residual**: the most recent unprotected tokens, unquantized, between ``R`` and ``R + G − 1`` of
   them (KIVI);
+* protected and residual tokens are stored in **16 bits** (``exact_dtype``): the model's dtype when it is
+  16-bit, otherwise float16 (a float32 model's keys/values are rounded once to float16 — its effect on KL is
+  the ``16-bit`` row of :func:`~sinklab.kvquant.evaluate.kv_quant`); ``exact_dtype=torch.float32`` keeps them
+  bit-exact in a float32 model at twice the bytes. A value beyond float16's range raises (use bfloat16);
 * **quantized blocks**: whenever ``R + G`` unprotected tokens are waiting, the oldest ``G`` are packed —
   keys per channel over the block of ``G`` tokens (one scale and zero point per channel and block),
   values per token over groups of ``G_v`` channels (one per token and group).
@@ -29,7 +33,7 @@ from ..errors import InputError
 from .codec import BITS, QuantizedTensor, dequantize, quantize
 from .plan import Protection
 
-__all__ = ["DynamicQuantizedSinkLayer", "quantized_sink_cache", "dense_bytes_per_token"]
+__all__ = ["DynamicQuantizedSinkLayer", "quantized_sink_cache", "dense_bytes_per_token", "kv_shape"]
 
 
 def _cat(a: Tensor | None, b: Tensor, dim: int = -2) -> Tensor:
@@ -49,19 +53,28 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
     residual:
         ``R``: the most recent unprotected tokens always kept in full precision.
     protect:
-        Stream positions kept exactly (default: none).
+        Stream positions kept unquantized (default: none).
+    value_group:
+        Channels per value scale and zero point (default: ``group_size``); capped at the head width.
+    exact_dtype:
+        Storage of the protected and residual tokens: ``None`` — the model's dtype if it is 16-bit, else
+        float16.
     """
 
     is_croppable = False
 
-    def __init__(self, bits: int = 4, group_size: int = 64, residual: int = 32, protect: Protection | None = None) -> None:
+    def __init__(self, bits: int = 4, group_size: int = 64, residual: int = 32, protect: Protection | None = None,
+                 exact_dtype: torch.dtype | None = None, value_group: int | None = None) -> None:
         super().__init__()
         if bits not in BITS:
             raise InputError(f"kv bits must be one of {BITS}, got {bits!r}")
-        if group_size < 1 or residual < 0:
-            raise InputError(f"group_size must be ≥ 1 and residual ≥ 0, got {group_size} and {residual}")
+        if group_size < 1 or residual < 0 or (value_group is not None and value_group < 1):
+            raise InputError(f"group_size and value_group must be ≥ 1 and residual ≥ 0, got {group_size}, "
+                             f"{value_group} and {residual}")
         self.bits, self.group_size, self.residual = bits, group_size, residual
         self.protect = protect or Protection()
+        self.exact_dtype = exact_dtype
+        self.value_group_size = value_group or group_size
         self.seen = 0  # tokens (columns) stored so far
         self._empty()
 
@@ -76,8 +89,10 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
     # ------------------------------------------------------------------ transformers' layer contract
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
+        if self.exact_dtype is None:
+            self.exact_dtype = self.dtype if self.dtype.itemsize == 2 else torch.float16
         dh = value_states.shape[-1]
-        self.value_group = min(self.group_size, dh)
+        self.value_group = min(self.value_group_size, dh)
         if dh % self.value_group:
             raise InputError(f"head width {dh} is not a multiple of the value group {self.value_group}")
         self.is_initialized = True
@@ -108,10 +123,19 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         raise NotImplementedError("a quantized sink cache cannot be cropped")
 
     # ------------------------------------------------------------------ storage
+    def _exact(self, x: Tensor) -> Tensor:
+        """``x`` in the 16-bit storage dtype; a finite value that would overflow it raises."""
+        y = x.to(self.exact_dtype)
+        if y.dtype != x.dtype and bool(torch.isinf(y).any()) and bool(torch.isfinite(x).all()):
+            raise InputError(f"a key/value of magnitude {float(x.abs().max()):.3g} overflows {self.exact_dtype} "
+                             "storage; use exact_dtype=torch.bfloat16 (or torch.float32)")
+        return y
+
     def _store(self, k: Tensor, v: Tensor) -> None:
         c = k.shape[-2]
         pos = torch.arange(self.seen, self.seen + c, device=k.device)
         keep = self.protect.mask(pos)  # (C,)
+        k, v = self._exact(k), self._exact(v)  # (B, Hkv, C, d) in 16-bit storage
         if bool(keep.any()):
             self.pk, self.pv = _cat(self.pk, k[:, :, keep]), _cat(self.pv, v[:, :, keep])
             self.p_pos = _cat(self.p_pos, pos[keep], 0)
@@ -148,8 +172,8 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
             parts_pos.append(self.q_pos)
         for k, v, p in ((self.pk, self.pv, self.p_pos), (self.rk, self.rv, self.r_pos)):
             if p is not None and p.numel():
-                parts_k.append(k)
-                parts_v.append(v)
+                parts_k.append(k.to(self.dtype))
+                parts_v.append(v.to(self.dtype))
                 parts_pos.append(p)
         if not parts_k:
             return None, None
@@ -177,21 +201,28 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
 
 
 def quantized_sink_cache(model: nn.Module, bits: int = 4, protect: Protection | None = None, *, group_size: int = 64,
-                         residual: int = 32) -> Cache:
+                         residual: int = 32, exact_dtype: torch.dtype | None = None,
+                         value_group: int | None = None) -> Cache:
     """A transformers ``Cache`` of :class:`DynamicQuantizedSinkLayer`, one per decoder layer of ``model``.
 
     >>> cache = quantized_sink_cache(model, bits=4, protect=Protection(first=4))   # doctest: +SKIP
     >>> model(input_ids=ids, past_key_values=cache)                               # doctest: +SKIP
     """
     n = len(_compat.find_layers(model))
-    return Cache(layers=[DynamicQuantizedSinkLayer(bits, group_size, residual, protect) for _ in range(n)])
+    return Cache(layers=[DynamicQuantizedSinkLayer(bits, group_size, residual, protect, exact_dtype, value_group)
+                         for _ in range(n)])
 
 
-def dense_bytes_per_token(model: nn.Module, bytes_per_element: int = 2) -> int:
-    """Bytes one token takes in an unquantized KV cache of ``bytes_per_element`` (2: a 16-bit cache)."""
+def kv_shape(model: nn.Module) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of ``model``'s KV cache."""
     cfg = _compat.config_get(model.config, "text_config", default=None) or model.config
     heads = _compat.config_get(cfg, "num_attention_heads")
     kv = _compat.config_get(cfg, "num_key_value_heads", default=heads) or heads
     dh = _compat.config_get(cfg, "head_dim", default=None) or cfg.hidden_size // heads
-    return 2 * len(_compat.find_layers(model)) * kv * dh * bytes_per_element
+    return len(_compat.find_layers(model)), kv, dh
 
+
+def dense_bytes_per_token(model: nn.Module, bytes_per_element: int = 2) -> int:
+    """Bytes one token takes in an unquantized KV cache of ``bytes_per_element`` (2: a 16-bit cache)."""
+    layers, kv, dh = kv_shape(model)
+    return 2 * layers * kv * dh * bytes_per_element
