@@ -52,8 +52,9 @@ class KvQuantPlan:
     context: int = 1024  # tokens cached per sample before scoring
     score: int = 256  # next tokens scored per sample
     samples: int = 4  # windows of context + score tokens, consecutive in the text
-    group_size: int = 64  # G: tokens per key block (per-channel key scales)
-    value_group: int | None = None  # channels per value scale (per-token value scales); None: group_size
+    group_size: int = 64  # G: tokens per key block (per-channel key scales) at 3, 4 and 8 bits
+    group_size_2bit: int = 32  # G at 2 bits: four levels per block need shorter blocks (KIVI's own G is 32)
+    value_group: int | None = 64  # channels per value scale (per-token; capped at the head width); None: G
     residual: int = 32  # R: most recent tokens kept in full precision
     eps: float = 0.3  # sink detection: column mass above eps …
     share: float = 0.1  # … in at least this share of layer×head pairs
@@ -69,8 +70,12 @@ class KvQuantPlan:
         unknown = [p for p in self.protect if p not in PROTECTIONS]
         if unknown or not self.protect:
             raise InputError(f"--protect takes values from {PROTECTIONS}, got {list(self.protect)}")
-        if self.context < 2 * self.group_size or self.score < 1 or self.samples < 1:
-            raise InputError(f"context ({self.context}) must hold at least two groups of {self.group_size} tokens, "
+        if min(self.group_size, self.group_size_2bit, self.value_group or 1) < 1:
+            raise InputError(f"group sizes must be ≥ 1, got {self.group_size}, {self.group_size_2bit} and "
+                             f"{self.value_group}")
+        longest = max(self.group_for(b) for b in self.bits)
+        if self.context < 2 * longest or self.score < 1 or self.samples < 1:
+            raise InputError(f"context ({self.context}) must hold at least two groups of {longest} tokens, "
                              f"score ({self.score}) and samples ({self.samples}) must be ≥ 1")
         self.hf_backends = tuple(self.hf_backends)
         self.bytes_lengths = tuple(int(n) for n in self.bytes_lengths)
@@ -79,6 +84,10 @@ class KvQuantPlan:
         unknown = [b for b in self.hf_backends if b not in HF_BACKENDS]
         if unknown:
             raise InputError(f"--hf-backend takes values from {sorted(HF_BACKENDS)}, got {unknown}")
+
+    def group_for(self, bits: int) -> int:
+        """``G`` at ``bits``: tokens per key block (and the channel group of transformers' caches)."""
+        return self.group_size_2bit if bits == 2 else self.group_size
 
     @property
     def tokens(self) -> int:
@@ -159,7 +168,7 @@ def _hf_cache(model: nn.Module, backend: str, bits: int, plan: KvQuantPlan):
     try:
         from transformers import QuantizedCache
 
-        return QuantizedCache(backend, model.config, nbits=bits, q_group_size=plan.group_size,
+        return QuantizedCache(backend, model.config, nbits=bits, q_group_size=plan.group_for(bits),
                               residual_length=plan.residual)
     except ImportError as exc:
         raise InputError(f"transformers' QuantizedCache needs the {backend!r} backend: {exc}") from exc
@@ -172,7 +181,7 @@ def _sinklab_cache(model: nn.Module, bits: int, protect: str, sinks: list[int], 
         return quantized_sink_cache(model, 8, guard, group_size=plan.group_size, residual=plan.residual), guard
     guard = {"none": Protection(), "first": Protection(first=plan.num_first),
              "detected": Protection(positions=tuple(sinks))}[protect]
-    return quantized_sink_cache(model, bits, guard, group_size=plan.group_size, residual=plan.residual,
+    return quantized_sink_cache(model, bits, guard, group_size=plan.group_for(bits), residual=plan.residual,
                                 value_group=plan.value_group), guard
 
 
