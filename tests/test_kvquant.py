@@ -152,3 +152,26 @@ def test_massive_activation_sink_protection_cuts_kl():
     none, first, sinks = median_kl(Protection()), median_kl(Protection(first=1)), median_kl(Protection(positions=detected))
     assert none > 3 * sinks
     assert sinks < first < none
+
+
+def test_sinks_measured_during_prefill_give_the_cache_a_separate_scan_gives():
+    from sinklab.kvquant.detect import prefill_detecting_sinks
+
+    model = massive_sink_llama()
+    ids = torch.randint(2, 256, (1, 128), generator=torch.Generator().manual_seed(1))
+    ids[0, 0] = ids[0, 40] = SINK_ID
+    cache = quantized_sink_cache(model, 2, group_size=32, residual=8)
+    logits, sinks = prefill_detecting_sinks(model, ids, cache)
+    assert sinks == detect_sinks(model, ids[0]) == [0, 40]
+    with torch.no_grad():
+        scanned = quantized_sink_cache(model, 2, Protection(positions=(0, 40)), group_size=32, residual=8)
+        model(ids, cache=scanned)
+    for i, (got, ref) in enumerate(zip(cache.layers, scanned.layers)):
+        assert got.counts() == ref.counts() == {"quantized": 96, "protected": 2, "residual": 30}
+        assert torch.equal(got.p_pos, torch.tensor([0, 40]))
+        for a, b in zip(got.materialize(), ref.materialize()):  # layer 0 sees the same inputs; later layers
+            if i == 0:                                        # see the capture's eager attention's outputs
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(logits, model(ids).logits, atol=1e-4, rtol=1e-4)  # the prefill itself is unquantized

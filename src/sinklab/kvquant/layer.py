@@ -75,6 +75,7 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         self.protect = protect or Protection()
         self.exact_dtype = exact_dtype
         self.value_group_size = value_group or group_size
+        self.deferred = False  # hold tokens unpacked until protect_and_pack (see defer_packing)
         self.seen = 0  # tokens (columns) stored so far
         self._empty()
 
@@ -134,15 +135,20 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
     def _store(self, k: Tensor, v: Tensor) -> None:
         c = k.shape[-2]
         pos = torch.arange(self.seen, self.seen + c, device=k.device)
-        keep = self.protect.mask(pos)  # (C,)
         k, v = self._exact(k), self._exact(v)  # (B, Hkv, C, d) in 16-bit storage
-        if bool(keep.any()):
-            self.pk, self.pv = _cat(self.pk, k[:, :, keep]), _cat(self.pv, v[:, :, keep])
-            self.p_pos = _cat(self.p_pos, pos[keep], 0)
-        free = ~keep
-        self.rk, self.rv = _cat(self.rk, k[:, :, free]), _cat(self.rv, v[:, :, free])
-        self.r_pos = _cat(self.r_pos, pos[free], 0)
+        self.rk, self.rv, self.r_pos = _cat(self.rk, k), _cat(self.rv, v), _cat(self.r_pos, pos, 0)
         self.seen += c
+        if not self.deferred:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Move protected tokens out of the residual, then pack its oldest whole blocks of ``G`` beyond ``R``."""
+        keep = self.protect.mask(self.r_pos)  # (N,) residual tokens the protection names
+        if bool(keep.any()):
+            self.pk, self.pv = _cat(self.pk, self.rk[:, :, keep]), _cat(self.pv, self.rv[:, :, keep])
+            self.p_pos = _cat(self.p_pos, self.r_pos[keep], 0)
+            free = ~keep
+            self.rk, self.rv, self.r_pos = self.rk[:, :, free], self.rv[:, :, free], self.r_pos[free]
         waiting = self.r_pos.numel() - self.residual
         n = (waiting // self.group_size) * self.group_size
         if n > 0:  # pack the oldest n residual tokens (whole blocks of G)
@@ -152,6 +158,17 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
             self.q_pos = _cat(self.q_pos, self.r_pos[:n], 0)
             self.rk, self.rv, self.r_pos = self.rk[:, :, n:], self.rv[:, :, n:], self.r_pos[n:]
         self._order = None
+
+    def defer_packing(self) -> None:
+        """Hold every token stored from now on unpacked, until :meth:`protect_and_pack` (sinks measured during
+        the prefill: the protection is only known once the prefill's attention has been seen)."""
+        self.deferred = True
+
+    def protect_and_pack(self, protect: Protection) -> None:
+        """Adopt ``protect`` (for held and future tokens) and pack what is held, as if it had been known from the start."""
+        self.protect, self.deferred = protect, False
+        if self.r_pos is not None:
+            self._settle()
 
     @staticmethod
     def _append(old: QuantizedTensor | None, new: QuantizedTensor) -> QuantizedTensor:
