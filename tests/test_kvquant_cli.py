@@ -71,10 +71,10 @@ def test_rows_match_the_cache_layers_they_measure():
     assert row["ppl"] == pytest.approx(float(nll.mean().exp()), rel=1e-3)
     assert row["bytes_per_token"] == sum(layer.nbytes() for layer in cache.layers) / 96
     assert row["protected_tokens"] == 2
-    layers, kv, dh = kv_shape(model)  # at 4096 cached tokens, closed form: 2 protected, R ≤ residual < R + G
-    n = (4096 - 2 - 4) // 16 * 16  # packed tokens
+    layers, kv, dh = kv_shape(model)  # at 4096 cached tokens, closed form: R ≤ residual < R + G, 2 exact copies
+    n = (4096 - 4) // 16 * 16  # packed tokens (the 2 protected ones are holes in the first block)
     codes = 2 * n * kv * dh * 3 // 8  # keys + values, 3 bits
     meta = 2 * 2 * (n // 16) * kv * dh + 2 * 2 * n * kv * (dh // 16)  # float16 scale + zero: key blocks, value groups
-    exact = (4096 - n) * kv * dh * 2 * 2  # protected + residual keys and values in float16
+    exact = (4096 - n + 2) * kv * dh * 2 * 2  # residual + protected keys and values in float16
     assert row["bytes_per_token_4096"] == pytest.approx(layers * (codes + meta + exact) / 4096, rel=1e-12)
     assert row["bytes_ratio_16bit_4096"] == pytest.approx(row["bytes_per_token_4096"] / (2 * layers * kv * dh * 2))

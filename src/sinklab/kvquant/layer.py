@@ -1,19 +1,21 @@
 """``DynamicQuantizedSinkLayer``: a transformers cache layer that stores keys/values packed, sinks exact.
 
-Storage per layer (``[B, Hkv, ·, d]`` tensors):
+Storage per layer (``[B, Hkv, ·, d]`` tensors), in position order:
 
-* **protected** tokens (:class:`~sinklab.kvquant.plan.Protection`: first ``S``, pinned spans, detected
-  sinks) are never quantized and never enter a quantization group — so an outlier sink key does not stretch
-  the range of the block it would share;
-* the **residual**: the most recent unprotected tokens, unquantized, between ``R`` and ``R + G − 1`` of
-  them (KIVI);
-* protected and residual tokens are stored in **16 bits** (``exact_dtype``): the model's dtype when it is
+* the **residual**: the most recent tokens, unquantized, between ``R`` and ``R + G − 1`` of them (KIVI);
+* **quantized blocks**: whenever ``R + G`` tokens are waiting, the oldest ``G`` are packed — keys per channel
+  over the block of ``G`` tokens (one scale and zero point per channel and block), values per token over
+  groups of ``G_v`` channels (one per token and group);
+* **protected** tokens (:class:`~sinklab.kvquant.plan.Protection`: first ``S``, pinned spans, detected sinks)
+  are never quantized: when their block is packed, an exact copy is kept and their slot in the block is a
+  *hole* — its key is replaced, before the block's ranges are taken, by the smallest key of the block's other
+  tokens in each channel, so an outlier sink key does not stretch the range of the block it sits in. Holes
+  keep the blocks aligned on positions: protecting ``P`` tokens costs exactly ``P`` exact tokens more than
+  protecting none, at every length;
+* residual and protected tokens are stored in **16 bits** (``exact_dtype``): the model's dtype when it is
   16-bit, otherwise float16 (a float32 model's keys/values are rounded once to float16 — its effect on KL is
   the ``16-bit`` row of :func:`~sinklab.kvquant.evaluate.kv_quant`); ``exact_dtype=torch.float32`` keeps them
-  bit-exact in a float32 model at twice the bytes. A value beyond float16's range raises (use bfloat16);
-* **quantized blocks**: whenever ``R + G`` unprotected tokens are waiting, the oldest ``G`` are packed —
-  keys per channel over the block of ``G`` tokens (one scale and zero point per channel and block),
-  values per token over groups of ``G_v`` channels (one per token and group).
+  bit-exact in a float32 model at twice the bytes. A value beyond float16's range raises (use bfloat16).
 
 ``update`` returns everything stored, dequantized, in position order, followed by the new chunk in full
 precision: a chunk attends to itself exactly and to the past as stored (what transformers'
@@ -80,12 +82,10 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         self._empty()
 
     def _empty(self) -> None:
-        self.qk: QuantizedTensor | None = None  # packed keys (B, Hkv, N, ·), N a multiple of G
+        self.qk: QuantizedTensor | None = None  # packed keys (B, Hkv, N, ·) of positions 0 … N − 1, N a multiple of G
         self.qv: QuantizedTensor | None = None
-        self.q_pos: Tensor | None = None  # (N,) stream positions of the packed tokens
-        self.pk = self.pv = self.p_pos = None  # protected tokens, full precision
-        self.rk = self.rv = self.r_pos = None  # residual, full precision
-        self._order: Tensor | None = None  # permutation that puts the stored parts in position order
+        self.pk = self.pv = self.p_pos = None  # exact copies of the protected tokens inside the packed blocks
+        self.rk = self.rv = None  # the residual: positions N … seen − 1, 16-bit
 
     # ------------------------------------------------------------------ transformers' layer contract
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -133,31 +133,33 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         return y
 
     def _store(self, k: Tensor, v: Tensor) -> None:
-        c = k.shape[-2]
-        pos = torch.arange(self.seen, self.seen + c, device=k.device)
-        k, v = self._exact(k), self._exact(v)  # (B, Hkv, C, d) in 16-bit storage
-        self.rk, self.rv, self.r_pos = _cat(self.rk, k), _cat(self.rv, v), _cat(self.r_pos, pos, 0)
-        self.seen += c
+        self.rk, self.rv = _cat(self.rk, self._exact(k)), _cat(self.rv, self._exact(v))  # (B, Hkv, ·, d) 16-bit
+        self.seen += k.shape[-2]
         if not self.deferred:
             self._settle()
 
+    @property
+    def packed_tokens(self) -> int:
+        """``N``: positions ``0 … N − 1`` are in packed blocks (holes included)."""
+        return 0 if self.qk is None else self.qk.shape[-2]
+
     def _settle(self) -> None:
-        """Move protected tokens out of the residual, then pack its oldest whole blocks of ``G`` beyond ``R``."""
-        keep = self.protect.mask(self.r_pos)  # (N,) residual tokens the protection names
+        """Pack the residual's oldest whole blocks of ``G`` beyond ``R``; protected tokens become exact holes."""
+        start = self.packed_tokens
+        n = (self.seen - start - self.residual) // self.group_size * self.group_size
+        if n <= 0:
+            return
+        pos = torch.arange(start, start + n, device=self.rk.device)
+        keep = self.protect.mask(pos)  # (n,) protected positions among those packed now
+        k, v = self.rk[:, :, :n], self.rv[:, :, :n]
         if bool(keep.any()):
-            self.pk, self.pv = _cat(self.pk, self.rk[:, :, keep]), _cat(self.pv, self.rv[:, :, keep])
-            self.p_pos = _cat(self.p_pos, self.r_pos[keep], 0)
-            free = ~keep
-            self.rk, self.rv, self.r_pos = self.rk[:, :, free], self.rv[:, :, free], self.r_pos[free]
-        waiting = self.r_pos.numel() - self.residual
-        n = (waiting // self.group_size) * self.group_size
-        if n > 0:  # pack the oldest n residual tokens (whole blocks of G)
-            qk = quantize(self.rk[:, :, :n], self.bits, self.group_size, dim=-2)  # per channel over G tokens
-            qv = quantize(self.rv[:, :, :n], self.bits, self.value_group, dim=-1)  # per token
-            self.qk, self.qv = self._append(self.qk, qk), self._append(self.qv, qv)
-            self.q_pos = _cat(self.q_pos, self.r_pos[:n], 0)
-            self.rk, self.rv, self.r_pos = self.rk[:, :, n:], self.rv[:, :, n:], self.r_pos[n:]
-        self._order = None
+            self.pk, self.pv = _cat(self.pk, k[:, :, keep]), _cat(self.pv, v[:, :, keep])
+            self.p_pos = _cat(self.p_pos, pos[keep], 0)
+            k = _fill_holes(k, keep, self.group_size)
+        qk = quantize(k, self.bits, self.group_size, dim=-2)  # per channel over G tokens
+        qv = quantize(v, self.bits, self.value_group, dim=-1)  # per token
+        self.qk, self.qv = self._append(self.qk, qk), self._append(self.qv, qv)
+        self.rk, self.rv = self.rk[:, :, n:], self.rv[:, :, n:]
 
     def defer_packing(self) -> None:
         """Hold every token stored from now on unpacked, until :meth:`protect_and_pack` (sinks measured during
@@ -167,7 +169,7 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
     def protect_and_pack(self, protect: Protection) -> None:
         """Adopt ``protect`` (for held and future tokens) and pack what is held, as if it had been known from the start."""
         self.protect, self.deferred = protect, False
-        if self.r_pos is not None:
+        if self.rk is not None:
             self._settle()
 
     @staticmethod
@@ -182,26 +184,20 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
 
     def materialize(self) -> tuple[Tensor | None, Tensor | None]:
         """Everything stored, in position order: keys and values ``[B, Hkv, seen, d]`` (``None`` when empty)."""
-        parts_k, parts_v, parts_pos = [], [], []
+        parts_k, parts_v = [], []
         if self.qk is not None:
-            parts_k.append(dequantize(self.qk, self.dtype))
-            parts_v.append(dequantize(self.qv, self.dtype))
-            parts_pos.append(self.q_pos)
-        for k, v, p in ((self.pk, self.pv, self.p_pos), (self.rk, self.rv, self.r_pos)):
-            if p is not None and p.numel():
-                parts_k.append(k.to(self.dtype))
-                parts_v.append(v.to(self.dtype))
-                parts_pos.append(p)
+            keys, values = dequantize(self.qk, self.dtype), dequantize(self.qv, self.dtype)  # (B, Hkv, N, d)
+            if self.p_pos is not None:  # the holes: their exact copies
+                keys[:, :, self.p_pos] = self.pk.to(self.dtype)
+                values[:, :, self.p_pos] = self.pv.to(self.dtype)
+            parts_k.append(keys)
+            parts_v.append(values)
+        if self.rk is not None and self.rk.shape[-2]:
+            parts_k.append(self.rk.to(self.dtype))
+            parts_v.append(self.rv.to(self.dtype))
         if not parts_k:
             return None, None
-        keys, values = torch.cat(parts_k, -2), torch.cat(parts_v, -2)
-        if self._order is None:
-            pos = torch.cat(parts_pos)
-            order = torch.argsort(pos)
-            self._order = None if bool((order == torch.arange(pos.numel(), device=pos.device)).all()) else order
-            if self._order is None:
-                return keys, values
-        return keys.index_select(-2, self._order), values.index_select(-2, self._order)
+        return torch.cat(parts_k, -2), torch.cat(parts_v, -2)
 
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> int:
@@ -211,10 +207,20 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         return total
 
     def counts(self) -> dict[str, int]:
-        """Tokens in each part: ``quantized``, ``protected``, ``residual``."""
-        return {"quantized": 0 if self.q_pos is None else self.q_pos.numel(),
-                "protected": 0 if self.p_pos is None else self.p_pos.numel(),
-                "residual": 0 if self.r_pos is None else self.r_pos.numel()}
+        """Tokens in each part: ``quantized`` (packed slots, holes included), ``protected`` (exact copies of
+        packed protected tokens), ``residual`` (unquantized recent tokens)."""
+        return {"quantized": self.packed_tokens, "protected": 0 if self.p_pos is None else self.p_pos.numel(),
+                "residual": 0 if self.rk is None else self.rk.shape[-2]}
+
+
+def _fill_holes(keys: Tensor, holes: Tensor, group: int) -> Tensor:
+    """``keys`` ``[B, Hkv, n, d]`` with each hole (``holes`` ``[n]``) replaced by the smallest key of the other
+    tokens of its block of ``group`` in each channel (0 in a block of holes only): inside the block's range."""
+    blocks = keys.unflatten(-2, (-1, group))  # (B, Hkv, n/G, G, d)
+    h = holes.view(-1, group, 1)  # (n/G, G, 1)
+    lo = torch.where(h, torch.inf, blocks.float()).amin(-2, keepdim=True)  # (B, Hkv, n/G, 1, d)
+    lo = torch.where(torch.isinf(lo), 0.0, lo).to(keys.dtype)
+    return torch.where(h, lo, blocks).flatten(-3, -2)
 
 
 def quantized_sink_cache(model: nn.Module, bits: int = 4, protect: Protection | None = None, *, group_size: int = 64,
