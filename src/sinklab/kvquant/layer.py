@@ -118,7 +118,26 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         self._empty()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("beam search is not supported by the quantized sink cache")
+        """Beam search: row ``i`` continues row ``beam_idx[i]`` (packed blocks, exact copies and residual)."""
+        self._select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """``num_return_sequences``: each row becomes ``repeats`` identical rows."""
+        if self.rk is not None:
+            self._select_rows(torch.arange(self.rk.shape[0]).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        """Keep only the rows ``indices`` (in that order)."""
+        self._select_rows(torch.as_tensor(indices).long())
+
+    def _select_rows(self, index: Tensor) -> None:
+        def pick(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.index_select(0, index.to(t.device))
+
+        self.pk, self.pv, self.rk, self.rv = (pick(t) for t in (self.pk, self.pv, self.rk, self.rv))
+        self.qk, self.qv = (None if q is None else QuantizedTensor(
+            pick(q.packed), pick(q.scale), pick(q.zero), q.bits, q.group_size, q.dim, (index.numel(), *q.shape[1:]),
+            q.dtype) for q in (self.qk, self.qv))
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("a quantized sink cache cannot be cropped")
