@@ -176,9 +176,8 @@ def _hf_cache(model: nn.Module, backend: str, bits: int, plan: KvQuantPlan):
 
 def _sinklab_cache(model: nn.Module, bits: int, protect: str, sinks: list[int], plan: KvQuantPlan) -> tuple[Cache, Protection]:
     """The packed cache of one row and its protection (``16-bit``: every token kept, unquantized)."""
-    if protect == "16-bit":
-        guard = Protection(first=1 << 62)
-        return quantized_sink_cache(model, 8, guard, group_size=plan.group_size, residual=plan.residual), guard
+    if protect == "16-bit":  # a residual longer than any text: nothing is ever packed
+        return quantized_sink_cache(model, 8, None, residual=1 << 62), Protection(first=1 << 62)
     guard = {"none": Protection(), "first": Protection(first=plan.num_first),
              "detected": Protection(positions=tuple(sinks))}[protect]
     return quantized_sink_cache(model, bits, guard, group_size=plan.group_for(bits), residual=plan.residual,

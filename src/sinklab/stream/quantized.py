@@ -45,6 +45,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
             raise InputError(f"kv_group_size must be ≥ 1, got {group_size}")
         super().__init__(state, rope)
         self.bits, self.group_size = bits, group_size
+        self._parts: tuple | None = None  # (ring, its key and value views)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         b, hkv, _, dh = key_states.shape
@@ -74,13 +75,18 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         self.keys, self.values = shared[key]
 
     def _ring_parts(self) -> tuple[QuantizedTensor, QuantizedTensor]:
-        """The packed ring's key and value columns as two quantized views ``[B, Hkv, W, d]`` (no copy)."""
+        """The packed ring's key and value columns as two quantized views ``[B, Hkv, W, d]`` (no copy; made
+        once per ring tensor — every write to the ring is in place)."""
+        if self._parts is not None and self._parts[0] is self.ring:
+            return self._parts[1]
         r, width, groups = self.ring, packed_width(self.dh, self.bits), self.dh // self.group
         b, hkv, w, total = r.shape
-        return tuple(QuantizedTensor(r.packed[..., cut], r.scale[..., gcut], r.zero[..., gcut], r.bits, r.group_size,
-                                     r.dim, (b, hkv, w, d), r.dtype)
-                     for cut, gcut, d in ((slice(None, width), slice(None, groups), self.dh),
-                                          (slice(width, None), slice(groups, None), total - self.dh)))
+        parts = tuple(QuantizedTensor(r.packed[..., cut], r.scale[..., gcut], r.zero[..., gcut], r.bits,
+                                      r.group_size, r.dim, (b, hkv, w, d), r.dtype)
+                      for cut, gcut, d in ((slice(None, width), slice(None, groups), self.dh),
+                                           (slice(width, None), slice(groups, None), total - self.dh)))
+        self._parts = (r, parts)
+        return parts
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Dequantize the ring into the shared buffer, let the parent update it, pack what it wrote."""
@@ -101,17 +107,20 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         return out
 
     def _pack_step(self, plan: dict, k: Tensor, v: Tensor) -> None:
-        """One decoded column ``[B, Hkv, d]``: each row's slot, fixed shapes (padding and anchored rows keep
-        the ring as it was; an anchored row writes its value instead)."""
+        """One decoded column ``[B, Hkv, d]``: each row's slot (padding and anchored rows keep the ring as it
+        was; an anchored row writes its value instead). Whether any row is padding or anchored is read once
+        per forward; the usual case — every row a window token — is three plain writes."""
         n = self.state.anchor_capacity
         if "ring_slot" not in plan:  # shared by every layer of this forward
             plan["ring_slot"] = (plan["slot"] - n).clamp(min=0)
-            plan["ring_keep"] = (~plan["valid"] | plan["anchored"])[:, None, None]  # (B, 1, 1)
+            keep = ~plan["valid"] | plan["anchored"]
+            plan["ring_keep"] = keep[:, None, None] if bool(keep.any()) else None  # (B, 1, 1)
+            plan["any_anchored"] = bool(plan["anchored"].any())
         rows, at, keep = plan["rows"], plan["ring_slot"], plan["ring_keep"]
         new = quantize(torch.cat([k, v], -1), self.bits, self.group, dim=-1)  # (B, Hkv, dk + dv) per token
         for stored, x in ((self.ring.packed, new.packed), (self.ring.scale, new.scale), (self.ring.zero, new.zero)):
-            stored[rows, :, at] = torch.where(keep, stored[rows, :, at], x)
-        if n:
+            stored[rows, :, at] = x if keep is None else torch.where(keep, stored[rows, :, at], x)
+        if plan["any_anchored"]:
             slot = plan["slot"].clamp(max=n - 1)
             anchored = plan["anchored"][:, None, None]
             self.anchor_values[rows, :, slot] = torch.where(anchored, v, self.anchor_values[rows, :, slot])
