@@ -40,7 +40,8 @@ from torch import nn
 from . import _compat
 
 if TYPE_CHECKING:  # pragma: no cover - the diagnosis computes its recommendation (diagnose imports this module)
-    from .diagnose import Diagnosis, EditResult
+    from .diagnose import Diagnosis
+    from .edits import EditResult
 
 __all__ = [
     "CONFIDENCE_RULE",

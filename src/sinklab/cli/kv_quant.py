@@ -12,16 +12,16 @@ from ..errors import SinklabError
 from ..provenance import provenance
 from ._common import (
     MODEL_HELP,
-    _load,
-    _progress,
-    _user_errors,
+    load_for_command,
+    progress_bar,
+    user_errors,
     app,
     check_out_dir,
     console,
     print_table,
     trust_remote_code_option,
 )
-from .eval_stream import _read_long_text
+from .eval_stream import read_long_text
 
 
 def _ints(text: str, option: str) -> tuple[int, ...]:
@@ -63,21 +63,21 @@ def kv_quant_command(
     from ..report.kvquant import table_header, table_rows
     from ..texts import readable_tokens
 
-    with _user_errors():
+    with user_errors():
         plan = KvQuantPlan(bits=_ints(bits, "--bits"), protect=tuple(p.strip() for p in protect.split(",") if p.strip()),
                            num_first=num_first, context=context, score=score, samples=samples, group_size=group_size,
                            group_size_2bit=group_size_2bit, value_group=value_group, residual=residual, decode_steps=decode_steps,
                            hf_backends=tuple(b.strip() for b in hf_backend.split(",") if b.strip()))
-        text, source = _read_long_text(file)
+        text, source = read_long_text(file)
         check_out_dir(out)
-        loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        loaded = load_for_command(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         tok = loaded.tokenizer
         encoded = tok(text[: plan.tokens * 16], add_special_tokens=True, verbose=False)["input_ids"]
         if len(encoded) < plan.tokens:
             encoded = tok(text, add_special_tokens=True, verbose=False)["input_ids"]
         ids = torch.tensor(encoded[: plan.tokens])
         total = plan.work()
-        with _progress(total) as progress:
+        with progress_bar(total) as progress:
             task = progress.add_task("kv-quant", total=total)
             result = kv_quant(loaded.model, ids, plan,
                               progress=lambda label, n: progress.update(task, advance=n, description=label))
