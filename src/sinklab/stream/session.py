@@ -149,7 +149,9 @@ class StreamSession:
         if len(session.sink.states) != s.get("groups", 1):
             raise InputError(f"{path} was saved from a model with {s.get('groups', 1)} layer budgets; this one has "
                              f"{len(session.sink.states)} — load it with the model that wrote it")
-        tensors = load_file(str(path), device=str(_compat.input_device(model)))
+        # Cloned: tensors read from the file sit wherever its header puts them, and a misaligned buffer changes
+        # the summation order of vectorised kernels (a resumed stream would differ in the last bit).
+        tensors = {k: v.clone() for k, v in load_file(str(path), device=str(_compat.input_device(model))).items()}
         tensors["__columns__"] = torch.tensor(meta["columns"])
         session._restore = tensors
         session.tokens_seen = meta["tokens_seen"]
