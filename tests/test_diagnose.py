@@ -12,7 +12,8 @@ import sinklab.report
 from sinklab import metrics
 from sinklab.capture import ValueEdit
 from sinklab.cli import app
-from sinklab.diagnose import EDITS, ROLES, diagnose, diagnose_inputs, run_edit, token_roles
+from sinklab.diagnose import ROLES, diagnose, diagnose_inputs, token_roles
+from sinklab.edits import EDITS, run_edit
 from sinklab.errors import InputError
 from sinklab.synth import BroadcastTask, NopTask, run_broadcast, run_nop
 

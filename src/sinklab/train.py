@@ -156,7 +156,7 @@ def train(cfg: TrainConfig, out: str | Path, progress: Callable[[int, float], No
     "training", "measuring"). ``out`` is created only once the data is ready, so bad data leaves nothing;
     checkpoints written before an error or Ctrl-C stay (a run can be inspected or continued from them).
     """
-    from .variants import save
+    from .checkpoint import save
 
     phase = phase or (lambda name: None)
     out = Path(out)
