@@ -27,6 +27,7 @@ import copy
 import json
 import statistics
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -163,7 +164,8 @@ class Static(Method):
 class Dynamic(Method):
     def setup(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
-        self.cache.activate_past_recording()  # sliding layers past their window can then be cropped
+        if hasattr(self.cache, "activate_past_recording"):  # sliding layers past their window can then be cropped
+            self.cache.activate_past_recording()
         self.model(input_ids=_ids(self.cached, self.vocab, self.device), **{self.kw: self.cache})
 
     def forward_step(self) -> torch.Tensor:
@@ -258,55 +260,20 @@ def run(specs: list[str], rounds: int, steps: int, threads: list[int], gen_token
             continue
         print(f"{label}: {weights}", flush=True)
         vocab = _compat.embedding_rows(model)
-        cached = num_sinks + window - 1  # K/V held before each step; the step attends over S + W
         total = bytes_per_token(model, num_sinks, window)
         floor_ms = 1e3 * total / bandwidth
         entry = {"model": label, "weights": weights, "bytes_per_token": total, "bandwidth_floor_ms": floor_ms,
                  "threads": {}}
         for n_threads in threads:
-            torch.set_num_threads(n_threads)
-            # One copy of the model per method: interleaving caches on one model would switch its attention
-            # backend every step (and make the compiled forwards recompile).
-            copies = [copy.deepcopy(model) for _ in range(4)]
-            sink = dict(num_sinks=num_sinks, window=window)
-            methods = [Sink("sinklab compiled", copies[0], cached, vocab, options, compiled=True, **sink),
-                       Static("static compiled", copies[1], cached, vocab, options),
-                       Sink("sinklab eager", copies[2], cached, vocab, options, compiled=False, **sink),
-                       Dynamic("dynamic eager", copies[3], cached, vocab, options)]
-            warm = {}
-            for m in methods:
-                warm[m.name] = m.warm()
-                print(f"  {label} {n_threads} thread(s): {m.name} warm in {warm[m.name]:.1f} s", flush=True)
-            samples: dict[str, list[float]] = {m.name: [] for m in methods}
-            for _ in range(rounds):  # interleaved
-                for m in methods:
-                    samples[m.name] += time_steps(m, steps)
-            # The two sinklab streams have decoded the same tokens: one more step each must agree.
-            with torch.no_grad():
-                a, b = (methods[i].step()[:, -1].double().cpu() for i in (0, 2))
-            compiled_vs_eager = float((a - b).abs().max() / b.abs().max())
-            checks = check_costs(methods[2])
-            for m in methods:
-                m.close()
-            med = {k: statistics.median(v) for k, v in samples.items()}
-            entry["threads"][n_threads] = {
-                "warmup_s": warm, "median_ms": med,
-                "p90_ms": {k: sorted(v)[int(0.9 * (len(v) - 1))] for k, v in samples.items()},
-                "samples": len(samples["sinklab compiled"]),
-                "sinklab_compiled_vs_eager_logits_rel": compiled_vs_eager,
-                "checks_us_per_token": checks,
-                "ratios": {
-                    "sinklab compiled / static compiled": med["sinklab compiled"] / med["static compiled"],
-                    "sinklab compiled / dynamic eager": med["sinklab compiled"] / med["dynamic eager"],
-                    "sinklab eager / dynamic eager": med["sinklab eager"] / med["dynamic eager"],
-                    "bandwidth floor / sinklab compiled": floor_ms / med["sinklab compiled"],
-                }}
-            print_table(label, n_threads, entry, results)
-            del methods, copies
+            try:
+                measure(entry, label, model, vocab, n_threads, rounds, steps, num_sinks, window, options, floor_ms, results)
+            except Exception as exc:  # noqa: BLE001 - a one-shot run (a GPU lease) keeps the other rows
+                traceback.print_exc()
+                entry["threads"][n_threads] = {"error": f"{type(exc).__name__}: {exc}"}
             torch._dynamo.reset()
         if gen_tokens:
             torch.set_num_threads(threads[0])
-            entry["generate"] = generate_rows(model, vocab, cached, num_sinks, window, gen_tokens)
+            entry["generate"] = generate_rows(model, vocab, num_sinks + window - 1, num_sinks, window, gen_tokens)
             for row in entry["generate"]:
                 print(f"  {row['mode']:<9} {row['method']:<14} {row['ms_per_token']:8.1f} ms/token")
         results["models"].append(entry)
@@ -314,6 +281,50 @@ def run(specs: list[str], rounds: int, steps: int, threads: list[int], gen_token
         if checkpoint is not None:
             checkpoint(results)
     return results
+
+
+def measure(entry: dict, label: str, model, vocab: int, n_threads: int, rounds: int, steps: int, num_sinks: int,
+            window: int, options: dict, floor_ms: float, results: dict) -> None:
+    """One thread count: warm every method (timed), interleaved rounds, ratios; into ``entry["threads"]``."""
+    cached = num_sinks + window - 1  # K/V held before each step; the step attends over S + W
+    torch.set_num_threads(n_threads)
+    # One copy of the model per method: interleaving caches on one model would switch its attention
+    # backend every step (and make the compiled forwards recompile).
+    copies = [copy.deepcopy(model) for _ in range(4)]
+    sink = dict(num_sinks=num_sinks, window=window)
+    methods = [Sink("sinklab compiled", copies[0], cached, vocab, options, compiled=True, **sink),
+               Static("static compiled", copies[1], cached, vocab, options),
+               Sink("sinklab eager", copies[2], cached, vocab, options, compiled=False, **sink),
+               Dynamic("dynamic eager", copies[3], cached, vocab, options)]
+    warm = {}
+    for m in methods:
+        warm[m.name] = m.warm()
+        print(f"  {label} {n_threads} thread(s): {m.name} warm in {warm[m.name]:.1f} s", flush=True)
+    samples: dict[str, list[float]] = {m.name: [] for m in methods}
+    for _ in range(rounds):  # interleaved
+        for m in methods:
+            samples[m.name] += time_steps(m, steps)
+    # The two sinklab streams have decoded the same tokens: one more step each must agree.
+    with torch.no_grad():
+        a, b = (methods[i].step()[:, -1].double().cpu() for i in (0, 2))
+    compiled_vs_eager = float((a - b).abs().max() / b.abs().max())
+    checks = check_costs(methods[2])
+    for m in methods:
+        m.close()
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    entry["threads"][n_threads] = {
+        "warmup_s": warm, "median_ms": med,
+        "p90_ms": {k: sorted(v)[int(0.9 * (len(v) - 1))] for k, v in samples.items()},
+        "samples": len(samples["sinklab compiled"]),
+        "sinklab_compiled_vs_eager_logits_rel": compiled_vs_eager,
+        "checks_us_per_token": checks,
+        "ratios": {
+            "sinklab compiled / static compiled": med["sinklab compiled"] / med["static compiled"],
+            "sinklab compiled / dynamic eager": med["sinklab compiled"] / med["dynamic eager"],
+            "sinklab eager / dynamic eager": med["sinklab eager"] / med["dynamic eager"],
+            "bandwidth floor / sinklab compiled": floor_ms / med["sinklab compiled"],
+        }}
+    print_table(label, n_threads, entry, results)
 
 
 def print_table(label: str, n_threads: int, entry: dict, results: dict) -> None:
