@@ -14,6 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export TORCH_LOGS="${TORCH_LOGS:-perf_hints}"  # says why, if CUDA graphs are skipped for a graph
 PY="${PYTHON:-python3}"
 nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader || true
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
