@@ -53,7 +53,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     from sinklab.kvquant.evaluate import KvQuantPlan, kv_quant
     from sinklab.models import load_model
-    from sinklab.report.kvquant import TABLE_HEADER, kl_vs_bytes, table_rows
+    from sinklab.report.kvquant import kl_vs_bytes, table_header, table_rows
     from sinklab.texts import default_texts
 
     torch.set_num_threads(args.threads)
@@ -76,7 +76,7 @@ def _worker(args: argparse.Namespace) -> None:
         print(f"\n{name}: {plan.samples} × ({plan.context} cached + {plan.score} scored) tokens, "
               f"16-bit cache {data['dense_bytes_per_token_16bit']:,} bytes/token; detected {result.detected}; "
               "under load on a shared 2-core CPU VM")
-        print(" | ".join(TABLE_HEADER))
+        print(" | ".join(table_header(data)))
         for row in table_rows(data):
             print(" | ".join(row))
         sys.stdout.flush()

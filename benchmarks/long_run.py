@@ -101,13 +101,15 @@ def main() -> None:
         while t < tokens:
             seg_end = min(tokens, t + seg_len)
             t0 = time.perf_counter()
+            c0 = time.process_time()
             seg_nll, seg_n, chunk_s, chunk_n, step_s, step_n = 0.0, 0, 0.0, 0, 0.0, 0
+            chunk_cpu, step_cpu = 0.0, 0.0
             last = None
             while t < seg_end:
                 stop = min(seg_end, *[c for c in checks if c > t] or [seg_end])
                 if step_n < args.probe and t > 0:  # the decode path: one token per forward
                     n = min(args.probe - step_n, stop - t)
-                    a = time.perf_counter()
+                    a, ac = time.perf_counter(), time.process_time()
                     for i in range(t, t + n):
                         logits = s.step(ids[i:i + 1])[0]
                         if i + 1 < tokens:
@@ -115,12 +117,14 @@ def main() -> None:
                             seg_n += 1
                         last = logits
                     step_s += time.perf_counter() - a
+                    step_cpu += time.process_time() - ac
                     step_n += n
                 else:
                     n = min(chunk * 16, stop - t)
-                    a = time.perf_counter()
+                    a, ac = time.perf_counter(), time.process_time()
                     logits = s.feed(ids[None, t:t + n], all_logits=True)[0]
                     chunk_s += time.perf_counter() - a
+                    chunk_cpu += time.process_time() - ac
                     chunk_n += n
                     nxt = ids[t + 1:t + n + 1]
                     lp = torch.log_softmax(logits[: nxt.numel()].double(), -1)
@@ -139,10 +143,16 @@ def main() -> None:
             row = {"end": t, "rss_mb": proc.memory_info().rss / 2**20, "seconds": time.perf_counter() - t0,
                    "chunk_tok_s": chunk_n / chunk_s if chunk_s else None,
                    "decode_tok_s": step_n / step_s if step_s else None, "mean_nll": seg_nll / max(1, seg_n),
+                   # per CPU-second of this process: the machine's load taken out (one thread)
+                   "chunk_tok_cpu_s": chunk_n / chunk_cpu if chunk_cpu else None,
+                   "decode_tok_cpu_s": step_n / step_cpu if step_cpu else None,
+                   "cpu_seconds": time.process_time() - c0, "load_avg_1m": os.getloadavg()[0],
                    "cache_tokens": s.cache_tokens(), "base": int(s.state.base[0])}
             segments.append(row)
             print(f"  [{time.strftime('%H:%M:%S')}] {t:,} tokens: RSS {row['rss_mb']:.0f} MB, "
-                  f"chunked {row['chunk_tok_s'] or 0:.0f} tok/s, decode {row['decode_tok_s'] or 0:.0f} tok/s, "
+                  f"chunked {row['chunk_tok_s'] or 0:.0f} tok/s ({row['chunk_tok_cpu_s'] or 0:.0f}/CPU-s), "
+                  f"decode {row['decode_tok_s'] or 0:.1f} tok/s ({row['decode_tok_cpu_s'] or 0:.1f}/CPU-s), "
+                  f"load {row['load_avg_1m']:.1f}, "
                   f"NLL {row['mean_nll']:.3f}, cache {row['cache_tokens']}", flush=True)
             _write(out, args, tokens, chunk, layers, segments, drift, time.perf_counter() - start, done=t >= tokens)
     _figure(out)

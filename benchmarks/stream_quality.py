@@ -7,6 +7,7 @@ still leaves its finished part):
     python benchmarks/stream_quality.py recall  [--distances 32,192,288,512,1024] [--facts 6]
     python benchmarks/stream_quality.py endless --sinks 4 [--tokens 10000] [--model smollm2|tiny-lm]  # sinks + window
     python benchmarks/stream_quality.py endless --sinks 0 [--tokens 10000] [--model …]  # window only, same cache
+    python benchmarks/stream_quality.py endless-pair [--tokens 10000]  # both in lockstep (a cut leaves equal lengths)
     python benchmarks/stream_quality.py prompts [--prompts 32] [--max-new-tokens 48]
     python benchmarks/stream_quality.py report  # figures into docs/img/ and the tables, from the JSON files
 
@@ -28,7 +29,6 @@ import torch
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DOCS_IMG = HERE.parent / "docs" / "img"
-ENDLESS_PROMPT = "Tell me a long story about a lighthouse keeper and the sea."
 
 
 def _write(name: str, data: dict) -> None:
@@ -40,7 +40,7 @@ def _write(name: str, data: dict) -> None:
 
 
 def _meta(args, start: float) -> dict:
-    model = args.model if args.experiment in ("endless", "prompts") else "smollm2"
+    model = args.model if args.experiment in ("endless", "endless-pair", "prompts") else "smollm2"
     return {"model": f"builtin:{model}", "command": " ".join(sys.argv), "wall_seconds": time.perf_counter() - start,
             "threads": args.threads, "torch": torch.__version__,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, shared with other jobs (timings under load)"}
@@ -48,7 +48,7 @@ def _meta(args, start: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("experiment", choices=("recall", "endless", "prompts", "report"))
+    ap.add_argument("experiment", choices=("recall", "endless", "endless-pair", "prompts", "report"))
     ap.add_argument("--window", type=int, default=252)
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=10_000)
@@ -67,12 +67,14 @@ def main() -> None:
     import sinklab
     from sinklab.stream import quality
 
-    loaded = sinklab.load_model(f"builtin:{args.model if args.experiment in ('endless', 'prompts') else 'smollm2'}")
+    loaded = sinklab.load_model(f"builtin:{args.model if args.experiment != 'recall' else 'smollm2'}")
     model, tok = loaded.model.requires_grad_(False), loaded.tokenizer
     # Every StreamSession checks the weights for NaN/inf (seconds for 135M parameters); these runs open
     # hundreds of sessions on one model that does not change, so it is checked once here.
-    sinklab.models.check_weights(model)
-    sinklab.models.check_weights = lambda model: None
+    import sinklab.checks
+
+    sinklab.checks.check_weights(model)
+    sinklab.checks.check_weights = lambda model: None
     start = time.perf_counter()
     if args.experiment == "recall":
         from sinklab.texts import default_texts
@@ -89,31 +91,43 @@ def main() -> None:
         res = quality.fact_recall(model, tok, filler, distances, num_sinks=args.sinks, window=args.window,
                                   facts=facts, progress=progress)
         _write("recall", {**res.to_json(), **_meta(args, start)})
-    elif args.experiment == "endless":
-        label = "sinks + window" if args.sinks else "window only"
-        window = args.window if args.sinks else args.window + 4  # same cache size C = 4 + W
-        if tok.chat_template:
-            prompt = tok.apply_chat_template([{"role": "user", "content": ENDLESS_PROMPT}], tokenize=False,
-                                             add_generation_prompt=True)
-            ids = tok(prompt, add_special_tokens=False)["input_ids"]
-        else:  # builtin:tiny-lm is no chat model: its own kind of text
-            ids = tok("The lighthouse keeper walked to the sea.")["input_ids"]
-        name = f"endless_{args.model}_s{args.sinks}"
-        t0 = time.perf_counter()
+    elif args.experiment in ("endless", "endless-pair"):
+        # endless: one run (--sinks 4: sinks + window; --sinks 0: window only). endless-pair: both, in lockstep
+        # (token i of each before token i + 1 of either), so a run cut short leaves two runs of equal length.
+        import copy
 
-        def save(run) -> None:
-            n = len(run.tokens)
-            print(f"  [{time.strftime('%H:%M:%S')}] {label}: {n} tokens, {n / (time.perf_counter() - t0):.1f} tok/s",
+        kinds = [args.sinks] if args.experiment == "endless" else [args.sinks or 4, 0]
+        ids = quality.endless_prompt_ids(tok)
+        models = [model] + [copy.deepcopy(model) for _ in kinds[1:]]  # one open stream per model
+        streams, t0 = [], time.perf_counter()
+        for s, m in zip(kinds, models):
+            label = "sinks + window" if s else "window only"
+            window = args.window if s else args.window + (args.sinks or 4)  # same cache size C = S + W
+            streams.append(quality.EndlessStream(m, ids, num_sinks=s, window=window, seed=args.seed, label=label))
+
+        def save() -> None:
+            n = len(streams[0].run.tokens)
+            rate = n * len(streams) / (time.perf_counter() - t0)
+            print(f"  [{time.strftime('%H:%M:%S')}] {n} tokens per run, {rate:.1f} tok/s, load {os.getloadavg()[0]:.1f}",
                   flush=True)
-            _write(name, {
-                "label": label, "num_sinks": args.sinks, "window": window, "prompt": ENDLESS_PROMPT,
-                "temperature": 0.7, "top_k": 50, "seed": args.seed, "tokens_planned": args.tokens,
-                "tokens": run.tokens, "nll": run.nll, "blocks": run.stats(),
-                "text": tok.decode(run.tokens, skip_special_tokens=False), **_meta(args, start)})
+            for e in streams:
+                _write(f"endless_{args.model}_s{e.run.num_sinks}", {
+                    **e.run.to_json(), "prompt": quality.ENDLESS_PROMPT, "temperature": 0.7, "top_k": 50,
+                    "seed": args.seed, "tokens_planned": args.tokens,
+                    "text": tok.decode(e.run.tokens, skip_special_tokens=False), **_meta(args, start)})
 
-        run = quality.endless_generation(model, ids, args.tokens, num_sinks=args.sinks, window=window, seed=args.seed,
-                                         label=label, every=250, on_update=save)
-        save(run)
+        for e in streams:
+            e.__enter__()
+        try:
+            for i in range(args.tokens):
+                for e in streams:
+                    e.advance(feed=i + 1 < args.tokens)
+                if (i + 1) % 250 == 0:
+                    save()
+        finally:
+            save()
+            for e in streams:
+                e.__exit__(None, None, None)
     elif args.experiment == "prompts":
         done = {"n": 0}
 

@@ -240,7 +240,7 @@ def _bb_run(root, broken: bool = False):
     from dataclasses import asdict
 
     from sinklab.train import TrainConfig, build_model
-    from sinklab.variants import save
+    from sinklab.checkpoint import save
 
     cfg = TrainConfig(data="bb", layers=2, width=32, heads=2, seq_len=16, steps=20, bb_vocab=16, bb_triggers=2)
     (root / "train_config.json").write_text(json.dumps(asdict(cfg)))

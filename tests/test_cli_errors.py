@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 import sinklab
 from sinklab.cli import app
-from sinklab.cli._common import _user_errors, check_out_dir
+from sinklab.cli._common import user_errors, check_out_dir
 from sinklab.errors import InputError, SinklabWarning
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,6 +55,7 @@ def bb_run(tmp_path_factory):
                        "--monitor-every", "3")
     assert result.exit_code == 0, text
     assert "Bigram-Backcopy" in text
+    assert (out / "emergence.png").stat().st_size > 1000  # rendered by the CLI from monitor.jsonl
     return out
 
 
@@ -194,7 +195,7 @@ def test_warnings_print_as_one_yellow_line_and_errors_exit_2():
 
     @mini.command()
     def go(fail: bool = False) -> None:
-        with _user_errors():
+        with user_errors():
             warnings.warn("past the trained positions", SinklabWarning, stacklevel=1)
             if fail:
                 raise InputError("bad input here")

@@ -12,7 +12,8 @@ import sinklab.report
 from sinklab import metrics
 from sinklab.capture import ValueEdit
 from sinklab.cli import app
-from sinklab.diagnose import EDITS, ROLES, diagnose, diagnose_inputs, run_edit, token_roles
+from sinklab.diagnose import ROLES, diagnose, diagnose_inputs, token_roles
+from sinklab.edits import EDITS, run_edit
 from sinklab.errors import InputError
 from sinklab.synth import BroadcastTask, NopTask, run_broadcast, run_nop
 
@@ -162,6 +163,7 @@ def test_vision_diagnosis_reports_register_roles():
     assert sum(sum(row["roles"].values()) for row in d.per_layer()) == len(d.records)
 
 
+@pytest.mark.usefixtures("one_thread")  # a tiny training run
 def test_synthetic_nop_task_forms_a_nop_sink():
     r = run_nop(NopTask(d=32, n=16), steps=400, batch=128, eval_samples=32)
     m = r.metrics
@@ -171,6 +173,7 @@ def test_synthetic_nop_task_forms_a_nop_sink():
     assert m["edit_zero_rms_damped"] < 0.1 and m["edit_ordinary_rms_damped"] > 0.5
 
 
+@pytest.mark.usefixtures("one_thread")  # a tiny training run
 def test_synthetic_broadcast_task_forms_a_broadcast_hub():
     r = run_broadcast(BroadcastTask(d=32, n=16), steps=1000, batch=128, eval_samples=32)
     m = r.metrics

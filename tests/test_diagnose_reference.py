@@ -19,7 +19,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 import sinklab
 from sinklab import metrics
 from sinklab.capture import AttentionCapture, ValueEdit
-from sinklab.diagnose import EDITS, diagnose_inputs
+from sinklab.diagnose import diagnose_inputs
+from sinklab.edits import EDITS
 
 LAYER, HEAD = 1, 2  # the edited head
 

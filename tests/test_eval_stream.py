@@ -189,7 +189,7 @@ def no_model(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(mod, "_load", refuse)
+    monkeypatch.setattr(mod, "load_for_command", refuse)
 
 
 def test_cli_rejects_bad_input_before_loading_the_model(cli, tmp_path, no_model):
@@ -213,6 +213,16 @@ def test_cli_rejects_bad_input_before_loading_the_model(cli, tmp_path, no_model)
         (["--sinks", "4", "--cache-size", "4"], "leave a window"),
         (["--window", "0"], "--window must be ≥ 1"),
         (["--tokens", "100", "--window", "96"], "after the first eviction"),
+        (["--quality", "recall,speed"], "--quality: unknown or empty ['speed']"),
+        (["--quality", " , "], "--quality: unknown or empty"),
+        (["--quality", "recall", "--recall-distances", "32,far"], "comma-separated integers"),
+        (["--quality", "recall", "--recall-distances", "0,32"], "distances ≥ 1"),
+        (["--quality", "recall", "--recall-facts", "11"], "--recall-facts must be between 1 and 10"),
+        (["--quality", "prompts", "--prompts", "0"], "--prompts must be between 1 and 32"),
+        (["--quality", "endless", "--endless-tokens", "0"], "--endless-tokens must be ≥ 1"),
+        (["--quality", "prompts", "--answer-tokens", "-3"], "--answer-tokens must be ≥ 1"),
+        (["--quality", "endless", "--sinks", "0"], "needs ≥ 1 sink"),
+        (["--seed", "3", "--prompts", "4"], "--seed, --prompts only apply with --quality"),
     ]
     for args, message in cases:
         r = cli("builtin:tiny-lm", *args, "--out", out)
@@ -240,3 +250,73 @@ def test_cli_leaves_nothing_behind_on_failure_or_interrupt(cli, tmp_path, monkey
     r = cli(*args, "--out", tmp_path / "b")
     assert r.exit_code == 130 and "interrupted" in r.output and not (tmp_path / "b").exists()
     assert not list(tmp_path.glob(".sinklab-*"))
+
+
+def test_cli_quality_measures_match_independent_runs(cli, tmp_path):
+    """--quality: recall, endless and many prompts in eval-stream's JSON and report, each checked against
+    transformers' own generate / a DynamicCache / a plain forward while nothing is evicted (tiny-lm)."""
+    import sinklab
+    from transformers import DynamicCache
+
+    from sinklab._compat import cache_kwarg_name
+    from sinklab.stream import quality
+    from sinklab.stream.session import sample_token
+
+    out = tmp_path / "q"
+    r = cli("builtin:tiny-lm", "--tokens", 120, "--window", 96, "--sinks", 4, "--methods", "sinks", "--quality",
+            "recall,endless,prompts", "--recall-distances", "150,4", "--recall-facts", 2, "--endless-tokens", 40,
+            "--seed", 5, "--prompts", 3, "--answer-tokens", 6, "--out", out)
+    assert r.exit_code == 0, r.output
+    assert {"quality_recall.png", "quality_endless.png", "quality_prompts.png"} <= {p.name for p in out.iterdir()}
+    q = json.loads((out / "eval_stream.json").read_text())["quality"]
+    assert set(q) == {"recall", "endless_s4", "endless_s0", "prompts"}
+    html = (out / "report.html").read_text()
+    assert "Quality beyond perplexity" in html and quality.PROMPTS[2] in html
+    loaded = sinklab.load_model("builtin:tiny-lm")
+    model, tok = loaded.model, loaded.tokenizer
+
+    # recall: per-cell accuracy is the share of correct answers; at d = 4 the whole prompt fits every cache
+    rec = q["recall"]
+    assert rec["distances"] == [4, 150] and rec["num_sinks"] == 4 and rec["window"] == 96
+    for m in quality.RECALL_METHODS:
+        for i, d in enumerate(rec["distances"]):
+            cell = [a for a in rec["answers"] if a["method"] == m and a["distance"] == d]
+            assert len(cell) == 2 and rec["accuracy"][m][i] == sum(a["correct"] for a in cell) / 2
+    for key, _ in quality.FACTS[:2]:
+        assert len({a["answer"] for a in rec["answers"] if a["distance"] == 4 and a["key"] == key}) == 1
+
+    # endless: prompt + 40 tokens < C = 100, nothing evicted: both runs are seeded sampling with a DynamicCache
+    prompt = tok(quality.ENDLESS_PROMPT)["input_ids"]
+    gen, cache, tokens, nll = torch.Generator().manual_seed(5), DynamicCache(config=model.config), [], []
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt]), **{cache_kwarg_name(model): cache}).logits[:, -1]
+        for _ in range(40):
+            t = sample_token(logits, 0.7, 50, gen)
+            tokens.append(int(t[0]))
+            nll.append(float(-torch.log_softmax(logits[0].double(), -1)[tokens[-1]]))
+            logits = model(input_ids=t[:, None], **{cache_kwarg_name(model): cache}).logits[:, -1]
+    for name, sinks, window in (("endless_s4", 4, 96), ("endless_s0", 0, 100)):
+        run = q[name]
+        assert (run["num_sinks"], run["window"], run["tokens"]) == (sinks, window, tokens)
+        got = torch.tensor(run["nll"], dtype=torch.float64)
+        torch.testing.assert_close(got, torch.tensor(nll, dtype=torch.float64), atol=1e-4, rtol=0)
+        grams = list(zip(tokens, tokens[1:], tokens[2:], tokens[3:]))
+        assert run["blocks"]["distinct"] == [len(set(grams)) / len(grams)]
+        assert run["blocks"]["mean_nll"] == pytest.approx([sum(run["nll"]) / 40], abs=1e-12)
+
+    # prompts: the first answer is the fresh one; both equal greedy generate after the plain chat layout, and
+    # the NLL is a plain float64 forward over prompt + answer
+    rows = q["prompts"]["rows"]
+    assert [row["prompt"] for row in rows] == list(quality.PROMPTS[:3])
+    ids = tok(f"User: {quality.PROMPTS[0]}\nAssistant:")["input_ids"]
+    stop = [tok.eos_token_id] if tok.eos_token_id is not None else None
+    with torch.no_grad():
+        gen_ids = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=stop,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+        answer = [t for t in gen_ids if t not in (stop or [])]
+        logits = model(input_ids=torch.tensor([ids + answer])).logits[0, len(ids) - 1:-1].double()
+    ref = float(-torch.log_softmax(logits, -1).gather(1, torch.tensor(answer)[:, None]).mean())
+    first = rows[0]
+    assert first["evicted_before"] == 0 and first["fresh_tokens"] == first["stream_tokens"] == len(answer)
+    assert first["stream_answer"] == first["fresh_answer"] == tok.decode(answer, skip_special_tokens=True)
+    assert first["fresh_nll"] == pytest.approx(ref, abs=1e-4) and first["stream_nll"] == pytest.approx(ref, abs=1e-4)

@@ -9,6 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from sinklab.kvquant import Protection, quantized_sink_cache
+from sinklab.kvquant.layer import kv_shape
 from sinklab.kvquant.evaluate import ROW_KEYS, KvQuantPlan, kv_quant
 from sinklab.models import load_model
 
@@ -28,7 +29,7 @@ def test_cli_writes_rows_figure_and_escaped_report(tmp_path):
     assert r.exit_code == 0, r.output
     data = json.loads((out / "kv_quant.json").read_text())
     rows = data["rows"]
-    assert [(row["bits"], row["protect"]) for row in rows] == [(32, "full")] + [
+    assert [(row["bits"], row["protect"]) for row in rows] == [(32, "full"), (16, "16-bit")] + [
         (b, p) for b in (4, 2) for p in ("none", "first", "detected")]
     assert all(set(ROW_KEYS) <= set(row) for row in rows)
     full = rows[0]
@@ -55,7 +56,7 @@ def test_rows_match_the_cache_layers_they_measure():
     model = loaded.model
     ids = torch.randint(5, 4000, (96,), generator=torch.Generator().manual_seed(1))
     plan = KvQuantPlan(bits=(3,), protect=("first",), num_first=2, context=64, score=32, samples=1, group_size=16,
-                       residual=4, decode_steps=0)
+                       value_group=16, residual=4, decode_steps=0)
     result = kv_quant(model, ids, plan)
     row = result.row(3, "first")
     with torch.no_grad():  # the same two forwards by hand, KL computed independently in float64
@@ -70,3 +71,10 @@ def test_rows_match_the_cache_layers_they_measure():
     assert row["ppl"] == pytest.approx(float(nll.mean().exp()), rel=1e-3)
     assert row["bytes_per_token"] == sum(layer.nbytes() for layer in cache.layers) / 96
     assert row["protected_tokens"] == 2
+    layers, kv, dh = kv_shape(model)  # at 4096 cached tokens, closed form: R ≤ residual < R + G, 2 exact copies
+    n = (4096 - 4) // 16 * 16  # packed tokens (the 2 protected ones are holes in the first block)
+    codes = 2 * n * kv * dh * 3 // 8  # keys + values, 3 bits
+    meta = 2 * 2 * (n // 16) * kv * dh + 2 * 2 * n * kv * (dh // 16)  # float16 scale + zero: key blocks, value groups
+    exact = (4096 - n + 2) * kv * dh * 2 * 2  # residual + protected keys and values in float16
+    assert row["bytes_per_token_4096"] == pytest.approx(layers * (codes + meta + exact) / 4096, rel=1e-12)
+    assert row["bytes_ratio_16bit_4096"] == pytest.approx(row["bytes_per_token_4096"] / (2 * layers * kv * dh * 2))

@@ -56,3 +56,46 @@ def test_window_as_stored_equals_float64_reference_of_what_was_written(bits):
         v_ref = _quantize_reference(values[:, :, t:t + 1], bits, 16, -1)[1]
         torch.testing.assert_close(ring_k[:, :, slot:slot + 1].double(), k_ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ring_v[:, :, slot:slot + 1].double(), v_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_session_save_load_keeps_kv_bits_and_resumes_exactly(tmp_path):
+    from sinklab.stream import StreamSession
+    from sinklab.stream.quantized import QuantizedSinkWindowLayer
+
+    model = tiny_llama(num_hidden_layers=2, vocab_size=1000)
+    ids = torch.randint(5, 1000, (1, 60))
+    kw = dict(num_sinks=2, window=12, pinned=[(5, 7)], chunk_size=9, rebase_every=40, kv_bits=3, kv_group_size=8)
+    with StreamSession(model, **kw) as whole:  # one unbroken stream: 40 fed, then 20 stepped (evicts, re-bases)
+        whole.feed(ids[:, :40])
+        expected = torch.stack([whole.step(ids[:, t]) for t in range(40, 60)])
+    with StreamSession(model, **kw) as first:
+        first.feed(ids[:, :40])
+        path = first.save(tmp_path / "s.safetensors")
+    resumed = StreamSession.load(model, path)
+    assert resumed.kv_bits == 3 and resumed.kv_group_size == 8
+    with resumed as s:
+        assert all(isinstance(layer, QuantizedSinkWindowLayer) for layer in s.cache.layers)
+        got = torch.stack([s.step(ids[:, t]) for t in range(40, 60)])
+    assert torch.equal(got, expected)
+
+
+def test_row_selection_moves_the_packed_ring_with_its_row():
+    """Beams / num_return_sequences: re-indexed rows decode exactly like streams fed in that row order."""
+    model = tiny_llama(num_hidden_layers=2, vocab_size=1000)
+    ids = torch.randint(5, 1000, (2, 30))
+    nxt = torch.randint(5, 1000, (3, 1))
+
+    def run(rows, select=None):
+        with torch.no_grad(), SinkCache(model, num_sinks=2, window=12, kv_bits=4, kv_group_size=16) as cache:
+            model(ids[rows], cache=cache)  # 30 tokens through a window of 12: the ring has wrapped
+            if select is not None:
+                cache.reorder_cache(torch.tensor(select))
+            return model(nxt[: len(select or rows)], cache=cache).logits[:, -1]
+
+    assert torch.equal(run([0, 1], [1, 0]), run([1, 0]))
+    assert torch.equal(run([0, 1], [1]), run([1]))
+    with torch.no_grad(), SinkCache(model, num_sinks=2, window=12, kv_bits=4, kv_group_size=16) as cache:
+        model(ids[:1], cache=cache)
+        cache.batch_repeat_interleave(2)
+        twice = model(nxt[:2], cache=cache).logits[:, -1]
+    assert torch.equal(twice, run([0, 0]))

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from sinklab.diagnose import Diagnosis, diagnose_inputs
-from sinklab.recommend import DEFAULT_THRESHOLDS, edit_signature, recommend
+from sinklab.errors import InputError
+from sinklab.recommend import DEFAULT_THRESHOLDS, Recommendation, edit_signature, recommend
 from sinklab.report.recommend_html import render_recommendation
 from sinklab.synth import BroadcastTask, NopTask, run_broadcast, run_nop
 
@@ -52,7 +53,10 @@ def test_nop_task_gets_gating(nop):
     # ≥ 10 sinks, 100 % NOP, edits agree, but < 30 sinks: "medium" by the written confidence rule
     assert len(d.records) < DEFAULT_THRESHOLDS["high_count"] and rec.confidence == "medium"
     assert "sinklab train --variant gated" in " ".join(rec.how_to)
-    json.dumps(rec.to_json())  # JSON-ready
+    data = json.loads(json.dumps(rec.to_json()))  # JSON-ready, and back: the same recommendation
+    assert Recommendation.from_json(data) == rec and Recommendation.from_json(data).to_json() == data
+    with pytest.raises(InputError, match="not a sinklab.recommend/1 document"):
+        Recommendation.from_json({**data, "schema": "sinklab.diagnose/2"})
 
 
 def test_broadcast_task_gets_registers(broadcast):
@@ -112,6 +116,7 @@ def test_html_fragment_escapes(nop):
     assert "Recommended fix: gated" in page
 
 
+@pytest.mark.usefixtures("one_thread")  # a tiny training run
 def test_bb_closed_loop_fix_shrinks_its_target(tmp_path):
     """The closed loop at the benchmark's settings (seed 0): baseline → recommendation → fixed model → diagnosis.
 

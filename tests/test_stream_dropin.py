@@ -19,6 +19,8 @@ from sinklab.errors import InputError
 from sinklab.stream import SinkCache, StreamSession
 from sinklab.stream.attention import ATTN_NAME
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only spins
+
 V = 97
 WORDS = ("the a cat dog sat on mat ran far away and then it was very happy sad big small red blue tell me story "
          "about day night sun moon tree house").split()

@@ -11,7 +11,8 @@ import transformers as tf
 import sinklab
 from sinklab import metrics
 from sinklab.errors import InputError
-from sinklab.monitor import SinkMonitor
+from sinklab.monitor import SinkMonitor, read_records
+from sinklab.report.monitor_figures import write_emergence
 from sinklab.synth.bigram_backcopy import BigramBackcopy
 from sinklab.train import TrainConfig, train
 
@@ -69,7 +70,10 @@ def test_train_text_run_checkpoints_and_reloads(tmp_path):
     records = [json.loads(line) for line in (run / "monitor.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [5, 10, 12]
     assert len(records[-1]["sink_rate_0"]) == 2 and records[-1]["tokens"] == 12 * 4 * 16
-    assert (run / "emergence.png").stat().st_size > 1000 and (run / "checkpoint-6").is_dir()
+    assert (run / "checkpoint-6").is_dir() and not (run / "emergence.png").exists()  # train() renders nothing
+    assert read_records(run / "monitor.jsonl") == records
+    write_emergence(records, run / "emergence.png")  # what `sinklab train` does after the run
+    assert (run / "emergence.png").stat().st_size > 1000
     model = sinklab.load(run / "final")
     assert model.config.sinklab_variant["sink_logit"] is True
     from transformers import AutoTokenizer

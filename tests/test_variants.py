@@ -11,7 +11,8 @@ import transformers as tf
 import sinklab
 from sinklab.attention import sink_mass, softmax_with_sink
 from sinklab.errors import InputError, ModelWeightsError, UnsupportedModelError
-from sinklab.variants import VARIANT_NAMES, VariantConfig, apply_variant, load, parse_variant, save
+from sinklab.checkpoint import load, save
+from sinklab.variants import VARIANT_NAMES, VariantConfig, apply_variant, parse_variant
 
 from tiny_models import build
 from variant_reference import V, naive_forward as _naive_forward, tiny_llama
@@ -100,7 +101,7 @@ def test_save_and_load_round_trip(tmp_path):
     with torch.no_grad():
         ref = model(input_ids=ids).logits
     save(model, tmp_path / "m")
-    loaded = sinklab.variants.load(tmp_path / "m")
+    loaded = sinklab.checkpoint.load(tmp_path / "m")
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, ref)
     (tmp_path / "bad").mkdir()

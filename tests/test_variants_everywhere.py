@@ -19,6 +19,8 @@ from stream_reference import Reference
 from tiny_models import tiny_vit
 from variant_reference import V, naive_forward, tiny_llama
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only spins
+
 CASES = ["sink-logit", "softmax1", "kv-bias", "kv-bias+sink-logit", "gated", "gated-headwise", "registers",
          "gated+registers", "kv-bias+gated+registers"]
 

@@ -17,6 +17,8 @@ from sinklab.vit.probe import frozen_features, miou, ridge_fit, ridge_predict
 
 from tiny_models import tiny_vit
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only spins
+
 VARIANTS = ["registers", "gated", "gated-headwise", "gated+registers", "kv-bias", "kv-bias+gated+registers"]
 
 
@@ -264,13 +266,17 @@ def test_ridge_probe_and_miou_against_closed_forms():
 
 
 def test_experiment_smoke_resumes_and_refuses_other_settings(tmp_path):
-    from sinklab.vit.experiment import VitExperimentConfig, run_experiment
+    from sinklab.report.vit_figures import write_experiment_figures
+    from sinklab.vit.experiment import VitExperimentConfig, experiment_runs, run_experiment
 
     cfg = VitExperimentConfig(variants=["baseline", "gated+registers"], seeds=1, minutes=0.02, image_size=12,
                               patch_size=4, width=12, layers=2, heads=2, registers=2, batch=4, probe_train=16,
                               probe_test=8, diag_samples=2)
     summary = run_experiment(cfg, tmp_path)
     steps = summary["plan"]["steps"]
+    runs = experiment_runs(cfg, tmp_path)
+    assert [(r["variant"], r["seed"]) for r in runs] == [("baseline", 0), ("gated+registers", 0)]
+    write_experiment_figures(summary, runs, cfg, tmp_path)  # what `sinklab vit-experiment` does after the run
     for name in ("results.json", "table.md", "sink_classes.png", "output_norms.png", "attention_maps.png"):
         assert (tmp_path / name).is_file()
     result = json.loads((tmp_path / "runs" / "gated-registers_s0" / "result.json").read_text())

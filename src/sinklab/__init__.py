@@ -22,7 +22,8 @@ from .models import BUILTIN_MODELS, LoadedModel, load_model  # noqa: E402
 from .registry import REGISTRY, MetricRow  # noqa: E402
 from .scan import ScanResult, scan, scan_inputs  # noqa: E402
 from .stream import SinkCache, StreamSession, stream_generate  # noqa: E402
-from .variants import VariantConfig, apply_variant, load, save  # noqa: E402
+from .checkpoint import load, save  # noqa: E402
+from .variants import VariantConfig, apply_variant  # noqa: E402
 from .attention import softmax_with_sink  # noqa: E402
 from .monitor import SinkMonitor  # noqa: E402
 from .circuit import CircuitResult  # noqa: E402

@@ -32,7 +32,7 @@ _O_NAMES = ("o_proj", "out_proj", "c_proj", "dense", "wo")
 def quiet_loading():
     """Keep transformers' loading chatter (LOAD REPORT, weight-loading and shard-writing bars) off the terminal.
 
-    Callers check the loading info themselves (see :func:`sinklab.variants.strict_load_report`), so nothing
+    Callers check the loading info themselves (see :func:`sinklab.checkpoint.strict_load_report`), so nothing
     that matters is lost. Verbosity and the progress-bar switch are restored on exit.
     """
     from transformers.utils import logging as hf_logging

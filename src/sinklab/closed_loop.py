@@ -64,7 +64,7 @@ def _train_or_reuse(cfg: TrainConfig, out: Path, reuse: bool, progress) -> dict:
 def bb_closed_loop(cfg: TrainConfig, out: str | Path, samples: int = 16, progress=None, reuse: bool = False) -> dict:
     """Baseline → diagnosis → recommendation → fixed model (same budget) → diagnosis. Returns a dict
     (JSON-ready except ``"diagnoses"``). ``reuse=True`` loads runs already trained in ``out`` with the same config."""
-    from . import variants
+    from . import checkpoint
     from .synth.bigram_backcopy import BigramBackcopy
 
     if cfg.data != "bb" or cfg.variant:
@@ -74,7 +74,7 @@ def bb_closed_loop(cfg: TrainConfig, out: str | Path, samples: int = 16, progres
     probe = task.sample(16, torch.Generator().manual_seed(cfg.seed + 7))
     runs = {}
     base_summary = _train_or_reuse(cfg, out / "baseline", reuse, progress)
-    base = variants.load(out / "baseline" / "final")
+    base = checkpoint.load(out / "baseline" / "final")
     base_diag = bb_diagnose(base, task, samples)
     rec = base_diag.recommendation  # computed by the diagnosis, with the model
     runs["baseline"] = {"train": _train_numbers(base_summary), "bb": bb_metrics(base, task, probe),
@@ -83,7 +83,7 @@ def bb_closed_loop(cfg: TrainConfig, out: str | Path, samples: int = 16, progres
     if rec.variant is not None:
         fixed_cfg = replace(cfg, variant=rec.variant)
         fixed_summary = _train_or_reuse(fixed_cfg, out / "fixed", reuse, progress)
-        fixed = variants.load(out / "fixed" / "final")
+        fixed = checkpoint.load(out / "fixed" / "final")
         fixed_diag = bb_diagnose(fixed, task, samples)
         runs["fixed"] = {"variant": rec.variant, "train": _train_numbers(fixed_summary),
                          "bb": bb_metrics(fixed, task, probe), "sinks": sink_summary(fixed_diag),

@@ -135,7 +135,7 @@ def load_model(
     if isinstance(dtype, str) and dtype not in _DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
     if name == "builtin:tiny-lm":
-        from .variants import load
+        from .checkpoint import load
 
         path = tiny_lm_path()
         if not (path / "model.safetensors").exists():
@@ -267,7 +267,7 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
     """A local folder or hub id through transformers, strictly (every weight used, every parameter loaded)."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    from .variants import CONFIG_FILE, check_safetensors, load, strict_load_report
+    from .checkpoint import CONFIG_FILE, check_safetensors, load, strict_load_report
 
     if Path(path).is_dir():
         from .vit.variants import is_vit_checkpoint, load_vit

@@ -5,12 +5,12 @@ layer: Sink_1^ε (sink rate at position 0), the mean attention each head gives p
 hidden-norm ratio (block output over the median of the other tokens), massive activations, Sink^ε of the
 first positions, the amplification layer and the P0-circuit stage (:func:`sinklab.circuit.classify_stage`:
 no sink / forming in deep layers / spread over the first positions / settled on position 0) — plus the
-loss and tokens seen. Records go to a JSONL file; :meth:`SinkMonitor.figure` draws the emergence figure
-(metrics vs tokens seen, one line per layer).
+loss and tokens seen. Records go to a JSONL file (:func:`read_records` reads it back); the emergence figure
+(metrics vs tokens seen, one line per layer) is drawn by :func:`sinklab.report.monitor_figures.write_emergence`.
 
 Under ``torchrun`` / ``accelerate launch`` (see docs/distributed.md) the monitor is created and stepped on
 every rank: with DDP (or a plain model) only the main process runs the probe; with FSDP2 (``fully_shard``)
-every rank runs it, as FSDP needs. Only the main process keeps records, writes the JSONL and the figure.
+every rank runs it, as FSDP needs. Only the main process keeps records and writes the JSONL.
 Call :meth:`SinkMonitor.step` once per optimiser step (not per micro-batch under gradient accumulation).
 """
 
@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from . import distributed, metrics
 from .circuit.stage import amplification_layer, classify_stage, stage_amplification
 
-__all__ = ["SinkMonitor", "SinkMonitorCallback", "emergence_figure"]
+__all__ = ["SinkMonitor", "SinkMonitorCallback", "read_records"]
 
 
 class SinkMonitor:
@@ -97,39 +97,10 @@ class SinkMonitor:
                 f.write(json.dumps(record) + "\n")
         return record
 
-    def figure(self, path: str | Path | None = None):
-        """The emergence figure; saved to ``path`` when given (by the main process only)."""
-        fig = emergence_figure(self.records)
-        if path is not None and distributed.is_main():
-            fig.savefig(path, dpi=110)
-        return fig
 
-
-def emergence_figure(records: list[dict]):
-    """Sink rate, mean attention to position 0, position-0 norm ratio and loss vs tokens seen (a line per layer)."""
-    from .report.figures import plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
-    if not records:
-        return fig
-    x = [r["tokens"] if r["tokens"] is not None else r["step"] for r in records]
-    n_layers = len(records[0]["sink_rate_0"])
-    panels = [
-        (axes[0, 0], "sink_rate_0", "Sink^ε(0) % of heads", lambda r, l: r["sink_rate_0"][l]),
-        (axes[0, 1], "attention_to_0", "mean attention to position 0", lambda r, l: sum(r["attention_to_0"][l]) / len(r["attention_to_0"][l])),
-        (axes[1, 0], "hidden_norm_ratio_0", "‖x₀‖ / median ‖x‖", lambda r, l: r["hidden_norm_ratio_0"][l]),
-    ]
-    for ax, _, title, get in panels:
-        for layer in range(n_layers):
-            ax.plot(x, [get(r, layer) for r in records], label=f"layer {layer}")
-        ax.set_title(title, fontsize=9)
-    axes[0, 0].legend(fontsize=7)
-    axes[1, 1].plot(x, [r["loss"] for r in records], color="black")
-    axes[1, 1].set_title("training loss", fontsize=9)
-    for ax in axes[1]:
-        ax.set_xlabel("tokens seen" if records[0]["tokens"] is not None else "step")
-    fig.tight_layout()
-    return fig
+def read_records(path: str | Path) -> list[dict]:
+    """The records a monitor wrote to its JSONL file (one dict per measurement, in step order)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 try:  # pragma: no cover - exercised only where transformers' Trainer is used

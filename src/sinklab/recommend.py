@@ -31,26 +31,31 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from typing import TYPE_CHECKING
 
 from torch import nn
 
 from . import _compat
+from .errors import InputError
 
 if TYPE_CHECKING:  # pragma: no cover - the diagnosis computes its recommendation (diagnose imports this module)
-    from .diagnose import Diagnosis, EditResult
+    from .diagnose import Diagnosis
+    from .edits import EditResult
 
 __all__ = [
     "CONFIDENCE_RULE",
     "DEFAULT_THRESHOLDS",
     "RULE",
     "Recommendation",
+    "SCHEMA_VERSION",
     "edit_signature",
     "recommend",
     "variant_support",
 ]
+
+SCHEMA_VERSION = "sinklab.recommend/1"
 
 DEFAULT_THRESHOLDS = {
     "rare_share": 0.05,  # unhoused sinks / (samples × layers × heads) below this: nothing to fix
@@ -113,7 +118,14 @@ class Recommendation:
         return None if self.fix == "none" else self.fix
 
     def to_json(self) -> dict:
-        return {"schema": "sinklab.recommend/1", **asdict(self), "variant": self.variant}
+        return {"schema": SCHEMA_VERSION, **asdict(self), "variant": self.variant}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Recommendation:
+        """The recommendation :meth:`to_json` wrote (``variant`` is derived from ``fix``, not read)."""
+        if data.get("schema") != SCHEMA_VERSION:
+            raise InputError(f"not a {SCHEMA_VERSION} document (schema {data.get('schema')!r})")
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
     def __str__(self) -> str:
         return json.dumps(self.to_json(), indent=1)
@@ -307,8 +319,6 @@ def recommend(diagnosis: Diagnosis, *, model: nn.Module | None = None, threshold
     th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
     unknown = set(th) - set(DEFAULT_THRESHOLDS)
     if unknown:
-        from .errors import InputError
-
         raise InputError(f"unknown recommendation threshold(s) {sorted(unknown)}; known: {sorted(DEFAULT_THRESHOLDS)}")
     ev = _evidence(diagnosis, th)
     fix, reason, fallback = _decide(ev, th)

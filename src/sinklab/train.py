@@ -2,8 +2,10 @@
 
 Data: ``pydoc`` (English prose that ships with Python, see :mod:`sinklab.corpus`, with a byte-level BPE
 trained on it), a UTF-8 text file, or ``bb`` (the Bigram-Backcopy task). Every run writes into ``out``:
-``train_config.json``, ``monitor.jsonl`` (sink metrics vs tokens seen), ``emergence.png``, and
-checkpoints (``checkpoint-<step>/`` on the schedule and ``final/``) loadable with ``sinklab.load``.
+``train_config.json``, ``monitor.jsonl`` (sink metrics vs tokens seen), ``summary.json`` and checkpoints
+(``checkpoint-<step>/`` on the schedule and ``final/``) loadable with ``sinklab.load``. The emergence
+figure is rendered from ``monitor.jsonl`` by :func:`sinklab.report.monitor_figures.write_emergence`
+(``sinklab train`` writes it as ``emergence.png``).
 
 Under ``torchrun`` (``torchrun --standalone --nproc-per-node N -m sinklab train …``, DDP; gloo on CPU) every
 rank draws the same global batch of ``batch`` samples and trains on its ``batch / N`` slice, so a step is
@@ -154,7 +156,7 @@ def train(cfg: TrainConfig, out: str | Path, progress: Callable[[int, float], No
     "training", "measuring"). ``out`` is created only once the data is ready, so bad data leaves nothing;
     checkpoints written before an error or Ctrl-C stay (a run can be inspected or continued from them).
     """
-    from .variants import save
+    from .checkpoint import save
 
     phase = phase or (lambda name: None)
     out = Path(out)
@@ -214,10 +216,9 @@ def train(cfg: TrainConfig, out: str | Path, progress: Callable[[int, float], No
     phase("measuring")
     summary = {"steps": cfg.steps, "tokens": tokens, "seconds": time.perf_counter() - start, "final_loss": loss_value,
                "corpus_tokens": corpus_tokens, "world_size": world}
-    if not main:  # the main process writes the checkpoint, the figure and the summary
+    if not main:  # the main process writes the checkpoint and the summary
         return summary
     final = _checkpoint(model, tokenizer, out / "final", save)
-    monitor.figure(out / "emergence.png")
     summary.update(last=monitor.records[-1], checkpoint=str(final))
     if task is not None:
         summary["bb"] = bb_metrics(model, task, sample(16, torch.Generator().manual_seed(cfg.seed + 7)))

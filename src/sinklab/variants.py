@@ -19,24 +19,20 @@ so no per-head Python loop and no T×T float mask in Python.
 
 from __future__ import annotations
 
-import json
 import math
-import warnings
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from . import _compat
 from .attention import mask_rows
-from .errors import InputError, ModelWeightsError, UnsupportedModelError
+from .errors import InputError, UnsupportedModelError
 
-__all__ = ["VariantConfig", "VARIANT_NAMES", "parse_variant", "apply_variant", "VariantHandle", "save", "load",
+__all__ = ["VariantConfig", "VARIANT_NAMES", "parse_variant", "apply_variant", "VariantHandle", "add_attention_parameters",
            "variant_columns", "variant_gate", "register_count", "register_labels"]
 
 ATTN_NAME = "sinklab_variant"
-CONFIG_FILE = "sinklab_variant.json"
 _OFF_GATE_BIAS = 30.0  # σ(30) == 1.0 in float32: a gate initialised "off" passes everything
 
 
@@ -211,11 +207,18 @@ class VariantHandle:
         self.remove()
 
     def install(self) -> None:
-        """Switch the model to the variant attention and mark it (the parameters and hooks are already added)."""
-        self.patch.use_attention(ATTN_NAME, variant_attention, target=self.base)
-        self.patch.set_config("sinklab_variant", asdict(self.config), module=self.base)
-        for module in {id(m): m for m in (self.model, self.base)}.values():
-            self.patch.add(module, "sinklab_variant_handle", self)
+        """Switch the model to the variant attention and mark it (the parameters and hooks are already added).
+
+        On any failure everything the handle added is undone before the error propagates.
+        """
+        try:
+            self.patch.use_attention(ATTN_NAME, variant_attention, target=self.base)
+            self.patch.set_config("sinklab_variant", asdict(self.config), module=self.base)
+            for module in {id(m): m for m in (self.model, self.base)}.values():
+                self.patch.add(module, "sinklab_variant_handle", self)
+        except BaseException:
+            self.remove()
+            raise
 
     def remove(self) -> None:
         self.patch.restore()
@@ -224,6 +227,45 @@ class VariantHandle:
 def stash_gate_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of a gated attention module: keep its input ``X`` for the gate ``σ(X W)``."""
     module.sinklab_gate_input = args[0] if args else kwargs["hidden_states"]
+
+
+def add_attention_parameters(handle: VariantHandle, attn: nn.Module, *, heads: int, kv_heads: int, head_dim: int,
+                             width: int, init: str, sink_start: float = 0.0,
+                             generator: torch.Generator | None = None) -> None:
+    """Add the variant's parameters (and the gate's input hook) to one attention module, through ``handle.patch``.
+
+    ``heads``/``kv_heads``/``head_dim``/``width``: the module's shapes (sink logit ``[heads]``, key/value slot
+    ``[kv_heads, head_dim]``, gate ``width → heads·head_dim`` or ``heads``). ``init="off"``: the identity (sink
+    logit −inf, gate σ = 1); else the sink logit starts at ``sink_start``, the gate has bias 0 and
+    ``nn.Linear``'s weights (redrawn from ``generator`` when one is given, for reproducible runs; ``init="off"``
+    draws nothing from it).
+    """
+    cfg = handle.config
+    ref = attn.q_proj.weight
+    add = handle.patch.add
+    add(attn, "sinklab_variant", cfg)
+    if cfg.sink_logit:
+        start = -math.inf if init == "off" else float(sink_start)
+        add(attn, "sinklab_sink_logit", nn.Parameter(torch.full((heads,), start, dtype=ref.dtype, device=ref.device)))
+    if cfg.kv_bias:  # a learned key/value slot per key/value head, 0 at the start (the slot scores 0)
+        for name in ("sinklab_k_bias", "sinklab_v_bias"):
+            add(attn, name, nn.Parameter(torch.zeros(kv_heads, head_dim, dtype=ref.dtype, device=ref.device)))
+    if cfg.gate is not None:
+        gate = nn.Linear(width, heads * head_dim if cfg.gate == "elementwise" else heads, bias=True)
+        if generator is not None and init != "off":
+            bound = width**-0.5  # nn.Linear's default range, drawn from the generator
+            with torch.no_grad():
+                gate.weight.uniform_(-bound, bound, generator=generator)
+        gate = gate.to(ref.device, ref.dtype)
+        with torch.no_grad():
+            if init == "off":
+                gate.weight.zero_()
+                gate.bias.fill_(_OFF_GATE_BIAS)
+            else:
+                gate.bias.zero_()
+        add(attn, "sinklab_gate", gate)
+        add(attn, "sinklab_gate_input", None)
+        handle.patch.hook(attn, stash_gate_input, pre=True, with_kwargs=True)
 
 
 def apply_variant(model: nn.Module, variant: str | VariantConfig | dict, *, init: str = "default",
@@ -260,33 +302,12 @@ def apply_variant(model: nn.Module, variant: str | VariantConfig | dict, *, init
     dh = getattr(mods[0], "head_dim", d // h)
     ref = mods[0].q_proj.weight
     handle = VariantHandle(model, cfg)
-    add = handle.patch.add
     for attn in mods:
-        add(attn, "sinklab_variant", cfg)
-        if cfg.sink_logit:
-            start = -math.inf if init == "off" else float(sink_init or 0.0)
-            add(attn, "sinklab_sink_logit", nn.Parameter(torch.full((h,), start, dtype=ref.dtype, device=ref.device)))
-        if cfg.kv_bias:
-            add(attn, "sinklab_k_bias", nn.Parameter(torch.zeros(hkv, dh, dtype=ref.dtype, device=ref.device)))
-            add(attn, "sinklab_v_bias", nn.Parameter(torch.zeros(hkv, dh, dtype=ref.dtype, device=ref.device)))
-        if cfg.gate is not None:
-            gate = nn.Linear(d, h * dh if cfg.gate == "elementwise" else h, bias=True).to(ref.device, ref.dtype)
-            with torch.no_grad():
-                if init == "off":
-                    gate.weight.zero_()
-                    gate.bias.fill_(_OFF_GATE_BIAS)
-                else:
-                    gate.bias.zero_()
-            add(attn, "sinklab_gate", gate)
-            add(attn, "sinklab_gate_input", None)
-            handle.patch.hook(attn, stash_gate_input, pre=True, with_kwargs=True)
+        add_attention_parameters(handle, attn, heads=h, kv_heads=hkv, head_dim=dh, width=d, init=init,
+                                 sink_start=sink_init or 0.0)
     if cfg.registers:
         _add_registers(handle.patch, model, cfg.registers, d, ref)
-    try:
-        handle.install()
-    except BaseException:
-        handle.remove()
-        raise
+    handle.install()
     return handle
 
 
@@ -354,132 +375,3 @@ def register_count(model: nn.Module) -> int:
 def register_labels(n: int) -> list[str]:
     """``["reg0", …]``: the position labels of ``n`` register tokens."""
     return [f"reg{i}" for i in range(n)]
-
-
-# ----------------------------------------------------------------------------- persistence
-def save(model: nn.Module, path: str | Path) -> Path:
-    """Save a model with its variant: safetensors weights (extra parameters included) + ``sinklab_variant.json``."""
-    handle = getattr(model, "sinklab_variant_handle", None)
-    path = Path(path)
-    with _compat.quiet_loading():
-        model.save_pretrained(str(path), safe_serialization=True)
-    if handle is not None:
-        (path / CONFIG_FILE).write_text(json.dumps({"format": "sinklab.variant/1", "variant": asdict(handle.config)}))
-    return path
-
-
-def check_safetensors(path: str | Path) -> list[Path]:
-    """The ``*.safetensors`` files of folder ``path``, each opened once to check it is whole.
-
-    Raises :class:`ModelWeightsError` for a truncated or corrupt file (safetensors checks that the header
-    is valid and that the data covers every tensor the header lists).
-    """
-    from safetensors import safe_open
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as handle_f:
-                list(handle_f.keys())
-        except Exception as exc:
-            raise ModelWeightsError(f"{f}: corrupt or truncated safetensors file ({exc}); the checkpoint was not "
-                                    "written completely — copy it again or use an earlier checkpoint") from exc
-    return files
-
-
-def strict_load_report(source: str | Path, info: dict, *, allow_unexpected: bool = False,
-                       consumed: set[str] = frozenset()) -> None:
-    """Raise :class:`ModelWeightsError` if ``from_pretrained``'s loading info lists missing, unexpected or
-    mismatched weights (``consumed``: keys sinklab loads itself; ``allow_unexpected``: the checkpoint has a
-    task head that the base model leaves out on purpose)."""
-    missing = sorted(info.get("missing_keys") or ())
-    unexpected = sorted(set(info.get("unexpected_keys") or ()) - set(consumed))
-    mismatched = sorted(str(k) for k in info.get("mismatched_keys") or ())
-    if allow_unexpected:
-        unexpected = [k for k in unexpected if "sinklab_" in k]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} parameter(s) of the model are not in the files (they would stay random): "
-                        f"{_few(missing)}")
-    if unexpected:
-        hint = (" — variant weights without sinklab_variant.json: save with sinklab.save" if
-                any("sinklab_" in k for k in unexpected) else "")
-        problems.append(f"{len(unexpected)} weight(s) in the files are not used by the model: {_few(unexpected)}{hint}")
-    if mismatched:
-        problems.append(f"{len(mismatched)} weight(s) have the wrong shape: {_few(mismatched)}")
-    if problems:
-        raise ModelWeightsError(f"{source}: the checkpoint does not match its model; " + "; ".join(problems))
-
-
-def _few(keys: list[str], n: int = 3) -> str:
-    return ", ".join(keys[:n]) + (f" … ({len(keys) - n} more)" if len(keys) > n else "")
-
-
-def _model_class(config):
-    """The class named by the config's ``architectures`` (any class a variant can be applied to)."""
-    import transformers
-    from transformers import AutoModel, AutoModelForCausalLM
-
-    architectures = getattr(config, "architectures", None) or []
-    cls = getattr(transformers, architectures[0], None) if architectures else None
-    if cls is not None:
-        return cls
-    return AutoModelForCausalLM if any("CausalLM" in a for a in architectures) else AutoModel
-
-
-def load(path: str | Path, *, dtype=None) -> nn.Module:
-    """Load a model saved by :func:`save` (or any local safetensors model folder), strictly.
-
-    The variant comes back from the checkpoint's own metadata (``sinklab_variant.json``, else the
-    ``sinklab_variant`` field of ``config.json``), with its extra weights. Every weight in the files must
-    be used and every parameter of the model loaded, else :class:`ModelWeightsError`. (Plain
-    ``from_pretrained`` would drop the variant's weights as "unexpected" and run the bare model.)
-    """
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    path = Path(path)
-    files = check_safetensors(path) if path.is_dir() else []
-    if not files:
-        raise ModelWeightsError(f"{path}: no safetensors checkpoint here (sinklab loads its checkpoints with safetensors only)")
-    try:
-        with _compat.quiet_loading():
-            config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelWeightsError(f"{path}: no usable config.json ({exc})") from exc
-    variant = _saved_variant(path, config)
-    try:
-        with _compat.quiet_loading(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model, info = _model_class(config).from_pretrained(str(path), local_files_only=True, dtype=dtype,
-                                                              output_loading_info=True)
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise ModelWeightsError(f"{path}: the weights cannot be loaded: {exc}") from exc
-    extra: dict[str, Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle_f:
-            extra.update({k: handle_f.get_tensor(k) for k in handle_f.keys() if "sinklab_" in k})
-    if variant is not None:
-        apply_variant(model, variant, init="off")
-        wanted = {k for k in model.state_dict() if "sinklab_" in k}
-        absent = sorted(wanted - set(extra))
-        if absent:
-            raise ModelWeightsError(f"{path}: the variant's weights are missing from the checkpoint: {_few(absent)}")
-        result = model.load_state_dict(extra, strict=False)
-        info = dict(info, unexpected_keys=set(info["unexpected_keys"]) | set(result.unexpected_keys))
-        strict_load_report(path, info, consumed=wanted)
-    else:
-        strict_load_report(path, info)
-    return model.eval()
-
-
-def _saved_variant(path: Path, config) -> VariantConfig | None:
-    meta_file = path / CONFIG_FILE
-    try:
-        if meta_file.exists():
-            return VariantConfig(**json.loads(meta_file.read_text())["variant"])
-        fields = getattr(config, "sinklab_variant", None)
-        return VariantConfig(**fields) if fields else None
-    except (json.JSONDecodeError, KeyError, TypeError, InputError) as exc:
-        raise ModelWeightsError(f"{meta_file}: unreadable variant metadata ({exc}); save the model again "
-                                "with sinklab.save") from exc

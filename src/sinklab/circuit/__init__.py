@@ -7,7 +7,8 @@ and the emergence stage across training checkpoints.
 
 from __future__ import annotations
 
-from .analysis import SCHEMA_VERSION, CircuitResult, circuit, circuit_inputs, measure_rows
+from .analysis import SCHEMA_VERSION, CircuitResult, circuit, circuit_inputs
+from .measure import measure_rows
 from .hooks import Patch, find_sublayers
 from .inputs import CircuitInputs, bb_inputs, id_inputs, text_inputs
 from .stage import STAGES, amplification_blocks, amplification_layer, classify_stage, sink_location

@@ -1,6 +1,6 @@
 """Shared pieces of the command line: the Typer app, consoles, error handling, loading, outputs, progress.
 
-Every command wraps its body in :func:`_user_errors`, checks ``--out`` with :func:`check_out_dir` before
+Every command wraps its body in :func:`user_errors`, checks ``--out`` with :func:`check_out_dir` before
 loading anything, and writes its outputs through :func:`sinklab.atomic.atomic_dir` (or a writer that is atomic itself),
 so bad input gives one red line and exit code 2, Ctrl-C gives exit code 130, and neither leaves a partial
 output folder behind.
@@ -72,9 +72,9 @@ def prepare_run(model: str, text: str | None, file: Path | None, out: Path, seq_
     """
     from ..checks import check_positions
 
-    texts = _read_texts(text, file)
+    texts = read_texts(text, file)
     out = check_out_dir(out)
-    loaded = _load(model, **load_kwargs)
+    loaded = load_for_command(model, **load_kwargs)
     if loaded.tokenizer is not None:  # (a vision model's positions are its patches, not --seq-len)
         check_positions(loaded.model, seq_len)
     return texts, out, loaded
@@ -155,7 +155,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 @contextmanager
-def _user_errors(interrupted: str | None = None) -> Iterator[None]:
+def user_errors(interrupted: str | None = None) -> Iterator[None]:
     """Turn sinklab's input errors into one red line and exit code 2 (no traceback, no partial output).
 
     Ctrl-C prints one line (``interrupted``, e.g. where the checkpoints are) and exits with 130, the shell's
@@ -202,7 +202,7 @@ def check_out_dir(out: Path | str, option: str = "--out") -> Path:
     return out
 
 
-def _load(model: str, *, needs_tokenizer: bool = True, images_ok: bool = False, **kwargs):
+def load_for_command(model: str, *, needs_tokenizer: bool = True, images_ok: bool = False, **kwargs):
     """Load ``model`` with a spinner; text commands need its tokenizer (a token-id checkpoint has none).
 
     ``images_ok``: the command also runs a vision transformer (scan, diagnose: on the embedded images)."""
@@ -222,7 +222,7 @@ def _load(model: str, *, needs_tokenizer: bool = True, images_ok: bool = False, 
     return loaded
 
 
-def _read_texts(text: str | None, file: Path | None, option: str = "--text") -> list[str] | None:
+def read_texts(text: str | None, file: Path | None, option: str = "--text") -> list[str] | None:
     """``[text]``, ``[contents of file]`` or ``None`` (neither: the command's default corpus)."""
     if text is not None and file is not None:
         raise InputError(f"give either {option} or --file, not both")
@@ -252,7 +252,7 @@ def check_count(value: int | None, option: str, minimum: int = 1) -> None:
         raise InputError(f"{option} must be ≥ {minimum}, got {value}")
 
 
-def _progress(total: int | None = None) -> Progress:
+def progress_bar(total: int | None = None) -> Progress:
     """A transient bar on stderr: description, bar, done/total, elapsed (give each task its total)."""
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=err, transient=True)

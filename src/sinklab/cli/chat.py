@@ -14,7 +14,7 @@ import typer
 from rich.markup import escape
 
 from ..errors import InputError, SinklabError
-from ._common import MODEL_HELP, _load, _user_errors, app, device_map_option, err, trust_remote_code_option
+from ._common import MODEL_HELP, load_for_command, user_errors, app, device_map_option, err, trust_remote_code_option
 
 COMMANDS = {"/reset": "forget the conversation (the system prompt stays)", "/save FILE": "save the chat",
             "/load FILE": "continue a saved chat", "/quit": "leave (so does Ctrl-D)", "/help": "this list"}
@@ -141,9 +141,9 @@ def chat(
     in, the chat runs without prompts and prints the transcript."""
     from ..stream.chat import ChatStream
 
-    with _user_errors():
+    with user_errors():
         turns = list(script_turns(script)) if script is not None else None
-        loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, device_map=device_map)
+        loaded = load_for_command(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, device_map=device_map)
         engine = ChatStream(loaded.model, loaded.tokenizer, system=system, num_sinks=sinks, window=window,
                             chunk_size=chunk_size, max_new_tokens=max_new_tokens, temperature=temperature,
                             top_k=top_k, seed=seed)

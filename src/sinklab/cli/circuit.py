@@ -10,9 +10,9 @@ from rich.table import Table
 
 from ._common import (
     MODEL_HELP,
-    _progress,
-    _read_texts,
-    _user_errors,
+    progress_bar,
+    read_texts,
+    user_errors,
     app,
     check_out_dir,
     console,
@@ -82,8 +82,8 @@ def circuit_cmd(
     from ..circuit.sweep import Checkpoint, circuit_source, load_source
     from ..report import save
 
-    with _user_errors():
-        texts = _read_texts(text, file)
+    with user_errors():
+        texts = read_texts(text, file)
         out = check_out_dir(out)
         path = Path(model)
         if path.is_dir():
@@ -98,7 +98,7 @@ def circuit_cmd(
         with console.status(f"loading {model} …"):
             net, tokenizer, cfg = load_source(ck, device_map=device_map)
         passes = 5 if not no_causal else 3
-        with _progress(passes * samples) as progress:
+        with progress_bar(passes * samples) as progress:
             task = progress.add_task("circuit", total=passes * samples)
             result = circuit_source(net, tokenizer, cfg, texts=texts, seq_len=seq_len, samples=samples, source=model,
                                     batch_size=batch_size, causal=not no_causal,
@@ -125,8 +125,8 @@ def circuit_sweep_cmd(
     from ..circuit.sweep import circuit_sweep, discover_checkpoints
     from ..report import save
 
-    with _user_errors():
-        texts = _read_texts(text, file)
+    with user_errors():
+        texts = read_texts(text, file)
         out = check_out_dir(out)
         found = discover_checkpoints(checkpoints, include_init=not no_init)
         passes = 5 if not no_causal else 3  # per checkpoint; raised when a checkpoint needs the early patches too
@@ -143,7 +143,7 @@ def circuit_sweep_cmd(
                               " ".join(f"{v:.0f}" for v in r["sink_rate"][0]))
             progress.update(task, description=f"sweep ({ck.label} done)")
 
-        with _progress(len(found) * passes * samples) as progress:
+        with progress_bar(len(found) * passes * samples) as progress:
             task = progress.add_task("sweep", total=len(found) * passes * samples)
             def more(n):  # this checkpoint needs n sample passes instead of the planned passes × samples
                 progress.update(task, total=progress.tasks[0].total + n - passes * samples)

@@ -13,8 +13,8 @@ from .. import distributed
 from ..report import save
 from ._common import (
     MODEL_HELP,
-    _progress,
-    _user_errors,
+    progress_bar,
+    user_errors,
     app,
     check_out_dir,
     console,
@@ -56,7 +56,7 @@ def diagnose(
     from ..diagnose import diagnose as run_diagnose
     from ..diagnose import diagnose_inputs
 
-    with _user_errors():
+    with user_errors():
         device = join_ranks(device, device_map)
         texts, out, loaded = prepare_run(model, text, file, out, seq_len, dtype=dtype, device=device, revision=revision,
                                          trust_remote_code=trust_remote_code, device_map=device_map,
@@ -104,7 +104,7 @@ def synth(
     from ..atomic import atomic_dir
     from ._common import check_count
 
-    with _user_errors():
+    with user_errors():
         if task not in ("nop", "broadcast"):
             raise SinklabError(f"unknown synthetic task {task!r}; choose 'nop' or 'broadcast'")
         batch_size = batch_alias if batch_alias is not None else batch_size
@@ -117,7 +117,7 @@ def synth(
             raise SinklabError(f"--lr must be > 0, got {lr}")
         out = check_out_dir(out or Path(f"sinklab-synth-{task}"))
         total = steps or (2000 if task == "nop" else 3000)
-        with _progress(total) as progress:
+        with progress_bar(total) as progress:
             bar = progress.add_task(f"training the {task} task on CPU", total=total)
             advance = lambda step, loss: progress.update(bar, completed=step)  # noqa: E731
             if task == "nop":

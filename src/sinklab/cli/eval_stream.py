@@ -12,10 +12,10 @@ from ..errors import SinklabError
 from ..provenance import provenance
 from ._common import (
     MODEL_HELP,
-    _load,
-    _progress,
-    _read_texts,
-    _user_errors,
+    load_for_command,
+    progress_bar,
+    read_texts,
+    user_errors,
     app,
     check_out_dir,
     console,
@@ -27,13 +27,13 @@ from ._common import (
 _DEFAULT_TEXT = "Python's pydoc topics (sinklab.texts.default_texts)"
 
 
-def _read_long_text(file: Path | None) -> tuple[str, str]:
+def read_long_text(file: Path | None) -> tuple[str, str]:
     """The text and where it came from; a missing, binary, non-UTF-8 or empty ``--file`` is an error."""
     from ..texts import default_texts
 
     if file is None:
         return "\n\n".join(default_texts()), _DEFAULT_TEXT
-    (text,) = _read_texts(None, file)
+    (text,) = read_texts(None, file)
     if "\x00" in text:
         raise SinklabError(f"--file {file} looks binary (it contains NUL bytes); give a UTF-8 text file")
     return text, str(file)
@@ -56,15 +56,30 @@ def eval_stream(
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     device: Annotated[str | None, typer.Option("--device")] = None,
     trust_remote_code: Annotated[bool, trust_remote_code_option()] = False,
+    quality: Annotated[str | None, typer.Option("--quality", help="also run quality measures, comma-separated: "
+                                                "recall,endless,prompts (at S = max(--sinks), W = C − S)")] = None,
+    recall_distances: Annotated[str | None, typer.Option("--recall-distances", help="recall: tokens between fact and "
+                                                         "question (default 16, W/2, C+32, 2C, 4C)")] = None,
+    recall_facts: Annotated[int | None, typer.Option("--recall-facts", help="recall: facts per distance (≤ 10)")] = \
+        None,
+    endless_tokens: Annotated[int | None, typer.Option("--endless-tokens", help="endless: sampled tokens per run "
+                                                       "(default 2000)")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="endless: sampling seed (default 0)")] = None,
+    prompts: Annotated[int | None, typer.Option("--prompts", help="prompts: how many of the project's 32")] = None,
+    answer_tokens: Annotated[int | None, typer.Option("--answer-tokens", help="prompts: tokens per answer "
+                                                      "(default 48)")] = None,
 ) -> None:
     """Per-token NLL over a long text: dense, window-only, recompute and sinks + window, all at cache size
-    C = S + W and scored on the same positions (from the first eviction on). Writes JSON, figures and HTML."""
+    C = S + W and scored on the same positions (from the first eviction on). Writes JSON, figures and HTML.
+    With --quality, also what the stream forgets (recall), whether it stays fluent (endless) and many prompts
+    through one stream, into the same JSON and report."""
     import torch
 
     from ..report import save
     from ..stream.evaluate import EvalPlan, evaluate_stream, parse_sinks
+    from ..stream.quality import evaluate_quality
 
-    with _user_errors():
+    with user_errors():
         if window < 1:
             raise SinklabError(f"--window must be ≥ 1, got {window}")
         counts = parse_sinks(sinks)
@@ -73,10 +88,13 @@ def eval_stream(
         if tokens <= plan.first:
             raise SinklabError(f"--tokens {tokens}: scoring starts after the first eviction, at position {plan.first} "
                                f"(cache size {c}); ask for more tokens (several cache lengths, e.g. {4 * c})")
-        text, source = _read_long_text(file)
+        qplan = _quality_plan(quality, max(counts), c - max(counts), chunk_size, recall_distances=recall_distances,
+                              facts=recall_facts, endless_tokens=endless_tokens, seed=seed, prompts=prompts,
+                              answer_tokens=answer_tokens)
+        text, source = read_long_text(file)
         check_out_dir(out)
 
-        loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        loaded = load_for_command(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         tok = loaded.tokenizer
         encoded = tok(text[: tokens * 16], add_special_tokens=True, verbose=False)["input_ids"]
         if len(encoded) < tokens:
@@ -86,10 +104,22 @@ def eval_stream(
             raise SinklabError(f"the text has only {ids.numel()} tokens; scoring starts at position {plan.first} "
                                f"(cache size {c}): give a longer --file or a smaller cache")
         total = plan.work(ids.numel())
-        with _progress(total) as progress:
+        with progress_bar(total) as progress:
             task = progress.add_task("eval-stream", total=total)
             result = evaluate_stream(loaded.model, ids, plan,
                                      progress=lambda label, n: progress.update(task, advance=n, description=label))
+        if qplan is not None:
+            longest = max(qplan.recall_distances()) if "recall" in qplan.measures else 0
+            filler = torch.tensor(tok(text[: longest * 16 + 64], add_special_tokens=False, verbose=False)["input_ids"])
+            if "recall" in qplan.measures and filler.numel() < longest:
+                raise SinklabError(f"the text has only {filler.numel()} tokens; the recall distance {longest} needs "
+                                   "that many between a fact and its question: give a longer --file or shorter "
+                                   "--recall-distances")
+            with progress_bar(qplan.work()) as progress:
+                task = progress.add_task("quality", total=qplan.work())
+                result.quality = evaluate_quality(
+                    loaded.model, tok, qplan, filler, model_name=model,
+                    progress=lambda label, n: progress.update(task, advance=n, description=f"quality: {label}"))
         first = int(ids[0])
         result.meta = {
             "model": model, "text": source,
@@ -99,8 +129,27 @@ def eval_stream(
         }
         data = result.to_json()
         _print_table(data, model)
+        if result.quality:
+            from ..report.quality_figures import quality_tables
+
+            console.print(quality_tables(result.quality, answers=False), highlight=False, markup=False, soft_wrap=True)
         report = save(result, out)
         console.print(f"wrote {out / 'eval_stream.json'}, figures and {report}")
+
+
+def _quality_plan(measures: str | None, num_sinks: int, window: int, chunk_size: int, **options):
+    """The :class:`QualityPlan` of ``--quality`` (``None`` without it); its options without it are an error."""
+    from ..stream.quality import QualityPlan
+
+    given = {k: v for k, v in options.items() if v is not None}
+    if measures is None:
+        if given:
+            names = ", ".join("--" + k.replace("_", "-").replace("facts", "recall-facts") for k in given)
+            raise SinklabError(f"{names} only apply with --quality (e.g. --quality recall,endless,prompts)")
+        return None
+    if "recall_distances" in given:
+        given["distances"] = given.pop("recall_distances")
+    return QualityPlan(measures=measures, num_sinks=num_sinks, window=window, chunk_size=chunk_size, **given)
 
 
 def _print_table(data: dict, model: str) -> None:

@@ -12,16 +12,16 @@ from ..errors import SinklabError
 from ..provenance import provenance
 from ._common import (
     MODEL_HELP,
-    _load,
-    _progress,
-    _user_errors,
+    load_for_command,
+    progress_bar,
+    user_errors,
     app,
     check_out_dir,
     console,
     print_table,
     trust_remote_code_option,
 )
-from .eval_stream import _read_long_text
+from .eval_stream import read_long_text
 
 
 def _ints(text: str, option: str) -> tuple[int, ...]:
@@ -42,7 +42,9 @@ def kv_quant_command(
     context: Annotated[int, typer.Option("--context", help="tokens cached per sample")] = 1024,
     score: Annotated[int, typer.Option("--score", help="next tokens scored per sample")] = 256,
     samples: Annotated[int, typer.Option("--samples", help="consecutive windows of the text")] = 4,
-    group_size: Annotated[int, typer.Option("--group-size", help="G: tokens per key block, channels per value group")] = 64,
+    group_size: Annotated[int, typer.Option("--group-size", help="G: tokens per key block at 3, 4, 8 bits")] = 64,
+    group_size_2bit: Annotated[int, typer.Option("--group-size-2bit", help="G: tokens per key block at 2 bits")] = 32,
+    value_group: Annotated[int, typer.Option("--value-group", help="channels per value scale (≤ head width)")] = 64,
     residual: Annotated[int, typer.Option("--residual", help="R: most recent tokens kept in full precision")] = 32,
     decode_steps: Annotated[int, typer.Option("--decode-steps", help="timed one-token forwards per cache")] = 16,
     hf_backend: Annotated[str, typer.Option("--hf-backend", help="also transformers' QuantizedCache with these "
@@ -58,24 +60,24 @@ def kv_quant_command(
 
     from ..kvquant.evaluate import KvQuantPlan, kv_quant
     from ..report import save
-    from ..report.kvquant import TABLE_HEADER, table_rows
+    from ..report.kvquant import table_header, table_rows
     from ..texts import readable_tokens
 
-    with _user_errors():
+    with user_errors():
         plan = KvQuantPlan(bits=_ints(bits, "--bits"), protect=tuple(p.strip() for p in protect.split(",") if p.strip()),
                            num_first=num_first, context=context, score=score, samples=samples, group_size=group_size,
-                           residual=residual, decode_steps=decode_steps,
+                           group_size_2bit=group_size_2bit, value_group=value_group, residual=residual, decode_steps=decode_steps,
                            hf_backends=tuple(b.strip() for b in hf_backend.split(",") if b.strip()))
-        text, source = _read_long_text(file)
+        text, source = read_long_text(file)
         check_out_dir(out)
-        loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        loaded = load_for_command(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         tok = loaded.tokenizer
         encoded = tok(text[: plan.tokens * 16], add_special_tokens=True, verbose=False)["input_ids"]
         if len(encoded) < plan.tokens:
             encoded = tok(text, add_special_tokens=True, verbose=False)["input_ids"]
         ids = torch.tensor(encoded[: plan.tokens])
         total = plan.work()
-        with _progress(total) as progress:
+        with progress_bar(total) as progress:
             task = progress.add_task("kv-quant", total=total)
             result = kv_quant(loaded.model, ids, plan,
                               progress=lambda label, n: progress.update(task, advance=n, description=label))
@@ -85,7 +87,7 @@ def kv_quant_command(
                                            for i, pos in enumerate(result.detected)]}
         data = result.to_json()
         print_table(f"{model}: {plan.samples} × ({plan.context} cached + {plan.score} scored) tokens; 16-bit cache "
-                    f"{data['dense_bytes_per_token_16bit']:,} bytes/token", TABLE_HEADER, table_rows(data))
+                    f"{data['dense_bytes_per_token_16bit']:,} bytes/token", table_header(data), table_rows(data))
         console.print("detected sinks per sample: " + "; ".join(str(d) for d in result.detected))
         report = save(result, out)
         console.print(f"wrote {out / 'kv_quant.json'}, {out / 'kl_vs_bytes.png'} and {report}")

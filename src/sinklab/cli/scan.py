@@ -11,7 +11,7 @@ from rich.table import Table
 from .. import distributed
 from ._common import (
     MODEL_HELP,
-    _user_errors,
+    user_errors,
     app,
     console,
     device_map_option,
@@ -66,7 +66,7 @@ def scan(
     from ..scan import scan as run_scan
     from ..scan import scan_inputs
 
-    with _user_errors():
+    with user_errors():
         device = join_ranks(device, device_map)
         texts, out, loaded = prepare_run(model, text, file, out, seq_len, dtype=dtype, device=device, revision=revision,
                                          trust_remote_code=trust_remote_code, device_map=device_map,

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..errors import SinklabError
-from ._common import MODEL_HELP, _load, _read_texts, _user_errors, app, device_map_option, err, trust_remote_code_option
+from ._common import MODEL_HELP, load_for_command, read_texts, user_errors, app, device_map_option, err, trust_remote_code_option
 
 
 @app.command()
@@ -40,11 +40,11 @@ def stream(
 
     from ..stream import StreamSession, stream_generate
 
-    with _user_errors():
-        texts = _read_texts(prompt, file)
+    with user_errors():
+        texts = read_texts(prompt, file)
         if texts is None:
             raise SinklabError("give a prompt with --prompt or --file")
-        loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, device_map=device_map)
+        loaded = load_for_command(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, device_map=device_map)
         # --pin-prompt: the prompt's tokens are kept forever (pins are fixed when the stream starts).
         n_prompt = len(loaded.tokenizer(texts[0])["input_ids"]) if texts[0] else 0
         pinned = [(0, n_prompt)] if pin_prompt and n_prompt else None

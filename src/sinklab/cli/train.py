@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import InputError
-from ._common import _user_errors, app, check_out_dir, console, err, join_ranks
+from ._common import user_errors, app, check_out_dir, console, err, join_ranks
 
 _VARIANTS = "sink-logit, softmax1, kv-bias, gated, gated-headwise, registers; combine with +"
 
@@ -42,11 +42,13 @@ def train_cmd(
 ) -> None:
     """Train a small causal LM on CPU with a sink monitor; safetensors checkpoints (load with sinklab.load)."""
     from .. import distributed
+    from ..monitor import read_records
+    from ..report.monitor_figures import write_emergence
     from ..train import TrainConfig, train
 
     if nproc > 1 and not distributed.launched():
         raise typer.Exit(code=_relaunch(nproc))
-    with _user_errors(interrupted=f"training stopped; the checkpoints written so far stay in {out}"):
+    with user_errors(interrupted=f"training stopped; the checkpoints written so far stay in {out}"):
         if nproc < 1:
             raise InputError(f"--nproc must be ≥ 1, got {nproc}")
         join_ranks(None)
@@ -67,6 +69,7 @@ def train_cmd(
                             phase=lambda name: progress.update(task, description=name))
         if not distributed.is_main():
             return
+        write_emergence(read_records(out / "monitor.jsonl"), out / "emergence.png")
         last = summary["last"]
         console.print(f"trained {summary['steps']} steps ({summary['tokens']:,} tokens, {summary['seconds']:.0f} s), "
                       f"final loss {summary['final_loss']:.3f}")

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ._common import _user_errors, app, console, err
+from ._common import user_errors, app, console, err
 
 
 @app.command("vit-experiment")
@@ -28,9 +28,10 @@ def vit_experiment(
     lr: Annotated[float, typer.Option("--lr")] = 2e-3,
 ) -> None:
     """Train each variant with identical data and budget, probe frozen features, diagnose; table + figures."""
-    from ..vit.experiment import VitExperimentConfig, run_experiment
+    from ..report.vit_figures import write_experiment_figures
+    from ..vit.experiment import VitExperimentConfig, experiment_runs, run_experiment
 
-    with _user_errors():
+    with user_errors():
         cfg = VitExperimentConfig(variants=[v.strip() for v in variants.split(",") if v.strip()], seeds=seeds,
                                   minutes=minutes, image_size=image_size, patch_size=patch_size, width=width, layers=layers, heads=heads, registers=registers,
                                   batch=batch, lr=lr)
@@ -44,5 +45,6 @@ def vit_experiment(
 
             console.print("measuring throughput …" if not (out / "plan.json").exists() else f"resuming {out}")
             summary = run_experiment(cfg, out, progress=update)
+        write_experiment_figures(summary, experiment_runs(cfg, out), cfg, out)
         console.print(summary["table_md"])
         console.print(f"wrote {out}/results.json, table.md, sink_classes.png, attention_maps.png, output_norms.png")

@@ -5,7 +5,11 @@ are prefilled into the cache under test, then the next ``score`` tokens are fed 
 next-token distributions are compared with the same two forwards over transformers' unquantized
 ``DynamicCache`` (KL(full ‖ quantized), top-1 agreement) and scored against the text (PPL). Bytes per
 cached token are what the cache holds after both forwards (packed codes, scales, zero points, protected
-and residual tokens), divided by the tokens cached. Decode time is ``decode_steps`` greedy one-token
+and residual tokens, the latter two in 16-bit storage), divided by the tokens cached — and, because a short
+text flatters nothing but the residual's share, also at ``bytes_lengths`` cached tokens (each cache filled
+to that length with the same protection). The ``16-bit`` row keeps every token unquantized in the 16-bit
+storage of the protected and residual tokens: its KL is what that storage alone costs a float32 model.
+Decode time is ``decode_steps`` greedy one-token
 forwards on top of sample 0's cache.
 """
 
@@ -19,12 +23,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
 from .. import _compat
 from ..errors import InputError
 from .codec import BITS
 from .detect import detect_sinks
-from .layer import dense_bytes_per_token, quantized_sink_cache
+from .layer import dense_bytes_per_token, kv_shape, quantized_sink_cache
 from .plan import PROTECTIONS, Protection
 
 __all__ = ["KvQuantPlan", "KvQuantResult", "kv_quant", "ROW_KEYS", "HF_BACKENDS"]
@@ -47,12 +52,15 @@ class KvQuantPlan:
     context: int = 1024  # tokens cached per sample before scoring
     score: int = 256  # next tokens scored per sample
     samples: int = 4  # windows of context + score tokens, consecutive in the text
-    group_size: int = 64  # G: tokens per key block, channels per value group
+    group_size: int = 64  # G: tokens per key block (per-channel key scales) at 3, 4 and 8 bits
+    group_size_2bit: int = 32  # G at 2 bits: four levels per block need shorter blocks (KIVI's own G is 32)
+    value_group: int | None = 64  # channels per value scale (per-token; capped at the head width); None: G
     residual: int = 32  # R: most recent tokens kept in full precision
     eps: float = 0.3  # sink detection: column mass above eps …
     share: float = 0.1  # … in at least this share of layer×head pairs
     decode_steps: int = 16  # timed one-token forwards per cache (sample 0)
     hf_backends: tuple[str, ...] = ()  # also transformers' QuantizedCache with these backends ("quanto", "hqq")
+    bytes_lengths: tuple[int, ...] = (1024, 4096)  # also report bytes per token at these cached lengths
 
     def __post_init__(self) -> None:
         self.bits, self.protect = tuple(int(b) for b in self.bits), tuple(self.protect)
@@ -62,13 +70,24 @@ class KvQuantPlan:
         unknown = [p for p in self.protect if p not in PROTECTIONS]
         if unknown or not self.protect:
             raise InputError(f"--protect takes values from {PROTECTIONS}, got {list(self.protect)}")
-        if self.context < 2 * self.group_size or self.score < 1 or self.samples < 1:
-            raise InputError(f"context ({self.context}) must hold at least two groups of {self.group_size} tokens, "
+        if min(self.group_size, self.group_size_2bit, self.value_group or 1) < 1:
+            raise InputError(f"group sizes must be ≥ 1, got {self.group_size}, {self.group_size_2bit} and "
+                             f"{self.value_group}")
+        longest = max(self.group_for(b) for b in self.bits)
+        if self.context < 2 * longest or self.score < 1 or self.samples < 1:
+            raise InputError(f"context ({self.context}) must hold at least two groups of {longest} tokens, "
                              f"score ({self.score}) and samples ({self.samples}) must be ≥ 1")
         self.hf_backends = tuple(self.hf_backends)
+        self.bytes_lengths = tuple(int(n) for n in self.bytes_lengths)
+        if any(n < 1 for n in self.bytes_lengths):
+            raise InputError(f"bytes lengths must be ≥ 1, got {list(self.bytes_lengths)}")
         unknown = [b for b in self.hf_backends if b not in HF_BACKENDS]
         if unknown:
             raise InputError(f"--hf-backend takes values from {sorted(HF_BACKENDS)}, got {unknown}")
+
+    def group_for(self, bits: int) -> int:
+        """``G`` at ``bits``: tokens per key block (and the channel group of transformers' caches)."""
+        return self.group_size_2bit if bits == 2 else self.group_size
 
     @property
     def tokens(self) -> int:
@@ -105,8 +124,23 @@ class KvQuantResult:
         return next(r for r in self.rows if r["bits"] == bits and r["protect"] == protect)
 
 
-def _cache_nbytes(cache) -> int:
-    """Bytes a cache holds: sinklab's layers count themselves; transformers' quantized layers are walked."""
+def _filled_bytes_per_token(model: nn.Module, cache: Cache, length: int) -> float:
+    """Bytes per token ``cache`` holds once ``length`` tokens of ``model``'s K/V shape are stored in it.
+
+    The cache is filled with one zero chunk ``[1, Hkv, length, d]`` per layer (the state after a prefill of
+    ``length`` tokens; what a layer stores does not depend on the values), then measured with
+    ``_cache_nbytes``. This is how bytes per token are reported at lengths longer than a measured text.
+    """
+    layers, kv, dh = kv_shape(model)
+    dtype = next(model.parameters()).dtype
+    chunk = torch.zeros(1, kv, length, dh, dtype=dtype)  # (B, Hkv, T, d)
+    for i in range(layers):
+        cache.update(chunk, chunk, i)
+    return _cache_nbytes(cache) / length
+
+
+def _cache_nbytes(cache: Cache) -> int:
+    """Bytes a cache holds: sinklab's layers count themselves; transformers' layers (quantized or not) are walked."""
     total = 0
     for layer in cache.layers:
         if hasattr(layer, "nbytes"):
@@ -134,10 +168,20 @@ def _hf_cache(model: nn.Module, backend: str, bits: int, plan: KvQuantPlan):
     try:
         from transformers import QuantizedCache
 
-        return QuantizedCache(backend, model.config, nbits=bits, q_group_size=plan.group_size,
+        return QuantizedCache(backend, model.config, nbits=bits, q_group_size=plan.group_for(bits),
                               residual_length=plan.residual)
     except ImportError as exc:
         raise InputError(f"transformers' QuantizedCache needs the {backend!r} backend: {exc}") from exc
+
+
+def _sinklab_cache(model: nn.Module, bits: int, protect: str, sinks: list[int], plan: KvQuantPlan) -> tuple[Cache, Protection]:
+    """The packed cache of one row and its protection (``16-bit``: every token kept, unquantized)."""
+    if protect == "16-bit":  # a residual longer than any text: nothing is ever packed
+        return quantized_sink_cache(model, 8, None, residual=1 << 62), Protection(first=1 << 62)
+    guard = {"none": Protection(), "first": Protection(first=plan.num_first),
+             "detected": Protection(positions=tuple(sinks))}[protect]
+    return quantized_sink_cache(model, bits, guard, group_size=plan.group_for(bits), residual=plan.residual,
+                                value_group=plan.value_group), guard
 
 
 class _Runner:
@@ -198,13 +242,14 @@ def kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *,
             skipped[name] = str(exc)
     model.eval()
     tick = progress or (lambda label, n: None)
-    configs: list[tuple[str, int, str]] = [("full", 0, "full")]
+    configs: list[tuple[str, int, str]] = [("full", 0, "full"), ("sinklab", 16, "16-bit")]
     configs += [("sinklab", b, p) for b in plan.bits for p in plan.protect]
     configs += [("hf", b, f"hf-{name}") for name, b in plan.hf_configs() if name not in skipped]
     kl: dict[tuple, list[Tensor]] = {c: [] for c in configs}
     top1: dict[tuple, list[Tensor]] = {c: [] for c in configs}
     nll: dict[tuple, list[Tensor]] = {c: [] for c in configs}
     nbytes: dict[tuple, float] = {}
+    at_length: dict[tuple, dict[int, float]] = {}
     timed: dict[tuple, tuple] = {}  # sample 0's caches and next tokens, decoded at the end
     protected: dict[tuple, list[int]] = {c: [] for c in configs}
     detected: list[list[int]] = []
@@ -226,9 +271,7 @@ def kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *,
             elif kind == "hf":
                 cache, guard = _hf_cache(model, protect[3:], bits, plan), Protection()
             else:
-                guard = {"none": Protection(), "first": Protection(first=plan.num_first),
-                         "detected": Protection(positions=tuple(sinks))}[protect]
-                cache = quantized_sink_cache(model, bits, guard, group_size=plan.group_size, residual=plan.residual)
+                cache, guard = _sinklab_cache(model, bits, protect, sinks, plan)
             logp = run.logprobs(cache)
             tick(f"{bits or 'full'}-bit {protect}", 1)
             if ref is None:
@@ -240,6 +283,13 @@ def kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *,
             if s == 0:
                 nbytes[config] = _cache_nbytes(cache) / span
                 timed[config] = (cache, logp[-1].argmax())
+                if kind == "full":
+                    fresh = lambda: DynamicCache(config=model.config)  # noqa: E731
+                elif kind == "hf":
+                    fresh = lambda: _hf_cache(model, protect[3:], bits, plan)  # noqa: E731
+                else:
+                    fresh = lambda: _sinklab_cache(model, bits, protect, sinks, plan)[0]  # noqa: E731
+                at_length[config] = {n: _filled_bytes_per_token(model, fresh(), n) for n in plan.bytes_lengths}
         if s == 0:
             first_run = run
     ms = first_run.decode_ms(timed, plan.decode_steps, tick)
@@ -257,6 +307,9 @@ def kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *,
             "ppl": float(torch.cat(nll[config]).double().mean().exp()),
             "bytes_per_token": nbytes[config], "bytes_ratio_16bit": nbytes[config] / dense16,
             "ms_per_token": ms[config],
+            "cached_tokens": span,
+            **{f"bytes_per_token_{n}": b for n, b in at_length[config].items()},
+            **{f"bytes_ratio_16bit_{n}": b / dense16 for n, b in at_length[config].items()},
             "protected_tokens": sum(protected[config]) / len(protected[config]),
         })
     return KvQuantResult(rows, plan, detected, dense16, hf_skipped=skipped)

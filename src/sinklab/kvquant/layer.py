@@ -1,15 +1,21 @@
 """``DynamicQuantizedSinkLayer``: a transformers cache layer that stores keys/values packed, sinks exact.
 
-Storage per layer (``[B, Hkv, ·, d]`` tensors):
+Storage per layer (``[B, Hkv, ·, d]`` tensors), in position order:
 
-* **protected** tokens (:class:`~sinklab.kvquant.plan.Protection`: first ``S``, pinned spans, detected
-  sinks) are kept as they arrived, in the model's dtype, and never enter a quantization group — so an
-  outlier sink key does not stretch the range of the block it would share;
-* the **residual**: the most recent unprotected tokens in full precision, between ``R`` and ``R + G − 1`` of
-  them (KIVI);
-* **quantized blocks**: whenever ``R + G`` unprotected tokens are waiting, the oldest ``G`` are packed —
-  keys per channel over the block of ``G`` tokens (one scale and zero point per channel and block),
-  values per token over groups of ``G_v`` channels (one per token and group).
+* the **residual**: the most recent tokens, unquantized, between ``R`` and ``R + G − 1`` of them (KIVI);
+* **quantized blocks**: whenever ``R + G`` tokens are waiting, the oldest ``G`` are packed — keys per channel
+  over the block of ``G`` tokens (one scale and zero point per channel and block), values per token over
+  groups of ``G_v`` channels (one per token and group);
+* **protected** tokens (:class:`~sinklab.kvquant.plan.Protection`: first ``S``, pinned spans, detected sinks)
+  are never quantized: when their block is packed, an exact copy is kept and their slot in the block is a
+  *hole* — its key is replaced, before the block's ranges are taken, by the smallest key of the block's other
+  tokens in each channel, so an outlier sink key does not stretch the range of the block it sits in. Holes
+  keep the blocks aligned on positions: protecting ``P`` tokens costs exactly ``P`` exact tokens more than
+  protecting none, at every length;
+* residual and protected tokens are stored in **16 bits** (``exact_dtype``): the model's dtype when it is
+  16-bit, otherwise float16 (a float32 model's keys/values are rounded once to float16 — its effect on KL is
+  the ``16-bit`` row of :func:`~sinklab.kvquant.evaluate.kv_quant`); ``exact_dtype=torch.float32`` keeps them
+  bit-exact in a float32 model at twice the bytes. A value beyond float16's range raises (use bfloat16).
 
 ``update`` returns everything stored, dequantized, in position order, followed by the new chunk in full
 precision: a chunk attends to itself exactly and to the past as stored (what transformers'
@@ -29,7 +35,7 @@ from ..errors import InputError
 from .codec import BITS, QuantizedTensor, dequantize, quantize
 from .plan import Protection
 
-__all__ = ["DynamicQuantizedSinkLayer", "quantized_sink_cache", "dense_bytes_per_token"]
+__all__ = ["DynamicQuantizedSinkLayer", "quantized_sink_cache", "dense_bytes_per_token", "kv_shape"]
 
 
 def _cat(a: Tensor | None, b: Tensor, dim: int = -2) -> Tensor:
@@ -49,35 +55,45 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
     residual:
         ``R``: the most recent unprotected tokens always kept in full precision.
     protect:
-        Stream positions kept exactly (default: none).
+        Stream positions kept unquantized (default: none).
+    value_group:
+        Channels per value scale and zero point (default: ``group_size``); capped at the head width.
+    exact_dtype:
+        Storage of the protected and residual tokens: ``None`` — the model's dtype if it is 16-bit, else
+        float16.
     """
 
     is_croppable = False
 
-    def __init__(self, bits: int = 4, group_size: int = 64, residual: int = 32, protect: Protection | None = None) -> None:
+    def __init__(self, bits: int = 4, group_size: int = 64, residual: int = 32, protect: Protection | None = None,
+                 exact_dtype: torch.dtype | None = None, value_group: int | None = None) -> None:
         super().__init__()
         if bits not in BITS:
             raise InputError(f"kv bits must be one of {BITS}, got {bits!r}")
-        if group_size < 1 or residual < 0:
-            raise InputError(f"group_size must be ≥ 1 and residual ≥ 0, got {group_size} and {residual}")
+        if group_size < 1 or residual < 0 or (value_group is not None and value_group < 1):
+            raise InputError(f"group_size and value_group must be ≥ 1 and residual ≥ 0, got {group_size}, "
+                             f"{value_group} and {residual}")
         self.bits, self.group_size, self.residual = bits, group_size, residual
         self.protect = protect or Protection()
+        self.exact_dtype = exact_dtype
+        self.value_group_size = value_group or group_size
+        self.deferred = False  # hold tokens unpacked until protect_and_pack (see defer_packing)
         self.seen = 0  # tokens (columns) stored so far
         self._empty()
 
     def _empty(self) -> None:
-        self.qk: QuantizedTensor | None = None  # packed keys (B, Hkv, N, ·), N a multiple of G
+        self.qk: QuantizedTensor | None = None  # packed keys (B, Hkv, N, ·) of positions 0 … N − 1, N a multiple of G
         self.qv: QuantizedTensor | None = None
-        self.q_pos: Tensor | None = None  # (N,) stream positions of the packed tokens
-        self.pk = self.pv = self.p_pos = None  # protected tokens, full precision
-        self.rk = self.rv = self.r_pos = None  # residual, full precision
-        self._order: Tensor | None = None  # permutation that puts the stored parts in position order
+        self.pk = self.pv = self.p_pos = None  # exact copies of the protected tokens inside the packed blocks
+        self.rk = self.rv = None  # the residual: positions N … seen − 1, 16-bit
 
     # ------------------------------------------------------------------ transformers' layer contract
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
+        if self.exact_dtype is None:
+            self.exact_dtype = self.dtype if self.dtype.itemsize == 2 else torch.float16
         dh = value_states.shape[-1]
-        self.value_group = min(self.group_size, dh)
+        self.value_group = min(self.value_group_size, dh)
         if dh % self.value_group:
             raise InputError(f"head width {dh} is not a multiple of the value group {self.value_group}")
         self.is_initialized = True
@@ -102,32 +118,78 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         self._empty()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("beam search is not supported by the quantized sink cache")
+        """Beam search: row ``i`` continues row ``beam_idx[i]`` (packed blocks, exact copies and residual)."""
+        self._select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """``num_return_sequences``: each row becomes ``repeats`` identical rows."""
+        if self.rk is not None:
+            self._select_rows(torch.arange(self.rk.shape[0]).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        """Keep only the rows ``indices`` (in that order)."""
+        self._select_rows(torch.as_tensor(indices).long())
+
+    def _select_rows(self, index: Tensor) -> None:
+        def pick(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.index_select(0, index.to(t.device))
+
+        self.pk, self.pv, self.rk, self.rv = (pick(t) for t in (self.pk, self.pv, self.rk, self.rv))
+        self.qk, self.qv = (None if q is None else QuantizedTensor(
+            pick(q.packed), pick(q.scale), pick(q.zero), q.bits, q.group_size, q.dim, (index.numel(), *q.shape[1:]),
+            q.dtype) for q in (self.qk, self.qv))
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("a quantized sink cache cannot be cropped")
 
     # ------------------------------------------------------------------ storage
+    def _exact(self, x: Tensor) -> Tensor:
+        """``x`` in the 16-bit storage dtype; a finite value that would overflow it raises."""
+        y = x.to(self.exact_dtype)
+        if y.dtype != x.dtype and bool(torch.isinf(y).any()) and bool(torch.isfinite(x).all()):
+            raise InputError(f"a key/value of magnitude {float(x.abs().max()):.3g} overflows {self.exact_dtype} "
+                             "storage; use exact_dtype=torch.bfloat16 (or torch.float32)")
+        return y
+
     def _store(self, k: Tensor, v: Tensor) -> None:
-        c = k.shape[-2]
-        pos = torch.arange(self.seen, self.seen + c, device=k.device)
-        keep = self.protect.mask(pos)  # (C,)
+        self.rk, self.rv = _cat(self.rk, self._exact(k)), _cat(self.rv, self._exact(v))  # (B, Hkv, ·, d) 16-bit
+        self.seen += k.shape[-2]
+        if not self.deferred:
+            self._settle()
+
+    @property
+    def packed_tokens(self) -> int:
+        """``N``: positions ``0 … N − 1`` are in packed blocks (holes included)."""
+        return 0 if self.qk is None else self.qk.shape[-2]
+
+    def _settle(self) -> None:
+        """Pack the residual's oldest whole blocks of ``G`` beyond ``R``; protected tokens become exact holes."""
+        start = self.packed_tokens
+        n = (self.seen - start - self.residual) // self.group_size * self.group_size
+        if n <= 0:
+            return
+        pos = torch.arange(start, start + n, device=self.rk.device)
+        keep = self.protect.mask(pos)  # (n,) protected positions among those packed now
+        k, v = self.rk[:, :, :n], self.rv[:, :, :n]
         if bool(keep.any()):
             self.pk, self.pv = _cat(self.pk, k[:, :, keep]), _cat(self.pv, v[:, :, keep])
             self.p_pos = _cat(self.p_pos, pos[keep], 0)
-        free = ~keep
-        self.rk, self.rv = _cat(self.rk, k[:, :, free]), _cat(self.rv, v[:, :, free])
-        self.r_pos = _cat(self.r_pos, pos[free], 0)
-        self.seen += c
-        waiting = self.r_pos.numel() - self.residual
-        n = (waiting // self.group_size) * self.group_size
-        if n > 0:  # pack the oldest n residual tokens (whole blocks of G)
-            qk = quantize(self.rk[:, :, :n], self.bits, self.group_size, dim=-2)  # per channel over G tokens
-            qv = quantize(self.rv[:, :, :n], self.bits, self.value_group, dim=-1)  # per token
-            self.qk, self.qv = self._append(self.qk, qk), self._append(self.qv, qv)
-            self.q_pos = _cat(self.q_pos, self.r_pos[:n], 0)
-            self.rk, self.rv, self.r_pos = self.rk[:, :, n:], self.rv[:, :, n:], self.r_pos[n:]
-        self._order = None
+            k = _fill_holes(k, keep, self.group_size)
+        qk = quantize(k, self.bits, self.group_size, dim=-2)  # per channel over G tokens
+        qv = quantize(v, self.bits, self.value_group, dim=-1)  # per token
+        self.qk, self.qv = self._append(self.qk, qk), self._append(self.qv, qv)
+        self.rk, self.rv = self.rk[:, :, n:], self.rv[:, :, n:]
+
+    def defer_packing(self) -> None:
+        """Hold every token stored from now on unpacked, until :meth:`protect_and_pack` (sinks measured during
+        the prefill: the protection is only known once the prefill's attention has been seen)."""
+        self.deferred = True
+
+    def protect_and_pack(self, protect: Protection) -> None:
+        """Adopt ``protect`` (for held and future tokens) and pack what is held, as if it had been known from the start."""
+        self.protect, self.deferred = protect, False
+        if self.rk is not None:
+            self._settle()
 
     @staticmethod
     def _append(old: QuantizedTensor | None, new: QuantizedTensor) -> QuantizedTensor:
@@ -141,26 +203,20 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
 
     def materialize(self) -> tuple[Tensor | None, Tensor | None]:
         """Everything stored, in position order: keys and values ``[B, Hkv, seen, d]`` (``None`` when empty)."""
-        parts_k, parts_v, parts_pos = [], [], []
+        parts_k, parts_v = [], []
         if self.qk is not None:
-            parts_k.append(dequantize(self.qk, self.dtype))
-            parts_v.append(dequantize(self.qv, self.dtype))
-            parts_pos.append(self.q_pos)
-        for k, v, p in ((self.pk, self.pv, self.p_pos), (self.rk, self.rv, self.r_pos)):
-            if p is not None and p.numel():
-                parts_k.append(k)
-                parts_v.append(v)
-                parts_pos.append(p)
+            keys, values = dequantize(self.qk, self.dtype), dequantize(self.qv, self.dtype)  # (B, Hkv, N, d)
+            if self.p_pos is not None:  # the holes: their exact copies
+                keys[:, :, self.p_pos] = self.pk.to(self.dtype)
+                values[:, :, self.p_pos] = self.pv.to(self.dtype)
+            parts_k.append(keys)
+            parts_v.append(values)
+        if self.rk is not None and self.rk.shape[-2]:
+            parts_k.append(self.rk.to(self.dtype))
+            parts_v.append(self.rv.to(self.dtype))
         if not parts_k:
             return None, None
-        keys, values = torch.cat(parts_k, -2), torch.cat(parts_v, -2)
-        if self._order is None:
-            pos = torch.cat(parts_pos)
-            order = torch.argsort(pos)
-            self._order = None if bool((order == torch.arange(pos.numel(), device=pos.device)).all()) else order
-            if self._order is None:
-                return keys, values
-        return keys.index_select(-2, self._order), values.index_select(-2, self._order)
+        return torch.cat(parts_k, -2), torch.cat(parts_v, -2)
 
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> int:
@@ -170,28 +226,45 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         return total
 
     def counts(self) -> dict[str, int]:
-        """Tokens in each part: ``quantized``, ``protected``, ``residual``."""
-        return {"quantized": 0 if self.q_pos is None else self.q_pos.numel(),
-                "protected": 0 if self.p_pos is None else self.p_pos.numel(),
-                "residual": 0 if self.r_pos is None else self.r_pos.numel()}
+        """Tokens in each part: ``quantized`` (packed slots, holes included), ``protected`` (exact copies of
+        packed protected tokens), ``residual`` (unquantized recent tokens)."""
+        return {"quantized": self.packed_tokens, "protected": 0 if self.p_pos is None else self.p_pos.numel(),
+                "residual": 0 if self.rk is None else self.rk.shape[-2]}
+
+
+def _fill_holes(keys: Tensor, holes: Tensor, group: int) -> Tensor:
+    """``keys`` ``[B, Hkv, n, d]`` with each hole (``holes`` ``[n]``) replaced by the smallest key of the other
+    tokens of its block of ``group`` in each channel (0 in a block of holes only): inside the block's range."""
+    blocks = keys.unflatten(-2, (-1, group))  # (B, Hkv, n/G, G, d)
+    h = holes.view(-1, group, 1)  # (n/G, G, 1)
+    lo = torch.where(h, torch.inf, blocks.float()).amin(-2, keepdim=True)  # (B, Hkv, n/G, 1, d)
+    lo = torch.where(torch.isinf(lo), 0.0, lo).to(keys.dtype)
+    return torch.where(h, lo, blocks).flatten(-3, -2)
 
 
 def quantized_sink_cache(model: nn.Module, bits: int = 4, protect: Protection | None = None, *, group_size: int = 64,
-                         residual: int = 32) -> Cache:
+                         residual: int = 32, exact_dtype: torch.dtype | None = None,
+                         value_group: int | None = None) -> Cache:
     """A transformers ``Cache`` of :class:`DynamicQuantizedSinkLayer`, one per decoder layer of ``model``.
 
     >>> cache = quantized_sink_cache(model, bits=4, protect=Protection(first=4))   # doctest: +SKIP
     >>> model(input_ids=ids, past_key_values=cache)                               # doctest: +SKIP
     """
     n = len(_compat.find_layers(model))
-    return Cache(layers=[DynamicQuantizedSinkLayer(bits, group_size, residual, protect) for _ in range(n)])
+    return Cache(layers=[DynamicQuantizedSinkLayer(bits, group_size, residual, protect, exact_dtype, value_group)
+                         for _ in range(n)])
 
 
-def dense_bytes_per_token(model: nn.Module, bytes_per_element: int = 2) -> int:
-    """Bytes one token takes in an unquantized KV cache of ``bytes_per_element`` (2: a 16-bit cache)."""
+def kv_shape(model: nn.Module) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of ``model``'s KV cache."""
     cfg = _compat.config_get(model.config, "text_config", default=None) or model.config
     heads = _compat.config_get(cfg, "num_attention_heads")
     kv = _compat.config_get(cfg, "num_key_value_heads", default=heads) or heads
     dh = _compat.config_get(cfg, "head_dim", default=None) or cfg.hidden_size // heads
-    return 2 * len(_compat.find_layers(model)) * kv * dh * bytes_per_element
+    return len(_compat.find_layers(model)), kv, dh
 
+
+def dense_bytes_per_token(model: nn.Module, bytes_per_element: int = 2) -> int:
+    """Bytes one token takes in an unquantized KV cache of ``bytes_per_element`` (2: a 16-bit cache)."""
+    layers, kv, dh = kv_shape(model)
+    return 2 * layers * kv * dh * bytes_per_element

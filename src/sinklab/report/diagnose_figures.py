@@ -68,7 +68,7 @@ def edit_bars(d: Diagnosis) -> Figure | None:
     """Relative RMS change of the final hidden states for each causal edit of each edited head."""
     if not d.edits:
         return None
-    from ..diagnose import EDITS
+    from ..edits import EDITS
 
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(d.edits) + 2), 3.8))
     width = 0.8 / len(EDITS)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import html
+import math
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -14,7 +15,8 @@ from matplotlib.figure import Figure
 from .figures import plt
 from .html import images_html, page, write_outputs
 
-__all__ = ["kl_vs_bytes", "kv_quant_figures", "render_kv_quant", "table_rows", "TABLE_HEADER", "write_kv_quant"]
+__all__ = ["kl_vs_bytes", "kv_quant_figures", "render_kv_quant", "table_header", "table_rows", "TABLE_HEADER",
+           "write_kv_quant"]
 
 TABLE_HEADER = ("bits", "protect", "median KL", "p90 KL", "top-1", "PPL", "bytes/token", "× 16-bit", "ms/token")
 _COLOURS = {"none": "tab:red", "first": "tab:orange", "detected": "tab:blue", "hf-quanto": "tab:purple",
@@ -31,11 +33,19 @@ def _fmt(value: float, spec: str) -> str:
     return "–" if value is None or value != value else format(value, spec)
 
 
+def table_header(data: dict) -> tuple[str, ...]:
+    """:data:`TABLE_HEADER` plus one ``× 16-bit`` column per extra cached length of the plan."""
+    return TABLE_HEADER[:-1] + tuple(f"× 16-bit @{n}" for n in data["plan"].get("bytes_lengths", ())) + TABLE_HEADER[-1:]
+
+
 def table_rows(data: dict) -> list[tuple[str, ...]]:
-    """One tuple of formatted cells per row of ``kv_quant.json`` (the CLI table and the HTML share them)."""
+    """One tuple of strings per row, in :func:`table_header` order."""
+    lengths = data["plan"].get("bytes_lengths", ())
     return [(str(r["bits"]), r["protect"], _fmt(r["median_kl"], ".4g"), _fmt(r["p90_kl"], ".4g"),
              _fmt(100 * r["top1"], ".1f") + " %", _fmt(r["ppl"], ".3f"), _fmt(r["bytes_per_token"], ",.0f"),
-             _fmt(r["bytes_ratio_16bit"], ".3f"), _fmt(r["ms_per_token"], ".1f")) for r in data["rows"]]
+             _fmt(r["bytes_ratio_16bit"], ".3f"), *(_fmt(r.get(f"bytes_ratio_16bit_{n}", math.nan), ".3f")
+                                                     for n in lengths),
+             _fmt(r["ms_per_token"], ".1f")) for r in data["rows"]]
 
 
 def kl_vs_bytes(data: dict) -> Figure:
@@ -59,10 +69,15 @@ def kl_vs_bytes(data: dict) -> Figure:
     ax.set_ylabel("median KL (nats)")
     plan = data["plan"]
     ax.set_title(f"{data['meta'].get('model', '')}: {plan['samples']} × ({plan['context']} cached + {plan['score']} "
-                 f"scored) tokens, G = {plan['group_size']}, R = {plan['residual']}", fontsize=8)
+                 f"scored) tokens, G = {_groups(plan)}, R = {plan['residual']}", fontsize=8)
     ax.legend(fontsize=8, title="protection", title_fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _groups(plan: dict) -> str:
+    g, g2 = plan["group_size"], plan.get("group_size_2bit", plan["group_size"])
+    return str(g) if g == g2 else f"{g} ({g2} at 2 bits)"
 
 
 def kv_quant_figures(data: dict) -> dict[str, Figure]:
@@ -73,7 +88,7 @@ def render_kv_quant(data: dict, images: dict[str, bytes]) -> str:
     """The report as one HTML string (every token string and model name escaped)."""
     esc = html.escape
     meta, plan = data["meta"], data["plan"]
-    head = "".join(f"<th>{esc(h)}</th>" for h in TABLE_HEADER)
+    head = "".join(f"<th>{esc(h)}</th>" for h in table_header(data))
     body_rows = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in table_rows(data))
     tokens = meta.get("detected_tokens") or [[] for _ in data["detected"]]
     sinks = "".join(
@@ -81,8 +96,11 @@ def render_kv_quant(data: dict, images: dict[str, bytes]) -> str:
         + "</li>" for i, (pos, toks) in enumerate(zip(data["detected"], tokens)))
     body = f"""<h1>sinklab kv-quant: {esc(str(meta.get('model')))}</h1>
 <p>{plan['samples']} samples of {plan['context']} cached tokens; the next {plan['score']} tokens are scored against the
-unquantized cache. Keys are quantized per channel over blocks of G = {plan['group_size']} tokens, values per token
-over groups of up to G channels; the R = {plan['residual']} most recent tokens stay in full precision.
+unquantized cache. Keys are quantized per channel over blocks of G = {_groups(plan)} tokens, values per token
+over groups of {plan.get('value_group') or 'G'} channels (at most the head width); the R = {plan['residual']} most
+recent tokens and the protected ones stay unquantized, stored in 16 bits (the <b>16-bit</b> row: every token so
+stored, nothing quantized). Bytes per token are measured after the {plan['context'] + plan['score']} tokens of a
+sample and, for a cache filled to each length, at {', '.join(map(str, plan.get('bytes_lengths', ()))) or '—'} tokens.
 Protections: <b>none</b>; <b>first</b> (the first {plan['num_first']} tokens exact); <b>detected</b> (the positions
 receiving more than ε = {plan['eps']} of the attention in at least {100 * plan['share']:.0f} % of the heads, exact).
 A 16-bit unquantized cache takes {data['dense_bytes_per_token_16bit']:,} bytes per token.</p>

@@ -78,8 +78,10 @@ def quality_figures(data: dict) -> dict:
     return figs
 
 
-def quality_tables(data: dict) -> str:
-    """The runs as Markdown tables (recall accuracy, endless per-block statistics, prompt NLLs)."""
+def quality_tables(data: dict, answers: bool = True) -> str:
+    """The runs as Markdown tables (recall accuracy, endless per-block statistics, prompt NLLs).
+
+    ``answers=False`` leaves the prompts' answer texts out of their table (a terminal summary)."""
     out = []
     if "recall" in data:
         r = data["recall"]
@@ -104,14 +106,16 @@ def quality_tables(data: dict) -> str:
         rows = p["rows"]
         out.append(f"{p.get('model', '')} many prompts (S = {p['num_sinks']}, W = {p['window']}, ≤ {p['max_new_tokens']} tokens per answer), "
                    "mean NLL under a fresh dense context:\n")
-        out.append("| # | prompt | evicted before | stream | fresh | stream answer | fresh answer |")
-        out.append("|---|---|---|---|---|---|---|")
+        head = ["#", "prompt", "evicted before", "stream", "fresh"] + (["stream answer", "fresh answer"] if answers else [])
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * len(head))
         for i, r in enumerate(rows, 1):
             def cell(text: str) -> str:
                 return " ".join(text.split()).replace("|", "\\|")
 
+            texts = f" {cell(r['stream_answer'])} | {cell(r['fresh_answer'])} |" if answers else ""
             out.append(f"| {i} | {cell(r['prompt'])} | {r['evicted_before']} | {r['stream_nll']:.2f} | "
-                       f"{r['fresh_nll']:.2f} | {cell(r['stream_answer'])} | {cell(r['fresh_answer'])} |")
+                       f"{r['fresh_nll']:.2f} |{texts}")
         evicted = [r for r in rows if r["evicted_before"] > 0]
         if evicted:
             mean = lambda xs: sum(xs) / len(xs)  # noqa: E731

@@ -18,6 +18,7 @@ from .html import images_html, page, write_outputs
 
 __all__ = [
     "eval_stream_figures",
+    "markdown_html",
     "nll_by_position",
     "render_eval_stream",
     "scored_note",
@@ -80,7 +81,37 @@ def eval_stream_figures(data: dict) -> dict[str, Figure]:
     ablation = sink_ablation(data)
     if ablation is not None:
         figures["sink_ablation"] = ablation
+    if data.get("quality"):  # --quality: recall vs distance, endless per block, many prompts
+        from .quality_figures import quality_figures
+
+        for stem, fig in quality_figures(data["quality"]).items():
+            figures["quality_" + ("endless" if stem.startswith("endless") else stem)] = fig
     return figures
+
+
+def markdown_html(text: str) -> str:
+    """Markdown tables (``| a | b |`` rows, a ``|---|`` rule after the header) and plain lines as escaped HTML."""
+    out, rows = [], []
+
+    def flush() -> None:
+        if rows:
+            cells = [[c.strip().replace("\\|", "|") for c in r.strip().strip("|").split(" | ")] for r in rows]
+            head = "".join(f"<th>{html.escape(c)}</th>" for c in cells[0])
+            body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in cells[1:])
+            out.append(f"<table><tr>{head}</tr>{body}</table>")
+            rows.clear()
+
+    for line in text.splitlines():
+        if line.startswith("|---"):
+            continue
+        if line.startswith("|"):
+            rows.append(line)
+            continue
+        flush()
+        if line.strip():
+            out.append(f"<p>{html.escape(line)}</p>")
+    flush()
+    return "\n".join(out)
 
 
 def table_rows(data: dict) -> list[tuple[str, ...]]:
@@ -96,6 +127,17 @@ def table_rows(data: dict) -> list[tuple[str, ...]]:
 TABLE_HEADER = ("method", "S", "W", "scored", "mean NLL", "PPL", "ms / scored token")
 
 
+def _quality_html(data: dict) -> str:
+    if not data.get("quality"):
+        return ""
+    from .quality_figures import quality_tables
+
+    return ("<h2>Quality beyond perplexity</h2><p>Recall of a fact placed d tokens before its question (exact match), "
+            "endless sampled generation (distinct 4-grams and the model's NLL of its own tokens per block) and many "
+            "prompts through one stream (each answer's mean NLL under a fresh dense context of its prompt).</p>"
+            + markdown_html(quality_tables(data["quality"])))
+
+
 def render_eval_stream(data: dict, images: dict[str, bytes]) -> str:
     esc = html.escape
     head = "".join(f"<th>{esc(h)}</th>" for h in TABLE_HEADER)
@@ -108,7 +150,7 @@ def render_eval_stream(data: dict, images: dict[str, bytes]) -> str:
 scored on the same positions: {esc(scored_note(data))}. NLL of token t is −log p(x<sub>t</sub> | x<sub>&lt;t</sub>)
 in nats; PPL = exp(mean NLL).{esc(beyond)}</p>
 <table><tr>{head}</tr>{body_rows}</table>
-<h2>Figures</h2>{images_html(images)}
+{_quality_html(data)}<h2>Figures</h2>{images_html(images)}
 <p>dense: full attention, no eviction. window: the last C tokens, no sinks. recompute: each scored token
 re-encodes its last C tokens from scratch. sinks S=k: k first tokens kept forever + a window of C − k
 (StreamingLLM, Xiao et al., arXiv:2309.17453).</p>"""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-__all__ = ["experiment_figures"]
+__all__ = ["experiment_figures", "write_experiment_figures"]
 
 _KINDS = (("nop", "tab:blue"), ("broadcast", "tab:orange"), ("unclassified", "tab:gray"))
 
@@ -83,3 +84,16 @@ def experiment_figures(summary: dict, results: list[dict], cfg) -> dict:
     if maps is not None:
         figs["attention_maps"] = maps
     return figs
+
+
+def write_experiment_figures(summary: dict, results: list[dict], cfg, out: str | Path) -> list[Path]:
+    """Save :func:`experiment_figures` as ``<name>.png`` in ``out`` (``results``: ``experiment_runs(cfg, out)``)."""
+    paths = []
+    for stem, fig in experiment_figures(summary, results, cfg).items():
+        path = Path(out) / f"{stem}.png"
+        try:
+            fig.savefig(path, dpi=110, bbox_inches="tight")
+        finally:
+            plt.close(fig)
+        paths.append(path)
+    return paths

@@ -34,12 +34,61 @@ from .. import _compat
 from ..errors import InputError
 from .cache import SinkCache
 
-__all__ = ["METHODS", "Curve", "EvalPlan", "Run", "StreamEval", "binned_nll", "dense_nll", "evaluate_stream",
-           "parse_methods", "parse_sinks", "recompute_nll", "stream_nll"]
+__all__ = ["METHODS", "METHOD_TABLE", "Curve", "EvalPlan", "Method", "Run", "StreamEval", "binned_nll", "dense_nll",
+           "evaluate_stream", "parse_methods", "parse_sinks", "recompute_nll", "stream_nll"]
 
-METHODS = ("dense", "window", "recompute", "sinks")
 _AUTO_RECOMPUTE_POSITIONS = 128  # auto stride: at most this many recompute windows
 Progress = Callable[[str, int], None]  # (phase label, units of work done since the last call)
+Advance = Callable[[int], None]  # units of work done since the last call
+
+
+@dataclass(frozen=True)
+class Run:
+    """One curve to compute: a method and, for the streams, its sinks ``S`` and window ``W`` (``S + W = C``)."""
+
+    label: str
+    method: str
+    num_sinks: int | None = None
+    window: int | None = None
+    same_as: str | None = None  # label of an identical run whose NLLs are reused (sinks S=0 is the window)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way to model a long text: a row of :data:`METHOD_TABLE` (a new method is one row).
+
+    ``runs(plan)`` lists its curves in a plan; ``nll(model, ids, positions, run, plan, advance)`` scores one
+    curve (NLL ``[P]`` at ``positions``); ``per_position``: it encodes one window of ``C`` tokens per scored
+    position (recompute) instead of feeding the text once.
+    """
+
+    name: str
+    runs: Callable[[EvalPlan], list[Run]]
+    nll: Callable[[nn.Module, Tensor, Tensor, Run, EvalPlan, Advance | None], Tensor]
+    per_position: bool = False
+
+
+def _sink_runs(plan: EvalPlan) -> list[Run]:
+    c = plan.cache_size
+    return [Run(f"sinks S={s}", "sinks", s, c - s, "window" if s == 0 and "window" in plan.methods else None)
+            for s in plan.sinks]
+
+
+def _stream(model: nn.Module, ids: Tensor, positions: Tensor, run: Run, plan: EvalPlan, advance: Advance | None) -> Tensor:
+    return stream_nll(model, ids, positions, run.num_sinks, run.window, plan.chunk_size, advance)
+
+
+#: method name → :class:`Method`, in table order (the order of ``--methods`` and of the results).
+METHOD_TABLE: dict[str, Method] = {m.name: m for m in (
+    Method("dense", lambda plan: [Run("dense", "dense")],
+           lambda model, ids, pos, run, plan, advance: dense_nll(model, ids, pos, plan.chunk_size, advance)),
+    Method("window", lambda plan: [Run("window", "window", 0, plan.cache_size)], _stream),
+    Method("recompute", lambda plan: [Run("recompute", "recompute")],
+           lambda model, ids, pos, run, plan, advance: recompute_nll(model, ids, pos, plan.cache_size, advance=advance),
+           per_position=True),
+    Method("sinks", _sink_runs, _stream),
+)}
+METHODS = tuple(METHOD_TABLE)
 
 
 def parse_methods(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -60,17 +109,6 @@ def parse_sinks(text: str | list[int] | tuple[int, ...]) -> tuple[int, ...]:
     if not items or any(s < 0 for s in items):
         raise InputError(f"--sinks needs one or more counts ≥ 0, got {text!r}")
     return tuple(dict.fromkeys(items))
-
-
-@dataclass(frozen=True)
-class Run:
-    """One curve to compute: a method and, for the streams, its sinks ``S`` and window ``W`` (``S + W = C``)."""
-
-    label: str
-    method: str
-    num_sinks: int | None = None
-    window: int | None = None
-    same_as: str | None = None  # label of an identical run whose NLLs are reused (sinks S=0 is the window)
 
 
 @dataclass(frozen=True)
@@ -136,18 +174,7 @@ class EvalPlan:
 
     def runs(self) -> list[Run]:
         """The curves, in table order; ``sinks S=0`` reuses ``window`` when both are asked for."""
-        c = self.cache_size
-        out = []
-        for m in self.methods:
-            if m == "window":
-                out.append(Run("window", "window", 0, c))
-            elif m == "sinks":
-                for s in self.sinks:
-                    same = "window" if s == 0 and "window" in self.methods else None
-                    out.append(Run(f"sinks S={s}", "sinks", s, c - s, same))
-            else:
-                out.append(Run(m, m))
-        return out
+        return [run for m in self.methods for run in METHOD_TABLE[m].runs(self)]
 
     def work(self, num_tokens: int) -> int:
         """Units of work (tokens encoded) of the whole evaluation: the progress bar's total."""
@@ -156,7 +183,7 @@ class EvalPlan:
         total = 0
         for run in self.runs():
             if run.same_as is None:
-                total += len(pos) if run.method == "recompute" else fed
+                total += len(pos) if METHOD_TABLE[run.method].per_position else fed
         return total
 
 
@@ -188,6 +215,7 @@ class StreamEval:
     curves: list[Curve]
     trained_positions: int | None = None  # the model's max_position_embeddings, if it has one
     meta: dict = field(default_factory=dict)
+    quality: dict = field(default_factory=dict)  # sinklab.stream.quality.evaluate_quality's tables, when run
 
     def curve(self, label: str) -> Curve:
         return next(c for c in self.curves if c.run.label == label)
@@ -216,6 +244,7 @@ class StreamEval:
             "trained_positions": self.trained_positions,
             "scored_positions": pos.tolist(),
             "curves": curves,
+            **({"quality": self.quality} if self.quality else {}),
             **self.meta,
         }
 
@@ -341,16 +370,12 @@ def evaluate_stream(model: nn.Module, ids: Tensor, plan: EvalPlan | None = None,
             curves.append(Curve(run, twin.nll, 0.0, 0))
             continue
         advance = (lambda n, label=run.label: progress(label, n)) if progress else None
+        method = METHOD_TABLE[run.method]
         t0 = time.perf_counter()
-        if run.method == "dense":
-            nll = dense_nll(model, ids, positions, plan.chunk_size, advance)
-        elif run.method == "recompute":
-            nll = recompute_nll(model, ids, positions, plan.cache_size, advance=advance)
-        else:
-            nll = stream_nll(model, ids, positions, run.num_sinks, run.window, plan.chunk_size, advance)
+        nll = method.nll(model, ids, positions, run, plan, advance)
         if not bool(torch.isfinite(nll).all()):
             raise InputError(f"{run.label}: non-finite NLL (the model produced NaN/inf logits)")
-        encoded = positions.numel() * plan.cache_size if run.method == "recompute" else int(positions[-1])
+        encoded = positions.numel() * plan.cache_size if method.per_position else int(positions[-1])
         curves.append(Curve(run, nll, time.perf_counter() - t0, encoded))
     trained = _compat.config_get(model.config, "max_position_embeddings", "n_positions", default=None)
     return StreamEval(plan, int(ids.numel()), positions, curves, int(trained) if trained else None)

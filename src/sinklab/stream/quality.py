@@ -29,8 +29,9 @@ from ..errors import InputError
 from .chat import ChatStream
 from .session import StreamSession, sample_token
 
-__all__ = ["FACTS", "PROMPTS", "RECALL_METHODS", "EndlessRun", "PromptAnswer", "RecallResult", "block_stats",
-           "distinct_ngram_ratio", "endless_generation", "fact_recall", "many_prompts"]
+__all__ = ["ENDLESS_PROMPT", "FACTS", "PROMPTS", "QUALITY_MEASURES", "RECALL_METHODS", "EndlessRun", "EndlessStream",
+           "PromptAnswer", "QualityPlan", "RecallResult", "block_stats", "distinct_ngram_ratio", "endless_generation",
+           "endless_prompt_ids", "evaluate_quality", "fact_recall", "many_prompts", "parse_distances", "parse_quality"]
 
 Progress = Callable[[str, int], None]
 
@@ -186,6 +187,19 @@ def fact_recall(model: nn.Module, tokenizer, filler_ids: Tensor, distances: Sequ
 
 
 # ---------------------------------------------------------------------------------------------- endless
+#: The request that starts an endless run (a chat model gets it through its chat template).
+ENDLESS_PROMPT = "Tell me a long story about a lighthouse keeper and the sea."
+
+
+def endless_prompt_ids(tokenizer, prompt: str = ENDLESS_PROMPT) -> list[int]:
+    """Ids that start an endless run: ``prompt`` through the chat template, or plain text without one."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(prompt)["input_ids"])
+
+
 @dataclass
 class EndlessRun:
     """Sampled tokens and the model's NLL of each (under the stream's own logits)."""
@@ -200,6 +214,61 @@ class EndlessRun:
     def stats(self, block: int = 1000, n: int = 4) -> dict[str, list]:
         return block_stats(self.tokens, self.nll, block, n)
 
+    def to_json(self, block: int | None = None) -> dict:
+        """JSON-ready: settings, every token and NLL, and the per-block statistics (1,000, or 100 below 5,000)."""
+        block = block or (1000 if len(self.tokens) >= 5000 else 100)
+        return {"label": self.label, "num_sinks": self.num_sinks, "window": self.window, "tokens": self.tokens,
+                "nll": self.nll, "seconds": self.seconds, "block": block, "blocks": self.stats(block)}
+
+
+class EndlessStream:
+    """One endless sampled stream, advanced a token at a time (so several can run in lockstep).
+
+    >>> with EndlessStream(model, prompt_ids, num_sinks=4, window=252, seed=0) as e:   # doctest: +SKIP
+    ...     for _ in range(10_000):
+    ...         e.advance()
+    ...     run = e.run
+    """
+
+    def __init__(self, model: nn.Module, prompt_ids: Sequence[int], *, num_sinks: int, window: int,
+                 temperature: float = 0.7, top_k: int = 50, seed: int = 0, label: str = "") -> None:
+        if not prompt_ids:
+            raise InputError("an endless run needs a prompt of at least one token")
+        self.temperature, self.top_k = temperature, top_k
+        self.gen = torch.Generator().manual_seed(seed)
+        self.run = EndlessRun(label or f"S={num_sinks} W={window}", num_sinks, window, [], [])
+        self.prompt_ids = list(prompt_ids)
+        self.session = StreamSession(model, num_sinks=num_sinks, window=window)
+        self.logits: Tensor | None = None
+        self._start = 0.0
+
+    def __enter__(self) -> EndlessStream:
+        import time
+
+        self._start = time.perf_counter()
+        self.session.__enter__()
+        self.logits = self.session.feed(torch.tensor([self.prompt_ids]))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.session.__exit__(*exc)
+
+    def advance(self, feed: bool = True) -> int:
+        """Sample the next token, record it and its NLL, and (``feed``) feed it back; return it."""
+        import time
+
+        if self.logits is None:
+            raise RuntimeError("use the endless stream as a context manager")
+        token = sample_token(self.logits, self.temperature, self.top_k, self.gen)
+        self.run.tokens.append(int(token[0]))
+        self.run.nll.append(float(-torch.log_softmax(self.logits[0].double(), -1)[int(token[0])]))
+        if not math.isfinite(self.run.nll[-1]):
+            raise InputError(f"{self.run.label}: NLL is not finite at token {len(self.run.tokens) - 1}")
+        if feed:
+            self.logits = self.session.step(token)
+        self.run.seconds = time.perf_counter() - self._start
+        return int(token[0])
+
 
 def endless_generation(model: nn.Module, prompt_ids: Sequence[int], n_tokens: int, *, num_sinks: int, window: int,
                        temperature: float = 0.7, top_k: int = 50, seed: int = 0, label: str = "",
@@ -209,29 +278,18 @@ def endless_generation(model: nn.Module, prompt_ids: Sequence[int], n_tokens: in
 
     No stop token: the stream runs the whole length (StreamingLLM's endless generation). ``on_update`` sees
     the run so far every ``every`` tokens (to save a long run as it goes)."""
-    import time
-
-    gen = torch.Generator().manual_seed(seed)
-    run = EndlessRun(label or f"S={num_sinks} W={window}", num_sinks, window, [], [])
-    start = time.perf_counter()
-    with StreamSession(model, num_sinks=num_sinks, window=window) as s:
-        logits = s.feed(torch.tensor([list(prompt_ids)]))
+    if n_tokens < 1:
+        raise InputError(f"an endless run needs at least one token, got {n_tokens}")
+    with EndlessStream(model, prompt_ids, num_sinks=num_sinks, window=window, temperature=temperature,
+                       top_k=top_k, seed=seed, label=label) as e:
         for i in range(n_tokens):
-            token = sample_token(logits, temperature, top_k, gen)
-            run.tokens.append(int(token[0]))
-            run.nll.append(float(-torch.log_softmax(logits[0].double(), -1)[int(token[0])]))
-            if not math.isfinite(run.nll[-1]):
-                raise InputError(f"{run.label}: NLL is not finite at token {i}")
-            if i + 1 < n_tokens:
-                logits = s.step(token)
-            if (i + 1) % every == 0:
-                run.seconds = time.perf_counter() - start
+            e.advance(feed=i + 1 < n_tokens)
+            if (i + 1) % every == 0 or i + 1 == n_tokens:
                 if progress:
-                    progress(run.label, every)
+                    progress(e.run.label, every if (i + 1) % every == 0 else (i + 1) % every)
                 if on_update:
-                    on_update(run)
-    run.seconds = time.perf_counter() - start
-    return run
+                    on_update(e.run)
+    return e.run
 
 
 # ---------------------------------------------------------------------------------------------- many prompts
@@ -291,3 +349,113 @@ def many_prompts(model: nn.Module, tokenizer, prompts: Sequence[str] = PROMPTS, 
         if progress:
             progress("fresh", 1)
     return rows
+
+
+# ---------------------------------------------------------------------------------------------- eval-stream
+#: The measures ``sinklab eval-stream --quality`` can run.
+QUALITY_MEASURES = ("recall", "endless", "prompts")
+
+
+def parse_quality(text: str | Sequence[str]) -> tuple[str, ...]:
+    """``"recall,endless"`` → ``("recall", "endless")`` (in :data:`QUALITY_MEASURES` order); unknown names raise."""
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
+    unknown = sorted(set(names) - set(QUALITY_MEASURES))
+    if unknown or not names:
+        raise InputError(f"--quality: unknown or empty {unknown or names!r}; choose from {', '.join(QUALITY_MEASURES)}")
+    return tuple(m for m in QUALITY_MEASURES if m in names)
+
+
+def parse_distances(text: str | Sequence[int]) -> tuple[int, ...]:
+    """``"32,512,1024"`` → ``(32, 512, 1024)`` (sorted, duplicates dropped); non-integers or values < 1 raise."""
+    try:
+        items = [int(x) for x in (text.split(",") if isinstance(text, str) else text) if str(x).strip()]
+    except ValueError as exc:
+        raise InputError("--recall-distances must be comma-separated integers such as 32,512,1024, "
+                         f"got {text!r}") from exc
+    if not items or min(items) < 1:
+        raise InputError(f"--recall-distances needs one or more distances ≥ 1 (tokens), got {text!r}")
+    return tuple(sorted(set(items)))
+
+
+@dataclass(frozen=True)
+class QualityPlan:
+    """Which quality measures to run, at the stream's ``num_sinks`` + ``window``; validated on construction.
+
+    ``distances`` ``None`` picks ``16, W/2, C + 32, 2C, 4C`` (``C = S + W``): inside the window to far
+    outside it. The endless runs compare sinks + window with window only at the same cache size ``C``.
+    """
+
+    measures: tuple[str, ...] = QUALITY_MEASURES
+    num_sinks: int = 4
+    window: int = 252
+    distances: tuple[int, ...] | None = None
+    facts: int = len(FACTS)
+    endless_tokens: int = 2000
+    seed: int = 0
+    prompts: int = len(PROMPTS)
+    answer_tokens: int = 48
+    chunk_size: int = 256
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "measures", parse_quality(self.measures))
+        if self.distances is not None:
+            object.__setattr__(self, "distances", parse_distances(self.distances))
+        if self.num_sinks < 1:
+            raise InputError("--quality compares sinks with window only: the stream needs ≥ 1 sink (--sinks)")
+        if self.window < 1:
+            raise InputError(f"the window must be ≥ 1, got {self.window}")
+        for name, value, top in (("--recall-facts", self.facts, len(FACTS)), ("--prompts", self.prompts, len(PROMPTS))):
+            if not 1 <= value <= top:
+                raise InputError(f"{name} must be between 1 and {top} (the project's list), got {value}")
+        for name, value in (("--endless-tokens", self.endless_tokens), ("--answer-tokens", self.answer_tokens)):
+            if value < 1:
+                raise InputError(f"{name} must be ≥ 1, got {value}")
+
+    @property
+    def cache_size(self) -> int:
+        return self.num_sinks + self.window
+
+    def recall_distances(self) -> tuple[int, ...]:
+        c = self.cache_size
+        return self.distances or tuple(sorted({16, max(1, self.window // 2), c + 32, 2 * c, 4 * c}))
+
+    def work(self) -> int:
+        """Units of progress: one per recall answer, endless token (both runs) and prompt answered (twice)."""
+        n = 0
+        if "recall" in self.measures:
+            n += len(self.recall_distances()) * self.facts * len(RECALL_METHODS)
+        if "endless" in self.measures:
+            n += 2 * self.endless_tokens
+        if "prompts" in self.measures:
+            n += 2 * self.prompts
+        return n
+
+
+def evaluate_quality(model: nn.Module, tokenizer, plan: QualityPlan, filler_ids: Tensor, *, model_name: str = "",
+                     progress: Progress | None = None) -> dict:
+    """Run ``plan``'s measures: ``{"recall": …, "endless_s<S>": …, "endless_s0": …, "prompts": …}`` (JSON-ready).
+
+    The shapes are those :func:`sinklab.report.quality_figures.quality_tables` and ``quality_figures`` draw.
+    ``filler_ids`` (the text between a fact and its question) must hold the largest recall distance."""
+    if tokenizer is None:
+        raise InputError("the quality measures need a tokenizer (this checkpoint has none)")
+    s, w = plan.num_sinks, plan.window
+    out: dict = {}
+    if "recall" in plan.measures:
+        res = fact_recall(model, tokenizer, filler_ids, plan.recall_distances(), num_sinks=s, window=w,
+                          facts=FACTS[: plan.facts], chunk_size=plan.chunk_size, progress=progress)
+        out["recall"] = {**res.to_json(), "model": model_name}
+    if "endless" in plan.measures:
+        ids = endless_prompt_ids(tokenizer)
+        for sinks, window, label in ((s, w, "sinks + window"), (0, s + w, "window only")):
+            run = endless_generation(model, ids, plan.endless_tokens, num_sinks=sinks, window=window, seed=plan.seed,
+                                     label=label, progress=progress)
+            out[f"endless_s{sinks}"] = {**run.to_json(), "model": model_name, "prompt": ENDLESS_PROMPT,
+                                        "temperature": 0.7, "top_k": 50, "seed": plan.seed,
+                                        "text": tokenizer.decode(run.tokens, skip_special_tokens=False)}
+    if "prompts" in plan.measures:
+        rows = many_prompts(model, tokenizer, PROMPTS[: plan.prompts], num_sinks=s, window=w,
+                            max_new_tokens=plan.answer_tokens, progress=progress)
+        out["prompts"] = {"model": model_name, "num_sinks": s, "window": w, "max_new_tokens": plan.answer_tokens,
+                          "rows": [asdict(r) for r in rows]}
+    return out

@@ -5,16 +5,18 @@ What is stored per layer:
 
 * anchored tokens (sinks, pinned spans): keys as first rotated and values, in the model's dtype, never
   quantized — bit-exact through eviction and re-basing;
-* the ring of ``W`` window tokens: packed codes with a float16 scale and zero point per token and group of
-  ``G`` channels, for keys and values alike (:mod:`sinklab.kvquant.codec`). Keys are quantized **per token**
-  here, not per channel over blocks as in the dense cache (KIVI): the ring overwrites one slot at a time in
-  each row, so a per-channel block would mix evicted and live tokens.
+* the ring of ``W`` window tokens: one packed tensor ``[B, Hkv, W, dk + dv]`` (a token's key then its value)
+  with a float16 scale and zero point per token and group of ``G`` channels (:mod:`sinklab.kvquant.codec`).
+  Keys are quantized **per token** here, not per channel over blocks as in the dense cache (KIVI): the ring
+  overwrites one slot at a time in each row, so a per-channel block would mix evicted and live tokens.
 
-At each forward the layer unpacks its ring into one full-precision buffer shared by every layer of the
-stream (layers run one after the other), hands it to the parent layer's update, and packs the slots that
-update wrote. So the window costs ``bits`` per element plus metadata per layer, plus one ``[B, Hkv, S + P + W, d]``
-buffer for the whole model; each forward pays one unpack of ``W`` tokens per layer. A re-base rotates the
-ring's keys: they are unpacked, rotated and packed again (the anchored keys are not touched).
+At each forward the layer dequantizes its ring straight into full-precision key and value buffers
+``[B, Hkv, S + P + W, d]`` shared by every layer of the stream (layers run one after the other), lets the
+parent layer update them, and packs what that update wrote. A
+decoded token is packed with fixed-shape tensor maths (no host read, one quantization for its key and
+value together). So the window costs ``bits`` per element plus metadata per layer, plus one buffer for
+the whole model; each forward pays one dequantization of ``W`` tokens per layer. A re-base rotates the
+ring's keys: they are dequantized, rotated and packed again (values and anchored keys are not touched).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
-from ..kvquant.codec import BITS, dequantize, quantize
+from ..kvquant.codec import BITS, QuantizedTensor, dequantize, packed_width, quantize
 from ..rope import rotate
 from .layer import SinkWindowLayer
 from .state import StreamState
@@ -43,10 +45,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
             raise InputError(f"kv_group_size must be ≥ 1, got {group_size}")
         super().__init__(state, rope)
         self.bits, self.group_size = bits, group_size
-
-    def select_rows(self, index: Tensor) -> None:
-        raise InputError("beams, num_return_sequences and row selection are not supported with kv_bits (the packed "
-                         "ring is not re-indexed); use SinkCache(..., kv_bits=None) for them")
+        self._parts: tuple | None = None  # (ring, its key and value views)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         b, hkv, _, dh = key_states.shape
@@ -54,39 +53,82 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         self.group = min(self.group_size, dh, dv)
         if dh % self.group or dv % self.group:
             raise InputError(f"head widths {dh}/{dv} are not multiples of the kv group size {self.group}")
+        if packed_width(dh, self.bits) * 8 != dh * self.bits:
+            raise InputError(f"a head width of {dh} does not pack into whole words at {self.bits} bits")
+        self.dh = dh
         n, cap = self.state.anchor_capacity, self.state.capacity
         self.device, self.dtype = key_states.device, key_states.dtype
-        shared = self.state.__dict__.setdefault("kv_scratch", {})
-        key = (b, hkv, cap, dh, dv, key_states.dtype, key_states.device)
-        if key not in shared:
-            shared[key] = (torch.zeros(b, hkv, cap, dh, dtype=key_states.dtype, device=key_states.device),
-                           torch.zeros(b, hkv, cap, dv, dtype=value_states.dtype, device=value_states.device))
-        self.keys, self.values = shared[key]
+        self._bind_buffer(b, hkv, dh, dv)
         self.anchor_keys = torch.zeros(b, hkv, n, dh, dtype=key_states.dtype, device=key_states.device)
         self.anchor_values = torch.zeros(b, hkv, n, dv, dtype=value_states.dtype, device=value_states.device)
-        w = cap - n
-        self.ring_k = quantize(torch.zeros(b, hkv, w, dh, dtype=key_states.dtype), self.bits, self.group, dim=-1)
-        self.ring_v = quantize(torch.zeros(b, hkv, w, dv, dtype=value_states.dtype), self.bits, self.group, dim=-1)
+        ring = torch.zeros(b, hkv, cap - n, dh + dv, dtype=key_states.dtype, device=key_states.device)
+        self.ring = quantize(ring, self.bits, self.group, dim=-1)  # (B, Hkv, W, dk + dv) packed
         self.is_initialized = True
 
+    def _bind_buffer(self, b: int, hkv: int, dh: int, dv: int) -> None:
+        """Point ``keys``/``values`` at the stream's shared ``[B, Hkv, S + P + W, d]`` buffers (made once)."""
+        shared = self.state.__dict__.setdefault("kv_scratch", {})
+        key = (b, hkv, self.state.capacity, dh, dv, self.dtype, self.device)
+        if key not in shared:
+            shared[key] = tuple(torch.zeros(b, hkv, self.state.capacity, d, dtype=self.dtype, device=self.device)
+                                for d in (dh, dv))
+        self.keys, self.values = shared[key]
+
+    def _ring_parts(self) -> tuple[QuantizedTensor, QuantizedTensor]:
+        """The packed ring's key and value columns as two quantized views ``[B, Hkv, W, d]`` (no copy; made
+        once per ring tensor — every write to the ring is in place)."""
+        if self._parts is not None and self._parts[0] is self.ring:
+            return self._parts[1]
+        r, width, groups = self.ring, packed_width(self.dh, self.bits), self.dh // self.group
+        b, hkv, w, total = r.shape
+        parts = tuple(QuantizedTensor(r.packed[..., cut], r.scale[..., gcut], r.zero[..., gcut], r.bits,
+                                      r.group_size, r.dim, (b, hkv, w, d), r.dtype)
+                      for cut, gcut, d in ((slice(None, width), slice(None, groups), self.dh),
+                                           (slice(width, None), slice(groups, None), total - self.dh)))
+        self._parts = (r, parts)
+        return parts
+
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Unpack the ring into the shared buffer, let the parent update it, pack the slots it wrote."""
+        """Dequantize the ring into the shared buffer, let the parent update it, pack what it wrote."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = self.state.anchor_capacity
-        self.keys[:, :, n:] = dequantize(self.ring_k)
-        self.values[:, :, n:] = dequantize(self.ring_v)
+        ring_k, ring_v = self._ring_parts()
+        dequantize(ring_k, out=self.keys[:, :, n:])
+        dequantize(ring_v, out=self.values[:, :, n:])
         if n:
             self.values[:, :, :n] = self.anchor_values
         out = super().update(key_states, value_states, *args, **kwargs)
-        slot = self.state.plan.get("slot")
-        if isinstance(slot, int):  # one token, the same slot in every row: plain slicing, no index tensors
-            if slot < n:
-                self.anchor_values[:, :, slot] = value_states[:, :, 0]
-            else:
-                self._pack(slice(None), slot - n, key_states[:, :, 0], value_states[:, :, 0])
-            return out
-        rows, slots = self._written(self.state.plan, key_states.shape[0])
+        plan = self.state.plan
+        if "slot" in plan:
+            self._pack_step(plan, key_states[:, :, 0], value_states[:, :, 0])
+        else:
+            self._pack_chunk(plan)
+        return out
+
+    def _pack_step(self, plan: dict, k: Tensor, v: Tensor) -> None:
+        """One decoded column ``[B, Hkv, d]``: each row's slot (padding and anchored rows keep the ring as it
+        was; an anchored row writes its value instead). Whether any row is padding or anchored is read once
+        per forward; the usual case — every row a window token — is three plain writes."""
+        n = self.state.anchor_capacity
+        if "ring_slot" not in plan:  # shared by every layer of this forward
+            plan["ring_slot"] = (plan["slot"] - n).clamp(min=0)
+            keep = ~plan["valid"] | plan["anchored"]
+            plan["ring_keep"] = keep[:, None, None] if bool(keep.any()) else None  # (B, 1, 1)
+            plan["any_anchored"] = bool(plan["anchored"].any())
+        rows, at, keep = plan["rows"], plan["ring_slot"], plan["ring_keep"]
+        new = quantize(torch.cat([k, v], -1), self.bits, self.group, dim=-1)  # (B, Hkv, dk + dv) per token
+        for stored, x in ((self.ring.packed, new.packed), (self.ring.scale, new.scale), (self.ring.zero, new.zero)):
+            stored[rows, :, at] = x if keep is None else torch.where(keep, stored[rows, :, at], x)
+        if plan["any_anchored"]:
+            slot = plan["slot"].clamp(max=n - 1)
+            anchored = plan["anchored"][:, None, None]
+            self.anchor_values[rows, :, slot] = torch.where(anchored, v, self.anchor_values[rows, :, slot])
+
+    def _pack_chunk(self, plan: dict) -> None:
+        """A chunk: the buffer slots ``(rows, slots)`` it wrote, anchored ones as values, ring ones packed."""
+        n = self.state.anchor_capacity
+        rows, slots = plan["rows"], plan["slots"]
         anchored = slots < n
         if bool(anchored.any()):
             r, s = rows[anchored], slots[anchored]
@@ -94,52 +136,58 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         ring = ~anchored
         if bool(ring.any()):
             r, s = rows[ring], slots[ring]
-            self._pack(r, s - n, self.keys[r, :, s], self.values[r, :, s])  # (N, Hkv, d) each
-        return out
-
-    @staticmethod
-    def _written(plan: dict, batch: int) -> tuple[Tensor, Tensor]:
-        """``(rows, slots)`` ``[N]`` of the buffer slots this forward wrote (every plan layout of the stream)."""
-        if "cols" in plan:
-            return plan["rows"], plan["slots"]
-        slot = plan["slot"]
-        if isinstance(slot, int):
-            rows = torch.arange(batch)
-            return rows, torch.full_like(rows, slot)
-        rows = plan.get("rows", torch.arange(batch, device=slot.device))
-        valid = plan.get("valid")
-        return (rows, slot) if valid is None else (rows[valid], slot[valid])
-
-    def _pack(self, rows: Tensor | slice, ring_slots: Tensor | int, k: Tensor, v: Tensor) -> None:
-        for q, x in ((self.ring_k, k), (self.ring_v, v)):
-            new = quantize(x, self.bits, self.group, dim=-1)  # per token: (N, Hkv, ·)
-            q.packed[rows, :, ring_slots] = new.packed
-            q.scale[rows, :, ring_slots] = new.scale
-            q.zero[rows, :, ring_slots] = new.zero
+            kv = torch.cat([self.keys[r, :, s], self.values[r, :, s]], -1)  # (N, Hkv, dk + dv)
+            new = quantize(kv, self.bits, self.group, dim=-1)
+            for stored, x in ((self.ring.packed, new.packed), (self.ring.scale, new.scale), (self.ring.zero, new.zero)):
+                stored[r, :, s - n] = x
 
     def rotate_ring(self, ring: slice, delta: Tensor) -> None:
-        """Re-base: unpack the ring's keys, rotate them by ``delta`` ``[B]`` positions, pack them again."""
+        """Re-base: dequantize the ring's keys, rotate them by ``delta`` ``[B]`` positions, pack them again."""
         if self.is_initialized:
             shift = delta.to(self.device)[:, None, None]  # (B, 1, 1) broadcast over heads and slots
-            self.ring_k = quantize(rotate(dequantize(self.ring_k), self.rope, shift), self.bits, self.group, dim=-1)
+            keys = rotate(dequantize(self._ring_parts()[0]), self.rope, shift)  # (B, Hkv, W, dk)
+            new = quantize(keys, self.bits, self.group, dim=-1)
+            width, groups = packed_width(self.dh, self.bits), self.dh // self.group
+            self.ring.packed[..., :width] = new.packed
+            self.ring.scale[..., :groups] = new.scale
+            self.ring.zero[..., :groups] = new.zero
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("beam search is not supported by SinkCache(kv_bits=...); use kv_bits=None")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("num_return_sequences > 1 is not supported by SinkCache(kv_bits=...)")
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        raise NotImplementedError("selecting batch rows is not supported by SinkCache(kv_bits=...)")
-
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError("a SinkCache(kv_bits=...) cannot be cropped")
+    def select_rows(self, index: Tensor) -> None:
+        """Row ``i`` becomes old row ``index[i]`` (beams, ``num_return_sequences``): packed ring and anchors."""
+        if self.is_initialized:
+            index = index.to(self.device)
+            self.anchor_keys, self.anchor_values = (t.index_select(0, index) for t in (self.anchor_keys,
+                                                                                     self.anchor_values))
+            r = self.ring
+            self.ring = QuantizedTensor(r.packed.index_select(0, index), r.scale.index_select(0, index),
+                                        r.zero.index_select(0, index), r.bits, r.group_size, r.dim,
+                                        (index.numel(), *r.shape[1:]), r.dtype)
+            self._bind_buffer(index.numel(), r.shape[1], self.dh, self.anchor_values.shape[-1])
 
     def nbytes(self) -> int:
         """Bytes this layer holds: packed ring (codes, scales, zero points) + exact anchored keys and values."""
         exact = sum(t.numel() * t.element_size() for t in (self.anchor_keys, self.anchor_values))
-        return self.ring_k.nbytes + self.ring_v.nbytes + exact
+        return self.ring.nbytes + exact
 
     def dequantized_ring(self) -> tuple[Tensor, Tensor]:
         """The window as stored: keys (rotated at their virtual positions) and values ``[B, Hkv, W, d]``."""
-        return dequantize(self.ring_k), dequantize(self.ring_v)
+        ring_k, ring_v = self._ring_parts()
+        return dequantize(ring_k), dequantize(ring_v)
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        """What :class:`~sinklab.stream.session.StreamSession` saves: the packed ring and the exact anchors."""
+        return {"ring_packed": self.ring.packed, "ring_scale": self.ring.scale, "ring_zero": self.ring.zero,
+                "anchor_keys": self.anchor_keys, "anchor_values": self.anchor_values}
+
+    def load_state_tensors(self, tensors: dict[str, Tensor], dh: int) -> None:
+        """Inverse of :meth:`state_tensors` (``dh``: the key head width)."""
+        packed, scale = tensors["ring_packed"], tensors["ring_scale"]
+        self.anchor_keys, self.anchor_values = tensors["anchor_keys"], tensors["anchor_values"]
+        self.device, self.dtype, self.dh = packed.device, self.anchor_keys.dtype, dh
+        b, hkv, w, _ = scale.shape
+        self.group = min(self.group_size, dh, self.anchor_values.shape[-1])
+        width = scale.shape[-1] * self.group
+        self.ring = QuantizedTensor(packed, scale, tensors["ring_zero"], self.bits, self.group, 3, (b, hkv, w, width),
+                                    self.dtype)
+        self._bind_buffer(b, hkv, dh, width - dh)
+        self.is_initialized = True

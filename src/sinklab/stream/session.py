@@ -34,7 +34,8 @@ class StreamSession:
 
     def __init__(self, model: nn.Module, num_sinks: int = 4, window: int = 1020, pinned=None,
                  start_position: int = 0, chunk_size: int = 256, rebase_every: int | None = None, *,
-                 sliding_sinks: bool = False, compile: bool | dict | None = None) -> None:
+                 sliding_sinks: bool = False, compile: bool | dict | None = None, kv_bits: int | None = None,
+                 kv_group_size: int = 16) -> None:
         if chunk_size < 1:
             raise InputError(f"chunk_size must be ≥ 1, got {chunk_size}")
         if compile is not None and not isinstance(compile, (bool, dict)):
@@ -45,7 +46,8 @@ class StreamSession:
         self.model = model
         self.chunk_size = chunk_size
         self.sink = SinkCache(model, num_sinks, window, pinned, start_position, rebase_every,
-                              sliding_sinks=sliding_sinks)
+                              sliding_sinks=sliding_sinks, kv_bits=kv_bits, kv_group_size=kv_group_size)
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.cache = None
         self._cache_kwarg = _compat.cache_kwarg_name(model)
         self._device = _compat.input_device(model)
@@ -119,7 +121,10 @@ class StreamSession:
             prefix = "" if g == 0 else f"group{g}."
             tensors.update({prefix + k: v for k, v in state.state_dict().items()})
         for i, layer in enumerate(self.cache.layers):
-            if layer.is_initialized:
+            if layer.is_initialized and self.kv_bits is not None:  # the packed ring and the exact anchors
+                tensors.update({f"layer.{i}.{k}": v.contiguous() for k, v in layer.state_tensors().items()})
+                tensors[f"layer.{i}.head_dim"] = torch.tensor(layer.dh)
+            elif layer.is_initialized:
                 tensors[f"layer.{i}.keys"] = layer.keys.contiguous()
                 tensors[f"layer.{i}.values"] = layer.values.contiguous()
                 tensors[f"layer.{i}.anchor_keys"] = layer.anchor_keys.contiguous()
@@ -144,11 +149,14 @@ class StreamSession:
             raise InputError(f"{path}: unsupported stream format {meta.get('format')!r}")
         s = meta["settings"]
         session = cls(model, s["num_sinks"], s["window"], [tuple(p) for p in s["pinned"]], s["start_position"],
-                      meta["chunk_size"], s["rebase_every"], sliding_sinks=s.get("sliding_sinks", False))
+                      meta["chunk_size"], s["rebase_every"], sliding_sinks=s.get("sliding_sinks", False),
+                      kv_bits=s.get("kv_bits"), kv_group_size=s.get("kv_group_size", 16))
         if len(session.sink.states) != s.get("groups", 1):
             raise InputError(f"{path} was saved from a model with {s.get('groups', 1)} layer budgets; this one has "
                              f"{len(session.sink.states)} — load it with the model that wrote it")
-        tensors = load_file(str(path), device=str(_compat.input_device(model)))
+        # Cloned: tensors read from the file sit wherever its header puts them, and a misaligned buffer changes
+        # the summation order of vectorised kernels (a resumed stream would differ in the last bit).
+        tensors = {k: v.clone() for k, v in load_file(str(path), device=str(_compat.input_device(model))).items()}
         tensors["__columns__"] = torch.tensor(meta["columns"])
         session._restore = tensors
         session.tokens_seen = meta["tokens_seen"]
@@ -160,7 +168,11 @@ class StreamSession:
             state.load_state_dict({k[len(prefix) - 6:]: v for k, v in tensors.items() if k.startswith(prefix)},
                                   int(tensors["__columns__"]))
         for i, layer in enumerate(self.cache.layers):
-            if f"layer.{i}.keys" in tensors:
+            if f"layer.{i}.ring_packed" in tensors:
+                prefix = f"layer.{i}."
+                layer.load_state_tensors({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
+                                         int(tensors[prefix + "head_dim"]))
+            elif f"layer.{i}.keys" in tensors:
                 layer.keys = tensors[f"layer.{i}.keys"]
                 layer.values = tensors[f"layer.{i}.values"]
                 layer.anchor_keys = tensors[f"layer.{i}.anchor_keys"]
@@ -171,7 +183,8 @@ class StreamSession:
     def _main_settings(self) -> dict:
         main = self.sink.state
         return {"num_sinks": main.num_sinks, "window": main.window, "pinned": main.pinned,
-                "sliding_sinks": self.sink.sliding_sinks, "groups": len(self.sink.states)}
+                "sliding_sinks": self.sink.sliding_sinks, "groups": len(self.sink.states),
+                "kv_bits": self.kv_bits, "kv_group_size": self.kv_group_size}
 
     def cache_tokens(self) -> int:
         """Kept tokens per row (the cache's size in tokens, at most ``S + P + W``)."""

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from ..capture import ValueEdit
-from ..diagnose import diagnose_inputs, run_edit
+from ..diagnose import diagnose_inputs
+from ..edits import run_edit
 from .model import SynthConfig, SynthModel, SynthResult, fit, task_settings
 
 __all__ = ["BroadcastTask", "run_broadcast"]

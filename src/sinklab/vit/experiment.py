@@ -10,7 +10,8 @@ with loss = cross-entropy of the global label on [CLS] + MSE of the masked patch
 frozen backbone: linear patch probe (mIoU), linear probes on [CLS] and on the mean patch feature
 (accuracy), and :func:`sinklab.diagnose_inputs` on held-out images (sink classes per layer, sinks on
 registers, high-norm tokens, value-norm ratios). Checkpoints per (variant, seed) make it resumable after
-a kill: a finished run is skipped, an unfinished one continues from its last checkpoint.
+a kill: a finished run is skipped, an unfinished one continues from its last checkpoint. The runner writes
+data only; :func:`sinklab.report.vit_figures.write_experiment_figures` draws the figures from it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from .model import SinklabViT, small_vit_config, token_labels
 from .probe import evaluate_probes
 from .variants import apply_vit_variant, save_vit
 
-__all__ = ["VARIANT_SPECS", "VitExperimentConfig", "run_experiment", "summarise"]
+__all__ = ["VARIANT_SPECS", "VitExperimentConfig", "experiment_runs", "run_experiment", "summarise"]
 
 #: experiment variant name → sinklab variant spec (``None``: the baseline).
 VARIANT_SPECS = {"baseline": None, "registers": "registers", "gated": "gated", "gated-headwise": "gated-headwise",
@@ -284,7 +285,7 @@ def run_experiment(cfg: VitExperimentConfig, out: str | Path,
     results = []
     for seed in range(cfg.seeds):
         for variant in cfg.variants:
-            run_dir = out / "runs" / f"{variant.replace('+', '-')}_s{seed}"
+            run_dir = _run_dir(out, variant, seed)
             done = run_dir / "result.json"
             name = f"{variant} seed {seed}"
             if done.exists():
@@ -297,14 +298,18 @@ def run_experiment(cfg: VitExperimentConfig, out: str | Path,
     summary = summarise(cfg, plan, results)
     _atomic_json(out / "results.json", summary)
     (out / "table.md").write_text(summary["table_md"])
-    from ..report.vit_figures import experiment_figures
-
-    for stem, fig in experiment_figures(summary, results, cfg).items():
-        fig.savefig(out / f"{stem}.png", dpi=110, bbox_inches="tight")
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
     return summary
+
+
+def experiment_runs(cfg: VitExperimentConfig, out: str | Path) -> list[dict]:
+    """The finished runs' ``result.json`` in ``out`` (seed-major, variants in ``cfg`` order): what the figures draw."""
+    return [json.loads((_run_dir(Path(out), variant, seed) / "result.json").read_text())
+            for seed in range(cfg.seeds) for variant in cfg.variants
+            if (_run_dir(Path(out), variant, seed) / "result.json").exists()]
+
+
+def _run_dir(out: Path, variant: str, seed: int) -> Path:
+    return out / "runs" / f"{variant.replace('+', '-')}_s{seed}"
 
 
 _COLUMNS = [

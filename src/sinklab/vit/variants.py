@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from .. import _compat
 from ..atomic import atomic_file
 from ..errors import InputError, ModelWeightsError, UnsupportedModelError
-from ..variants import VariantConfig, VariantHandle, parse_variant, stash_gate_input
+from ..variants import VariantConfig, VariantHandle, add_attention_parameters, parse_variant
 
 __all__ = [
     "FORMAT",
@@ -46,7 +46,6 @@ __all__ = [
 
 FORMAT = "sinklab.vit/1"
 WEIGHTS_FILE = "model.safetensors"
-_OFF_GATE_BIAS = 30.0  # σ(30) == 1.0 in float32
 
 
 def vit_attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -114,36 +113,12 @@ def apply_vit_variant(model: nn.Module, variant: str | VariantConfig | dict, *, 
     dh = getattr(mods[0], "head_dim", d // h)
     ref = mods[0].q_proj.weight
     handle = VitVariantHandle(model, base, cfg)
-    add = handle.patch.add
     gen = torch.Generator().manual_seed(seed)
     for attn in mods:
-        add(attn, "sinklab_variant", cfg)
-        if cfg.sink_logit:
-            start = float("-inf") if init == "off" else 0.0
-            add(attn, "sinklab_sink_logit", nn.Parameter(torch.full((h,), start, dtype=ref.dtype, device=ref.device)))
-        if cfg.kv_bias:  # a learned key/value slot per head, 0 at the start (the kv-bias slot scores 0)
-            for name in ("sinklab_k_bias", "sinklab_v_bias"):
-                add(attn, name, nn.Parameter(torch.zeros(h, dh, dtype=ref.dtype, device=ref.device)))
-        if cfg.gate is not None:
-            gate = nn.Linear(d, h * dh if cfg.gate == "elementwise" else h, bias=True)
-            with torch.no_grad():
-                if init == "off":
-                    gate.weight.zero_()
-                    gate.bias.fill_(_OFF_GATE_BIAS)
-                else:
-                    bound = d**-0.5  # nn.Linear's default range, drawn from our generator (reproducible)
-                    gate.weight.uniform_(-bound, bound, generator=gen)
-                    gate.bias.zero_()
-            add(attn, "sinklab_gate", gate.to(ref.device, ref.dtype))
-            add(attn, "sinklab_gate_input", None)
-            handle.patch.hook(attn, stash_gate_input, pre=True, with_kwargs=True)
+        add_attention_parameters(handle, attn, heads=h, kv_heads=h, head_dim=dh, width=d, init=init, generator=gen)
     if cfg.registers:
         _add_registers(handle.patch, base, cfg.registers, d, ref, gen)
-    try:
-        handle.install()
-    except BaseException:
-        handle.remove()
-        raise
+    handle.install()
     return handle
 
 
