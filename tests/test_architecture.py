@@ -40,3 +40,27 @@ def test_the_contract_covers_every_module():
         if foreign or not graph.find_children(module):  # a plain module, or a package that does more than re-export
             outside[module] = sorted(foreign)
     assert not outside, f"modules outside the layer contract (add them to [tool.importlinter]): {outside}"
+
+
+def test_no_private_names_cross_modules():
+    """No module imports another module's ``_private`` name or reads ``module._private`` (``_compat`` is the
+    module of transformers internals: it is imported by name, its own names are public)."""
+    import ast
+
+    src = PYPROJECT.parent / "src" / "sinklab"
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__") and alias.name != "_compat":
+                        found.append(f"{path.relative_to(src)}: from {node.module} import {alias.name}")
+                    if node.level:
+                        modules.add(alias.asname or alias.name)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                    and node.attr.startswith("_") and not node.attr.startswith("__") and node.value.id != "_compat"):
+                found.append(f"{path.relative_to(src)}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert not found, found
