@@ -185,9 +185,17 @@ def _figure(path: Path) -> None:
     axes[0].plot(x, [r["rss_mb"] for r in seg], "o-")
     axes[0].set(title="RSS (MB)", xlabel="tokens streamed")
     axes[0].set_ylim(0, max(r["rss_mb"] for r in seg) * 1.2)
-    axes[1].plot(x, [r["chunk_tok_s"] or float("nan") for r in seg], "o-", label=f"chunks of {data['chunk']}")
-    axes[1].plot(x, [r["decode_tok_s"] or float("nan") for r in seg], "s-", label="one token (decode)")
-    axes[1].set(title="throughput (tok/s, under load)", xlabel="tokens streamed", yscale="log")
+    cpu = any(r.get("chunk_tok_cpu_s") for r in seg)
+    if cpu:  # per CPU-second of the process (one thread): the machine's load taken out
+        axes[1].plot(x, [r.get("chunk_tok_cpu_s") or float("nan") for r in seg], "o-",
+                     label=f"chunks of {data['chunk']}, per CPU-s")
+        axes[1].plot(x, [r.get("decode_tok_cpu_s") or float("nan") for r in seg], "s-", label="decode, per CPU-s")
+    axes[1].plot(x, [r["chunk_tok_s"] or float("nan") for r in seg], "o" + ("--" if cpu else "-"),
+                 label=f"chunks of {data['chunk']}" + (", wall" if cpu else ""), alpha=0.5 if cpu else 1)
+    axes[1].plot(x, [r["decode_tok_s"] or float("nan") for r in seg], "s" + ("--" if cpu else "-"),
+                 label="one token (decode)" + (", wall" if cpu else ""), alpha=0.5 if cpu else 1)
+    axes[1].set(title="throughput (tok/s" + (", per CPU-s and wall" if cpu else ", under load") + ")",
+                xlabel="tokens streamed", yscale="log")
     axes[1].legend(fontsize=8)
     axes[2].plot([d["token"] for d in data["drift"]], [max(d["max_abs_logit_diff"], 1e-12) for d in data["drift"]], "o-")
     axes[2].set(title="max |Δlogit| vs fresh-window recompute", xlabel="tokens streamed", yscale="log")
@@ -206,10 +214,17 @@ def table(path: Path) -> str:
     rows = [f"{data['model']}: {data['tokens_done']:,} of {data['tokens_planned']:,} tokens, S = {data['num_sinks']}, "
             f"W = {data['window']}, chunks of {data['chunk']}, {data['probe']} tokens one by one per segment; "
             f"wall {data['wall_seconds']:.0f} s (under load on a shared 2-core CPU VM)", "",
-            "| tokens | RSS MB | chunked tok/s | decode tok/s | mean NLL | cache tokens |", "|---|---|---|---|---|---|"]
+            "| tokens | RSS MB | chunked tok/s (per CPU-s) | decode tok/s (per CPU-s) | load (1 min) | mean NLL | "
+            "cache tokens |", "|---|---|---|---|---|---|---|"]
+
+    def rate(wall, cpu) -> str:
+        return f"{wall or 0:.1f}" + (f" ({cpu:.1f})" if cpu else "")
+
     for r in data["segments"]:
-        rows.append(f"| {r['end']:,} | {r['rss_mb']:.0f} | {r['chunk_tok_s'] or 0:.0f} | {r['decode_tok_s'] or 0:.1f} | "
-                    f"{r['mean_nll']:.3f} | {r['cache_tokens']} |")
+        load = f"{r['load_avg_1m']:.1f}" if "load_avg_1m" in r else "–"
+        rows.append(f"| {r['end']:,} | {r['rss_mb']:.0f} | {rate(r['chunk_tok_s'], r.get('chunk_tok_cpu_s'))} | "
+                    f"{rate(r['decode_tok_s'], r.get('decode_tok_cpu_s'))} | {load} | {r['mean_nll']:.3f} | "
+                    f"{r['cache_tokens']} |")
     rows += ["", f"| drift check at token | max \\|Δlogit\\| vs fresh-window recompute ({data['fresh_window']} tokens) | "
                  "relative | same argmax |", "|---|---|---|---|"]
     for d in data["drift"]:

@@ -9,6 +9,7 @@ still leaves its finished part):
     python benchmarks/stream_quality.py endless --sinks 0 [--tokens 10000] [--model …]  # window only, same cache
     python benchmarks/stream_quality.py endless-pair [--tokens 10000]  # both in lockstep (a cut leaves equal lengths)
     python benchmarks/stream_quality.py prompts [--prompts 32] [--max-new-tokens 48]
+    python benchmarks/stream_quality.py prompts --sinks 0 --window 4096  # control: the same chat, nothing evicted
     python benchmarks/stream_quality.py report  # figures into docs/img/ and the tables, from the JSON files
 
 All at cache size C = S + W = 256 (S = 4, W = 252) unless ``--window`` says otherwise.
@@ -137,8 +138,11 @@ def main() -> None:
 
         rows = quality.many_prompts(model, tok, quality.PROMPTS[: args.prompts], num_sinks=args.sinks,
                                     window=args.window, max_new_tokens=args.max_new_tokens, progress=progress)
-        _write("prompts" if args.model == "smollm2" else f"prompts_{args.model}", {"num_sinks": args.sinks, "window": args.window, "max_new_tokens": args.max_new_tokens,
-                           "rows": [r.__dict__ for r in rows], **_meta(args, start)})
+        name = "prompts" if args.model == "smollm2" else f"prompts_{args.model}"
+        if (args.sinks, args.window) != (4, 252):  # e.g. the control: one conversation with nothing evicted
+            name += f"_s{args.sinks}_w{args.window}"
+        _write(name, {"num_sinks": args.sinks, "window": args.window, "max_new_tokens": args.max_new_tokens,
+                      "rows": [r.__dict__ for r in rows], **_meta(args, start)})
     print(f"wall {time.perf_counter() - start:.0f} s")
 
 

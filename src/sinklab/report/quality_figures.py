@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..stream.quality import block_stats
+from ..stream.quality import block_length, block_stats
 
 __all__ = ["endless_block", "quality_figures", "quality_tables"]
 
@@ -11,8 +11,8 @@ _NAMES = {"dense": "dense", "sinks": "sinks + window", "window": "window only", 
 
 
 def endless_block(n: int) -> int:
-    """Block length for an endless run of ``n`` tokens: 1,000 (the usual), or 100 for short runs."""
-    return 1000 if n >= 5000 else 100
+    """Block length for an endless run of ``n`` tokens (:func:`sinklab.stream.quality.block_length`)."""
+    return block_length(n)
 
 
 def _endless_runs(data: dict) -> dict[str, list[dict]]:

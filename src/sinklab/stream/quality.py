@@ -30,7 +30,7 @@ from .chat import ChatStream
 from .session import StreamSession, sample_token
 
 __all__ = ["ENDLESS_PROMPT", "FACTS", "PROMPTS", "QUALITY_MEASURES", "RECALL_METHODS", "EndlessRun", "EndlessStream",
-           "PromptAnswer", "QualityPlan", "RecallResult", "block_stats", "distinct_ngram_ratio", "endless_generation",
+           "PromptAnswer", "QualityPlan", "RecallResult", "block_length", "block_stats", "distinct_ngram_ratio", "endless_generation",
            "endless_prompt_ids", "evaluate_quality", "fact_recall", "many_prompts", "parse_distances", "parse_quality"]
 
 Progress = Callable[[str, int], None]
@@ -87,6 +87,11 @@ def distinct_ngram_ratio(tokens: Sequence[int], n: int = 4) -> float:
     """Distinct ``n``-grams / all ``n``-grams of ``tokens`` (1.0: no repeats; → 0 when a loop repeats)."""
     grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
     return len(set(grams)) / len(grams) if grams else float("nan")
+
+
+def block_length(n: int) -> int:
+    """Block length for the statistics of an endless run of ``n`` tokens: 1,000, or 250 / 100 for short runs."""
+    return 1000 if n >= 5000 else 250 if n >= 1500 else 100
 
 
 def block_stats(tokens: Sequence[int], nll: Sequence[float], block: int = 1000, n: int = 4) -> dict[str, list]:
@@ -215,8 +220,8 @@ class EndlessRun:
         return block_stats(self.tokens, self.nll, block, n)
 
     def to_json(self, block: int | None = None) -> dict:
-        """JSON-ready: settings, every token and NLL, and the per-block statistics (1,000, or 100 below 5,000)."""
-        block = block or (1000 if len(self.tokens) >= 5000 else 100)
+        """JSON-ready: settings, every token and NLL, and the per-block statistics (:func:`block_length`)."""
+        block = block or block_length(len(self.tokens))
         return {"label": self.label, "num_sinks": self.num_sinks, "window": self.window, "tokens": self.tokens,
                 "nll": self.nll, "seconds": self.seconds, "block": block, "blocks": self.stats(block)}
 
