@@ -1,25 +1,34 @@
 """``bench_stream.py --compile``: a compiled sinklab stream against StaticCache compiled and DynamicCache eager.
 
-Real weights (SmolLM2-135M-Instruct; Gemma 3 270M when builtin:gemma3 is available), S 4, W 1020, float32.
+Models: SmolLM2-135M-Instruct and Gemma 3 270M (``builtin:`` real weights; or a ``config:FILE.json`` built with
+random weights — the same shapes, so the same speed — for a machine without the converted cache). S 4, W 1020.
 Every method decodes at the same cached length, in steady state past eviction:
 
-* sinklab compiled — ``torch.compile(model.forward)`` (inductor) with the SinkCache passed in;
+* sinklab compiled — ``torch.compile(model.forward)`` with the SinkCache passed in;
 * sinklab eager    — the same forward, eager;
-* static compiled  — transformers' StaticCache of S + W slots, filled to S + W − 1, decode one, then the
-  step's slot is handed back (``cumulative_length`` reset) so every step attends over S + W keys;
-* dynamic eager    — DynamicCache holding S + W − 1 keys: decode one, crop back (today's floor);
+* static compiled  — transformers' StaticCache of S + W slots, filled to S + W − 1, decode one, then every
+  layer's ``crop(-1)`` hands the step's slot back, so each step attends over S + W keys. Sliding layers
+  (Gemma 3: 512 tokens) are StaticSlidingWindowLayers that roll their own window and stay full; their crop
+  only moves the counter back, so the mask sizes stay fixed and nothing recompiles;
+* dynamic eager    — DynamicCache holding S + W − 1 keys: decode one, crop back (today's floor). Sliding
+  layers keep their window once past-recording is on (``activate_past_recording``: crop may then undo a step);
 * beams / sampling — ``generate`` with 2 beams, and with top-k sampling, through a SinkCache and through a
   DynamicCache of equal cached length (ms per new token from two generate lengths).
 
 Rounds are interleaved (the machine is shared); warm-up (compile) is timed separately; one thread and two.
 The bandwidth limit: bytes read per token (weights + the cached K/V) ÷ the copy bandwidth of this machine.
+On CUDA every timed step ends with a synchronisation, and with ``mode="reduce-overhead"`` (CUDA graphs) each
+compiled step starts with ``torch.compiler.cudagraph_mark_step_begin()``.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import statistics
 import time
+import traceback
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache, StaticCache
@@ -28,38 +37,92 @@ import sinklab
 from sinklab import _compat
 
 
-def copy_bandwidth(mb: int = 256, repeats: int = 5) -> float:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, mb: int = 256, repeats: int = 5) -> float:
     """Bytes per second moved by ``dst.copy_(src)`` (read + write) over a buffer far larger than the caches."""
-    src = torch.ones(mb * 2**20 // 4)
+    mb = 1024 if device.type == "cuda" else mb  # past the GPU's L2 by far
+    src = torch.ones(mb * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = float("inf")
     for _ in range(repeats):
+        sync(device)
         t = time.perf_counter()
         dst.copy_(src)
+        sync(device)
         best = min(best, time.perf_counter() - t)
     return 2 * src.numel() * 4 / best
 
 
-def _ids(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(10, vocab - 1, (1, n), generator=torch.Generator().manual_seed(seed))
+def _ids(n: int, vocab: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    ids = torch.randint(10, vocab - 1, (1, n), generator=torch.Generator().manual_seed(seed))
+    return ids.to(device)
+
+
+def load(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[str, torch.nn.Module, str]:
+    """A model by ``builtin:``/folder name (real weights) or ``config:FILE.json`` (random weights, same shapes).
+
+    ``A|B`` tries ``A`` first, then ``B`` (``builtin:smollm2|config:benchmarks/configs/smollm2-135m.json``: the
+    real weights where the converted cache is, else the same architecture with random weights).
+    """
+    if "|" in spec:
+        errors = []
+        for option in spec.split("|"):
+            try:
+                return load(option, device, dtype)
+            except Exception as exc:  # noqa: BLE001 - try the next one; all failing is reported below
+                errors.append(f"{option}: {exc}")
+        raise RuntimeError("; ".join(errors))
+    if spec.startswith("config:"):
+        import transformers
+
+        path = Path(spec[len("config:"):])
+        raw = json.loads(path.read_text())
+        config = transformers.AutoConfig.for_model(**raw)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return path.stem, model.eval(), f"random weights, config {path.name}"
+    loaded = sinklab.load_model(spec)
+    return spec, loaded.model.to(device=device, dtype=dtype).eval(), "real weights"
 
 
 class Method:
     """One decoder at a fixed cached length: ``warm()`` once (timed), then ``step()`` per token."""
 
-    def __init__(self, name: str, model, cached: int, vocab: int) -> None:
+    compiled = False
+
+    def __init__(self, name: str, model, cached: int, vocab: int, compile_options: dict) -> None:
         self.name, self.model, self.cached, self.vocab = name, model, cached, vocab
+        self.device = _compat.input_device(model)
         self.kw = _compat.cache_kwarg_name(model)
-        self.token = _ids(1, vocab, seed=1)
+        self.token = _ids(1, vocab, self.device, seed=1)
+        self.options = compile_options
+
+    def _compile(self):
+        return torch.compile(self.model.forward, **self.options)
 
     @torch.no_grad()
-    def warm(self) -> float:
+    def warm(self, steps: int = 3) -> float:
         t = time.perf_counter()
         self.setup()
-        for _ in range(3):
+        for _ in range(steps):
             self.step()
+        sync(self.device)
         return time.perf_counter() - t
+
+    @torch.no_grad()
+    def step(self) -> torch.Tensor:
+        if self.compiled and self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # outputs of the previous replay may be overwritten now
+        return self.forward_step()
+
+    def close(self) -> None:
+        pass
 
 
 class Sink(Method):
@@ -69,53 +132,73 @@ class Sink(Method):
 
     def setup(self) -> None:
         self.cache = sinklab.SinkCache(self.model, num_sinks=self.num_sinks, window=self.window)
-        self.model(input_ids=_ids(self.cached + 64, self.vocab), **{self.kw: self.cache})  # past eviction
-        self.forward = torch.compile(self.model.forward) if self.compiled else self.model.forward
+        prompt = _ids(self.cached + 64, self.vocab, self.device)  # past eviction
+        self.model(input_ids=prompt, **{self.kw: self.cache})
+        self.forward = self._compile() if self.compiled else self.model.forward
 
-    @torch.no_grad()
-    def step(self) -> None:
-        self.forward(input_ids=self.token, **{self.kw: self.cache})
+    def forward_step(self) -> torch.Tensor:
+        return self.forward(input_ids=self.token, **{self.kw: self.cache}).logits
 
     def close(self) -> None:
         self.cache.close()
 
 
 class Static(Method):
+    compiled = True
+
     def setup(self) -> None:
         self.cache = StaticCache(config=self.model.config, max_cache_len=self.cached + 1)
-        ids = _ids(self.cached, self.vocab)
-        self.model(input_ids=ids, **{self.kw: self.cache})
-        self.pos = torch.tensor([[self.cached]])
-        self.forward = torch.compile(self.model.forward)
+        self.model(input_ids=_ids(self.cached, self.vocab, self.device), **{self.kw: self.cache})
+        self.pos = torch.tensor([[self.cached]], device=self.device)
+        self.forward = self._compile()
 
-    @torch.no_grad()
-    def step(self) -> None:
-        self.forward(input_ids=self.token, position_ids=self.pos, **{self.kw: self.cache})
-        self.cache.crop(-1)  # hand the slot back: every step attends over `cached + 1` keys
-
-    def close(self) -> None:
-        pass
+    def forward_step(self) -> torch.Tensor:
+        out = self.forward(input_ids=self.token, position_ids=self.pos, **{self.kw: self.cache}).logits
+        # Hand the slot back, layer by layer: a full layer's counter goes back (the next step overwrites the slot);
+        # a sliding layer has rolled its window (still full) and only its counters go back.
+        for layer in self.cache.layers:
+            layer.crop(-1)
+        return out
 
 
 class Dynamic(Method):
     def setup(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
-        self.model(input_ids=_ids(self.cached, self.vocab), **{self.kw: self.cache})
+        if hasattr(self.cache, "activate_past_recording"):  # sliding layers past their window can then be cropped
+            self.cache.activate_past_recording()
+        self.model(input_ids=_ids(self.cached, self.vocab, self.device), **{self.kw: self.cache})
 
-    @torch.no_grad()
-    def step(self) -> None:
-        self.model(input_ids=self.token, **{self.kw: self.cache})
+    def forward_step(self) -> torch.Tensor:
+        out = self.model(input_ids=self.token, **{self.kw: self.cache}).logits
         self.cache.crop(-1)
+        return out
 
-    def close(self) -> None:
-        pass
+
+def check_costs(method: Sink, calls: int = 200) -> dict[str, float]:
+    """µs per decoded token of the stream's safety checks, called as each forward calls them (ids in range before
+    the decoder stack, finite hidden states after it) on this step's shapes."""
+    cache = method.cache
+    hidden = torch.zeros(1, 1, method.model.config.get_text_config(decoder=True).hidden_size,
+                         device=method.device, dtype=next(method.model.parameters()).dtype)
+    out = {}
+    for name, call in (("ids in range", lambda: cache.check_ids(method.token)),
+                       ("finite hidden states", lambda: cache.check_hidden(hidden))):
+        sync(method.device)
+        t = time.perf_counter()
+        for _ in range(calls):
+            call()
+        sync(method.device)
+        out[name] = 1e6 * (time.perf_counter() - t) / calls
+    return out
 
 
 def time_steps(method: Method, steps: int) -> list[float]:
     out = []
     for _ in range(steps):
+        sync(method.device)
         t = time.perf_counter()
         method.step()
+        sync(method.device)
         out.append(1e3 * (time.perf_counter() - t))
     return out
 
@@ -124,7 +207,8 @@ def time_steps(method: Method, steps: int) -> list[float]:
 def generate_rows(model, vocab: int, cached: int, num_sinks: int, window: int, new: int) -> list[dict]:
     """Beams and sampling: ms per new token through a SinkCache vs a DynamicCache of equal cached length."""
     rows = []
-    prompt = _ids(cached, vocab, seed=3)
+    device = _compat.input_device(model)
+    prompt = _ids(cached, vocab, device, seed=3)
     for mode, gen in (("beams-2", dict(num_beams=2, do_sample=False)),
                       ("sampling", dict(do_sample=True, top_k=50, temperature=0.8))):
         for cache_name in ("sinklab eager", "dynamic eager"):
@@ -133,8 +217,10 @@ def generate_rows(model, vocab: int, cached: int, num_sinks: int, window: int, n
                 torch.manual_seed(0)
                 cache = (sinklab.SinkCache(model, num_sinks=num_sinks, window=window) if cache_name.startswith("sinklab")
                          else DynamicCache(config=model.config))
+                sync(device)
                 t = time.perf_counter()
                 model.generate(prompt, cache=cache, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **gen)
+                sync(device)
                 times[n] = time.perf_counter() - t
                 if hasattr(cache, "close"):
                     cache.close()
@@ -142,64 +228,130 @@ def generate_rows(model, vocab: int, cached: int, num_sinks: int, window: int, n
     return rows
 
 
-def run(models: list[tuple[str, object]], rounds: int, steps: int, threads: list[int], gen_tokens: int,
-        num_sinks: int = 4, window: int = 1020) -> dict:
-    bandwidth = copy_bandwidth()
-    results = {"bandwidth_GBps": bandwidth / 1e9, "models": []}
-    for label, loaded in models:
-        model = loaded.model.float().eval()
+def bytes_per_token(model, num_sinks: int, window: int) -> int:
+    """Weights (each parameter once; a tied head counted once) + every layer's cached K/V after the step."""
+    cfg = model.config.get_text_config(decoder=True)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    element = next(model.parameters()).element_size()
+    kv = 0
+    for own in _compat.layer_sliding_windows(model):  # a native sliding layer keeps min(its window, S + W)
+        keys = num_sinks + window if own is None else min(own, num_sinks + window)
+        kv += 2 * cfg.num_key_value_heads * head_dim * keys * element
+    return weights + kv
+
+
+def run(specs: list[str], rounds: int, steps: int, threads: list[int], gen_tokens: int, num_sinks: int = 4,
+        window: int = 1020, device: str = "cpu", dtype: str = "float32", compile_options: dict | None = None,
+        checkpoint=None) -> dict:
+    """Every model in ``specs`` at each thread count; ``checkpoint(results)`` is called after each model."""
+    dev, dt = torch.device(device), getattr(torch, dtype)
+    options = dict(compile_options or {})
+    bandwidth = copy_bandwidth(dev)
+    results = {"bandwidth_GBps": bandwidth / 1e9, "device": str(dev), "dtype": dtype, "compile": options,
+               "num_sinks": num_sinks, "window": window, "models": []}
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s ({dev})", flush=True)
+    for spec in specs:
+        try:
+            label, model, weights = load(spec, dev, dt)
+        except Exception as exc:  # noqa: BLE001 - not in the box: say so, run the rest
+            print(f"{spec} skipped: {exc}")
+            results["models"].append({"model": spec, "skipped": str(exc)})
+            continue
+        print(f"{label}: {weights}", flush=True)
         vocab = _compat.embedding_rows(model)
-        cached = num_sinks + window - 1  # K/V held before each step; the step attends over S + W
-        cfg = model.config
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * (cached + 1) * 4
-        floor_ms = 1e3 * (weights + kv) / bandwidth
-        entry = {"model": label, "bytes_per_token": weights + kv, "bandwidth_floor_ms": floor_ms, "threads": {}}
+        total = bytes_per_token(model, num_sinks, window)
+        floor_ms = 1e3 * total / bandwidth
+        entry = {"model": label, "weights": weights, "bytes_per_token": total, "bandwidth_floor_ms": floor_ms,
+                 "threads": {}}
         for n_threads in threads:
-            torch.set_num_threads(n_threads)
-            # One copy of the model per method: interleaving caches on one model would switch its attention
-            # backend every step (and make the compiled forwards recompile).
-            copies = [copy.deepcopy(model) for _ in range(4)]
-            methods = [Sink("sinklab compiled", copies[0], cached, vocab, compiled=True, num_sinks=num_sinks,
-                            window=window),
-                       Static("static compiled", copies[1], cached, vocab),
-                       Sink("sinklab eager", copies[2], cached, vocab, compiled=False, num_sinks=num_sinks, window=window),
-                       Dynamic("dynamic eager", copies[3], cached, vocab)]
-            warm = {m.name: m.warm() for m in methods}
-            samples: dict[str, list[float]] = {m.name: [] for m in methods}
-            for _ in range(rounds):  # interleaved
-                for m in methods:
-                    samples[m.name] += time_steps(m, steps)
-            for m in methods:
-                m.close()
-            med = {k: statistics.median(v) for k, v in samples.items()}
-            entry["threads"][n_threads] = {
-                "warmup_s": warm, "median_ms": med,
-                "p90_ms": {k: sorted(v)[int(0.9 * (len(v) - 1))] for k, v in samples.items()},
-                "ratios": {
-                    "sinklab compiled / static compiled": med["sinklab compiled"] / med["static compiled"],
-                    "sinklab compiled / dynamic eager": med["sinklab compiled"] / med["dynamic eager"],
-                    "sinklab eager / dynamic eager": med["sinklab eager"] / med["dynamic eager"],
-                    "bandwidth floor / sinklab compiled": floor_ms / med["sinklab compiled"],
-                }}
-            print_table(label, n_threads, entry)
+            try:
+                measure(entry, label, model, vocab, n_threads, rounds, steps, num_sinks, window, options, floor_ms, results)
+            except Exception as exc:  # noqa: BLE001 - a one-shot run (a GPU lease) keeps the other rows
+                traceback.print_exc()
+                entry["threads"][n_threads] = {"error": f"{type(exc).__name__}: {exc}"}
             torch._dynamo.reset()
         if gen_tokens:
             torch.set_num_threads(threads[0])
-            entry["generate"] = generate_rows(model, vocab, cached, num_sinks, window, gen_tokens)
+            entry["generate"] = generate_rows(model, vocab, num_sinks + window - 1, num_sinks, window, gen_tokens)
             for row in entry["generate"]:
                 print(f"  {row['mode']:<9} {row['method']:<14} {row['ms_per_token']:8.1f} ms/token")
         results["models"].append(entry)
+        del model
+        if checkpoint is not None:
+            checkpoint(results)
     return results
 
 
-def print_table(label: str, n_threads: int, entry: dict) -> None:
+def measure(entry: dict, label: str, model, vocab: int, n_threads: int, rounds: int, steps: int, num_sinks: int,
+            window: int, options: dict, floor_ms: float, results: dict) -> None:
+    """One thread count: warm every method (timed), interleaved rounds, ratios; into ``entry["threads"]``."""
+    cached = num_sinks + window - 1  # K/V held before each step; the step attends over S + W
+    torch.set_num_threads(n_threads)
+    # One copy of the model per method: interleaving caches on one model would switch its attention
+    # backend every step (and make the compiled forwards recompile).
+    copies = [copy.deepcopy(model) for _ in range(4)]
+    sink = dict(num_sinks=num_sinks, window=window)
+    methods = [Sink("sinklab compiled", copies[0], cached, vocab, options, compiled=True, **sink),
+               Static("static compiled", copies[1], cached, vocab, options),
+               Sink("sinklab eager", copies[2], cached, vocab, options, compiled=False, **sink),
+               Dynamic("dynamic eager", copies[3], cached, vocab, options)]
+    warm, failed, skips = {}, {}, {}
+    counters = torch._dynamo.utils.counters["inductor"]
+    for m in methods:  # a method that fails (an older transformers, a backend) is left out; the rest still run
+        before = counters["cudagraph_skips"]
+        try:
+            warm[m.name] = m.warm()
+        except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON
+            traceback.print_exc()
+            failed[m.name] = f"{type(exc).__name__}: {exc}"
+            continue
+        skips[m.name] = counters["cudagraph_skips"] - before  # CUDA graphs given up for this method's graphs
+        print(f"  {label} {n_threads} thread(s): {m.name} warm in {warm[m.name]:.1f} s", flush=True)
+    methods = [m for m in methods if m.name in warm]
+    samples: dict[str, list[float]] = {m.name: [] for m in methods}
+    for _ in range(rounds):  # interleaved
+        for m in methods:
+            samples[m.name] += time_steps(m, steps)
+    compiled_vs_eager = None
+    if {"sinklab compiled", "sinklab eager"} <= set(warm):  # the same tokens decoded: one more step must agree
+        with torch.no_grad():
+            a, b = (m.step()[:, -1].double().cpu() for m in methods if m.name.startswith("sinklab"))
+        compiled_vs_eager = float((a - b).abs().max() / b.abs().max())
+    checks = check_costs(next(m for m in methods if m.name == "sinklab eager")) if "sinklab eager" in warm else {}
+    for m in methods:
+        m.close()
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    ratios = {f"{a} / {b}": med[a] / med[b] for a, b in (("sinklab compiled", "static compiled"),
+                                                       ("sinklab compiled", "dynamic eager"),
+                                                       ("sinklab eager", "dynamic eager")) if a in med and b in med}
+    if "sinklab compiled" in med:
+        ratios["bandwidth floor / sinklab compiled"] = floor_ms / med["sinklab compiled"]
+    entry["threads"][n_threads] = {
+        "warmup_s": warm, "median_ms": med, "failed": failed, "cudagraph_skips": skips,
+        "p90_ms": {k: sorted(v)[int(0.9 * (len(v) - 1))] for k, v in samples.items()},
+        "samples": rounds * steps, "sinklab_compiled_vs_eager_logits_rel": compiled_vs_eager,
+        "checks_us_per_token": checks, "ratios": ratios}
+    print_table(label, n_threads, entry, results)
+
+
+def print_table(label: str, n_threads: int, entry: dict, results: dict) -> None:
     r = entry["threads"][n_threads]
-    print(f"\n{label}, {n_threads} thread(s), S 4 + W 1020, float32 "
-          f"(bandwidth floor {entry['bandwidth_floor_ms']:.1f} ms/token)")
+    print(f"\n{label} ({entry['weights']}), {results['device']} {results['dtype']}, {n_threads} thread(s), "
+          f"S {results['num_sinks']} + W {results['window']}, compile {results['compile'] or 'inductor'} "
+          f"(bandwidth floor {entry['bandwidth_floor_ms']:.2f} ms/token)")
     print(f"  {'method':<18}{'median ms':>10}{'p90 ms':>9}{'warm-up s':>11}")
     for name, ms in r["median_ms"].items():
-        print(f"  {name:<18}{ms:10.1f}{r['p90_ms'][name]:9.1f}{r['warmup_s'][name]:11.1f}")
+        print(f"  {name:<18}{ms:10.2f}{r['p90_ms'][name]:9.2f}{r['warmup_s'][name]:11.1f}")
     for name, value in r["ratios"].items():
         print(f"  {name:<38} {value:.3f}×")
+    for name, why in r["failed"].items():
+        print(f"  {name}: FAILED ({why})")
+    if any(r["cudagraph_skips"].values()):
+        print(f"  CUDA graphs skipped (graphs per method): {r['cudagraph_skips']}")
+    if r["sinklab_compiled_vs_eager_logits_rel"] is not None:
+        print(f"  sinklab compiled vs eager, logits (rel)  {r['sinklab_compiled_vs_eager_logits_rel']:.1e}")
+    if r["checks_us_per_token"]:
+        costs = ", ".join(f"{k} {v:.0f} µs" for k, v in r["checks_us_per_token"].items())
+        print(f"  checks per token: {costs} (of {r['median_ms']['sinklab eager']:.1f} ms)")
+    print(flush=True)

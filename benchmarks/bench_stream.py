@@ -17,6 +17,7 @@ with RSS samples. Prints a table and writes benchmarks/results/bench_stream.json
     python benchmarks/bench_stream.py [--windows 256 1020 4092] [--tokens 2000] [--rounds 3] [--no-peers]
     python benchmarks/bench_stream.py --smollm2 [--tokens 40] [--rounds 2]   # real weights, W = 1020 only
     python benchmarks/bench_stream.py --compile [--rounds 3] [--steps 8] [--threads 1 2]   # torch.compile'd stream
+        [--models builtin:smollm2 builtin:gemma3] [--device cuda --dtype bfloat16 --mode reduce-overhead]
 
 ``--smollm2`` times the converted SmolLM2-135M-Instruct folder (builtin:smollm2's cache, a plain Llama
 safetensors folder) instead: sinklab vs a DynamicCache of equal cached length, attention-sinks and HF
@@ -140,23 +141,34 @@ def first_departure(logits: Path, dense: Path, prefill: int, tol: float = 1e-4) 
 
 
 def compile_main(args) -> None:
-    """``--compile``: the table of benchmarks/_stream_compile.py, JSON in results/bench_stream_compile.json."""
+    """``--compile``: the table of benchmarks/_stream_compile.py; JSON in results/ (and under ``$OUT`` if set)."""
     sys.path.insert(0, str(HERE))
     import _stream_compile
 
-    import sinklab
+    import transformers
 
-    models = [("SmolLM2-135M-Instruct", sinklab.load_model("builtin:smollm2"))]
-    try:
-        if not args.no_gemma:
-            models.append(("Gemma 3 270M", sinklab.load_model("builtin:gemma3")))
-    except Exception as exc:  # noqa: BLE001 - not in the box: say so, run the rest
-        print(f"Gemma 3 skipped: {exc}")
-    results = _stream_compile.run(models, args.rounds, args.steps, args.threads, args.gen_tokens)
-    results["machine"] = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-                          "note": "under load on a shared 2-core CPU VM"}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_stream_compile.json").write_text(json.dumps(results, indent=1))
+    options = {k: v for k, v in (("backend", args.backend), ("mode", args.mode)) if v}
+    machine = {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
+               "torch": torch.__version__, "transformers": transformers.__version__,
+               "load_before": os.popen("uptime").read().strip()}
+    if args.device.startswith("cuda"):
+        machine["gpu"] = torch.cuda.get_device_name()
+    print(f"load before: {machine['load_before']}", flush=True)
+    name = args.json or ("bench_stream_compile.json" if args.device == "cpu" else
+                         f"bench_stream_compile_{args.device.split(':')[0]}_{args.dtype}.json")
+    targets = [RESULTS / name] + ([Path(os.environ["OUT"]) / Path(name).name] if os.environ.get("OUT") else [])
+
+    def save(results: dict) -> None:  # after every model: a run stopped at its time limit keeps what it measured
+        results["machine"] = dict(machine, load_after=os.popen("uptime").read().strip())
+        for path in targets:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(results, indent=1))
+        print(f"load: {results['machine']['load_after']}; wrote {', '.join(map(str, targets))}", flush=True)
+
+    results = _stream_compile.run(args.models, args.rounds, args.steps, args.threads, args.gen_tokens,
+                                  num_sinks=args.sinks, window=args.window, device=args.device, dtype=args.dtype,
+                                  compile_options=options, checkpoint=save)
+    save(results)
 
 
 def main() -> None:
@@ -173,7 +185,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="--compile: timed decode steps per method per round")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="--compile: intra-op thread counts")
     ap.add_argument("--gen-tokens", type=int, default=8, help="--compile: new tokens for the beams/sampling rows")
-    ap.add_argument("--no-gemma", action="store_true", help="--compile: SmolLM2 only")
+    ap.add_argument("--models", nargs="+", default=["builtin:smollm2", "builtin:gemma3"],
+                    help="--compile: builtin:/folder names (real weights) or config:FILE.json (random weights, same "
+                    "shapes: benchmarks/configs/)")
+    ap.add_argument("--sinks", type=int, default=4, help="--compile: S")
+    ap.add_argument("--window", type=int, default=1020, help="--compile: W")
+    ap.add_argument("--device", default="cpu", help="--compile: cpu or cuda")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="--compile")
+    ap.add_argument("--backend", default=None, help="--compile: torch.compile backend (default inductor)")
+    ap.add_argument("--mode", default=None, help="--compile: torch.compile mode (reduce-overhead: CUDA graphs)")
+    ap.add_argument("--json", default=None, help="--compile: file name of the JSON under benchmarks/results/")
     args = ap.parse_args()
     if args.compile:
         return compile_main(args)

@@ -31,6 +31,8 @@ def stream(
     compile: Annotated[bool, typer.Option("--compile", help="decode through torch.compile (the first tokens wait "
                                           "for the compile)")] = False,
     compile_backend: Annotated[str, typer.Option("--compile-backend", help="torch.compile backend for --compile")] = "inductor",
+    compile_mode: Annotated[str | None, typer.Option("--compile-mode", help="torch.compile mode for --compile "
+                                                     "(reduce-overhead: CUDA graphs on a GPU)")] = None,
 ) -> None:
     """Generate with attention sinks + a sliding window in constant memory; tokens print as they come."""
     import sys as _sys
@@ -47,7 +49,8 @@ def stream(
         n_prompt = len(loaded.tokenizer(texts[0])["input_ids"]) if texts[0] else 0
         pinned = [(0, n_prompt)] if pin_prompt and n_prompt else None
         session = StreamSession(loaded.model, num_sinks=sinks, window=window, pinned=pinned, chunk_size=chunk_size,
-                                compile={"backend": compile_backend} if compile else None)
+                                compile=({"backend": compile_backend} | ({"mode": compile_mode} if compile_mode else {}))
+                                if compile else None)
         start = time.perf_counter()
         count = 0
         with session:

@@ -183,15 +183,19 @@ class SinkCache(Cache):
         ref = ids if ids is not None else embeds
         b, c = ref.shape[0], ref.shape[1]
         if ids is not None:
-            self._check_ids(ids)
-        valid = _real_columns(kwargs.get("attention_mask"), b, c, ref.device)
-        positions = [s.begin(valid) for s in self.states][0]
+            self.check_ids(ids)
+        mask = kwargs.get("attention_mask")
+        valid = _real_columns(mask, b, c, ref.device)
+        # Every column real, known on the host: no mask, or a CPU mask (read where it already is; on an
+        # accelerator that read would be a synchronisation, so the per-row masked write is used instead).
+        all_valid = not isinstance(mask, torch.Tensor) or (valid.device.type == "cpu" and bool(valid.all()))
+        positions = [s.begin(valid, all_valid) for s in self.states][0]
         kwargs["position_ids"] = positions
         kwargs.pop("cache_position", None)
         return args, kwargs
 
     # ------------------------------------------------------------------ checks (per chunk, or deferred)
-    def _check_ids(self, ids: torch.Tensor) -> None:
+    def check_ids(self, ids: torch.Tensor) -> None:
         """Token ids in range: read on the host where they already are (CPU), else checked every ``check_every``."""
         if self._vocab is None or not ids.numel():
             return

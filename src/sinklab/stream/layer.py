@@ -44,7 +44,16 @@ class SinkWindowLayer(CacheLayerMixin):
         # re-rotated for the current query.
         self.anchor_keys = torch.zeros(b, hkv, self.state.anchor_capacity, dh, dtype=key_states.dtype,
                                        device=key_states.device)
+        self.mark_static()
         self.is_initialized = True
+
+    def mark_static(self) -> None:
+        """Tell torch.compile the buffers keep their address while they are written in place (as transformers'
+        StaticCache does): CUDA graphs (``mode="reduce-overhead"``) then replay over them instead of being skipped
+        for mutated inputs. Called again whenever the buffers are replaced (rows selected, a stream loaded)."""
+        if not torch.compiler.is_compiling():
+            for t in (self.keys, self.values, self.anchor_keys):
+                torch._dynamo.mark_static_address(t)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Store the new keys/values; return what attention should see (the buffer, or buffer ⧺ chunk)."""
@@ -65,6 +74,10 @@ class SinkWindowLayer(CacheLayerMixin):
         return keys, values
 
     def _write(self, key_states: Tensor, value_states: Tensor, plan: dict) -> None:
+        if plan.get("uniform"):  # decode, every row a real free token in the same slot: one copy per buffer
+            self.keys.index_copy_(2, plan["slot1"], key_states)
+            self.values.index_copy_(2, plan["slot1"], value_states)
+            return
         if "slot" in plan:  # decode: one column, each row's own slot (fixed shapes: compiled as one graph)
             rows, slot = plan["rows"], plan["slot"]
             keep = ~plan["valid"][:, None, None]  # a padding column writes nothing
@@ -92,6 +105,7 @@ class SinkWindowLayer(CacheLayerMixin):
             index = index.to(self.keys.device)
             self.keys, self.values, self.anchor_keys = (t.index_select(0, index) for t in
                                                         (self.keys, self.values, self.anchor_keys))
+            self.mark_static()
 
     def rotate_ring(self, ring: slice, delta: Tensor) -> None:
         """Rotate the ring's keys by ``delta`` ``[B]`` positions (used when the stream re-bases)."""

@@ -56,6 +56,7 @@ class StreamSession:
         # Decoding (``step``) through torch.compile; chunks (``feed``) stay eager. Compiled once per model forward.
         options = {} if compile is True else dict(compile or {})
         self._step_forward = torch.compile(model.forward, **options) if compile else model.forward
+        self._compiled = bool(compile)
 
     def __enter__(self) -> StreamSession:
         self.cache = self.sink.__enter__()
@@ -106,7 +107,11 @@ class StreamSession:
         if self.cache is None:
             raise RuntimeError("use the session as a context manager: `with StreamSession(...) as s:`")
         self.tokens_seen += 1
-        return self._forward(token_ids.reshape(-1, 1).to(self._device), None, self._step_forward)[:, -1]
+        graphs = self._compiled and self._device.type == "cuda"
+        if graphs:  # a new step: CUDA graphs (mode="reduce-overhead") may reuse the last step's output memory
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = self._forward(token_ids.reshape(-1, 1).to(self._device), None, self._step_forward)[:, -1]
+        return logits.clone() if graphs else logits  # the caller's logits outlive the next replay
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path) -> Path:
@@ -172,6 +177,7 @@ class StreamSession:
                 layer.values = tensors[f"layer.{i}.values"]
                 layer.anchor_keys = tensors[f"layer.{i}.anchor_keys"]
                 layer.device, layer.dtype = layer.keys.device, layer.keys.dtype
+                layer.mark_static()
                 layer.is_initialized = True
 
     def _main_settings(self) -> dict:

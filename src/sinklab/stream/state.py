@@ -18,7 +18,7 @@ Buffer layout per row: ``[0, S + P)`` anchored slots in arrival order, ``[S + P,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -89,6 +89,7 @@ class StreamState:
         # Anchored capacity: sinks plus pinned tokens that are not already sinks.
         self.anchor_capacity = num_sinks + sum(max(0, e - max(s, num_sinks)) for s, e in self.pinned)
         self.capacity = self.anchor_capacity + window
+        self.anchor_end = max([num_sinks] + [end for _, end in self.pinned])  # stream index past every anchor
         self.start_position = int(start_position)
         self.rebase_every = int(rebase_every or max(4 * window, 2048))
         self.rebase_keep = window  # re-base so the newest `rebase_keep` tokens keep virtual positions ≥ 0
@@ -96,6 +97,9 @@ class StreamState:
         self.rebases = 0  # times the base was moved (ring rotated)
         self.columns = 0  # columns (incl. padding) fed so far: what generate() calls the past length
         self.batch: int | None = None
+        # Host-side: every forward so far had no padding (so each row's n_real == columns and all rows write the
+        # same slot); with ``columns ≥ anchor_end`` a decoded token then needs no per-row masking (the fast path).
+        self.rows_alike = True
         self.layers: list = []  # SinkWindowLayer objects, for rebasing
         self.view: View | None = None
         self.plan: dict | None = None
@@ -104,6 +108,8 @@ class StreamState:
     def _init_rows(self, batch: int, device: torch.device) -> None:
         self.batch = batch
         self.device = device
+        if self.rope is not None:  # the frequencies on the stream's device once, not copied there every token
+            self.rope = replace(self.rope, inv_freq=self.rope.inv_freq.to(device))
         cap = self.capacity
         long = dict(dtype=torch.long, device=device)
         self.n_real = torch.zeros(batch, **long)
@@ -155,11 +161,12 @@ class StreamState:
         return out
 
     # ------------------------------------------------------------------ one forward
-    def begin(self, valid: Tensor) -> Tensor:
+    def begin(self, valid: Tensor, all_valid: bool = False) -> Tensor:
         """Plan a forward over ``valid`` ``[B, C]`` new columns; returns the virtual positions ``[B, C]``.
 
         Runs on the host before the layers (eagerly, also under ``torch.compile``): Python-int decisions only
-        (re-base or not, decode or chunk), tensor maths without reading values back.
+        (re-base or not, decode or chunk, fast or masked write), tensor maths without reading values back.
+        ``all_valid`` says the caller knows on the host that every column is real (no padding mask).
         """
         b, c = valid.shape
         if self.batch is None:
@@ -171,7 +178,11 @@ class StreamState:
                 "does this for beams and num_return_sequences), or start a new SinkCache")
         valid = valid.to(self.device).bool()
         self._maybe_rebase(c)
-        q_v = self._begin_step(valid[:, 0]) if c == 1 else self._begin_chunk(valid)
+        if c == 1 and all_valid and self.rows_alike and self.columns >= self.anchor_end:
+            q_v = self._begin_free_step(valid[:, 0])
+        else:
+            q_v = self._begin_step(valid[:, 0]) if c == 1 else self._begin_chunk(valid)
+        self.rows_alike = self.rows_alike and all_valid
         self.span += c
         self.columns += c
         return q_v
@@ -188,8 +199,38 @@ class StreamState:
         rows = self._rows
         for buf, value in ((self.s_valid, valid), (self.s_sidx, t), (self.s_a, q_a), (self.s_f, q_f), (self.s_o, q_v)):
             buf[rows, slot] = torch.where(valid, value, buf[rows, slot])  # a padding column writes nothing
-        self.plan = {"rows": rows, "slot": slot, "valid": valid, "anchored": anchored}
+        self.plan = {"rows": rows, "slot": slot, "slot1": slot[:1], "valid": valid, "anchored": anchored,
+                     "uniform": False}
         sidx = torch.where(valid, t, torch.full_like(t, -1))
+        self._step_view(valid, sidx, q_a, q_f, q_v)
+        self.n_real += valid.long()
+        self.n_anchor += anchored.long()
+        self.n_free += free.long()
+        return q_v[:, None]
+
+    def _begin_free_step(self, valid: Tensor) -> Tensor:
+        """:meth:`_begin_step` where the host knows every row decodes a real, free token into the same slot.
+
+        The same plan, without per-row masking: each buffer takes the new column with one ``index_copy_`` at
+        row 0's slot (every row's), and the layers write their keys/values the same way (fewer ops per token).
+        """
+        t = self.n_real
+        q_a, q_f = self.n_anchor, self.n_free + 1
+        q_v = self.start_position + t - self.base
+        slot = self.anchor_capacity + self.n_free % self.window
+        slot1 = slot[:1]  # (1,): the slot of every row
+        self.s_valid.index_fill_(1, slot1, True)
+        for buf, value in ((self.s_sidx, t), (self.s_a, q_a), (self.s_f, q_f), (self.s_o, q_v)):
+            buf.index_copy_(1, slot1, value[:, None])
+        self.plan = {"rows": self._rows, "slot": slot, "slot1": slot1, "valid": valid,
+                     "anchored": torch.zeros_like(valid), "uniform": True}
+        self._step_view(valid, t, q_a, q_f, q_v)
+        self.n_real += 1
+        self.n_free += 1
+        return q_v[:, None]
+
+    def _step_view(self, valid: Tensor, sidx: Tensor, q_a: Tensor, q_f: Tensor, q_v: Tensor) -> None:
+        """The :class:`View` of a decode step (``[B]`` query metadata; the buffer already holds the new column)."""
         view = View(self.s_valid, self.s_sidx, self.s_anchored, self.s_a, self.s_f, self.s_o,
                     valid[:, None], sidx[:, None], q_a[:, None], q_f[:, None], q_v[:, None], from_buffer=True)
         # The ring holds exactly the W most recent free tokens, so every valid slot is visible; anchored
@@ -202,10 +243,6 @@ class StreamState:
             view.anchor_cos, view.anchor_sin = cos.float()[:, None], sin.float()[:, None]
         view.slot_shift = (q_a + torch.clamp(q_f, max=self.window) - 1 - q_v)[:, None]
         self.view = view
-        self.n_real += valid.long()
-        self.n_anchor += anchored.long()
-        self.n_free += free.long()
-        return q_v[:, None]
 
     def _begin_chunk(self, valid: Tensor) -> Tensor:
         """Plan a multi-column forward (prefill; eager): keys are the buffer as it was, then the chunk."""
@@ -278,6 +315,7 @@ class StreamState:
                 getattr(self, key[6:]).copy_(value)
         self.columns = columns
         self.span = int((self.start_position + self.n_real - self.base).max())
+        self.rows_alike = bool((self.n_real == columns).all())
 
     def settings(self) -> dict:
         return {"num_sinks": self.num_sinks, "window": self.window, "pinned": self.pinned,
