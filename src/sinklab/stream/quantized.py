@@ -108,14 +108,18 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
 
     def _pack_step(self, plan: dict, k: Tensor, v: Tensor) -> None:
         """One decoded column ``[B, Hkv, d]``: each row's slot (padding and anchored rows keep the ring as it
-        was; an anchored row writes its value instead). Whether any row is padding or anchored is read once
-        per forward; the usual case — every row a window token — is three plain writes."""
+        was; an anchored row writes its value instead). On the state's uniform decode plan (no padding, past
+        every anchor: known on the host) nothing is read back; otherwise whether any row is padding or anchored
+        is read once per forward. The usual case — every row a window token — is three plain writes."""
         n = self.state.anchor_capacity
         if "ring_slot" not in plan:  # shared by every layer of this forward
             plan["ring_slot"] = (plan["slot"] - n).clamp(min=0)
-            keep = ~plan["valid"] | plan["anchored"]
-            plan["ring_keep"] = keep[:, None, None] if bool(keep.any()) else None  # (B, 1, 1)
-            plan["any_anchored"] = bool(plan["anchored"].any())
+            if plan.get("uniform"):  # the host already knows: every row a real window token (no read-back)
+                plan["ring_keep"], plan["any_anchored"] = None, False
+            else:
+                keep = ~plan["valid"] | plan["anchored"]
+                plan["ring_keep"] = keep[:, None, None] if bool(keep.any()) else None  # (B, 1, 1)
+                plan["any_anchored"] = bool(plan["anchored"].any())
         rows, at, keep = plan["rows"], plan["ring_slot"], plan["ring_keep"]
         new = quantize(torch.cat([k, v], -1), self.bits, self.group, dim=-1)  # (B, Hkv, dk + dv) per token
         for stored, x in ((self.ring.packed, new.packed), (self.ring.scale, new.scale), (self.ring.zero, new.zero)):
