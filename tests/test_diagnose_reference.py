@@ -335,3 +335,25 @@ def test_a_resumed_pass_equals_the_full_pass(name):
         full = cap.forward(**inputs).last_hidden_state
     torch.testing.assert_close(resumed[rows], full[rows], atol=1e-6, rtol=1e-6)
     assert (full - kept.final)[rows].abs().max() > 1e-4  # the edit changed the output
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "gpt2", "mistral-sliding", "gpt-oss-learned-sinks", "bert"])
+def test_stacked_edits_equal_one_pass_per_edit(name, one_thread):
+    """The six edits of a head run as one forward over six stacked copies == one resumed pass per edit."""
+    from sinklab.edits import causal_edits
+    from sinklab.scan import capture_config, check_thresholds, scan_result
+
+    model = build(name)
+    inputs = inputs_for(name, batch=3)
+    thresholds = check_thresholds({})
+    with AttentionCapture(model, capture_config((0, 1), 0, thresholds)) as cap:
+        stats = cap.run(keep_inputs=True, **inputs)
+        kept = [(slice(0, 3), cap.last_inputs)]
+        scan = scan_result([stats], [["t"] * 12] * 3, candidates=(0, 1), thresholds=thresholds)
+        for layer, head in ((0, 1), (1, 3)):
+            stacked = causal_edits(cap, kept, scan, layer, head, seed=5)
+            alone = causal_edits(cap, kept, scan, layer, head, seed=5, stack=False)
+            assert stacked.positions == alone.positions
+            for edit in EDITS:
+                assert stacked.hidden[edit] == pytest.approx(alone.hidden[edit], rel=1e-4, abs=1e-7), (layer, edit)
+            assert len({round(x, 6) for x in alone.hidden.values()}) > 1  # the edits did something different

@@ -146,7 +146,7 @@ def chunked_attention(
     key/value slot ``([H, dh], [H, dv])`` seen by every query (kv-bias; its weight is not a column's, so
     ``1 − Σ_j A_ij`` counts it with the sink); ``bias`` additive
     ``[..., Tq, Tk]`` position bias; ``drop`` ``(head, positions [B])`` removes one key column per sample
-    for one head (rows renormalise; a row left with no key outputs 0).
+    for one head (rows renormalise; a row left with no key outputs 0; position −1: nothing removed in that row).
     """
     b, h, tq, _ = query.shape
     tk, dv = k.shape[2], v.shape[-1]
@@ -167,7 +167,7 @@ def chunked_attention(
         allowed = allowed[..., :kend]
         if drop is not None:  # remove_column: this head no longer sees the column
             allowed = allowed.expand(b, h, c1 - c0, kend).clone()
-            keep = drop[1] < kend
+            keep = (drop[1] >= 0) & (drop[1] < kend)
             allowed[torch.arange(b, device=dev)[keep], drop[0], :, drop[1][keep]] = False
         full = (min(kend, c0 + offset + 1) if is_causal and tq > 1 else kend) if fast else 0
         scores = torch.matmul(query[:, :, c0:c1].float() * scale, k[:, :, :kend].transpose(-1, -2))  # (B, H, C, kend)

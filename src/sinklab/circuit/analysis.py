@@ -266,8 +266,10 @@ def _causal(model, rows, base: dict, donor_rec: dict, layer: int, eps: float, co
                 else None, "ratio": summ["ratio"]}
 
     donor = donor_rec["x0"][:, layer + 1]  # (S, d) x₀ after the block with a different first token
-    rec_donor = measure_rows(model, rows, patch=lambda sl: Patch(layer, "replace", replacement=donor[sl]), **common)
-    rec_scale = measure_rows(model, rows, patch=lambda sl: Patch(layer, "scale", target_ratio=1.0), **common)
+    rec_donor = measure_rows(model, rows, patch=lambda sl: Patch(layer, "replace", replacement=donor[sl]),
+                             destinations=False, **common)
+    rec_scale = measure_rows(model, rows, patch=lambda sl: Patch(layer, "scale", target_ratio=1.0), destinations=False,
+                             **common)
     return {"layer": layer,
             "donor": effect(rec_donor, "x₀ after the block replaced by its value under first_swapped"),
             "scale": effect(rec_scale, "x₀ after the block rescaled to the median norm of the other tokens (r = 1)"),
