@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from . import distributed, metrics
 from .capture import AttentionCapture
-from .checks import check_weights
+from .checks import check_weights, used_token_ids
 from .edits import EDITS, EditResult, causal_edits
 from .errors import InputError
 from .recommend import Recommendation, recommend
@@ -313,7 +313,7 @@ def diagnose_inputs(
     results, kept, first = [], [], 0
     with AttentionCapture(model, capture_config(candidates, map_len, thresholds)) as cap:
         with distributed.together("diagnose (statistics pass)"):
-            check_weights(model)
+            check_weights(model, used_token_ids(batches))  # no LM head: the embedding only at the rows looked up
             # The one statistics pass over this rank's batches; batches with edited samples keep their block
             # inputs (under a launcher every rank runs those, as each rank edits its share of the heads).
             for i, (batch, size) in enumerate(zip(batches, sizes, strict=True)):
