@@ -18,5 +18,5 @@ from .core import AttentionCapture
 from .types import EDIT_MODES, CaptureBatch, CaptureConfig, StackedEdits, ValueEdit
 from .weights import LayerWeights, WeightStatistics
 
-__all__ = ["AttentionCapture", "CaptureBatch", "CaptureConfig", "ValueEdit", "StackedEdits", "EDIT_MODES", "WeightStatistics",
-           "LayerWeights"]
+__all__ = ["AttentionCapture", "CaptureBatch", "CaptureConfig", "ValueEdit", "StackedEdits", "EDIT_MODES",
+           "WeightStatistics", "LayerWeights"]

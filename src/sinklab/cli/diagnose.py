@@ -44,6 +44,8 @@ def diagnose(
     broadcast_srank: Annotated[float, typer.Option("--broadcast-srank", help="… and stable rank ≤ this")] = 1.5,
     edits: Annotated[bool, typer.Option("--edits/--no-edits", help="run the causal value edits")] = True,
     edit_samples: Annotated[int, typer.Option("--edit-samples", help="samples the causal edits run on")] = 4,
+    edit_layers: Annotated[int, typer.Option("--edit-layers", help="sinking layers to edit, evenly spread "
+                                             "(0: every sinking layer)")] = 5,
     batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     device: Annotated[str | None, typer.Option("--device")] = None,
@@ -68,11 +70,13 @@ def diagnose(
             if vision is not None:  # a ViT / DINOv2: the embedded shapes images, positions [CLS], reg<i>, patch<i>
                 base, batches, labels, meta = vision
                 d = diagnose_inputs(base, batches, labels, rules=rules, edits=edits, edit_samples=edit_samples,
-                                    special={"cls": "[CLS]"}, meta=meta, progress=progress, seed=seed)
+                                    edit_layers=edit_layers or None, special={"cls": "[CLS]"}, meta=meta,
+                                    progress=progress, seed=seed)
             else:
                 d = run_diagnose(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
                                  batch_size=batch_size, rules=rules, edits=edits, edit_samples=edit_samples,
-                                 seed=seed, source=model, revision=revision, progress=progress)
+                                 edit_layers=edit_layers or None, seed=seed, source=model, revision=revision,
+                                 progress=progress)
         if not distributed.is_main():  # the main process writes the one report
             return
         record_run(d.scan.meta, loaded, texts, device=device, dtype=dtype)
