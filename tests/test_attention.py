@@ -161,3 +161,14 @@ def test_gradients_reach_the_column_logits():
         grads.append(sink.grad)
     assert grads[0].abs().max() > 0
     assert torch.allclose(grads[0], grads[1], atol=1e-12)
+
+
+def test_a_switched_off_sink_is_no_column():
+    """A −∞ sink logit (a variant's sink initialised off) takes nothing, on both paths (no NaN from −∞ · 0)."""
+    q, k, v, visible, _, _, _ = case(4, heads=4, kv_heads=2, padding=True, sink=False, slot=False, anchored=False,
+                                     per_head_values=False, gate=None, bias=False)
+    off = Columns.sink(torch.full((4,), -math.inf), q)
+    for path in (True, False):
+        plain = attend(q, k, v, visible, fast=path)
+        assert torch.equal(attend(q, k, v, visible, columns=[off], fast=path).isnan().any(), torch.tensor(False))
+        torch.testing.assert_close(attend(q, k, v, visible, columns=[off], fast=path), plain, atol=1e-6, rtol=1e-6)
