@@ -10,9 +10,10 @@ What is stored per layer:
   Keys are quantized **per token** here, not per channel over blocks as in the dense cache (KIVI): the ring
   overwrites one slot at a time in each row, so a per-channel block would mix evicted and live tokens.
 
-At each forward the layer dequantizes its ring straight into full-precision key and value buffers
-``[B, Hkv, S + P + W, d]`` shared by every layer of the stream (layers run one after the other), lets the
-parent layer update them, and packs what that update wrote. A
+At each forward the layer dequantizes its ring straight into one full-precision buffer
+``[B, Hkv, S + P + W, dk + dv]`` shared by every layer of the stream (layers run one after the other; its two
+halves are the key and value tensors attention reads), lets the parent layer update it, and packs what that
+update wrote. A
 decoded token is packed with fixed-shape tensor maths (no host read, one quantization for its key and
 value together). So the window costs ``bits`` per element plus metadata per layer, plus one buffer for
 the whole model; each forward pays one dequantization of ``W`` tokens per layer. A re-base rotates the
@@ -66,13 +67,14 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         self.is_initialized = True
 
     def _bind_buffer(self, b: int, hkv: int, dh: int, dv: int) -> None:
-        """Point ``keys``/``values`` at the stream's shared ``[B, Hkv, S + P + W, d]`` buffers (made once)."""
+        """Point ``keys``/``values`` at the two halves of the stream's shared ``[B, Hkv, S + P + W, dk + dv]``
+        buffer (made once)."""
         shared = self.state.__dict__.setdefault("kv_scratch", {})
         key = (b, hkv, self.state.capacity, dh, dv, self.dtype, self.device)
-        if key not in shared:
-            shared[key] = tuple(torch.zeros(b, hkv, self.state.capacity, d, dtype=self.dtype, device=self.device)
-                                for d in (dh, dv))
-        self.keys, self.values = shared[key]
+        if key not in shared:  # one tensor, a token's key then its value: the ring's layout (one dequantization)
+            shared[key] = torch.zeros(b, hkv, self.state.capacity, dh + dv, dtype=self.dtype, device=self.device)
+        self.kv = shared[key]
+        self.keys, self.values = self.kv[..., :dh], self.kv[..., dh:]
 
     def _ring_parts(self) -> tuple[QuantizedTensor, QuantizedTensor]:
         """The packed ring's key and value columns as two quantized views ``[B, Hkv, W, d]`` (no copy; made
@@ -93,9 +95,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = self.state.anchor_capacity
-        ring_k, ring_v = self._ring_parts()
-        dequantize(ring_k, out=self.keys[:, :, n:])
-        dequantize(ring_v, out=self.values[:, :, n:])
+        dequantize(self.ring, out=self.kv[:, :, n:])  # keys and values together (groups never straddle them)
         if n:
             self.values[:, :, :n] = self.anchor_values
         out = super().update(key_states, value_states, *args, **kwargs)
@@ -110,16 +110,22 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         """One decoded column ``[B, Hkv, d]``: each row's slot (padding and anchored rows keep the ring as it
         was; an anchored row writes its value instead). On the state's uniform decode plan (no padding, past
         every anchor: known on the host) nothing is read back; otherwise whether any row is padding or anchored
-        is read once per forward. The usual case — every row a window token — is three plain writes."""
+        is read once per forward. The usual case — every row a window token in one slot — quantizes the column
+        as the parent wrote it into the shared buffer and makes three ``index_copy_`` writes."""
         n = self.state.anchor_capacity
+        if plan.get("uniform"):  # the host already knows: every row a real window token in one slot (no read-back)
+            if "ring_slot1" not in plan:  # shared by every layer of this forward
+                plan["ring_slot1"] = plan["slot1"] - n
+            at = plan["ring_slot1"]
+            new = quantize(self.kv.index_select(2, plan["slot1"]), self.bits, self.group, dim=-1)  # (B, Hkv, 1, D)
+            for stored, x in ((self.ring.packed, new.packed), (self.ring.scale, new.scale), (self.ring.zero, new.zero)):
+                stored.index_copy_(2, at, x)
+            return
         if "ring_slot" not in plan:  # shared by every layer of this forward
             plan["ring_slot"] = (plan["slot"] - n).clamp(min=0)
-            if plan.get("uniform"):  # the host already knows: every row a real window token (no read-back)
-                plan["ring_keep"], plan["any_anchored"] = None, False
-            else:
-                keep = ~plan["valid"] | plan["anchored"]
-                plan["ring_keep"] = keep[:, None, None] if bool(keep.any()) else None  # (B, 1, 1)
-                plan["any_anchored"] = bool(plan["anchored"].any())
+            keep = ~plan["valid"] | plan["anchored"]
+            plan["ring_keep"] = keep[:, None, None] if bool(keep.any()) else None  # (B, 1, 1)
+            plan["any_anchored"] = bool(plan["anchored"].any())
         rows, at, keep = plan["rows"], plan["ring_slot"], plan["ring_keep"]
         new = quantize(torch.cat([k, v], -1), self.bits, self.group, dim=-1)  # (B, Hkv, dk + dv) per token
         for stored, x in ((self.ring.packed, new.packed), (self.ring.scale, new.scale), (self.ring.zero, new.zero)):
