@@ -357,3 +357,18 @@ def test_stacked_edits_equal_one_pass_per_edit(name, one_thread):
             for edit in EDITS:
                 assert stacked.hidden[edit] == pytest.approx(alone.hidden[edit], rel=1e-4, abs=1e-7), (layer, edit)
             assert len({round(x, 6) for x in alone.hidden.values()}) > 1  # the edits did something different
+
+
+def test_edit_layers_spread_from_the_first_to_the_last_sinking_layer(ref):
+    from sinklab.diagnose import spread_layers
+
+    assert spread_layers(list(range(1, 30)), 5) == [1, 8, 15, 22, 29]
+    assert spread_layers([2, 3, 7], 5) == [2, 3, 7] and spread_layers([4, 9], None) == [4, 9]
+    assert spread_layers([0, 1, 2, 3], 2) == [0, 3] and spread_layers([5, 6], 1) == [5]
+    model = _model(ref["inputs"])
+    tokens = [["t"] * 12] * 3
+    every = diagnose_inputs(model, [ref["inputs"]], tokens, rules={"sink_mass": 0.0}, seed=3)
+    one = diagnose_inputs(model, [ref["inputs"]], tokens, rules={"sink_mass": 0.0}, seed=3, edit_layers=1)
+    assert [e.layer for e in every.edits] == [0, 1] and [e.layer for e in one.edits] == [0]
+    assert one.edits[0].hidden == pytest.approx(every.edits[0].hidden, rel=1e-6)
+    assert one.scan.meta["edit_layers"] == 1

@@ -12,13 +12,13 @@ from test_kvquant import _quantize_reference
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _stream(model, ids, kv_bits, record=None, **kw):
-    """Prefill 24 tokens, then decode the rest one by one; returns (last-position logits ``[N, V]``, layer 0)."""
+def _stream(model, ids, kv_bits, record=None, layer_idx=0, **kw):
+    """Prefill 24 tokens, then decode the rest one by one; returns (last-position logits ``[N, V]``, the layer)."""
     outs = []
     with torch.no_grad(), SinkCache(model, num_sinks=2, window=12, pinned=[(5, 7)], rebase_every=40,
                                     kv_bits=kv_bits, kv_group_size=16, **kw) as cache:
-        layer = cache.layers[0]
-        if record is not None:  # the exact key/value states layer 0 receives, in order
+        layer = cache.layers[layer_idx]
+        if record is not None:  # the exact key/value states the layer receives, in order
             update = layer.update
             layer.update = lambda k, v, *a, **kw_: (record.append((k.clone(), v.clone())), update(k, v, *a, **kw_))[1]
         outs.append(model(ids[:, :24], cache=cache).logits[:, -1])
@@ -40,12 +40,13 @@ def test_sinks_and_pinned_spans_stay_bit_exact_through_eviction_and_rebase():
     assert layer.nbytes() == 2 * b * hkv * (12 * (d // 2 + 2 * 2 * d // 16) + 4 * d * 4)  # + 4 exact float32 tokens
 
 
-@pytest.mark.parametrize("bits", [3, 8])
-def test_window_as_stored_equals_float64_reference_of_what_was_written(bits):
-    model = tiny_llama(num_hidden_layers=1, vocab_size=1000)
+@pytest.mark.parametrize("bits,layer_idx", [(3, 0), (8, 0), (4, 1)])
+def test_window_as_stored_equals_float64_reference_of_what_was_written(bits, layer_idx):
+    """Also the last layer of two: decoded columns are packed for all layers at once, at the next forward."""
+    model = tiny_llama(num_hidden_layers=2, vocab_size=1000)
     ids = torch.randint(5, 1000, (1, 38))  # no re-base yet (virtual positions < 40)
     record: list = []
-    _, layer = _stream(model, ids, bits, record)
+    _, layer = _stream(model, ids, bits, record, layer_idx)
     keys = torch.cat([k for k, _ in record], dim=-2)  # (B, Hkv, 38, d): every stream token, post-RoPE
     values = torch.cat([v for _, v in record], dim=-2)
     free = [t for t in range(38) if t not in (0, 1, 5, 6)]  # the i-th free token lives in ring slot i mod W

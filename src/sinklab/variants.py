@@ -12,9 +12,9 @@ Each variant is a flag, off by default, with its paper:
 
 ``apply_variant(model, "gated+registers")`` adds the parameters to each attention module, registers an
 attention function (with its mask function) and hooks; ``handle.remove()`` undoes all of it.
-``save``/``load`` keep the variant with the weights (safetensors). The sink slot and the KV-bias slot
-are fed to PyTorch's fused SDPA as extra key columns (the sink logit through one extra key dimension),
-so no per-head Python loop and no T×T float mask in Python.
+``save``/``load`` keep the variant with the weights (safetensors). The attention itself is
+:func:`sinklab.attention.attend`: the sink slot and the KV-bias slot enter PyTorch's fused SDPA as extra
+key columns, so no per-head Python loop and no T×T float mask in Python.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import torch
 from torch import Tensor, nn
 
 from . import _compat
-from .attention import mask_rows
+from .attention import Columns, attend, mask_rows
 from .errors import InputError, UnsupportedModelError
 
 __all__ = ["VariantConfig", "VARIANT_NAMES", "parse_variant", "apply_variant", "VariantHandle", "add_attention_parameters",
-           "variant_columns", "variant_gate", "register_count", "register_labels"]
+           "variant_columns", "variant_column_logits", "variant_gate", "register_count", "register_labels"]
 
 ATTN_NAME = "sinklab_variant"
 _OFF_GATE_BIAS = 30.0  # σ(30) == 1.0 in float32: a gate initialised "off" passes everything
@@ -97,45 +97,37 @@ def parse_variant(spec: str | VariantConfig | dict, **overrides) -> VariantConfi
 # ----------------------------------------------------------------------------- attention function
 def variant_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                       scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
-    """Registered attention: SDPA over ``[sink slot | kv-bias slot | keys]`` then the output gate.
+    """Registered attention: :func:`sinklab.attention.attend` (fused path) with the variant's columns and gate.
 
-    The sink logit ``s_h`` enters as an extra key ``[0…0, s_h / scale]`` against queries padded with a
-    constant 1 in one extra dimension, so ``q·k_sink · scale = s_h`` for every query; its value is 0.
+    The sink logit ``s_h`` and the kv-bias slot enter as extra key columns of the fused attention (the sink's
+    value is 0; the slot's logit is ``q·k_slot·scale``), then the output gate. Output ``[B, Tq, H, dh]``.
     """
-    cfg: VariantConfig = module.sinklab_variant
     b, h, tq, dh = query.shape
-    hkv = key.shape[1]
     scale = dh**-0.5 if scaling is None else float(scaling)
-    is_causal = getattr(module, "is_causal", True)
-    mask, _ = mask_rows(attention_mask, is_causal, 0, tq, tq, key.shape[2], query.device)
-    k, v = key.repeat_interleave(h // hkv, dim=1), value.repeat_interleave(h // hkv, dim=1)  # (B, H, Tk, dh)
-    extra_k, extra_v = [], []
-    if cfg.kv_bias:
-        kb = module.sinklab_k_bias.repeat_interleave(h // hkv, dim=0)  # (H, dh)
-        vb = module.sinklab_v_bias.repeat_interleave(h // hkv, dim=0)
-        extra_k.append(kb[None, :, None].expand(b, h, 1, dh).to(k.dtype))
-        extra_v.append(vb[None, :, None].expand(b, h, 1, dh).to(v.dtype))
-    q = query
-    if cfg.sink_logit or cfg.softmax1:
-        logit = module.sinklab_sink_logit if cfg.sink_logit else torch.zeros(h, device=query.device)
-        q = torch.cat([query, query.new_ones(b, h, tq, 1)], dim=-1)
-        k = torch.cat([k, k.new_zeros(b, h, k.shape[2], 1)], dim=-1)
-        extra_k = [torch.cat([e, e.new_zeros(b, h, 1, 1)], dim=-1) for e in extra_k]
-        sink_key = torch.cat([k.new_zeros(b, h, 1, dh), (logit / scale).to(k.dtype).view(1, h, 1, 1).expand(b, h, 1, 1)], -1)
-        extra_k.insert(0, sink_key)
-        extra_v.insert(0, v.new_zeros(b, h, 1, v.shape[-1]))
-    if extra_k:
-        k = torch.cat([*extra_k, k], dim=2)
-        v = torch.cat([*extra_v, v], dim=2)
-        mask = torch.cat([mask.new_ones(*mask.shape[:-1], len(extra_k)).expand(*mask.shape[:-1], len(extra_k)),
-                          mask], dim=-1)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                                           dropout_p=dropout if module.training else 0.0)
-    out = out.transpose(1, 2)  # (B, Tq, H, dh)
-    if cfg.gate is not None:
-        gate = torch.sigmoid(module.sinklab_gate(module.sinklab_gate_input))  # (B, Tq, H·dh) or (B, Tq, H)
-        out = out * (gate.view(b, tq, h, dh) if cfg.gate == "elementwise" else gate.view(b, tq, h, 1))
-    return out.contiguous(), None
+    visible, _ = mask_rows(attention_mask, getattr(module, "is_causal", True), 0, tq, tq, key.shape[2], query.device)
+    out = attend(query, key, value, visible, scale=scale, columns=variant_column_logits(module, query, scale),
+                 gate=variant_gate(module, h), dropout=dropout if module.training else 0.0, fast=True)
+    return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def variant_column_logits(module: nn.Module, query: Tensor, scale: float, slot_query: Tensor | None = None,
+                          softcap: float | None = None) -> list[Columns]:
+    """The variant's extra columns of one attention module as :class:`sinklab.attention.Columns` for ``query``.
+
+    The sink logit (value 0) as it is; the kv-bias slot's logit ``q·k_slot·scale`` from ``slot_query`` (the
+    queries rotated where the slot should see them; default ``query``), softcapped by ``softcap``, its value
+    per key/value head. Empty without a variant.
+    """
+    h = query.shape[1]
+    sink, slot = variant_columns(module, h)
+    columns = []
+    if sink is not None:
+        columns.append(Columns.sink(sink, query))
+    if slot is not None:
+        rep = h // module.sinklab_v_bias.shape[0]  # the slot's value per key/value head (grouped attention)
+        columns.append(Columns.slot(query if slot_query is None else slot_query.to(query), slot[0], slot[1][::rep],
+                                    scale, softcap))
+    return columns
 
 
 def variant_columns(module: nn.Module, heads: int) -> tuple[Tensor | None, tuple[Tensor, Tensor] | None]:
@@ -163,11 +155,12 @@ def variant_columns(module: nn.Module, heads: int) -> tuple[Tensor | None, tuple
 
 def variant_gate(module: nn.Module, heads: int) -> Tensor | None:
     """The output gate ``σ(X W)`` of one attention module for its current input, ``[B, Tq, H, dh | 1]``
-    (float32), or None without a gate. Multiply each head's attention output by it before ``o_proj``."""
+    (float32, or float64 for a float64 model), or None without a gate. Multiply each head's attention output by it before ``o_proj``."""
     cfg: VariantConfig | None = getattr(module, "sinklab_variant", None)
     if cfg is None or cfg.gate is None:
         return None
-    gate = torch.sigmoid(module.sinklab_gate(module.sinklab_gate_input).float())
+    y = module.sinklab_gate(module.sinklab_gate_input)
+    gate = torch.sigmoid(y.to(torch.promote_types(y.dtype, torch.float32)))
     return gate.view(*gate.shape[:2], heads, -1)
 
 

@@ -340,7 +340,7 @@ class AttentionCapture:
                                 slot=slot, bias=kwargs.get("position_bias"), drop=drop, stats=stats)  # (B, H, Tq, dv)
         gate = variant_gate(module, h)  # output gate σ(X W) on each head's output, (B, Tq, H, dv | 1)
         if gate is not None:
-            out = out * gate.transpose(1, 2)
+            out = out * gate.transpose(1, 2).to(out.dtype)
         if stats is None:  # final_states(): the output is all that is needed
             return out.to(query.dtype).transpose(1, 2).contiguous(), None
         key_mask = self._positions_mask(b, tk, dev)

@@ -13,12 +13,9 @@ import math
 import torch
 from torch import Tensor
 
-from ..attention import mask_rows, softmax_with_columns
+from ..attention import Columns, attend, mask_rows
 
 __all__ = ["ColumnStats", "chunked_attention"]
-
-_FLOOR = torch.finfo(torch.float32).min
-
 
 class ColumnStats:
     """Accumulates one layer's attention statistics chunk by chunk.
@@ -147,6 +144,8 @@ def chunked_attention(
     ``1 − Σ_j A_ij`` counts it with the sink); ``bias`` additive
     ``[..., Tq, Tk]`` position bias; ``drop`` ``(head, positions [B])`` removes one key column per sample
     for one head (rows renormalise; a row left with no key outputs 0; position −1: nothing removed in that row).
+    Each chunk is :func:`sinklab.attention.attend` (manual path, which also returns the weights the statistics
+    need).
     """
     b, h, tq, _ = query.shape
     tk, dv = k.shape[2], v.shape[-1]
@@ -170,35 +169,21 @@ def chunked_attention(
             keep = (drop[1] >= 0) & (drop[1] < kend)
             allowed[torch.arange(b, device=dev)[keep], drop[0], :, drop[1][keep]] = False
         full = (min(kend, c0 + offset + 1) if is_causal and tq > 1 else kend) if fast else 0
-        scores = torch.matmul(query[:, :, c0:c1].float() * scale, k[:, :, :kend].transpose(-1, -2))  # (B, H, C, kend)
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
+        shift = None  # additive terms after the softcap, as eager attention adds them
         if bias is not None:
-            scores = scores + bias[..., c0:c1, :kend].float()
+            shift = bias[..., c0:c1, :kend].float()
         if additive is not None:
-            scores = scores + additive[..., :kend]
-        # A finite floor (as eager attention uses) keeps rows with no visible key finite; their
-        # queries are padding and excluded from the statistics.
-        scores[..., full:].masked_fill_(~allowed[..., full:], _FLOOR)
-        extra = []  # logits of the learned columns, (B|1, H, C, 1) each
+            shift = additive[..., :kend] if shift is None else shift + additive[..., :kend]
+        q = query[:, :, c0:c1].float()
+        columns = []  # the learned columns (logits per query, not tokens)
         if sinks is not None:
-            extra.append(sinks.float().to(dev).reshape(1, h, 1, 1).expand(scores.shape[0], h, c1 - c0, 1))
+            columns.append(Columns.sink(sinks, q))
         if slot is not None:
-            slot_logit = torch.matmul(query[:, :, c0:c1].float() * scale, slot[0].float().to(dev)[None, :, :, None])
-            extra.append(torch.tanh(slot_logit / softcap) * softcap if softcap is not None else slot_logit)
-        slot_p = None
-        if extra:
-            probs, learned_p = softmax_with_columns(scores, torch.cat(extra, dim=-1))
-            if slot is not None:
-                slot_p = learned_p[..., -1:]  # (B, H, C, 1)
-        else:
-            probs = torch.softmax(scores, dim=-1)
-        del scores
-        if drop is not None:  # a row whose only visible key was removed attends to nothing: output 0
-            probs = probs.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
-        out[:, :, c0:c1] = torch.matmul(probs, v[:, :, :kend])
-        if slot_p is not None:
-            out[:, :, c0:c1] += slot_p * slot[1].float().to(dev)[None, :, None, :]
+            columns.append(Columns.slot(q, slot[0], slot[1], scale, softcap))
+        # Rows with nothing visible (padding, or a query whose only key was removed) come out as 0.
+        out[:, :, c0:c1], probs = attend(q, k[:, :, :kend], v[:, :, :kend], allowed,
+                                         scale=scale, bias=shift, columns=columns, softcap=softcap,
+                                         mask_from=full, weights=True)
         if stats is not None:
             stats.add(probs, allowed, c0, c1, kend, full, fast)
     return out

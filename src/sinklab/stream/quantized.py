@@ -10,12 +10,17 @@ What is stored per layer:
   Keys are quantized **per token** here, not per channel over blocks as in the dense cache (KIVI): the ring
   overwrites one slot at a time in each row, so a per-channel block would mix evicted and live tokens.
 
-At each forward the layer dequantizes its ring straight into full-precision key and value buffers
-``[B, Hkv, S + P + W, d]`` shared by every layer of the stream (layers run one after the other), lets the
-parent layer update them, and packs what that update wrote. A
+At each forward the layer dequantizes its ring straight into one full-precision buffer
+``[B, Hkv, S + P + W, dk + dv]`` shared by every layer of the stream (layers run one after the other; its two
+halves are the key and value tensors attention reads), lets the parent layer update it, and packs what that
+update wrote. A
 decoded token is packed with fixed-shape tensor maths (no host read, one quantization for its key and
-value together). So the window costs ``bits`` per element plus metadata per layer, plus one buffer for
-the whole model; each forward pays one dequantization of ``W`` tokens per layer. A re-base rotates the
+value together). On the usual decode step (every row a window token in one slot) each layer only sets its
+new column aside (``B × Hkv × (dk + dv)`` floats); the first layer of the next forward (or anything that
+reads a ring) packs the columns of all layers at once — the same codes, one quantization per step instead
+of one per layer. So the window costs ``bits`` per element plus metadata per layer, plus one buffer for
+the whole model; each forward pays one dequantization of ``W`` tokens per layer (three plain passes over
+the buffer: codes, × scale, + zero). A re-base rotates the
 ring's keys: they are dequantized, rotated and packed again (values and anchored keys are not touched).
 """
 
@@ -66,13 +71,14 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         self.is_initialized = True
 
     def _bind_buffer(self, b: int, hkv: int, dh: int, dv: int) -> None:
-        """Point ``keys``/``values`` at the stream's shared ``[B, Hkv, S + P + W, d]`` buffers (made once)."""
+        """Point ``keys``/``values`` at the two halves of the stream's shared ``[B, Hkv, S + P + W, dk + dv]``
+        buffer (made once)."""
         shared = self.state.__dict__.setdefault("kv_scratch", {})
         key = (b, hkv, self.state.capacity, dh, dv, self.dtype, self.device)
-        if key not in shared:
-            shared[key] = tuple(torch.zeros(b, hkv, self.state.capacity, d, dtype=self.dtype, device=self.device)
-                                for d in (dh, dv))
-        self.keys, self.values = shared[key]
+        if key not in shared:  # one tensor, a token's key then its value: the ring's layout (one dequantization)
+            shared[key] = torch.zeros(b, hkv, self.state.capacity, dh + dv, dtype=self.dtype, device=self.device)
+        self.kv = shared[key]
+        self.keys, self.values = self.kv[..., :dh], self.kv[..., dh:]
 
     def _ring_parts(self) -> tuple[QuantizedTensor, QuantizedTensor]:
         """The packed ring's key and value columns as two quantized views ``[B, Hkv, W, d]`` (no copy; made
@@ -92,10 +98,10 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         """Dequantize the ring into the shared buffer, let the parent update it, pack what it wrote."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.state.__dict__.get("kv_pending_plan") is not self.state.plan:  # the first layer of this forward
+            self._flush()
         n = self.state.anchor_capacity
-        ring_k, ring_v = self._ring_parts()
-        dequantize(ring_k, out=self.keys[:, :, n:])
-        dequantize(ring_v, out=self.values[:, :, n:])
+        dequantize(self.ring, out=self.kv[:, :, n:])  # keys and values together (groups never straddle them)
         if n:
             self.values[:, :, :n] = self.anchor_values
         out = super().update(key_states, value_states, *args, **kwargs)
@@ -110,16 +116,21 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         """One decoded column ``[B, Hkv, d]``: each row's slot (padding and anchored rows keep the ring as it
         was; an anchored row writes its value instead). On the state's uniform decode plan (no padding, past
         every anchor: known on the host) nothing is read back; otherwise whether any row is padding or anchored
-        is read once per forward. The usual case — every row a window token — is three plain writes."""
+        is read once per forward. The usual case — every row a window token in one slot — quantizes the column
+        as the parent wrote it into the shared buffer and makes three ``index_copy_`` writes."""
         n = self.state.anchor_capacity
+        if plan.get("uniform"):  # the host already knows: every row a real window token in one slot (no read-back)
+            if "ring_slot1" not in plan:  # shared by every layer of this forward
+                plan["ring_slot1"] = plan["slot1"] - n
+            self.state.__dict__.setdefault("kv_pending", []).append(
+                (self, self.kv.index_select(2, plan["slot1"]), plan["ring_slot1"]))  # (B, Hkv, 1, D)
+            self.state.kv_pending_plan = plan
+            return
         if "ring_slot" not in plan:  # shared by every layer of this forward
             plan["ring_slot"] = (plan["slot"] - n).clamp(min=0)
-            if plan.get("uniform"):  # the host already knows: every row a real window token (no read-back)
-                plan["ring_keep"], plan["any_anchored"] = None, False
-            else:
-                keep = ~plan["valid"] | plan["anchored"]
-                plan["ring_keep"] = keep[:, None, None] if bool(keep.any()) else None  # (B, 1, 1)
-                plan["any_anchored"] = bool(plan["anchored"].any())
+            keep = ~plan["valid"] | plan["anchored"]
+            plan["ring_keep"] = keep[:, None, None] if bool(keep.any()) else None  # (B, 1, 1)
+            plan["any_anchored"] = bool(plan["anchored"].any())
         rows, at, keep = plan["rows"], plan["ring_slot"], plan["ring_keep"]
         new = quantize(torch.cat([k, v], -1), self.bits, self.group, dim=-1)  # (B, Hkv, dk + dv) per token
         for stored, x in ((self.ring.packed, new.packed), (self.ring.scale, new.scale), (self.ring.zero, new.zero)):
@@ -128,6 +139,24 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
             slot = plan["slot"].clamp(max=n - 1)
             anchored = plan["anchored"][:, None, None]
             self.anchor_values[rows, :, slot] = torch.where(anchored, v, self.anchor_values[rows, :, slot])
+
+    def _flush(self) -> None:
+        """Pack the columns the layers of this stream left pending in their last uniform decode step: one
+        quantization for all of them (the same codes as one per layer: groups are per token), then three
+        ``index_copy_`` writes into each layer's ring. Runs before anything reads a ring."""
+        pending = self.state.__dict__.get("kv_pending")
+        if not pending:
+            return
+        self.state.kv_pending, self.state.kv_pending_plan = [], None
+        by_shape: dict = {}
+        for layer, column, at in pending:
+            by_shape.setdefault((column.shape, layer.bits, layer.group), []).append((layer, column, at))
+        for (_, bits, group), items in by_shape.items():
+            new = quantize(torch.stack([column for _, column, _ in items]), bits, group, dim=-1)  # (L, B, Hkv, 1, D)
+            for i, (layer, _, at) in enumerate(items):
+                for stored, x in ((layer.ring.packed, new.packed), (layer.ring.scale, new.scale),
+                                  (layer.ring.zero, new.zero)):
+                    stored.index_copy_(2, at, x[i])
 
     def _pack_chunk(self, plan: dict) -> None:
         """A chunk: the buffer slots ``(rows, slots)`` it wrote, anchored ones as values, ring ones packed."""
@@ -148,6 +177,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
     def rotate_ring(self, ring: slice, delta: Tensor) -> None:
         """Re-base: dequantize the ring's keys, rotate them by ``delta`` ``[B]`` positions, pack them again."""
         if self.is_initialized:
+            self._flush()
             shift = delta.to(self.device)[:, None, None]  # (B, 1, 1) broadcast over heads and slots
             keys = rotate(dequantize(self._ring_parts()[0]), self.rope, shift)  # (B, Hkv, W, dk)
             new = quantize(keys, self.bits, self.group, dim=-1)
@@ -159,6 +189,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
     def select_rows(self, index: Tensor) -> None:
         """Row ``i`` becomes old row ``index[i]`` (beams, ``num_return_sequences``): packed ring and anchors."""
         if self.is_initialized:
+            self._flush()
             index = index.to(self.device)
             self.anchor_keys, self.anchor_values = (t.index_select(0, index) for t in (self.anchor_keys,
                                                                                      self.anchor_values))
@@ -175,11 +206,13 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
 
     def dequantized_ring(self) -> tuple[Tensor, Tensor]:
         """The window as stored: keys (rotated at their virtual positions) and values ``[B, Hkv, W, d]``."""
+        self._flush()
         ring_k, ring_v = self._ring_parts()
         return dequantize(ring_k), dequantize(ring_v)
 
     def state_tensors(self) -> dict[str, Tensor]:
         """What :class:`~sinklab.stream.session.StreamSession` saves: the packed ring and the exact anchors."""
+        self._flush()
         return {"ring_packed": self.ring.packed, "ring_scale": self.ring.scale, "ring_zero": self.ring.zero,
                 "anchor_keys": self.anchor_keys, "anchor_values": self.anchor_values}
 
