@@ -1,0 +1,414 @@
+"""Per-architecture layouts: the config fields under their many names, the stack of transformer blocks, the
+query/key/output projection weights in the layouts the supported architectures use (separate ``q_proj``/``k_proj``,
+fused ``qkv_proj`` (Phi-3), per-head fused ``query_key_value`` (GPT-NeoX), ``Conv1D`` ``c_attn``/``c_proj``
+(GPT-2), BERT/ViT ``query``/``key`` with the output dense in a sibling module, DINOv2's LayerScale), RoPE and
+sliding-window specs, the architecture tables, and where the cache argument goes."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import UnsupportedModelError
+
+_Q_NAMES = ("q_proj", "query", "q", "wq")
+_K_NAMES = ("k_proj", "key", "k", "wk")
+_O_NAMES = ("o_proj", "out_proj", "c_proj", "dense", "wo")
+
+
+def config_get(config: object, *names: str, default: object = None) -> object:
+    """First attribute of ``config`` (or its ``text_config``) among ``names`` that is set."""
+    for cfg in (config, getattr(config, "text_config", None), getattr(config, "get_text_config", lambda: None)()):
+        if cfg is None:
+            continue
+        for name in names:
+            value = getattr(cfg, name, None)
+            if value is not None:
+                return value
+    return default
+
+
+def num_layers(config: object) -> int | None:
+    value = config_get(config, "num_hidden_layers", "n_layer", "num_layers")
+    return int(value) if value is not None else None
+
+
+def find_layers(model: nn.Module) -> nn.ModuleList:
+    """The ``nn.ModuleList`` of transformer blocks (``model.layers``, ``encoder.layer``, ``transformer.h`` …).
+
+    Chosen as the shallowest ``ModuleList`` whose length equals the config's layer count.
+    """
+    n = num_layers(getattr(model, "config", None))
+    candidates = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and (n is None or len(module) == n):
+            candidates.append((name.count("."), name, module))
+    if not candidates:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: found no list of {n} transformer blocks; sinklab supports transformers "
+            "models whose blocks live in one nn.ModuleList (Llama, Qwen, Mistral, Gemma, Phi-3, GPT-NeoX, "
+            "GPT-2, OPT, BERT, ViT, DINOv2, gpt-oss …)."
+        )
+    candidates.sort(key=lambda c: (c[0], c[1]))
+    return candidates[0][2]
+
+
+def block_hidden_states(output: object) -> Tensor:
+    """The hidden-state tensor in a block's forward output (a tensor or a tuple led by one)."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return output[0]
+    for name in ("hidden_states", "last_hidden_state"):
+        hidden = getattr(output, name, None)
+        if isinstance(hidden, Tensor):
+            return hidden
+    raise UnsupportedModelError(f"cannot find hidden states in a block output of type {type(output).__name__}")
+
+
+def block_input(args: tuple, kwargs: dict) -> Tensor:
+    """The hidden-state tensor a block receives (positional or ``hidden_states=``)."""
+    if args and isinstance(args[0], Tensor):
+        return args[0]
+    hidden = kwargs.get("hidden_states")
+    if isinstance(hidden, Tensor):
+        return hidden
+    raise UnsupportedModelError("cannot find the hidden-states input of a transformer block")
+
+
+def _linear_weight(module: nn.Module) -> Tensor:
+    """Weight as ``[out, in]`` for ``nn.Linear`` and transformers' ``Conv1D`` (stored ``[in, out]``)."""
+    if isinstance(module, nn.Linear):
+        return module.weight
+    if type(module).__name__ == "Conv1D":
+        return module.weight.t()
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, Tensor) and weight.dim() == 2:
+        return weight
+    raise UnsupportedModelError(f"cannot read a projection weight from {type(module).__name__}")
+
+
+def _child(module: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
+    for name in names:
+        sub = getattr(module, name, None)
+        if isinstance(sub, nn.Module):
+            return sub
+    return None
+
+
+def _ancestors(layer: nn.Module, target: nn.Module) -> list[nn.Module]:
+    """Modules from ``target`` up to ``layer`` (inclusive), innermost first."""
+    parent: dict[int, nn.Module] = {}
+    for module in layer.modules():
+        for child in module.children():
+            parent.setdefault(id(child), module)
+    chain = [target]
+    while id(chain[-1]) in parent and chain[-1] is not layer:
+        chain.append(parent[id(chain[-1])])
+    return chain
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    """Projection weights of one layer's attention, split by head (all ``float64``).
+
+    ``wq`` ``[H, dh, d]``, ``wk`` ``[Hkv, dh, d]``, ``wo`` ``[H, d, dh]`` (``u_j = wo[h] @ v_j``, with
+    LayerScale folded in), or ``None`` where the layout is not recognised.
+    """
+
+    wq: Tensor | None
+    wk: Tensor | None
+    wo: Tensor | None
+
+
+def _split_qk(attn: nn.Module, n_heads: int, n_kv: int, head_dim: int) -> tuple[Tensor, Tensor] | None:
+    q_mod, k_mod = _child(attn, _Q_NAMES), _child(attn, _K_NAMES)
+    if q_mod is not None and k_mod is not None:
+        wq = _linear_weight(q_mod)[: n_heads * head_dim]
+        wk = _linear_weight(k_mod)[: n_kv * head_dim]
+        return wq.reshape(n_heads, head_dim, -1), wk.reshape(n_kv, head_dim, -1)
+    if isinstance(getattr(attn, "qkv_proj", None), nn.Module):  # Phi-3: [q | k | v] rows
+        w = _linear_weight(attn.qkv_proj)
+        wq = w[: n_heads * head_dim]
+        wk = w[n_heads * head_dim : (n_heads + n_kv) * head_dim]
+        return wq.reshape(n_heads, head_dim, -1), wk.reshape(n_kv, head_dim, -1)
+    if isinstance(getattr(attn, "query_key_value", None), nn.Module):  # GPT-NeoX: per head [q | k | v]
+        w = _linear_weight(attn.query_key_value).reshape(n_heads, 3 * head_dim, -1)
+        return w[:, :head_dim], w[:, head_dim : 2 * head_dim]
+    if isinstance(getattr(attn, "c_attn", None), nn.Module):  # GPT-2: [q | k | v] columns of Conv1D
+        w = _linear_weight(attn.c_attn)
+        width = n_heads * head_dim
+        return w[:width].reshape(n_heads, head_dim, -1), w[width : 2 * width].reshape(n_heads, head_dim, -1)
+    return None
+
+
+def _output_weight(layer: nn.Module, attn: nn.Module) -> Tensor | None:
+    """``[d, H·dh]`` output projection of ``attn``: on the module, or in an enclosing ``output.dense``."""
+    for module in _ancestors(layer, attn):
+        direct = _child(module, _O_NAMES)
+        if direct is not None and module is attn:
+            return _linear_weight(direct)
+        output = getattr(module, "output", None)
+        if isinstance(output, nn.Module) and isinstance(getattr(output, "dense", None), nn.Module):
+            return _linear_weight(output.dense)
+    return None
+
+
+def _layer_scale(layer: nn.Module) -> Tensor | None:
+    """DINOv2-style LayerScale γ applied to the attention branch, if the block has one."""
+    scale = getattr(layer, "layer_scale1", None)
+    if scale is None:
+        return None
+    for name in ("lambda1", "gamma", "weight"):
+        value = getattr(scale, name, None)
+        if isinstance(value, Tensor):
+            return value
+    return None
+
+
+@torch.no_grad()
+def head_weights(layer: nn.Module, attn: nn.Module, n_heads: int, n_kv: int, head_dim: int) -> HeadWeights:
+    """Read ``attn``'s projections split per head; unknown layouts give ``None`` fields.
+
+    Weights that accelerate offloaded (``device_map`` with CPU/disk offload) are loaded for the read and
+    released again; the returned float64 CPU copies do not depend on them.
+    """
+    with offloaded_weights(layer):
+        qk = _split_qk(attn, n_heads, n_kv, head_dim)
+        if qk is not None and any(w.device.type == "meta" for w in qk):  # offloaded by an outer block
+            qk = None
+        wq, wk = (None, None) if qk is None else (qk[0].double().cpu(), qk[1].double().cpu())
+        wo = _output_weight(layer, attn)
+        if wo is not None and wo.device.type == "meta":
+            wo = None
+        if wo is not None and wo.shape[1] == n_heads * head_dim:
+            wo = wo.double().cpu()
+            gamma = _layer_scale(layer)
+            if gamma is not None:
+                wo = gamma.double().cpu()[:, None] * wo
+            wo = wo.reshape(wo.shape[0], n_heads, head_dim).permute(1, 0, 2).contiguous()  # (H, d, dh)
+        else:
+            wo = None
+    return HeadWeights(wq=wq, wk=wk, wo=wo)
+
+
+def embedding_rows(model: nn.Module) -> int | None:
+    """Number of rows of the input token embedding (None for models without one, e.g. ViT)."""
+    getter = getattr(model, "get_input_embeddings", None)
+    if getter is None:
+        return None
+    try:
+        emb = getter()
+    except (NotImplementedError, AttributeError):
+        return None
+    weight = getattr(emb, "weight", None)
+    if isinstance(emb, nn.Embedding) or isinstance(weight, Tensor):
+        return int(weight.shape[0]) if weight is not None else None
+    return None
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Device the inputs must live on (the input embedding's, under ``device_map`` dispatch too)."""
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = getter() if getter is not None else None
+    except (NotImplementedError, AttributeError):
+        emb = None
+    weight = getattr(emb, "weight", None)
+    if isinstance(weight, Tensor):
+        return weight.device
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- architecture tables
+#: transformers model types whose blocks have Llama-style ``self_attn.{q,k,v,o}_proj`` (sinklab.variants).
+LLAMA_STYLE_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "olmo2", "smollm3",
+                     "granite", "cohere", "starcoder2", "helium", "glm"}
+#: model types the ViT variants support (sinklab.vit).
+VIT_TYPES = {"vit", "dinov2", "sinklab-vit"}
+#: bidirectional encoders: every position attends to every other (no causal first-token circuit).
+ENCODER_TYPES = {"bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "xlm-roberta",
+                 "mpnet", "camembert", "vit", "dinov2", "dinov2_with_registers", "modernbert"}
+_ABSOLUTE_POSITION_TYPES = {"gpt2", "opt", "bert", "roberta", "gpt_neo", "bart", "xglm", "biogpt", "vit", "dinov2"}
+_ALIBI_TYPES = {"bloom", "mpt", "falcon"}
+
+
+def rope_spec(model: nn.Module):
+    """The model's rotary embedding as a :class:`sinklab.rope.RopeSpec`, or an explanatory error.
+
+    Reads the public ``inv_freq``/``attention_scaling`` of the model's rotary-embedding module (Llama,
+    Qwen2/3, Mistral, Gemma, Phi-3, GPT-NeoX with partial rotary, gpt-oss …) or, for GPT-J's interleaved
+    sinusoid table, rebuilds the frequencies from ``config.rotary_dim``.
+    """
+    from ..rope import RopeSpec
+
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", "")
+    name = type(model).__name__
+    if model_type in _ALIBI_TYPES and getattr(config, "alibi", model_type != "falcon"):
+        raise UnsupportedModelError(
+            f"{name} uses ALiBi position biases; sinklab's streaming re-positions RoPE keys by cache slot and does "
+            "not yet re-bias ALiBi scores. Use a RoPE model (Llama, Qwen, Mistral, Phi-3, Gemma, GPT-NeoX, GPT-J)."
+        )
+    if model_type in ("gptj", "codegen"):
+        dim = int(config.rotary_dim or config.n_embd // config.n_head)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        return RopeSpec(inv_freq=inv, interleaved=True, attention_scaling=1.0)
+    found = []
+    for module in model.modules():
+        inv = getattr(module, "inv_freq", None)
+        if isinstance(inv, Tensor) and inv.dim() == 1:
+            found.append(module)
+    if not found:
+        why = ("learned absolute position embeddings" if model_type in _ABSOLUTE_POSITION_TYPES
+               else "no rotary position embedding sinklab can find")
+        raise UnsupportedModelError(
+            f"{name} ({model_type or 'unknown type'}) has {why}: positions by cache slot need RoPE, whose scores depend "
+            "only on distances, so evicted tokens can be skipped. A model with absolute position embeddings would see "
+            "its sinks and window at positions it was trained to read differently, so it cannot stream this way."
+        )
+    freqs = {tuple(m.inv_freq.tolist()) for m in found}
+    if len(freqs) > 1:
+        raise UnsupportedModelError(
+            f"{name} uses several rotary embeddings (e.g. local and global layers); streaming supports one."
+        )
+    rope_type = getattr(found[0], "rope_type", "default")
+    if rope_type == "dynamic":
+        raise UnsupportedModelError(f"{name} uses dynamic NTK RoPE, whose frequencies change with sequence length; "
+                                    "streaming needs fixed frequencies.")
+    module = found[0]
+    return RopeSpec(inv_freq=module.inv_freq.detach().double().cpu(), interleaved=False,
+                    attention_scaling=float(getattr(module, "attention_scaling", 1.0)))
+
+
+def layer_rope_specs(model: nn.Module) -> list:
+    """One :class:`sinklab.rope.RopeSpec` per decoder layer (identical layers share one object).
+
+    Models with one rotary embedding get :func:`rope_spec` for every layer. Models whose rotary module holds
+    one set of frequencies per layer type (Gemma 3: ``sliding_attention_inv_freq`` (local base) and
+    ``full_attention_inv_freq`` (global base)) get each layer the frequencies of its ``config.layer_types`` entry.
+    """
+    from ..rope import RopeSpec
+
+    config = getattr(model, "config", None)
+    n = num_layers(config) or 0
+    types = config_get(config, "layer_types")
+    if types:
+        for module in model.modules():
+            per_type = {t: getattr(module, f"{t}_inv_freq", None) for t in set(types)}
+            if all(isinstance(v, Tensor) and v.dim() == 1 for v in per_type.values()):
+                rope_type = getattr(module, "rope_type", {})
+                if any((rope_type.get(t) if isinstance(rope_type, dict) else rope_type) == "dynamic" for t in per_type):
+                    raise UnsupportedModelError(f"{type(model).__name__} uses dynamic NTK RoPE, whose frequencies "
+                                                "change with sequence length; streaming needs fixed frequencies.")
+                specs = {t: RopeSpec(inv_freq=v.detach().double().cpu(), interleaved=False,
+                                     attention_scaling=float(getattr(module, f"{t}_attention_scaling", 1.0)))
+                         for t, v in per_type.items()}
+                return [specs[t] for t in types]
+    spec = rope_spec(model)
+    return [spec] * n
+
+
+def layer_sliding_windows(model: nn.Module) -> list[int | None]:
+    """Each decoder layer's own attention window (keys a query sees, itself included), ``None`` for full attention.
+
+    Read from the config the way transformers' models build their masks: ``layer_types`` (``sliding_attention``
+    layers use ``sliding_window``; gpt-oss, Gemma 2/3, Qwen2 …), else one ``sliding_window`` for every layer
+    (Mistral, Phi-3). Other layer types (chunked, linear attention) cannot stream.
+    """
+    config = getattr(model, "config", None)
+    n = num_layers(config) or 0
+    window = config_get(config, "sliding_window")
+    types = config_get(config, "layer_types")
+    if config_get(config, "use_bidirectional_attention"):
+        raise UnsupportedModelError(f"{type(model).__name__} uses bidirectional attention; streaming needs a causal LM.")
+    if types:
+        out: list[int | None] = []
+        for i, kind in enumerate(types):
+            if kind == "full_attention":
+                out.append(None)
+            elif kind == "sliding_attention" and window is not None:
+                out.append(int(window))
+            else:
+                raise UnsupportedModelError(f"{type(model).__name__}: layer {i} has attention type {kind!r}; sinklab "
+                                            "streams full and sliding-window attention layers only.")
+        return out
+    return [int(window) if window is not None else None] * n
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The decoder stack that takes ``position_ids`` (``model.model``, ``gpt_neox``, ``transformer`` …)."""
+    return getattr(model, "base_model", model)
+
+
+def cache_kwarg_name(model: nn.Module) -> str:
+    """``cache`` on transformers versions that renamed it, else ``past_key_values``."""
+    import inspect
+
+    params = inspect.signature(base_model(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(output: object) -> object:
+    """The cache a forward returned: ``cache`` on transformers ≥ 5.2, ``past_key_values`` on older releases."""
+    return output["cache"] if "cache" in output else output.past_key_values  # noqa: SIM401 (lazy)
+
+
+def cache_argument(kwargs: dict) -> tuple[str | None, object]:
+    """The cache a forward call received, under transformers' new (``cache``) or old (``past_key_values``) name."""
+    for key in ("cache", "past_key_values"):
+        if kwargs.get(key) is not None:
+            return key, kwargs[key]
+    return None, None
+
+
+@contextmanager
+def offloaded_weights(module: nn.Module):
+    """Make the parameters of ``module`` readable when accelerate's big-model dispatch offloaded them.
+
+    A model loaded with ``device_map`` (GPU/CPU/disk offload) keeps offloaded parameters on the ``meta``
+    device and loads them in a forward pre-hook. Reading weights outside a forward (weight statistics,
+    the NaN check) goes through this context manager, which loads them the same way for ``module`` and
+    its submodules only — one layer at a time, never the whole model — and releases them afterwards.
+    A model without offloaded parameters passes through untouched.
+    """
+    try:
+        from accelerate.utils import align_module_device, has_offloaded_params
+    except ImportError:  # pragma: no cover - accelerate is a dependency
+        yield module
+        return
+    with ExitStack() as stack:
+        for sub in module.modules():
+            if has_offloaded_params(sub):
+                stack.enter_context(align_module_device(sub))
+        yield module
+
+
+def named_weights(model: nn.Module):
+    """Yield ``(name, parameter)`` for every parameter, loading accelerate-offloaded blocks one at a time.
+
+    Equivalent to ``model.named_parameters()`` on an ordinary model; on a model dispatched with offload,
+    each offloaded block is loaded (as its forward would) while its parameters are yielded.
+    """
+    try:
+        from accelerate.utils import align_module_device, has_offloaded_params
+    except ImportError:  # pragma: no cover - accelerate is a dependency
+        yield from model.named_parameters()
+        return
+
+    def walk(prefix: str, module: nn.Module):
+        if has_offloaded_params(module):
+            with align_module_device(module):
+                for name, param in module.named_parameters():
+                    yield prefix + name, param
+            return
+        for name, param in module.named_parameters(recurse=False):
+            yield prefix + name, param
+        for name, child in module.named_children():
+            yield from walk(f"{prefix}{name}.", child)
+
+    yield from walk("", model)
