@@ -260,8 +260,10 @@ def bytes_per_token(model, num_sinks: int, window: int) -> int:
 
 def run(specs: list[str], rounds: int, steps: int, threads: list[int], gen_tokens: int, num_sinks: int = 4,
         window: int = 1020, device: str = "cpu", dtype: str = "float32", compile_options: dict | None = None,
-        checkpoint=None) -> dict:
-    """Every model in ``specs`` at each thread count; ``checkpoint(results)`` is called after each model."""
+        checkpoint=None, generate_only: bool = False) -> dict:
+    """Every model in ``specs`` at each thread count; ``checkpoint(results)`` is called after each model.
+
+    ``generate_only``: only the greedy/beams/sampling rows (at ``threads[0]``), no decode-step table."""
     dev, dt = torch.device(device), getattr(torch, dtype)
     options = dict(compile_options or {})
     bandwidth = copy_bandwidth(dev)
@@ -281,7 +283,7 @@ def run(specs: list[str], rounds: int, steps: int, threads: list[int], gen_token
         floor_ms = 1e3 * total / bandwidth
         entry = {"model": label, "weights": weights, "bytes_per_token": total, "bandwidth_floor_ms": floor_ms,
                  "threads": {}}
-        for n_threads in threads:
+        for n_threads in ([] if generate_only else threads):
             try:
                 measure(entry, label, model, vocab, n_threads, rounds, steps, num_sinks, window, options, floor_ms, results)
             except Exception as exc:  # noqa: BLE001 - a one-shot run (a GPU lease) keeps the other rows
