@@ -72,6 +72,36 @@ def head_matches(model: nn.Module) -> bool:
     return _VERIFIED.get(model, "lm_head", model.parameters(), probe)
 
 
+def _vocab_chunked_ce(model: nn.Module, head: nn.Linear, h: Tensor, targets: Tensor, chunk_elements: int) -> Tensor:
+    """Cross-entropy ``[N]`` of rows ``h`` ``[N, d]`` against ``targets`` ``[N]``, over vocabulary slices.
+
+    All rows go through one slice of the head's weight at a time (at most ``chunk_elements`` logits), with a
+    running log-sum-exp, so the ``V × d`` weight is read once per call — not once per chunk of rows, which made a
+    262,144-row head memory-bound.
+    """
+    n, vocab = h.shape[0], head.weight.shape[0]
+    step = max(1, chunk_elements // max(n, 1))
+    peak = torch.full((n,), -torch.inf, device=h.device)  # running max of the logits
+    total = torch.zeros(n, device=h.device)  # Σ exp(logit − peak)
+    picked = torch.zeros(n, device=h.device)  # the target's logit
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cap = getattr(config, "final_logit_softcapping", None)
+    for v0 in range(0, vocab, step):
+        v1 = min(vocab, v0 + step)
+        bias = None if head.bias is None else head.bias[v0:v1]
+        z = torch.nn.functional.linear(h, head.weight[v0:v1], bias)  # (N, v1 − v0), as head_logits
+        if cap is not None:
+            z = torch.tanh(z / cap) * cap
+        z = z.float()
+        new_peak = torch.maximum(peak, z.amax(-1))
+        total = total * torch.exp(peak - new_peak) + torch.exp(z - new_peak[:, None]).sum(-1)
+        peak = new_peak
+        inside = (targets >= v0) & (targets < v1)
+        picked[inside] = z[inside, targets[inside] - v0]
+    return peak + torch.log(total) - picked
+
+
 @torch.no_grad()
 def token_losses(model: nn.Module, hidden: Tensor, ids: Tensor, mask: Tensor,
                  chunk_elements: int = CHUNK_ELEMENTS) -> tuple[Tensor, Tensor]:
@@ -87,7 +117,8 @@ def token_losses(model: nn.Module, hidden: Tensor, ids: Tensor, mask: Tensor,
     Returns
     -------
     ``(loss_sum [B], count [B])`` float64 on the CPU. The head runs on the scored rows only, at most
-    ``chunk_elements`` logits at a time.
+    ``chunk_elements`` logits at a time: all rows against one slice of the vocabulary (a running log-sum-exp), so
+    the head's weight is read once.
     """
     valid = mask[:, :-1].bool() & mask[:, 1:].bool()  # (B, T-1)
     rows = valid.nonzero()  # (N, 2)
@@ -96,10 +127,13 @@ def token_losses(model: nn.Module, hidden: Tensor, ids: Tensor, mask: Tensor,
         h = hidden[rows[:, 0].to(hidden.device), rows[:, 1].to(hidden.device)]  # (N, d)
         targets = ids[rows[:, 0], rows[:, 1] + 1].to(hidden.device)  # (N,)
         head = _head(model)
-        vocab = int(getattr(head, "out_features", 0) or head.weight.shape[0])
-        step = max(1, chunk_elements // max(vocab, 1))
-        ce = torch.cat([torch.nn.functional.cross_entropy(head_logits(model, h[a : a + step]).float(),
-                                                          targets[a : a + step], reduction="none")
-                        for a in range(0, h.shape[0], step)])
+        if isinstance(head, nn.Linear):
+            ce = _vocab_chunked_ce(model, head, h, targets, chunk_elements)
+        else:  # a head sinklab cannot slice by vocabulary: whole rows, a few at a time
+            vocab = int(getattr(head, "out_features", 0) or head.weight.shape[0])
+            step = max(1, chunk_elements // max(vocab, 1))
+            ce = torch.cat([torch.nn.functional.cross_entropy(head_logits(model, h[a : a + step]).float(),
+                                                              targets[a : a + step], reduction="none")
+                            for a in range(0, h.shape[0], step)])
         sums.index_add_(0, rows[:, 0], ce.double().cpu())
     return sums, valid.sum(-1).double()
