@@ -143,8 +143,9 @@ def chunked_attention(
     :class:`sinklab.attention.Columns`) for a chunk's queries — their weight is not a key's, so ``1 − Σ_j A_ij``
     counts them as sink mass; ``bias`` additive
     ``[..., Tq, Tk]`` position bias; ``drop`` ``(head, positions [B])`` removes one key column per sample
-    for one head (rows renormalise; a row left with no key outputs 0). Each chunk is
-    :func:`sinklab.attention.attend` (manual path, which also returns the weights the statistics need).
+    for one head (rows renormalise; a row left with no key outputs 0; position −1: nothing removed in that row).
+    Each chunk is :func:`sinklab.attention.attend` (manual path, which also returns the weights the statistics
+    need).
     """
     b, h, tq, _ = query.shape
     tk, dv = k.shape[2], v.shape[-1]
@@ -165,7 +166,7 @@ def chunked_attention(
         allowed = allowed[..., :kend]
         if drop is not None:  # remove_column: this head no longer sees the column
             allowed = allowed.expand(b, h, c1 - c0, kend).clone()
-            keep = drop[1] < kend
+            keep = (drop[1] >= 0) & (drop[1] < kend)
             allowed[torch.arange(b, device=dev)[keep], drop[0], :, drop[1][keep]] = False
         full = (min(kend, c0 + offset + 1) if is_causal and tq > 1 else kend) if fast else 0
         shift = None  # additive terms after the softcap, as eager attention adds them

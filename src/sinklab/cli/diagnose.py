@@ -42,6 +42,8 @@ def diagnose(
     broadcast_srank: Annotated[float, typer.Option("--broadcast-srank", help="… and stable rank ≤ this")] = 1.5,
     edits: Annotated[bool, typer.Option("--edits/--no-edits", help="run the causal value edits")] = True,
     edit_samples: Annotated[int, typer.Option("--edit-samples", help="samples the causal edits run on")] = 4,
+    edit_layers: Annotated[int, typer.Option("--edit-layers", help="sinking layers to edit, evenly spread "
+                                             "(0: every sinking layer)")] = 5,
     batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     device: Annotated[str | None, typer.Option("--device")] = None,
@@ -64,11 +66,11 @@ def diagnose(
             device=device, revision=revision, trust_remote_code=trust_remote_code, device_map=device_map,
             on_texts=lambda loaded, texts, progress: run_diagnose(
                 loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples, batch_size=batch_size,
-                rules=rules, edits=edits, edit_samples=edit_samples, seed=seed, source=model, revision=revision,
-                progress=progress),
+                rules=rules, edits=edits, edit_samples=edit_samples, edit_layers=edit_layers or None, seed=seed,
+                source=model, revision=revision, progress=progress),
             on_images=lambda base, batches, labels, meta, progress: diagnose_inputs(
-                base, batches, labels, rules=rules, edits=edits, edit_samples=edit_samples, special={"cls": "[CLS]"},
-                meta=meta, progress=progress, seed=seed))
+                base, batches, labels, rules=rules, edits=edits, edit_samples=edit_samples,
+                edit_layers=edit_layers or None, special={"cls": "[CLS]"}, meta=meta, progress=progress, seed=seed))
         if run is None:  # not the main process: it writes the one report
             return
         d, loaded, texts, out = run
