@@ -12,8 +12,9 @@ Every method decodes at the same cached length, in steady state past eviction:
   only moves the counter back, so the mask sizes stay fixed and nothing recompiles;
 * dynamic eager    — DynamicCache holding S + W − 1 keys: decode one, crop back (today's floor). Sliding
   layers keep their window once past-recording is on (``activate_past_recording``: crop may then undo a step);
-* beams / sampling — ``generate`` with 2 beams, and with top-k sampling, through a SinkCache and through a
-  DynamicCache of equal cached length (ms per new token from two generate lengths).
+* greedy / beams / sampling — ``generate`` greedy, with 2 beams, and with top-k sampling, through a SinkCache
+  and through a DynamicCache of equal cached length (median ms between decoding steps, stamped by a logits
+  processor; the prompt's prefill time is reported apart).
 
 Rounds are interleaved (the machine is shared); warm-up (compile) is timed separately; one thread and two.
 The bandwidth limit: bytes read per token (weights + the cached K/V) ÷ the copy bandwidth of this machine.
@@ -31,7 +32,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StaticCache
 
 import sinklab
 from sinklab import _compat
@@ -203,28 +204,44 @@ def time_steps(method: Method, steps: int) -> list[float]:
     return out
 
 
+class _StepClock(LogitsProcessor):
+    """Records the time at each decoding step's logits processing (a generate() step boundary)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        sync(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
 @torch.no_grad()
 def generate_rows(model, vocab: int, cached: int, num_sinks: int, window: int, new: int) -> list[dict]:
-    """Beams and sampling: ms per new token through a SinkCache vs a DynamicCache of equal cached length."""
+    """Greedy, beams and sampling: ms per new token through a SinkCache vs a DynamicCache of equal cached length.
+
+    A logits processor stamps every step, so the rows are the median step-to-step time of the decoding steps
+    (the prompt's prefill is reported apart, as ``prefill_s``: the first step's stamp minus the call's start).
+    """
     rows = []
     device = _compat.input_device(model)
     prompt = _ids(cached, vocab, device, seed=3)
-    for mode, gen in (("beams-2", dict(num_beams=2, do_sample=False)),
+    for mode, gen in (("greedy", dict(do_sample=False)), ("beams-2", dict(num_beams=2, do_sample=False)),
                       ("sampling", dict(do_sample=True, top_k=50, temperature=0.8))):
         for cache_name in ("sinklab eager", "dynamic eager"):
-            times = {}
-            for n in (1, new + 1):
-                torch.manual_seed(0)
-                cache = (sinklab.SinkCache(model, num_sinks=num_sinks, window=window) if cache_name.startswith("sinklab")
-                         else DynamicCache(config=model.config))
-                sync(device)
-                t = time.perf_counter()
-                model.generate(prompt, cache=cache, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **gen)
-                sync(device)
-                times[n] = time.perf_counter() - t
-                if hasattr(cache, "close"):
-                    cache.close()
-            rows.append({"mode": mode, "method": cache_name, "ms_per_token": 1e3 * (times[new + 1] - times[1]) / new})
+            torch.manual_seed(0)
+            cache = (sinklab.SinkCache(model, num_sinks=num_sinks, window=window) if cache_name.startswith("sinklab")
+                     else DynamicCache(config=model.config))
+            clock = _StepClock(device)
+            sync(device)
+            start = time.perf_counter()
+            model.generate(prompt, cache=cache, max_new_tokens=new + 1, min_new_tokens=new + 1, pad_token_id=0,
+                           logits_processor=LogitsProcessorList([clock]), **gen)
+            if hasattr(cache, "close"):
+                cache.close()
+            steps = [1e3 * (b - a) for a, b in zip(clock.times, clock.times[1:])]
+            rows.append({"mode": mode, "method": cache_name, "ms_per_token": statistics.median(steps),
+                         "steps": len(steps), "prefill_s": clock.times[0] - start})
     return rows
 
 
@@ -243,8 +260,10 @@ def bytes_per_token(model, num_sinks: int, window: int) -> int:
 
 def run(specs: list[str], rounds: int, steps: int, threads: list[int], gen_tokens: int, num_sinks: int = 4,
         window: int = 1020, device: str = "cpu", dtype: str = "float32", compile_options: dict | None = None,
-        checkpoint=None) -> dict:
-    """Every model in ``specs`` at each thread count; ``checkpoint(results)`` is called after each model."""
+        checkpoint=None, generate_only: bool = False) -> dict:
+    """Every model in ``specs`` at each thread count; ``checkpoint(results)`` is called after each model.
+
+    ``generate_only``: only the greedy/beams/sampling rows (at ``threads[0]``), no decode-step table."""
     dev, dt = torch.device(device), getattr(torch, dtype)
     options = dict(compile_options or {})
     bandwidth = copy_bandwidth(dev)
@@ -264,7 +283,7 @@ def run(specs: list[str], rounds: int, steps: int, threads: list[int], gen_token
         floor_ms = 1e3 * total / bandwidth
         entry = {"model": label, "weights": weights, "bytes_per_token": total, "bandwidth_floor_ms": floor_ms,
                  "threads": {}}
-        for n_threads in threads:
+        for n_threads in ([] if generate_only else threads):
             try:
                 measure(entry, label, model, vocab, n_threads, rounds, steps, num_sinks, window, options, floor_ms, results)
             except Exception as exc:  # noqa: BLE001 - a one-shot run (a GPU lease) keeps the other rows
@@ -275,7 +294,8 @@ def run(specs: list[str], rounds: int, steps: int, threads: list[int], gen_token
             torch.set_num_threads(threads[0])
             entry["generate"] = generate_rows(model, vocab, num_sinks + window - 1, num_sinks, window, gen_tokens)
             for row in entry["generate"]:
-                print(f"  {row['mode']:<9} {row['method']:<14} {row['ms_per_token']:8.1f} ms/token")
+                print(f"  {row['mode']:<9} {row['method']:<14} {row['ms_per_token']:8.1f} ms/token "
+                      f"(prefill {row['prefill_s']:.1f} s)")
         results["models"].append(entry)
         del model
         if checkpoint is not None:

@@ -167,7 +167,8 @@ def compile_main(args) -> None:
 
     results = _stream_compile.run(args.models, args.rounds, args.steps, args.threads, args.gen_tokens,
                                   num_sinks=args.sinks, window=args.window, device=args.device, dtype=args.dtype,
-                                  compile_options=options, checkpoint=save)
+                                  compile_options=options, checkpoint=save,
+                                  generate_only=args.generate_only)
     save(results)
 
 
@@ -184,6 +185,8 @@ def main() -> None:
                     "eager on SmolLM2 (+ Gemma 3 270M if available): see benchmarks/_stream_compile.py")
     ap.add_argument("--steps", type=int, default=8, help="--compile: timed decode steps per method per round")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="--compile: intra-op thread counts")
+    ap.add_argument("--generate-only", action="store_true", help="--compile: only the greedy/beams/sampling rows "
+                    "(generate() through a SinkCache vs a DynamicCache), at the first --threads")
     ap.add_argument("--gen-tokens", type=int, default=8, help="--compile: new tokens for the beams/sampling rows")
     ap.add_argument("--models", nargs="+", default=["builtin:smollm2", "builtin:gemma3"],
                     help="--compile: builtin:/folder names (real weights) or config:FILE.json (random weights, same "

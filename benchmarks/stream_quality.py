@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--system", default=None, help="prompts: a system prompt pinned in the stream (kept forever) "
+                    "and given to the fresh context too")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-lm"), help="endless and prompts")
     args = ap.parse_args()
@@ -137,11 +139,15 @@ def main() -> None:
             print(f"  [{time.strftime('%H:%M:%S')}] {label} ({done['n']})", flush=True)
 
         rows = quality.many_prompts(model, tok, quality.PROMPTS[: args.prompts], num_sinks=args.sinks,
-                                    window=args.window, max_new_tokens=args.max_new_tokens, progress=progress)
+                                    window=args.window, max_new_tokens=args.max_new_tokens, system=args.system,
+                                    progress=progress)
         name = "prompts" if args.model == "smollm2" else f"prompts_{args.model}"
         if (args.sinks, args.window) != (4, 252):  # e.g. the control: one conversation with nothing evicted
             name += f"_s{args.sinks}_w{args.window}"
+        if args.system:
+            name += "_pinned_system"
         _write(name, {"num_sinks": args.sinks, "window": args.window, "max_new_tokens": args.max_new_tokens,
+                      "system": args.system,
                       "rows": [r.__dict__ for r in rows], **_meta(args, start)})
     print(f"wall {time.perf_counter() - start:.0f} s")
 

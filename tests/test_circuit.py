@@ -279,3 +279,24 @@ def test_sweep_cli_on_a_bb_run(tmp_path):
     assert "bos_removed" in data["conditions"] and data["causal"]["layer"] == data["amplification_layer"]
     res = CliRunner().invoke(app, ["circuit", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")])
     assert res.exit_code == 2 and not (tmp_path / "x").exists()
+
+
+def test_causal_check_on_the_first_samples_equals_the_check_on_those_samples_alone():
+    model = _llama()
+    rows = _rows(3)
+    handle = _add_at_position_0(model, AMP_BLOCK)
+    try:
+        part = circuit_inputs(model, id_inputs(rows, bos_id=V - 1, swap_ids=(3, 4)), batch_size=4, causal_samples=2)
+        alone = circuit_inputs(model, id_inputs(rows[:2], bos_id=V - 1, swap_ids=(3, 4)), batch_size=4,
+                               causal_samples=None)
+    finally:
+        handle.remove()
+    assert part.amplification_layer == alone.amplification_layer == AMP_BLOCK
+    assert part.causal["samples"] == alone.causal["samples"] == 2 and part.num_samples == 3
+    for kind in ("scale", "donor"):
+        for key in ("sink_rate_0", "delta", "ratio"):
+            assert part.causal[kind][key] == pytest.approx(alone.causal[kind][key], rel=1e-4, abs=1e-4), (kind, key)
+        for key in ("loss", "delta_loss", "downstream_delta"):
+            assert part.causal[kind][key] == pytest.approx(alone.causal[kind][key], rel=1e-5, abs=1e-6), (kind, key)
+    assert part.causal["scale"]["ratio"][AMP_BLOCK + 1] == pytest.approx(1.0, abs=1e-3)  # the patch did its job …
+    assert part.ratio[AMP_BLOCK + 1] > 10  # … on an amplified x₀

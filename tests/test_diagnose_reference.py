@@ -335,3 +335,40 @@ def test_a_resumed_pass_equals_the_full_pass(name):
         full = cap.forward(**inputs).last_hidden_state
     torch.testing.assert_close(resumed[rows], full[rows], atol=1e-6, rtol=1e-6)
     assert (full - kept.final)[rows].abs().max() > 1e-4  # the edit changed the output
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "gpt2", "mistral-sliding", "gpt-oss-learned-sinks", "bert"])
+def test_stacked_edits_equal_one_pass_per_edit(name, one_thread):
+    """The six edits of a head run as one forward over six stacked copies == one resumed pass per edit."""
+    from sinklab.edits import causal_edits
+    from sinklab.scan import capture_config, check_thresholds, scan_result
+
+    model = build(name)
+    inputs = inputs_for(name, batch=3)
+    thresholds = check_thresholds({})
+    with AttentionCapture(model, capture_config((0, 1), 0, thresholds)) as cap:
+        stats = cap.run(keep_inputs=True, **inputs)
+        kept = [(slice(0, 3), cap.last_inputs)]
+        scan = scan_result([stats], [["t"] * 12] * 3, candidates=(0, 1), thresholds=thresholds)
+        for layer, head in ((0, 1), (1, 3)):
+            stacked = causal_edits(cap, kept, scan, layer, head, seed=5)
+            alone = causal_edits(cap, kept, scan, layer, head, seed=5, stack=False)
+            assert stacked.positions == alone.positions
+            for edit in EDITS:
+                assert stacked.hidden[edit] == pytest.approx(alone.hidden[edit], rel=1e-4, abs=1e-7), (layer, edit)
+            assert len({round(x, 6) for x in alone.hidden.values()}) > 1  # the edits did something different
+
+
+def test_edit_layers_spread_from_the_first_to_the_last_sinking_layer(ref):
+    from sinklab.diagnose import spread_layers
+
+    assert spread_layers(list(range(1, 30)), 5) == [1, 8, 15, 22, 29]
+    assert spread_layers([2, 3, 7], 5) == [2, 3, 7] and spread_layers([4, 9], None) == [4, 9]
+    assert spread_layers([0, 1, 2, 3], 2) == [0, 3] and spread_layers([5, 6], 1) == [5]
+    model = _model(ref["inputs"])
+    tokens = [["t"] * 12] * 3
+    every = diagnose_inputs(model, [ref["inputs"]], tokens, rules={"sink_mass": 0.0}, seed=3)
+    one = diagnose_inputs(model, [ref["inputs"]], tokens, rules={"sink_mass": 0.0}, seed=3, edit_layers=1)
+    assert [e.layer for e in every.edits] == [0, 1] and [e.layer for e in one.edits] == [0]
+    assert one.edits[0].hidden == pytest.approx(every.edits[0].hidden, rel=1e-6)
+    assert one.scan.meta["edit_layers"] == 1

@@ -124,7 +124,7 @@ def test_weight_check_runs_once_and_still_refuses_a_nan_weight(monkeypatch):
 
     calls = []
     real = models._check_finite
-    monkeypatch.setattr(models, "_check_finite", lambda m: calls.append(1) or real(m))
+    monkeypatch.setattr(models, "_check_finite", lambda m, **kw: calls.append(1) or real(m, **kw))
     check_weights(model)
     check_weights(model)
     assert len(calls) == 1
@@ -140,6 +140,24 @@ def test_weight_check_runs_once_and_still_refuses_a_nan_weight(monkeypatch):
     check_weights(model)  # the exact entry-wise test clears it
     assert bool(torch.isfinite(model.model.layers[1].mlp.up_proj.weight).all())
     assert model in _CHECKED._store
+
+
+def test_a_scan_checks_the_token_table_only_at_the_rows_it_looks_up():
+    """No LM head in a scan: a NaN in an embedding row it never looks up changes nothing (and is not read); one in
+    a row it does look up is refused by name; the full check (circuit, stream: the LM head) still refuses both."""
+    model = build("llama-gqa")
+    clean = _scan(model)  # ids 3 … 26
+    with torch.no_grad():
+        model.model.embed_tokens.weight[60, 2] = float("nan")
+    again = _scan(model)
+    torch.testing.assert_close(again.column_mass, clean.column_mass, equal_nan=True)
+    with pytest.raises(ModelWeightsError, match="embed_tokens"):
+        check_weights(model)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[60, 2] = 0.0
+        model.model.embed_tokens.weight[7, 1] = float("inf")
+    with pytest.raises(ModelWeightsError, match="embed_tokens"):
+        _scan(model)
 
 
 # ----------------------------------------------------------------------------- the LM head at the scored rows only

@@ -15,11 +15,12 @@ from sinklab.vit import ShapesConfig, ShapesDataset, apply_vit_variant, load_vit
 from sinklab.vit.data import patch_targets
 from sinklab.vit.probe import frozen_features, miou, ridge_fit, ridge_predict
 
+import variant_cases
 from tiny_models import tiny_vit
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only spins
 
-VARIANTS = ["registers", "gated", "gated-headwise", "gated+registers", "kv-bias", "kv-bias+gated+registers"]
+VARIANTS = variant_cases.VIT
 
 
 def _vit(kind: str):
@@ -295,3 +296,31 @@ def test_cli_bad_variant_is_one_red_line(tmp_path):
     result = CliRunner().invoke(app, ["vit-experiment", "--variants", "baseline,nope", "--out", str(tmp_path / "x")])
     assert result.exit_code == 2 and "unknown variant" in result.output
     assert not (tmp_path / "x").exists()  # nothing half-written
+
+
+def test_cli_scan_and_diagnose_run_a_vision_transformer_folder_like_the_api(tmp_path):
+    """``sinklab scan FOLDER`` / ``diagnose FOLDER`` on a ViT run on the embedded images: the CLI's JSON equals the
+    API on the same batches, and --text is refused with one line."""
+    from typer.testing import CliRunner
+
+    from sinklab.cli import app
+    from sinklab.scan import scan_inputs
+    from sinklab.vit.inputs import image_batches
+
+    model = _vit("vit")
+    model.save_pretrained(tmp_path / "vit")
+    runner = CliRunner()
+    result = runner.invoke(app, ["scan", str(tmp_path / "vit"), "--samples", "4", "--batch-size", "2",
+                                 "--out", str(tmp_path / "scan")])
+    assert result.exit_code == 0, result.output
+    cli = json.loads((tmp_path / "scan" / "scan.json").read_text())
+    base, batches, labels, meta = image_batches(model, samples=4, batch_size=2, seed=0)
+    api = scan_inputs(base, batches, labels, meta=meta)
+    assert cli["per_layer"] == json.loads(json.dumps(api.to_json()["per_layer"]))
+    result = runner.invoke(app, ["diagnose", str(tmp_path / "vit"), "--samples", "4", "--batch-size", "2",
+                                 "--edit-samples", "2", "--out", str(tmp_path / "diag")])
+    assert result.exit_code == 0, result.output
+    diag = json.loads((tmp_path / "diag" / "diagnosis.json").read_text())
+    assert diag["meta"]["model"] == str(tmp_path / "vit") and diag["per_layer"] and diag["recommendation"]
+    result = runner.invoke(app, ["scan", str(tmp_path / "vit"), "--text", "hello", "--out", str(tmp_path / "x")])
+    assert result.exit_code != 0 and "vision transformer" in result.output and "Traceback" not in result.output

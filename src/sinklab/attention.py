@@ -22,11 +22,14 @@ output is their mean (norm 0.83 in the example); with a sink logit of 3 the sink
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["softmax_with_columns", "softmax_with_sink", "sink_mass", "mask_rows"]
+__all__ = ["Columns", "attend", "soft_cap", "softmax_with_columns", "softmax_with_sink", "sink_mass", "mask_rows"]
 
 
 def softmax_with_columns(scores: Tensor, extra: Tensor) -> tuple[Tensor, Tensor]:
@@ -83,3 +86,241 @@ def mask_rows(
     floor = torch.finfo(part.dtype).min / 2
     allowed = part > floor
     return allowed, part.float().masked_fill(~allowed, 0.0)
+
+
+# ----------------------------------------------------------------------------- one attention
+@dataclass(frozen=True)
+class Columns:
+    """Key columns that are not among the ``key``/``value`` tensors handed to :func:`attend`, by their logits.
+
+    ``logits`` ``[B|1, H|1, C|1, E]``: the final score of each column for each query (already scaled and, where
+    the caller wants it, softcapped — :func:`attend` does not touch them). ``values`` ``[B|1, G, E, dv]`` with
+    ``G`` 1, the key/value heads, the query heads or any divisor of them (head ``h`` reads ``h // (H/G)``); ``None`` is value 0 (a sink). ``visible``
+    ``[B|1, 1, C|1, E]`` (True = seen); ``None``: seen by every row that sees anything of the sequence.
+
+    Learned columns (a sink logit, a kv-bias slot) have ``visible=None``; the stream's anchored keys, scored at
+    their slot distance per query, come with their values and visibility.
+    """
+
+    logits: Tensor
+    values: Tensor | None = None
+    visible: Tensor | None = None
+
+    @classmethod
+    def sink(cls, logit: Tensor, like: Tensor) -> Columns:
+        """A learned sink: one column of logit ``logit`` ``[H]`` per head for every query, value 0."""
+        return cls(logit.to(like.dtype).to(like.device).view(1, -1, 1, 1))
+
+    @classmethod
+    def slot(cls, query: Tensor, key: Tensor, value: Tensor, scale: float, softcap: float | None = None) -> Columns:
+        """A learned key/value slot (kv-bias): ``key`` ``[H, dh]``, ``value`` ``[G, dv]`` (G = 1, Hkv or H).
+
+        Its logit for each query of ``query`` ``[B, H, C, dh]`` is ``soft_cap(q·key·scale)``; it has no position.
+        """
+        logit = torch.matmul(query * scale, key.to(query)[None, :, :, None])  # (B, H, C, 1)
+        return cls(soft_cap(logit, softcap), value.to(query)[None, :, None])
+
+
+def soft_cap(scores: Tensor, cap: float | None) -> Tensor:
+    """``cap · tanh(scores / cap)`` (Gemma 2's attention-logit softcap); ``scores`` unchanged when ``cap`` is None."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
+def _by_group(x: Tensor, hkv: int, rep: int) -> Tensor:
+    """``[B|1, 1|H|Hkv, …]`` → ``[B|1, Hkv|1, rep|1, …]``: query head ``h`` is group ``h // rep``, member ``h % rep``."""
+    g = x.shape[1]
+    if g == 1:
+        return x[:, :, None]
+    if g == hkv * rep:
+        return x.view(x.shape[0], hkv, rep, *x.shape[2:])
+    if g == hkv:
+        return x[:, :, None]
+    raise ValueError(f"head axis of size {g} fits neither {hkv} key/value heads nor {hkv * rep} query heads")
+
+
+def _causal(c: int, k: int, device: torch.device) -> Tensor:
+    """``[1, 1, C, K]``: query ``i`` (the last ``C`` positions of ``K``) sees keys up to its own position."""
+    return mask_rows(None, True, 0, c, c, k, device)[0]
+
+
+def attend(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    visible: Tensor | None = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    bias: Tensor | None = None,
+    columns: Sequence[Columns] = (),
+    softcap: float | None = None,
+    gate: Tensor | None = None,
+    dropout: float = 0.0,
+    fast: bool | None = None,
+    mask_from: int = 0,
+    weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of ``query`` ``[B, H, C, dh]`` over ``key``/``value`` ``[B, Hkv, K, dh|dv]`` → ``[B, H, C, dv]``.
+
+    ``H`` a multiple of ``Hkv`` (grouped-query attention: query head ``h`` reads key/value head ``h // (H/Hkv)``).
+    ``visible`` boolean ``[B|1, 1|H, C, K]`` (True = attend); ``None`` sees every key, or with ``causal`` the
+    keys up to the query's own position (the ``C`` queries are the last ``C`` of the ``K`` positions).
+    ``bias`` ``[B|1, 1|H, C, K]`` is added to the scores after the softcap (an additive mask, a position
+    bias). ``columns`` (:class:`Columns`) add keys by their logits: a sink (value 0), a kv-bias slot, anchored
+    keys scored at another distance. One softmax covers the tokens and the columns. A row that sees nothing
+    of the sequence (no visible key, no visible anchored column) is padding: its output is 0, learned columns
+    or not. ``gate`` ``[B, C, H, dv|1]`` multiplies each head's output (an output gate ``σ(X W)``).
+
+    Two paths, same maths: ``fast`` (default when there is no ``softcap`` and no ``weights``) is one fused
+    :func:`torch.nn.functional.scaled_dot_product_attention` call — columns enter as extra keys: their logits
+    ride in extra query dimensions (divided by the scale) against one-hot key dimensions, their values as the
+    extra keys' values, so ``q·k·scale`` of column ``e`` is its logit. The manual path reads as the maths:
+    ``q·kᵀ·scale`` → softcap → ``+ bias`` → mask → :func:`softmax_with_columns` → ``weights @ values``; with
+    ``weights=True`` it also returns the weights over the keys ``[B, H, C, K]`` (rows sum to 1 minus the
+    columns' share). ``mask_from`` (manual path, a speed hint): every row sees the keys left of it, only
+    columns from it are masked. Computes in ``query``'s dtype; ``dropout`` on the weights.
+
+    >>> q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
+    >>> sink = Columns(torch.zeros(1, 2, 1, 1))  # softmax₁: a column of logit 0 and value 0
+    >>> fast, manual = (attend(q, k, v, causal=True, columns=[sink], fast=f) for f in (True, False))
+    >>> bool(torch.allclose(fast, manual, atol=1e-6))
+    True
+    """
+    b, h, c, dh = query.shape
+    hkv, k_len, dv = key.shape[1], key.shape[2], value.shape[-1]
+    if h % hkv:
+        raise ValueError(f"{h} query heads do not split into groups over {hkv} key/value heads")
+    rep = h // hkv
+    scale = dh**-0.5 if scale is None else float(scale)
+    if weights and fast:
+        raise ValueError("the attention weights come from the manual path; pass fast=False (or leave fast unset)")
+    if fast is None:
+        fast = softcap is None and not weights
+    if fast and softcap is not None:
+        raise ValueError("scaled_dot_product_attention has no softcap; use the manual path (fast=False)")
+    if visible is None and causal and not (fast and k_len == c and not columns and bias is None):
+        visible = _causal(c, k_len, query.device)
+    anchored = [col.visible for col in columns if col.visible is not None]
+    real = None  # (B|1, 1|H, C, 1): rows that see something of the sequence (others are padding → 0)
+    # Fused attention alone already gives 0 on such rows; with ``mask_from`` every row sees a key.
+    if visible is not None and (columns or not fast) and not mask_from:
+        real = visible.any(-1, keepdim=True)
+        for seen in anchored:
+            real = real | seen.any(-1, keepdim=True)
+    run = _attend_fast if fast else _attend_manual
+    out, probs = run(query, key, value, visible, causal, scale, bias, list(columns), softcap, dropout, mask_from,
+                     real, hkv, rep)
+    if gate is not None:
+        out = out * gate.transpose(1, 2).to(out.dtype)
+    return (out, probs) if weights else out
+
+
+def _column_parts(columns: list[Columns], b: int, h: int, hkv: int, c: int, device: torch.device):
+    """The columns as one ``[B', H, C, E]`` logit block, their visibility ``[B', 1, C, E]`` and values (or None)."""
+    lead = max(col.logits.shape[0] for col in columns)
+    logits = torch.cat([col.logits.expand(lead, h, c, col.logits.shape[-1]) for col in columns], dim=-1)
+    seen = None
+    if any(col.visible is not None for col in columns):
+        seen = torch.cat([(col.visible if col.visible is not None else
+                           torch.ones(1, 1, 1, col.logits.shape[-1], dtype=torch.bool, device=device)
+                           ).expand(b, 1, c, col.logits.shape[-1]) for col in columns], dim=-1)
+    values = None
+    if any(col.values is not None for col in columns):
+        heads = max(col.values.shape[1] for col in columns if col.values is not None)
+        vlead = max(col.values.shape[0] for col in columns if col.values is not None)
+        dv = next(col.values.shape[-1] for col in columns if col.values is not None)
+        parts = []
+        for col in columns:
+            e = col.logits.shape[-1]
+            part = col.values if col.values is not None else logits.new_zeros(1, 1, e, dv)
+            parts.append(part.to(logits.dtype).expand(vlead, heads, e, dv))
+        values = torch.cat(parts, dim=2)
+        if heads not in (1, hkv, h):  # grouped over other key/value heads than these keys' (repeated keys)
+            values = values.repeat_interleave(h // heads, dim=1)
+    return logits, seen, values
+
+
+def _attend_manual(query, key, value, visible, causal, scale, bias, columns, softcap, dropout, mask_from, real,
+                   hkv, rep):
+    """Readable path: scores, softcap, bias, mask, one softmax over keys and columns, weighted values."""
+    b, h, c, dh = query.shape
+    k_len = key.shape[2]
+    q = query.reshape(b, hkv, rep, c, dh)
+    scores = torch.matmul(q * scale, key[:, :, None].transpose(-1, -2))  # (B, Hkv, rep, C, K)
+    scores = soft_cap(scores, softcap)
+    if bias is not None:
+        scores = scores + _by_group(bias.to(scores.dtype), hkv, rep)
+    if visible is not None:
+        seen = _by_group(visible, hkv, rep)
+        if mask_from:
+            scores[..., mask_from:].masked_fill_(~seen[..., mask_from:], -math.inf)
+        else:
+            scores = scores.masked_fill(~seen, -math.inf)
+    col_p = col_values = None
+    if columns:
+        logits, col_seen, col_values = _column_parts(columns, b, h, hkv, c, query.device)
+        logits = _by_group(logits.to(scores.dtype), hkv, rep)
+        if col_seen is not None:
+            logits = logits.masked_fill(~col_seen[:, :, None], -math.inf)
+        probs, col_p = softmax_with_columns(scores, logits)
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    if real is not None:  # padding rows: nothing visible → 0 (also where the softmax gave NaN)
+        row = _by_group(real, hkv, rep)
+        probs = probs.masked_fill(~row, 0.0)
+        col_p = col_p.masked_fill(~row, 0.0) if col_p is not None else None
+    if dropout:
+        probs = torch.nn.functional.dropout(probs, dropout)
+        col_p = torch.nn.functional.dropout(col_p, dropout) if col_p is not None else None
+    out = torch.matmul(probs, value[:, :, None])  # (B, Hkv, rep, C, dv)
+    if col_values is not None:
+        out = out + torch.matmul(col_p, _by_group(col_values.to(out.dtype), hkv, rep))
+    return out.reshape(b, h, c, -1), probs.reshape(b, h, c, k_len)
+
+
+def _attend_fast(query, key, value, visible, causal, scale, bias, columns, softcap, dropout, mask_from, real,
+                 hkv, rep):
+    """Fused path: one ``scaled_dot_product_attention`` call, columns as extra keys (see :func:`attend`)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    b, h, c, dh = query.shape
+    dv = value.shape[-1]
+    if not columns:
+        mask = visible
+        if bias is not None:
+            full = visible if visible is not None else torch.ones((), dtype=torch.bool, device=query.device)
+            mask = bias.to(query.dtype).masked_fill(~full, -math.inf)
+        out = sdpa(query, key, value, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
+                   dropout_p=dropout, enable_gqa=rep > 1)
+        return out, None
+    logits, col_seen, col_values = _column_parts(columns, b, h, hkv, c, query.device)
+    e = logits.shape[-1]
+    if col_values is not None and col_values.shape[1] not in (1, hkv):  # per-query-head values: no grouping
+        key, value = (x.repeat_interleave(rep, dim=1) for x in (key, value))
+        hkv, rep = h, 1
+    k_len = key.shape[2]
+    width = max(dh + e, dv)  # the fused kernels want queries, keys and values of one width
+    dt = query.dtype
+    # A −∞ logit (a sink switched off) becomes the lowest finite one: −∞ · 0 would put NaN on every key.
+    ride = (logits.to(dt) / scale).clamp_min(torch.finfo(dt).min / 2).expand(b, h, c, e)
+    q = torch.cat([query, ride, query.new_zeros(b, h, c, width - dh - e)], -1)
+    onehot = torch.cat([key.new_zeros(e, dh), torch.eye(e, dtype=dt, device=key.device),
+                        key.new_zeros(e, width - dh - e)], -1)
+    k = torch.cat([onehot.expand(b, hkv, e, width), torch.nn.functional.pad(key, (0, width - dh))], dim=2)
+    if col_values is None:
+        extra_v = value.new_zeros(b, hkv, e, width)
+    else:
+        extra_v = torch.nn.functional.pad(col_values.to(dt), (0, width - dv)).expand(b, hkv, e, width)
+    v = torch.cat([extra_v, torch.nn.functional.pad(value, (0, width - dv))], dim=2)
+    seen = visible if visible is not None else torch.ones(1, 1, c, k_len, dtype=torch.bool, device=query.device)
+    lead, heads = max(seen.shape[0], 1 if col_seen is None else col_seen.shape[0]), seen.shape[1]
+    col_mask = (col_seen if col_seen is not None else torch.ones(1, 1, 1, e, dtype=torch.bool, device=q.device))
+    if bias is not None:
+        lead, heads = max(lead, bias.shape[0]), max(heads, bias.shape[1])
+    mask = torch.cat([col_mask.expand(lead, heads, c, e), seen.expand(lead, heads, c, k_len)], dim=-1)
+    if bias is not None:
+        scores = torch.cat([bias.new_zeros(lead, heads, c, e), bias.expand(lead, heads, c, k_len)], -1)
+        mask = scores.to(dt).masked_fill(~mask, -math.inf)
+    out = sdpa(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout, enable_gqa=rep > 1)[..., :dv]
+    if real is not None:
+        out = out.masked_fill(~real, 0.0)
+    return out, None

@@ -16,27 +16,69 @@ from . import _compat
 from .errors import InputError, ModelWeightsError, SinklabWarning
 from .fingerprint import ModelCache
 
-__all__ = ["check_positions", "check_vocab", "check_weights", "max_positions", "uses_rope", "warn_if_past_positions"]
+__all__ = ["check_positions", "check_vocab", "check_weights", "max_positions", "used_token_ids", "uses_rope",
+           "warn_if_past_positions"]
 
 
 #: Models whose weights passed :func:`check_weights`, valid while their fingerprint is unchanged.
 _CHECKED = ModelCache()
 
 
-def check_weights(model: nn.Module) -> None:
+def check_weights(model: nn.Module, token_ids: torch.Tensor | None = None) -> None:
     """Raise :class:`ModelWeightsError` naming the first parameter with NaN or inf entries.
 
     A learned sink logit at −inf is not corrupt: it is the sink switched off (``apply_variant(init="off")``).
     The check runs once per loaded model and again only when a weight changed (an optimizer step, a
     variant applied, ``load_state_dict``: see :mod:`sinklab.fingerprint`). Each parameter is first summed
     (a sum is finite only if every entry is); only a non-finite sum gets the exact entry-wise test.
+
+    ``token_ids``: for analyses that only look tokens up (no LM head: scan, diagnose), the ids they feed the
+    model. The input embedding table is then checked at those rows only, on every call; a 262,144-row table
+    (Gemma 3) is not read — and, memory-mapped, not paged into memory — for the few hundred rows a scan uses.
     """
-    _CHECKED.get(model, "finite", model.parameters(), lambda: _check_finite(model))
+    table = _token_table(model) if token_ids is not None else None
+    if table is None:
+        _CHECKED.get(model, "finite", model.parameters(), lambda: _check_finite(model))
+        return
+    rest = [p for p in model.parameters() if p is not table]
+    _CHECKED.get(model, "finite-but-token-table", rest, lambda: _check_finite(model, skip=table))
+    ids = token_ids.flatten().unique().to(table.device)
+    ids = ids[(ids >= 0) & (ids < table.shape[0])]
+    if not bool(torch.isfinite(table.detach()[ids].float()).all()):
+        name = next((n for n, p in model.named_parameters() if p is table), "input embedding")
+        _refuse(model, name)
 
 
-def _check_finite(model: nn.Module) -> bool:
+def used_token_ids(batches: list[dict]) -> torch.Tensor | None:
+    """All ``input_ids`` of model-input ``batches`` (one flat tensor), or None when a batch has none."""
+    if not batches or any(not isinstance(b.get("input_ids"), torch.Tensor) or "inputs_embeds" in b for b in batches):
+        return None
+    return torch.cat([b["input_ids"].flatten().cpu() for b in batches])
+
+
+def _token_table(model: nn.Module) -> torch.Tensor | None:
+    """The input token embedding's weight (an ``nn.Embedding``), or None."""
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = getter() if getter is not None else None
+    except (NotImplementedError, AttributeError):
+        return None
+    weight = getattr(emb, "weight", None)
+    if not isinstance(emb, nn.Embedding) or not isinstance(weight, torch.Tensor) or weight.device.type == "meta":
+        return None
+    return weight
+
+
+def _refuse(model: nn.Module, pname: str) -> None:
+    raise ModelWeightsError(
+        f"{type(model).__name__}: parameter {pname!r} contains NaN or inf values; "
+        "the checkpoint is corrupt or was saved mid-divergence — reload or retrain it."
+    )
+
+
+def _check_finite(model: nn.Module, skip: torch.Tensor | None = None) -> bool:
     for pname, param in _compat.named_weights(model):  # offloaded (device_map) blocks load one at a time
-        if not param.is_floating_point():
+        if not param.is_floating_point() or param is skip:
             continue
         total = param.detach().sum(dtype=torch.float32 if param.element_size() < 4 else None)
         if bool(torch.isfinite(total)):  # NaN or ±inf anywhere makes the sum NaN or ±inf
@@ -45,10 +87,7 @@ def _check_finite(model: nn.Module) -> bool:
         if pname.endswith("sinklab_sink_logit"):
             finite = finite | (param == float("-inf"))
         if not bool(finite.all()):
-            raise ModelWeightsError(
-                f"{type(model).__name__}: parameter {pname!r} contains NaN or inf values; "
-                "the checkpoint is corrupt or was saved mid-divergence — reload or retrain it."
-            )
+            _refuse(model, pname)
     return True
 
 

@@ -3,7 +3,8 @@
 Every edit runs through :class:`~sinklab.capture.ValueEdit` on the real model: zero the sink value, the
 head's mean sink value, a donor's sink value, an ordinary token's value, remove the column, and a control
 (zero an ordinary token). :func:`causal_edits` reruns only the blocks from the edited layer on
-(:meth:`~sinklab.capture.AttentionCapture.final_states`); :func:`run_edit` is one stand-alone full pass.
+(:meth:`~sinklab.capture.AttentionCapture.final_states`), all six edits of a batch in one forward over stacked
+copies; :func:`run_edit` is one stand-alone full pass.
 :mod:`sinklab.diagnose` uses them to confirm its NOP / broadcast classes.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .capture import AttentionCapture, CaptureConfig, ValueEdit
+from .capture import AttentionCapture, CaptureConfig, StackedEdits, ValueEdit
 from .capture.resume import BlockInputs
 from .errors import InputError
 from .scan import Progress, ScanResult
@@ -107,6 +108,7 @@ def causal_edits(
     kind: str = "",
     progress: Progress | None = None,
     total: int = 0,
+    stack: bool = True,
 ) -> EditResult:
     """Run every edit of :data:`EDITS` on ``(layer, head)`` at each edited sample's dominant column.
 
@@ -114,7 +116,9 @@ def causal_edits(
     reruns blocks ``layer …`` only, without statistics or LM head, against the unedited final states of the
     same pass. The first ``samples`` samples are edited (default: all kept); ``rows`` ``[S, T]`` restricts
     which query rows count in the RMS (default: every real token). ``mean_sink`` is the mean sink value and
-    ``donor`` the previous sample's sink value (cyclically) over the edited samples.
+    ``donor`` the previous sample's sink value (cyclically) over the edited samples. ``stack``: run the six
+    edits of a batch as one forward over six stacked copies (:class:`~sinklab.capture.StackedEdits`; the same
+    numbers as one pass per edit, to float rounding); False runs one resumed pass per edit.
     """
     covered = max(sl.stop for sl, _ in kept)
     n = covered if samples is None else min(samples, covered)
@@ -125,12 +129,16 @@ def causal_edits(
     use = (scan.token_mask if rows is None else rows.bool())[:covered].clone()  # (m, T)
     use[n:] = False
     sink_values, ordinary_values = [], []
-    for sl, inputs in kept:  # the values at the sink and at the ordinary token: block `layer` only
-        for pos, out in ((positions, sink_values), (ordinary, ordinary_values)):
-            cap.edit = ValueEdit(layer, head, pos[sl], "record")
-            cap.final_states(inputs, layer, layer + 1)
-            out.append(cap.edit.recorded)
-    cap.edit = None
+    try:
+        for sl, inputs in kept:  # the values at the sink and at the ordinary token: block `layer` only, two copies
+            record = StackedEdits([ValueEdit(layer, head, positions[sl], "record"),
+                                   ValueEdit(layer, head, ordinary[sl], "record")])
+            cap.edit = record
+            cap.final_states(inputs, layer, layer + 1, copies=2)
+            sink_values.append(record.edits[0].recorded)
+            ordinary_values.append(record.edits[1].recorded)
+    finally:
+        cap.edit = None
     sink_all = torch.cat(sink_values)  # (m, dv)
     donor_all = sink_all.clone()
     donor_all[:n] = sink_all[:n].roll(1, dims=0)  # sample s gets sample s−1's sink value
@@ -148,13 +156,22 @@ def causal_edits(
                 "remove_column": ValueEdit(layer, head, pos, "remove_column"),
                 "control": ValueEdit(layer, head, control[sl], "zero"),
             }
-            base = inputs.final
+            base = inputs.final  # (B, T, d)
+            b = base.shape[0]
             r = use[sl, : base.shape[1]].to(base.device)
-            for name, edit in edits.items():
-                cap.edit = edit
-                hidden[name].add(cap.final_states(inputs, layer), base, r)
-                if progress is not None:
-                    progress("edits", 1, total)
+            if not stack:
+                for name, edit in edits.items():
+                    cap.edit = edit
+                    hidden[name].add(cap.final_states(inputs, layer), base, r)
+                    if progress is not None:
+                        progress("edits", 1, total)
+                continue
+            cap.edit = StackedEdits(list(edits.values()))  # every edit in one forward: copy i under edit i
+            out = cap.final_states(inputs, layer, copies=len(edits))  # (len(EDITS)·B, T, d)
+            for i, name in enumerate(edits):
+                hidden[name].add(out[i * b : (i + 1) * b], base, r)
+            if progress is not None:
+                progress("edits", len(edits), total)
     finally:
         cap.edit = None
     return EditResult(layer=layer, head=head, kind=kind, positions=positions[:n].tolist(),

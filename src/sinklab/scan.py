@@ -15,7 +15,7 @@ from . import _compat, distributed, metrics
 from ._version import __version__
 from .capture import AttentionCapture, CaptureBatch, CaptureConfig
 from .errors import InputError
-from .checks import check_vocab, check_weights
+from .checks import check_vocab, check_weights, used_token_ids
 from .registry import REGISTRY, per_layer_table
 from .texts import default_texts, tokenize_windows
 from .variants import register_count, register_labels
@@ -363,7 +363,7 @@ def scan_inputs(
     batches, meta = [batches[i] for i in mine], {**(meta or {}), **info}
     results: list[CaptureBatch] = []
     with distributed.together("scan"):
-        check_weights(model)
+        check_weights(model, used_token_ids(batches))  # no LM head: the embedding only at the rows looked up
         with AttentionCapture(model, capture_config(candidates, map_len, thresholds)) as cap:
             for batch in batches:
                 results.append(cap.run(**batch))

@@ -8,14 +8,15 @@ One module per responsibility:
 * :mod:`~sinklab.capture.heads` — value norms, update spectrum and common mode per head;
 * :mod:`~sinklab.capture.weights` — W_O factor and QK spectra, once per layer;
 * :mod:`~sinklab.capture.hidden` — block-output statistics;
-* :mod:`~sinklab.capture.types` — :class:`CaptureConfig`, :class:`CaptureBatch`, :class:`ValueEdit`.
+* :mod:`~sinklab.capture.types` — :class:`CaptureConfig`, :class:`CaptureBatch`, :class:`ValueEdit`,
+  :class:`StackedEdits`.
 """
 
 from __future__ import annotations
 
 from .core import AttentionCapture
-from .types import EDIT_MODES, CaptureBatch, CaptureConfig, ValueEdit
+from .types import EDIT_MODES, CaptureBatch, CaptureConfig, StackedEdits, ValueEdit
 from .weights import LayerWeights, WeightStatistics
 
-__all__ = ["AttentionCapture", "CaptureBatch", "CaptureConfig", "ValueEdit", "EDIT_MODES", "WeightStatistics",
-           "LayerWeights"]
+__all__ = ["AttentionCapture", "CaptureBatch", "CaptureConfig", "ValueEdit", "StackedEdits", "EDIT_MODES",
+           "WeightStatistics", "LayerWeights"]

@@ -20,12 +20,12 @@ from torch import Tensor, nn
 
 from .. import _compat
 from ..errors import UnsupportedModelError
-from ..variants import variant_columns, variant_gate
+from ..variants import variant_column_logits, variant_gate, variant_has_columns
 from .heads import head_statistics
-from .hidden import hidden_statistics
+from .hidden import HIDDEN_FIELDS, check_finite, hidden_statistics
 from .reduce import ColumnStats, chunked_attention
-from .resume import UNKNOWN_MAP, BlockInputs, find_final_map, run_blocks
-from .types import CaptureBatch, CaptureConfig, ValueEdit
+from .resume import UNKNOWN_MAP, BlockInputs, find_final_map, run_blocks, stacked
+from .types import CaptureBatch, CaptureConfig, StackedEdits, ValueEdit
 from .weights import SHARED, WeightStatistics
 
 __all__ = ["AttentionCapture"]
@@ -48,7 +48,8 @@ def _repeat_kv(x: Tensor, n_rep: int) -> Tensor:
 class AttentionCapture:
     """Context manager that records sink statistics from a transformers model's forward passes.
 
-    ``edit`` (a :class:`ValueEdit`) is applied during every forward while set. ``weights``: the
+    ``edit`` (a :class:`ValueEdit`, or :class:`StackedEdits` over stacked copies) is applied during every
+    forward while set. ``weights``: the
     :class:`WeightStatistics` to use (default: the shared one, which recomputes a block's entry when its
     weights change). ``run(keep_inputs=True)``
     keeps every block's input (:class:`~sinklab.capture.resume.BlockInputs`) so that :meth:`final_states`
@@ -62,7 +63,8 @@ class AttentionCapture:
     torch.Size([B, L, H, T])
     """
 
-    def __init__(self, model: nn.Module, config: CaptureConfig | None = None, edit: ValueEdit | None = None,
+    def __init__(self, model: nn.Module, config: CaptureConfig | None = None,
+                 edit: ValueEdit | StackedEdits | None = None,
                  *, weights: WeightStatistics | None = None) -> None:
         self.model = model
         self.config = config or CaptureConfig()
@@ -76,7 +78,7 @@ class AttentionCapture:
         self._patch: _compat.ModelPatch | None = None
         self._token_mask: Tensor | None = None
         self._records: dict[int, dict[str, Tensor]] = {}
-        self._hidden: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        self._hidden: dict[int, tuple[Tensor, Tensor, Tensor, Tensor] | None] = {}
         self._token: contextvars.Token | None = None
         self._calls: list[tuple[tuple, dict]] | None = None  # block inputs while run(keep_inputs=True)
         self._last_block: Tensor | None = None
@@ -188,13 +190,17 @@ class AttentionCapture:
                            batch=dict(batch))
 
     @torch.no_grad()
-    def final_states(self, inputs: BlockInputs, start: int = 0, stop: int | None = None) -> Tensor | None:
+    def final_states(self, inputs: BlockInputs, start: int = 0, stop: int | None = None, *,
+                     copies: int = 1) -> Tensor | None:
         """Rerun blocks ``start … stop − 1`` from ``inputs`` under ``self.edit``, without statistics.
 
         Returns the base model's final hidden states ``[B, T, d]`` (``stop`` None: through the last block and
         the final norm), or the hidden states after block ``stop − 1``. No LM head, no statistics. Where the
         final map is unknown the whole base model runs on ``inputs.batch`` instead (same result, slower).
+        ``copies``: run that many copies of the batch stacked along the batch axis (``[copies·B, T, d]``), e.g.
+        under a :class:`StackedEdits` with one edit per copy.
         """
+        inputs = stacked(inputs, copies)
         if self._layers is None:
             raise RuntimeError("AttentionCapture.final_states() must be called inside `with AttentionCapture(model):`")
         n = len(self._layers)
@@ -219,13 +225,12 @@ class AttentionCapture:
         n = len(self._layers)
         rec = [self._records[i] for i in range(n)]
         hidden = [self._hidden[i] for i in range(n + 1)]
-        stacked = {key: torch.stack([r[key] for r in rec], dim=1) for key in _PER_LAYER}
+        stacked = {key: torch.stack([r[key] for r in rec], dim=1) if key in rec[0] else None for key in _PER_LAYER}
+        kept = self.config.hidden_stats
         return CaptureBatch(
             **stacked,
-            hidden_norm=torch.stack([h[0] for h in hidden], dim=1),
-            hidden_max_abs=torch.stack([h[1] for h in hidden], dim=1),
-            hidden_max_dim=torch.stack([h[2] for h in hidden], dim=1),
-            hidden_median_abs=torch.stack([h[3] for h in hidden], dim=1),
+            **{name: torch.stack([h[i] for h in hidden], dim=1) if kept else None
+               for i, name in enumerate(HIDDEN_FIELDS)},
             token_mask=rec[0]["token_mask"],
             attention_maps=torch.stack([r["map"] for r in rec], dim=0) if self.config.map_len > 0 else None,
             qk_spectrum=torch.stack([r["qk"] for r in rec], dim=0),
@@ -236,7 +241,11 @@ class AttentionCapture:
     # ------------------------------------------------------------------ hidden-state hooks
     def _hidden_stats(self, index: int, hidden: Tensor) -> None:
         mask = self._positions_mask(hidden.shape[0], hidden.shape[1], hidden.device)
-        self._hidden[index] = hidden_statistics(hidden, mask, index)
+        if self.config.hidden_stats:
+            self._hidden[index] = hidden_statistics(hidden, mask, index)
+        else:
+            check_finite(hidden.detach(), mask, index)
+            self._hidden[index] = None
 
     def _embed_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.statistics:
@@ -310,10 +319,12 @@ class AttentionCapture:
         scale = dh**-0.5 if scaling is None else float(scaling)
         is_causal = kwargs.get("is_causal")
         is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
-        sinks = kwargs.get("s_aux")
-        learned, slot = variant_columns(module, h)  # sinklab.variants applied to this model
-        if learned is not None:
-            sinks = learned
+        sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
+        has_columns = sinks is not None or variant_has_columns(module)  # sinklab.variants applied to this model
+
+        def columns(q: Tensor) -> list:  # the learned columns (sink logit, kv-bias slot) for a chunk's queries
+            return variant_column_logits(module, q, scale, softcap=softcap, model_sink=sinks)
+
         k = _repeat_kv(key.float(), h // hkv)  # (B, H, Tk, dh)
         v = _repeat_kv(value.float(), h // hkv).clone()  # (B, H, Tk, dv), private: edits write into it
         edit = self.edit if self.edit is not None and self.edit.layer == index else None
@@ -324,21 +335,22 @@ class AttentionCapture:
         stats = None
         if self.statistics:
             stats = ColumnStats(b, h, tq, tk, qmask, candidates=cfg.candidates, map_len=cfg.map_len,
-                                route_threshold=cfg.route_threshold, has_sink=sinks is not None or slot is not None,
+                                route_threshold=cfg.route_threshold, has_sink=has_columns,
                                 row_stats=cfg.row_stats)
         out = chunked_attention(query, k, v, attention_mask, qmask, is_causal=is_causal, scale=scale,
-                                chunk_elements=cfg.chunk_elements, softcap=kwargs.get("softcap"), sinks=sinks,
-                                slot=slot, bias=kwargs.get("position_bias"), drop=drop, stats=stats)  # (B, H, Tq, dv)
+                                chunk_elements=cfg.chunk_elements, softcap=softcap,
+                                columns=columns if has_columns else None, bias=kwargs.get("position_bias"), drop=drop,
+                                stats=stats)  # (B, H, Tq, dv)
         gate = variant_gate(module, h)  # output gate σ(X W) on each head's output, (B, Tq, H, dv | 1)
         if gate is not None:
-            out = out * gate.transpose(1, 2)
+            out = out * gate.transpose(1, 2).to(out.dtype)
         if stats is None:  # final_states(): the output is all that is needed
             return out.to(query.dtype).transpose(1, 2).contiguous(), None
         key_mask = self._positions_mask(b, tk, dev)
         info = self.weights.get(index, self._layers[index], module, h, hkv, dv, dev)
         record = {
             **stats.finish(),
-            **head_statistics(v, out, info.r, qmask, key_mask[:, None], index),
+            **head_statistics(v, out, info.r, qmask, key_mask[:, None], index, full=cfg.head_stats),
             "token_mask": key_mask,
             "qk": info.qk,
             "output_space": torch.tensor(info.output_space),

@@ -20,7 +20,7 @@ __all__ = ["head_statistics", "update_spectrum"]
 
 
 def head_statistics(v: Tensor, out: Tensor, r: Tensor, qmask: Tensor, key_mask: Tensor,
-                    layer: int) -> dict[str, Tensor]:
+                    layer: int, full: bool = True) -> dict[str, Tensor]:
     """Value norms, update norms, update spectrum and common-mode fraction of every head of one layer.
 
     Parameters
@@ -35,16 +35,21 @@ def head_statistics(v: Tensor, out: Tensor, r: Tensor, qmask: Tensor, key_mask: 
         ``[B, Tq]`` real queries and ``[B, 1, Tk]`` real keys.
     layer:
         The layer index, named in the error raised on non-finite activations.
+    full:
+        False: only ``update_norm`` (what the circuit needs); the rest is not computed.
     """
     nan = torch.full((), math.nan, device=v.device)
-    v_out = torch.einsum("bhtd,hed->bhte", v, r)  # (B, H, Tk, dv)
     u = torch.einsum("bhtd,hed->bhte", out, r) * qmask[:, None, :, None]  # (B, H, Tq, dv)
-    spectrum = update_spectrum(u)  # (B, H, dv) descending
+    spectrum = update_spectrum(u) if full else u  # (B, H, dv) descending
     if not bool(torch.isfinite(spectrum).all()):
         raise ModelWeightsError(
             f"non-finite activations (NaN/inf) in the attention output of layer {layer}: the statistics "
             "cannot be computed. Check the weights and inputs, or run in float32 if the model is in float16."
         )
+    update_norm = torch.where(qmask[:, None], u.norm(dim=-1), nan)
+    if not full:
+        return {"update_norm": update_norm}
+    v_out = torch.einsum("bhtd,hed->bhte", v, r)  # (B, H, Tk, dv)
     u64 = u.double()
     n_q = qmask.sum(-1).double().clamp_min(1)[:, None]  # (B, 1)
     mean_u = u64.sum(2) / n_q[..., None]  # (B, H, dv)
@@ -52,7 +57,7 @@ def head_statistics(v: Tensor, out: Tensor, r: Tensor, qmask: Tensor, key_mask: 
     return {
         "value_norm": torch.where(key_mask, v.norm(dim=-1), nan),
         "value_norm_out": torch.where(key_mask, v_out.norm(dim=-1), nan),
-        "update_norm": torch.where(qmask[:, None], u.norm(dim=-1), nan),
+        "update_norm": update_norm,
         "update_spectrum": spectrum,
         "common_mode": ((mean_u * mean_u).sum(-1) / energy).float(),
     }

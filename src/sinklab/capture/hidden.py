@@ -13,9 +13,17 @@ from torch import Tensor
 from .. import metrics
 from ..errors import ModelWeightsError
 
-__all__ = ["hidden_statistics", "HIDDEN_FIELDS"]
+__all__ = ["check_finite", "hidden_statistics", "HIDDEN_FIELDS"]
 
 HIDDEN_FIELDS = ("hidden_norm", "hidden_max_abs", "hidden_max_dim", "hidden_median_abs")
+
+
+def check_finite(x: Tensor, mask: Tensor, index: int) -> None:
+    """Raise :class:`~sinklab.errors.ModelWeightsError` naming the block when a real token's state is not finite."""
+    if not bool(torch.isfinite(x[mask]).all()):
+        where = "the embeddings (input of block 0)" if index == 0 else f"the output of block {index - 1}"
+        raise ModelWeightsError(f"non-finite activations (NaN/inf) in {where}; check the model's weights "
+                                "and inputs (a float16 model may overflow: try --dtype float32)")
 
 
 def hidden_statistics(hidden: Tensor, mask: Tensor, index: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -26,10 +34,7 @@ def hidden_statistics(hidden: Tensor, mask: Tensor, index: int) -> tuple[Tensor,
     real token's hidden state is not finite.
     """
     x = hidden.detach().float()
-    if not bool(torch.isfinite(x[mask]).all()):
-        where = "the embeddings (input of block 0)" if index == 0 else f"the output of block {index - 1}"
-        raise ModelWeightsError(f"non-finite activations (NaN/inf) in {where}; check the model's weights "
-                                "and inputs (a float16 model may overflow: try --dtype float32)")
+    check_finite(x, mask, index)
     norm = x.norm(dim=-1)
     max_abs, dim = x.abs().max(dim=-1)
     median = metrics.activation_median(x, mask)

@@ -9,16 +9,14 @@ minimum, routed share, visibility count) and per-query (candidate attention, sin
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from ..attention import mask_rows, softmax_with_columns
+from ..attention import Columns, attend, mask_rows
 
 __all__ = ["ColumnStats", "chunked_attention"]
-
-_FLOOR = torch.finfo(torch.float32).min
-
 
 class ColumnStats:
     """Accumulates one layer's attention statistics chunk by chunk.
@@ -132,8 +130,7 @@ def chunked_attention(
     scale: float,
     chunk_elements: int,
     softcap: float | None = None,
-    sinks: Tensor | None = None,
-    slot: tuple[Tensor, Tensor] | None = None,
+    columns: Callable[[Tensor], list[Columns]] | None = None,
     bias: Tensor | None = None,
     drop: tuple[int, Tensor] | None = None,
     stats: ColumnStats | None = None,
@@ -142,11 +139,13 @@ def chunked_attention(
 
     ``query`` ``[B, H, Tq, dh]``; ``k``/``v`` ``[B, H, Tk, dh|dv]`` float32 with the KV heads already
     repeated; ``attention_mask`` boolean ``[B|1, 1, Tq, Tk]`` (True = attend), additive float, or ``None``;
-    ``qmask`` ``[B, Tq]`` real queries; ``sinks`` ``[H]`` learned sink logits (value 0); ``slot`` a learned
-    key/value slot ``([H, dh], [H, dv])`` seen by every query (kv-bias; its weight is not a column's, so
-    ``1 − Σ_j A_ij`` counts it with the sink); ``bias`` additive
+    ``qmask`` ``[B, Tq]`` real queries; ``columns`` gives the learned columns (a sink logit, a kv-bias slot:
+    :class:`sinklab.attention.Columns`) for a chunk's queries — their weight is not a key's, so ``1 − Σ_j A_ij``
+    counts them as sink mass; ``bias`` additive
     ``[..., Tq, Tk]`` position bias; ``drop`` ``(head, positions [B])`` removes one key column per sample
-    for one head (rows renormalise; a row left with no key outputs 0).
+    for one head (rows renormalise; a row left with no key outputs 0; position −1: nothing removed in that row).
+    Each chunk is :func:`sinklab.attention.attend` (manual path, which also returns the weights the statistics
+    need).
     """
     b, h, tq, _ = query.shape
     tk, dv = k.shape[2], v.shape[-1]
@@ -167,38 +166,19 @@ def chunked_attention(
         allowed = allowed[..., :kend]
         if drop is not None:  # remove_column: this head no longer sees the column
             allowed = allowed.expand(b, h, c1 - c0, kend).clone()
-            keep = drop[1] < kend
+            keep = (drop[1] >= 0) & (drop[1] < kend)
             allowed[torch.arange(b, device=dev)[keep], drop[0], :, drop[1][keep]] = False
         full = (min(kend, c0 + offset + 1) if is_causal and tq > 1 else kend) if fast else 0
-        scores = torch.matmul(query[:, :, c0:c1].float() * scale, k[:, :, :kend].transpose(-1, -2))  # (B, H, C, kend)
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
+        shift = None  # additive terms after the softcap, as eager attention adds them
         if bias is not None:
-            scores = scores + bias[..., c0:c1, :kend].float()
+            shift = bias[..., c0:c1, :kend].float()
         if additive is not None:
-            scores = scores + additive[..., :kend]
-        # A finite floor (as eager attention uses) keeps rows with no visible key finite; their
-        # queries are padding and excluded from the statistics.
-        scores[..., full:].masked_fill_(~allowed[..., full:], _FLOOR)
-        extra = []  # logits of the learned columns, (B|1, H, C, 1) each
-        if sinks is not None:
-            extra.append(sinks.float().to(dev).reshape(1, h, 1, 1).expand(scores.shape[0], h, c1 - c0, 1))
-        if slot is not None:
-            slot_logit = torch.matmul(query[:, :, c0:c1].float() * scale, slot[0].float().to(dev)[None, :, :, None])
-            extra.append(torch.tanh(slot_logit / softcap) * softcap if softcap is not None else slot_logit)
-        slot_p = None
-        if extra:
-            probs, learned_p = softmax_with_columns(scores, torch.cat(extra, dim=-1))
-            if slot is not None:
-                slot_p = learned_p[..., -1:]  # (B, H, C, 1)
-        else:
-            probs = torch.softmax(scores, dim=-1)
-        del scores
-        if drop is not None:  # a row whose only visible key was removed attends to nothing: output 0
-            probs = probs.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
-        out[:, :, c0:c1] = torch.matmul(probs, v[:, :, :kend])
-        if slot_p is not None:
-            out[:, :, c0:c1] += slot_p * slot[1].float().to(dev)[None, :, None, :]
+            shift = additive[..., :kend] if shift is None else shift + additive[..., :kend]
+        q = query[:, :, c0:c1].float()
+        # Rows with nothing visible (padding, or a query whose only key was removed) come out as 0.
+        out[:, :, c0:c1], probs = attend(q, k[:, :, :kend], v[:, :, :kend], allowed, scale=scale, bias=shift,
+                                         columns=columns(q) if columns is not None else (), softcap=softcap,
+                                         mask_from=full, weights=True)
         if stats is not None:
             stats.add(probs, allowed, c0, c1, kend, full, fast)
     return out

@@ -6,7 +6,8 @@ keyword arguments each block was called with (hidden states, masks, position emb
 model's own forward built them), the base model's final hidden states, and the module that maps the last
 block's output to them (the final norm, found by checking candidates numerically; the identity for
 post-norm encoders). :func:`run_blocks` calls the model's own block modules with those arguments, so
-position embeddings and masks are the model's, not re-derived.
+position embeddings and masks are the model's, not re-derived. :func:`stacked` repeats a batch's recorded
+inputs ``n`` times along the batch axis, so ``n`` differently edited passes run as one forward.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import Tensor, nn
 
 from .. import _compat
 
-__all__ = ["BlockInputs", "run_blocks", "find_final_map", "UNKNOWN_MAP"]
+__all__ = ["BlockInputs", "run_blocks", "stacked", "find_final_map", "UNKNOWN_MAP"]
 
 #: ``BlockInputs.final_map`` when no module of the model maps the last block's output to its final states.
 UNKNOWN_MAP = "unknown"
@@ -45,6 +46,33 @@ def _with_hidden(args: tuple, kwargs: dict, hidden: Tensor) -> tuple[tuple, dict
     if args and isinstance(args[0], Tensor):
         return (hidden,) + tuple(args[1:]), kwargs
     return args, {**kwargs, "hidden_states": hidden}
+
+
+def _repeat(value: object, batch: int, copies: int) -> object:
+    """``value`` with every batch-leading tensor (``[B, …]``, two or more dims) repeated ``copies`` times."""
+    if isinstance(value, Tensor):
+        if value.dim() >= 2 and value.shape[0] == batch:
+            return value.repeat(copies, *([1] * (value.dim() - 1)))  # (copies·B, …): copy i = rows i·B …
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_repeat(v, batch, copies) for v in value)
+    if isinstance(value, dict):
+        return {k: _repeat(v, batch, copies) for k, v in value.items()}
+    return value
+
+
+def stacked(inputs: BlockInputs, copies: int) -> BlockInputs:
+    """``inputs`` repeated ``copies`` times along the batch axis (copy ``i`` = rows ``i·B … (i+1)·B − 1``).
+
+    Batch-leading tensors (hidden states, masks ``[B, 1, T, T]``, position embeddings ``[B, T, d]``, model
+    inputs) are repeated; shared ones (``[1, T, T]`` masks, 1-D cache positions) are kept as they are.
+    """
+    if copies == 1:
+        return inputs
+    b = inputs.final.shape[0]
+    return BlockInputs(calls=[(_repeat(args, b, copies), _repeat(kwargs, b, copies)) for args, kwargs in inputs.calls],
+                       token_mask=_repeat(inputs.token_mask, b, copies), final=_repeat(inputs.final, b, copies),
+                       final_map=inputs.final_map, batch=_repeat(inputs.batch, b, copies))
 
 
 def run_blocks(layers: nn.ModuleList, inputs: BlockInputs, start: int, stop: int) -> Tensor:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["CaptureConfig", "CaptureBatch", "ValueEdit", "EDIT_MODES"]
+__all__ = ["CaptureConfig", "CaptureBatch", "ValueEdit", "StackedEdits", "EDIT_MODES"]
 
 
 @dataclass
@@ -20,6 +20,8 @@ class CaptureConfig:
     chunk_elements: int = 1 << 21  # score entries per query chunk (bounds the temporaries)
     route_threshold: float = 0.5  # A_ij at or above this counts a query as routed to column j
     row_stats: bool = False  # also keep each query's attention entropy and its share on itself / the previous key
+    head_stats: bool = True  # value norms, update spectrum, common mode per head (False: update norms only)
+    hidden_stats: bool = True  # block hidden-state norms, max |a| and medians (False: only checked to be finite)
 
     def __post_init__(self) -> None:
         if any(p < 0 for p in self.candidates):
@@ -33,23 +35,25 @@ class CaptureBatch:
     """Statistics of one forward pass over a batch (CPU tensors; padding positions are NaN).
 
     Shapes: ``B`` batch, ``L`` layers, ``H`` heads, ``T`` positions, ``K`` candidates, ``r`` head width.
+    ``value_norm``, ``value_norm_out``, ``update_spectrum`` and ``common_mode`` are None under
+    ``CaptureConfig(head_stats=False)``; the ``hidden_*`` fields under ``hidden_stats=False``.
     """
 
     column_mass: Tensor  # (B, L, H, T) mean attention received from the queries that see it
     column_min: Tensor  # (B, L, H, T) min over those queries
     routed_fraction: Tensor  # (B, L, H, T) share of those queries with A >= route_threshold
     candidate_attention: Tensor  # (B, L, H, T, K) attention of each query to each candidate position
-    value_norm: Tensor  # (B, L, H, T) ||v_j|| in head space
-    value_norm_out: Tensor  # (B, L, H, T) ||W_O^h v_j|| in output space (head space if W_O unknown)
+    value_norm: Tensor | None  # (B, L, H, T) ||v_j|| in head space
+    value_norm_out: Tensor | None  # (B, L, H, T) ||W_O^h v_j|| in output space (head space if W_O unknown)
     update_norm: Tensor  # (B, L, H, T) ||W_O^h o_i|| of each query's head update
-    update_spectrum: Tensor  # (B, L, H, r) singular values of the head update U over real queries
-    common_mode: Tensor  # (B, L, H) ||mean u||^2 / mean ||u||^2
+    update_spectrum: Tensor | None  # (B, L, H, r) singular values of the head update U over real queries
+    common_mode: Tensor | None  # (B, L, H) ||mean u||^2 / mean ||u||^2
     learned_sink_mass: Tensor  # (B, L, H) mean over queries of 1 - sum_j A_ij
     column_queries: Tensor  # (B, L, T) number of real queries that see each key (0 at padding)
-    hidden_norm: Tensor  # (B, L+1, T) ||x|| per token, index 0 = block-0 input
-    hidden_max_abs: Tensor  # (B, L+1, T) max |x| per token
-    hidden_max_dim: Tensor  # (B, L+1, T) its dimension (long)
-    hidden_median_abs: Tensor  # (B, L+1) median |x| over real tokens and dims
+    hidden_norm: Tensor | None  # (B, L+1, T) ||x|| per token, index 0 = block-0 input
+    hidden_max_abs: Tensor | None  # (B, L+1, T) max |x| per token
+    hidden_max_dim: Tensor | None  # (B, L+1, T) its dimension (long)
+    hidden_median_abs: Tensor | None  # (B, L+1) median |x| over real tokens and dims
     token_mask: Tensor  # (B, T) real tokens
     attention_maps: Tensor | None  # (L, H, m, m) sample 0's attention over its first m positions
     qk_spectrum: Tensor  # (L, H, dh) singular values of Wq_h^T Wk_h (NaN if layout unknown)
@@ -101,3 +105,49 @@ class ValueEdit:
         elif self.mode == "remove_column":
             return self.head, pos
         return None
+
+
+@dataclass
+class StackedEdits:
+    """Several :class:`ValueEdit` of one head, each on its own copy of a batch stacked along the batch axis.
+
+    A pass over ``n`` copies of a ``B``-row batch (``[n·B, …]``, copy ``i`` = rows ``i·B … (i+1)·B − 1``)
+    applies ``edits[i]`` to copy ``i``: ``n`` edited passes in one forward (see
+    :meth:`~sinklab.capture.AttentionCapture.final_states` ``copies=``). Every edit is on the same
+    ``layer`` and ``head``.
+    """
+
+    edits: list[ValueEdit]
+
+    def __post_init__(self) -> None:
+        if not self.edits:
+            raise ValueError("StackedEdits needs at least one edit")
+        if len({(e.layer, e.head) for e in self.edits}) != 1:
+            raise ValueError("stacked edits must all edit the same layer and head")
+
+    @property
+    def layer(self) -> int:
+        return self.edits[0].layer
+
+    @property
+    def head(self) -> int:
+        return self.edits[0].head
+
+    def apply(self, v: Tensor) -> tuple[int, Tensor] | None:
+        """Apply edit ``i`` to copy ``i`` of ``v`` ``[n·B, H, Tk, dv]`` (in place, a private copy).
+
+        Returns ``(head, positions [n·B])`` when some copy removes its column (−1 in the rows of the copies that
+        do not), else ``None``.
+        """
+        n = len(self.edits)
+        if v.shape[0] % n:
+            raise ValueError(f"{v.shape[0]} rows are not {n} stacked copies of one batch")
+        b = v.shape[0] // n
+        drop = torch.full((v.shape[0],), -1, dtype=torch.long, device=v.device)
+        dropped = False
+        for i, edit in enumerate(self.edits):
+            out = edit.apply(v[i * b : (i + 1) * b])  # a view: the edit writes into v
+            if out is not None:
+                drop[i * b : (i + 1) * b] = out[1]
+                dropped = True
+        return (self.head, drop) if dropped else None

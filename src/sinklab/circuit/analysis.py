@@ -38,7 +38,7 @@ from .hooks import Patch
 from .inputs import REFERENCE, CircuitInputs, text_inputs
 from .measure import MeasureSession, measure_rows
 
-__all__ = ["CONTRIBUTION_RULE", "SCHEMA_VERSION", "CircuitResult", "circuit", "circuit_inputs"]
+__all__ = ["CAUSAL_SAMPLES", "CONTRIBUTION_RULE", "SCHEMA_VERSION", "CircuitResult", "circuit", "circuit_inputs"]
 
 SCHEMA_VERSION = "sinklab.circuit/1"
 
@@ -105,7 +105,8 @@ class CircuitResult:
                   f"doubles and rises by ≥ 1: {self.amplification_blocks or 'none'}."),
                  f"Layers with Sink_0 ≥ {self.layer_threshold:g} %: {self.sink_layers or 'none'}."]
         if c:
-            parts.append(f"Causal check at block {c['layer']}: scaling x₀ down to the median norm changes mean "
+            parts.append(f"Causal check at block {c['layer']} ({c.get('samples', self.num_samples)} samples): scaling x₀ "
+                         "down to the median norm changes mean "
                          f"downstream Sink_0 by {_fmt(c['scale']['downstream_delta'])} points and the loss by "
                          f"{_fmt(c['scale']['delta_loss'], '{:+.4f}')}; patching x₀ from a different first token: "
                          f"{_fmt(c['donor']['downstream_delta'])} points, loss {_fmt(c['donor']['delta_loss'], '{:+.4f}')}.")
@@ -266,25 +267,42 @@ def _causal(model, rows, base: dict, donor_rec: dict, layer: int, eps: float, co
                 else None, "ratio": summ["ratio"]}
 
     donor = donor_rec["x0"][:, layer + 1]  # (S, d) x₀ after the block with a different first token
-    rec_donor = measure_rows(model, rows, patch=lambda sl: Patch(layer, "replace", replacement=donor[sl]), **common)
-    rec_scale = measure_rows(model, rows, patch=lambda sl: Patch(layer, "scale", target_ratio=1.0), **common)
-    return {"layer": layer,
+    rec_donor = measure_rows(model, rows, patch=lambda sl: Patch(layer, "replace", replacement=donor[sl]),
+                             destinations=False, **common)
+    rec_scale = measure_rows(model, rows, patch=lambda sl: Patch(layer, "scale", target_ratio=1.0), destinations=False,
+                             **common)
+    return {"layer": layer, "samples": len(rows),
             "donor": effect(rec_donor, "x₀ after the block replaced by its value under first_swapped"),
             "scale": effect(rec_scale, "x₀ after the block rescaled to the median norm of the other tokens (r = 1)"),
             "note": "layers ≤ the patched block are unchanged by construction (the patch is on its output)"}
 
 
+#: Samples the causal check patches by default (the first ones; the conditions use every sample). Each patch is
+#: a full pass, and there are two or four of them: on all 16 samples they were four of SmolLM2's seven passes.
+CAUSAL_SAMPLES = 4
+
+
+def _first_rows(rec: dict[str, Tensor], n: int) -> dict[str, Tensor]:
+    """A :func:`measure_rows` record cut to its first ``n`` samples."""
+    return {key: value[:n] for key, value in rec.items()}
+
+
 def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3, batch_size: int = 8,
                    padding_side: str = "right", layer_threshold: float = rules.LAYER_SINK_THRESHOLD,
-                   causal: bool = True, progress: Callable[[int], None] | None = None,
+                   causal: bool = True, causal_samples: int | None = CAUSAL_SAMPLES,
+                   progress: Callable[[int], None] | None = None,
                    set_total: Callable[[int], None] | None = None, meta: dict | None = None) -> CircuitResult:
     """The circuit on prepared :class:`~sinklab.circuit.inputs.CircuitInputs` (e.g. Bigram-Backcopy rows).
 
-    ``progress(k)`` is called after every batch of ``k`` samples; ``set_total(n)`` once the number of sample
-    passes is known (3 conditions, plus 2 causal patches, plus 2 more when the first amplification is elsewhere).
+    ``causal_samples``: the causal check patches the first that many samples (None: all) and compares them with
+    the reference on the same samples. ``progress(k)`` is called after every batch of ``k`` samples;
+    ``set_total(n)`` once the number of sample passes is known (3 conditions, plus 2 causal patches, plus 2 more
+    when the first amplification is elsewhere).
     """
     if not 0.0 <= eps <= 1.0:
         raise InputError(f"eps must be in [0, 1], got {eps}")
+    if causal_samples is not None and causal_samples < 1:
+        raise InputError(f"causal_samples must be ≥ 1 (or None: every sample), got {causal_samples}")
     if register_count(model):
         raise UnsupportedModelError(
             f"the model puts {register_count(model)} register tokens in front of every sequence, so position 0 is "
@@ -299,15 +317,18 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
         conds = {name: _condition_summary(rec, eps, inputs.description[name]) for name, rec in recs.items()}
         causal_out, causal_early = {}, {}
         run = rules.first_amplification_run(_ratio(recs[REFERENCE]).nanmean(0).tolist())
+        n_all = len(inputs.conditions[REFERENCE])
+        n_causal = n_all if causal_samples is None else min(causal_samples, n_all)
         if set_total is not None:
             extra = (2 + 2 * bool(run and run[-1] != amp)) if causal and amp is not None else 0
-            set_total((len(inputs.conditions) + extra) * len(inputs.conditions[REFERENCE]))
+            set_total(len(inputs.conditions) * n_all + extra * n_causal)
         if causal and amp is not None:
-            causal_out = _causal(model, inputs.conditions[REFERENCE], conds[REFERENCE], recs["first_swapped"], amp,
-                                 eps, common)
+            rows = inputs.conditions[REFERENCE][:n_causal]
+            base = (conds[REFERENCE] if n_causal == n_all else
+                    _condition_summary(_first_rows(recs[REFERENCE], n_causal), eps, inputs.description[REFERENCE]))
+            causal_out = _causal(model, rows, base, recs["first_swapped"], amp, eps, common)
             if run and run[-1] != amp:
-                causal_early = _causal(model, inputs.conditions[REFERENCE], conds[REFERENCE], recs["first_swapped"],
-                                       run[-1], eps, common)
+                causal_early = _causal(model, rows, base, recs["first_swapped"], run[-1], eps, common)
     ref = recs[REFERENCE]
     ratio = _ratio(ref).nanmean(0)
     contrib, resid = _contributions(ref)
@@ -346,13 +367,14 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
 def circuit(model: nn.Module, tokenizer, texts: str | list[str] | None = None, *, seq_len: int = 64,
             samples: int = 16, batch_size: int = 8, eps: float = 0.3, special_token: str | None = None,
             padding_side: str = "right", layer_threshold: float = rules.LAYER_SINK_THRESHOLD, causal: bool = True,
-            source: str | None = None, revision: str | None = None,
+            causal_samples: int | None = CAUSAL_SAMPLES, source: str | None = None, revision: str | None = None,
             progress: Callable[[int], None] | None = None,
             set_total: Callable[[int], None] | None = None) -> CircuitResult:
     """Measure the P0 sink circuit of a causal LM on ``texts`` (default: the pydoc corpus).
 
     Texts are cut into ``samples`` windows of ``seq_len`` tokens and run under three first-token conditions
-    (see :mod:`sinklab.circuit.inputs`); then the causal patches at the amplification layer. Progress is
+    (see :mod:`sinklab.circuit.inputs`); then the causal patches at the amplification layer, on the first
+    ``causal_samples`` samples (None: every one). Progress is
     reported per sample through ``progress``; ``set_total`` receives the number of sample passes when known.
     """
     from ..checks import check_vocab
@@ -367,5 +389,5 @@ def circuit(model: nn.Module, tokenizer, texts: str | list[str] | None = None, *
     check_vocab(model, tokenizer, torch.tensor([max(max(r) for r in v) for v in inputs.conditions.values()]))
     meta = model_meta(model, source, revision, corpus=corpus, requested_seq_len=seq_len)
     return circuit_inputs(model, inputs, eps=eps, batch_size=batch_size, padding_side=padding_side,
-                          layer_threshold=layer_threshold, causal=causal, progress=progress, set_total=set_total,
-                          meta=meta)
+                          layer_threshold=layer_threshold, causal=causal, causal_samples=causal_samples,
+                          progress=progress, set_total=set_total, meta=meta)

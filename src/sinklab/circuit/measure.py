@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Self
 
 import torch
@@ -61,7 +62,10 @@ class MeasureSession:
         self.device = next(model.parameters()).device
 
     def __enter__(self) -> Self:
-        self.cap = AttentionCapture(self.model, CaptureConfig(candidates=(0,), map_len=0, row_stats=True)).__enter__()
+        # Only what the circuit reads: column masses, per-query rows and head output norms (no spectra, no
+        # value norms, no hidden-state medians: the recorder keeps the hidden states it needs itself).
+        self.config = CaptureConfig(candidates=(0,), map_len=0, row_stats=True, head_stats=False, hidden_stats=False)
+        self.cap = AttentionCapture(self.model, self.config).__enter__()
         try:
             self.rec = PositionZeroRecorder(self.sub).__enter__()
         except BaseException:
@@ -76,22 +80,25 @@ class MeasureSession:
 
 def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, batch_size: int = 8,
                  padding_side: str = "right", patch: Callable[[slice], Patch | None] | None = None,
-                 progress: Callable[[int], None] | None = None, session: MeasureSession | None = None) -> dict[str, Tensor]:
+                 progress: Callable[[int], None] | None = None, session: MeasureSession | None = None,
+                 destinations: bool = True) -> dict[str, Tensor]:
     """One pass over token ``rows``: attention column mass of the early positions, position-0 records, loss.
 
     Returns CPU tensors: ``column_mass`` ``[S, L, H, P]`` (P = 4 early positions, aligned to each row's first
     real token), the per-head destinations of :func:`~sinklab.circuit.destination.head_destinations`, the :class:`~sinklab.circuit.hooks.PositionZeroRecorder` fields (``hidden_norm`` ``[S, L+1, T]``,
     ``x0`` ``[S, L+1, d]``, ``attn0``/``mlp0`` ``[S, L, d]`` …), ``loss_sum``/``loss_count`` ``[S]``.
     ``patch(batch_slice)`` gives the :class:`~sinklab.circuit.hooks.Patch` for each batch (``None``: no edit).
+    ``destinations=False`` skips the per-query rows and the destinations (the causal check does not read them).
     """
     if padding_side not in ("left", "right"):
         raise InputError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     if session is None:
         with MeasureSession(model) as own:
             return measure_rows(model, rows, pad_id=pad_id, batch_size=batch_size, padding_side=padding_side,
-                                patch=patch, progress=progress, session=own)
+                                patch=patch, progress=progress, session=own, destinations=destinations)
     cap, rec = session.cap, session.rec
     parts: list[dict[str, Tensor]] = []
+    cap.config = session.config if destinations else replace(session.config, row_stats=False)
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):
             sl = slice(start, min(len(rows), start + batch_size))
@@ -104,8 +111,10 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
             part = rec.collect()
             starts = mask.argmax(-1)
             part["column_mass"] = align_to_start(batch.column_mass, starts, EARLY)
-            part.update(head_destinations(batch.column_mass, batch.column_queries, batch.token_mask, batch.row_entropy,
-                                          batch.row_diagonal, batch.row_previous, batch.update_norm, starts))
+            if destinations:
+                part.update(head_destinations(batch.column_mass, batch.column_queries, batch.token_mask,
+                                              batch.row_entropy, batch.row_diagonal, batch.row_previous,
+                                              batch.update_norm, starts))
             if session.chunked_loss:
                 part["loss_sum"], part["loss_count"] = token_losses(model, cap.last_output.last_hidden_state, ids, mask)
             elif getattr(cap.last_output, "logits", None) is not None:

@@ -95,6 +95,30 @@ def vision_run(loaded, texts: list[str] | None, *, samples: int, batch_size: int
     return base, batches, labels, meta
 
 
+def analysis_run(model: str, text: str | None, file: Path | None, out: Path, seq_len: int, *, samples: int,
+                 batch_size: int, seed: int, phases: dict[str, str], on_texts, on_images, **load_kwargs):
+    """The body scan and diagnose share: load (:func:`prepare_run`), then run the analysis under progress bars.
+
+    ``on_texts(loaded, texts, progress)`` runs on a language model, ``on_images(base, batches, labels, meta,
+    progress)`` on a vision transformer (sinklab's embedded shapes images, :func:`vision_run`); ``phases`` names
+    the progress bars. Returns ``(result, loaded, texts, out)``, or ``None`` on a rank that is not the main
+    process under a launcher (the main process writes the one report).
+    """
+    from .. import distributed
+    from ._progress import PhaseBars
+
+    texts, out, loaded = prepare_run(model, text, file, out, seq_len, images_ok=True, **load_kwargs)
+    vision = vision_run(loaded, texts, samples=samples, batch_size=batch_size, seed=seed, source=model)
+    with PhaseBars(phases) as progress:
+        if vision is not None:  # a ViT / DINOv2: the embedded shapes images, positions [CLS], reg<i>, patch<i>
+            result = on_images(*vision, progress)
+        else:
+            result = on_texts(loaded, texts, progress)
+    if not distributed.is_main():
+        return None
+    return result, loaded, texts, out
+
+
 def _version(value: bool) -> None:
     if value:
         import torch

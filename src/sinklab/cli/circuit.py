@@ -75,6 +75,8 @@ def circuit_cmd(
     batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
     special_token: Annotated[str | None, typer.Option("--special-token", help="token to prepend when the tokenizer adds no BOS")] = None,
     no_causal: Annotated[bool, typer.Option("--no-causal", help="skip the patching passes")] = False,
+    causal_samples: Annotated[int, typer.Option("--causal-samples", help="samples the causal patches run on "
+                                                "(0: every sample)")] = 4,
     out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("sinklab-circuit"),
     device_map: Annotated[str | None, device_map_option()] = None,
 ) -> None:
@@ -102,6 +104,7 @@ def circuit_cmd(
             task = progress.add_task("circuit", total=passes * samples)
             result = circuit_source(net, tokenizer, cfg, texts=texts, seq_len=seq_len, samples=samples, source=model,
                                     batch_size=batch_size, causal=not no_causal,
+                                    causal_samples=causal_samples or None,
                                     progress=lambda k: progress.advance(task, k),
                                     set_total=lambda n: progress.update(task, total=n),
                                     **({"special_token": special_token} if tokenizer is not None else {}))

@@ -9,7 +9,6 @@ import typer
 from rich.table import Table
 
 from ..errors import SinklabError
-from .. import distributed
 from ..report import save
 from ._common import (
     MODEL_HELP,
@@ -20,12 +19,11 @@ from ._common import (
     console,
     device_map_option,
     join_ranks,
-    prepare_run,
+    analysis_run,
     record_run,
     trust_remote_code_option,
-    vision_run,
 )
-from ._progress import PhaseBars, print_warnings
+from ._progress import print_warnings
 from .recommend import print_recommendation
 
 
@@ -44,6 +42,8 @@ def diagnose(
     broadcast_srank: Annotated[float, typer.Option("--broadcast-srank", help="… and stable rank ≤ this")] = 1.5,
     edits: Annotated[bool, typer.Option("--edits/--no-edits", help="run the causal value edits")] = True,
     edit_samples: Annotated[int, typer.Option("--edit-samples", help="samples the causal edits run on")] = 4,
+    edit_layers: Annotated[int, typer.Option("--edit-layers", help="sinking layers to edit, evenly spread "
+                                             "(0: every sinking layer)")] = 5,
     batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     device: Annotated[str | None, typer.Option("--device")] = None,
@@ -58,23 +58,22 @@ def diagnose(
 
     with user_errors():
         device = join_ranks(device, device_map)
-        texts, out, loaded = prepare_run(model, text, file, out, seq_len, dtype=dtype, device=device, revision=revision,
-                                         trust_remote_code=trust_remote_code, device_map=device_map,
-                                         images_ok=True)
         rules = {"rule": rule, "sink_mass": sink_mass, "nop_max_ratio": nop_max,
                  "broadcast_min_ratio": broadcast_min, "broadcast_max_srank": broadcast_srank}
-        vision = vision_run(loaded, texts, samples=samples, batch_size=batch_size, seed=seed, source=model)
-        with PhaseBars({"scan": "statistics pass (samples)", "edits": "causal edits (edited passes)"}) as progress:
-            if vision is not None:  # a ViT / DINOv2: the embedded shapes images, positions [CLS], reg<i>, patch<i>
-                base, batches, labels, meta = vision
-                d = diagnose_inputs(base, batches, labels, rules=rules, edits=edits, edit_samples=edit_samples,
-                                    special={"cls": "[CLS]"}, meta=meta, progress=progress, seed=seed)
-            else:
-                d = run_diagnose(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
-                                 batch_size=batch_size, rules=rules, edits=edits, edit_samples=edit_samples,
-                                 seed=seed, source=model, revision=revision, progress=progress)
-        if not distributed.is_main():  # the main process writes the one report
+        run = analysis_run(
+            model, text, file, out, seq_len, samples=samples, batch_size=batch_size, seed=seed,
+            phases={"scan": "statistics pass (samples)", "edits": "causal edits (edited passes)"}, dtype=dtype,
+            device=device, revision=revision, trust_remote_code=trust_remote_code, device_map=device_map,
+            on_texts=lambda loaded, texts, progress: run_diagnose(
+                loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples, batch_size=batch_size,
+                rules=rules, edits=edits, edit_samples=edit_samples, edit_layers=edit_layers or None, seed=seed,
+                source=model, revision=revision, progress=progress),
+            on_images=lambda base, batches, labels, meta, progress: diagnose_inputs(
+                base, batches, labels, rules=rules, edits=edits, edit_samples=edit_samples,
+                edit_layers=edit_layers or None, special={"cls": "[CLS]"}, meta=meta, progress=progress, seed=seed))
+        if run is None:  # not the main process: it writes the one report
             return
+        d, loaded, texts, out = run
         record_run(d.scan.meta, loaded, texts, device=device, dtype=dtype)
         _print_diagnosis(d)
         print_warnings(d.scan.meta)

@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from .. import distributed
 from ._common import (
     MODEL_HELP,
     user_errors,
@@ -16,12 +15,11 @@ from ._common import (
     console,
     device_map_option,
     join_ranks,
-    prepare_run,
+    analysis_run,
     record_run,
     trust_remote_code_option,
-    vision_run,
 )
-from ._progress import PhaseBars, print_warnings
+from ._progress import print_warnings
 
 
 def _print_table(result) -> None:
@@ -68,20 +66,18 @@ def scan(
 
     with user_errors():
         device = join_ranks(device, device_map)
-        texts, out, loaded = prepare_run(model, text, file, out, seq_len, dtype=dtype, device=device, revision=revision,
-                                         trust_remote_code=trust_remote_code, device_map=device_map,
-                                         images_ok=True)
-        vision = vision_run(loaded, texts, samples=samples, batch_size=batch_size, seed=seed, source=model)
-        with PhaseBars({"scan": "scanning samples"}) as progress:
-            if vision is not None:  # a ViT / DINOv2: the embedded shapes images, positions [CLS], reg<i>, patch<i>
-                base, batches, labels, meta = vision
-                result = scan_inputs(base, batches, labels, thresholds={"eps": eps}, progress=progress, meta=meta)
-            else:
-                result = run_scan(loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples,
-                                  batch_size=batch_size, thresholds={"eps": eps}, seed=seed, source=model,
-                                  revision=revision, progress=progress)
-        if not distributed.is_main():  # the main process writes the one report
+        run = analysis_run(
+            model, text, file, out, seq_len, samples=samples, batch_size=batch_size, seed=seed,
+            phases={"scan": "scanning samples"}, dtype=dtype, device=device, revision=revision,
+            trust_remote_code=trust_remote_code, device_map=device_map,
+            on_texts=lambda loaded, texts, progress: run_scan(
+                loaded.model, loaded.tokenizer, texts, seq_len=seq_len, samples=samples, batch_size=batch_size,
+                thresholds={"eps": eps}, seed=seed, source=model, revision=revision, progress=progress),
+            on_images=lambda base, batches, labels, meta, progress: scan_inputs(
+                base, batches, labels, thresholds={"eps": eps}, progress=progress, meta=meta))
+        if run is None:  # not the main process: it writes the one report
             return
+        result, loaded, texts, out = run
         record_run(result.meta, loaded, texts, device=device, dtype=dtype)
         _print_table(result)
         print_warnings(result.meta)

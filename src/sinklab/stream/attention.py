@@ -1,25 +1,29 @@
 """The attention function registered while a stream is open.
 
-Scores are computed against every key the layer handed over (buffer, or buffer ⧺ chunk) and masked
-by metadata: a query sees its row's anchored tokens (sinks, pinned) up to itself and the ``W`` most
-recent free tokens up to itself. Window keys sit at their true distance already; anchored keys are
-scored at their slot distance ``D_ij`` by rotating each one by ``a_ij = v_i − D_ij − o_j`` for each
-query (exact for every query of a chunk). Sinks and window share one softmax (equivalent to merging
-two partial softmaxes by log-sum-exp).
+Every query attends over the keys the layer handed over (buffer, or buffer ⧺ chunk), masked by
+metadata: a query sees its row's anchored tokens (sinks, pinned) up to itself and the ``W`` most recent
+free tokens up to itself. Window keys sit at their true distance already; anchored keys are scored at
+their slot distance ``D_ij`` by rotating each one by ``a_ij = v_i − D_ij − o_j`` for each query (exact for
+every query of a chunk). Sinks and window share one softmax.
+
+The maths is :func:`sinklab.attention.attend` (fused path unless the model softcaps its logits). A chunk
+(prefill) hands it the keys some query sees (an empty buffer's slots drop out), in the kernel's own causal
+mode when that is the whole pattern; anchored keys that some query sees at a distance other than the one
+they were rotated at enter as extra columns carrying their re-rotated scores (:class:`~sinklab.attention.Columns`)
+and are masked among the plain keys. A decode step's anchored slots were re-rotated in place: plain keys.
 """
 
 from __future__ import annotations
 
 import contextvars
-import math
 
 import torch
 from torch import Tensor, nn
 
-from ..attention import softmax_with_columns
+from ..attention import Columns, attend, soft_cap
 from ..errors import UnsupportedModelError
 from ..rope import rotate
-from ..variants import variant_columns, variant_gate
+from ..variants import variant_column_logits, variant_gate, variant_has_columns
 
 __all__ = ["stream_attention", "stream_mask", "active_stream", "ACTIVE_STREAM", "ATTN_NAME", "TRACED_STREAM"]
 
@@ -35,6 +39,8 @@ def active_stream():
     if torch.compiler.is_compiling():
         return TRACED_STREAM[0]
     return ACTIVE_STREAM.get()
+
+
 _PAIR_BUDGET = 1 << 15  # (query, anchored key) pairs rotated at once
 
 
@@ -92,48 +98,57 @@ def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     hkv = key.shape[1]
     rep = h // hkv
     scale = dh**-0.5 if scaling is None else float(scaling)
-    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
-    learned, slot = variant_columns(module, h)  # a sinklab variant's sink logit / kv-bias slot (sinklab.variants)
-    if learned is not None:
-        sinks = learned
+    softcap = kwargs.get("softcap")
     gate = variant_gate(module, h)  # (B, C, H, dv | 1) or None
-    if view.from_buffer and softcap is None and sinks is None and slot is None:
-        # Decode: anchored slots were re-rotated in place, every visible slot is a plain key → fused SDPA.
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=view.visible[:, None, None, :], scale=scale, enable_gqa=rep > 1)
-        out = out.transpose(1, 2)
-        return (out * gate.to(out.dtype) if gate is not None else out).contiguous(), None
-    q = query.float().view(b, hkv, rep, c, dh)
-    scores = torch.matmul(q * scale, key.float()[:, :, None].transpose(-1, -2))  # (B, Hkv, rep, C, K)
-    if not view.from_buffer and view.anchor_idx.numel():
-        scores[..., view.anchor_idx] = _anchored_scores(q, key, view, view.anchor_idx, state.window, rope, scale)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    visible = view.visible if view.visible.dim() == 3 else view.visible[:, None, :]  # (B, C, K)
-    scores = scores.masked_fill(~visible[:, None, None], -math.inf)
-    extra = []  # learned columns (not tokens, always visible), dropped after the softmax
-    if sinks is not None:  # learned sink logits (gpt-oss, sink-logit, softmax₁): value 0
-        extra.append(sinks.float().view(1, hkv, rep, 1, 1).expand(b, hkv, rep, c, 1))
-    if slot is not None:  # kv-bias: a learned key (no RoPE) with a learned value
-        # The slot's key has no position, so its score depends on where the query is rotated: at the query's
-        # own cache-slot position (positions by cache slot), not at the stream's internal virtual position.
-        q_slot = query
-        if rope is not None:
-            q_slot = rotate(query, rope, view.slot_shift[:, None, :])
-        slot_k = slot[0].float().view(1, hkv, rep, dh, 1)
-        slot_logit = torch.matmul(q_slot.float().view(b, hkv, rep, c, dh) * scale, slot_k)  # (B, Hkv, rep, C, 1)
-        extra.append(torch.tanh(slot_logit / softcap) * softcap if softcap is not None else slot_logit)
-    if extra:
-        probs, learned_p = softmax_with_columns(scores, torch.cat(extra, dim=-1))
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    real = visible.any(-1)[:, None, None, :, None]  # padding queries see nothing
-    probs = probs.masked_fill(~real, 0.0)
-    out = torch.matmul(probs, value.float()[:, :, None])  # (B, Hkv, rep, C, dv)
-    if slot is not None:
-        slot_p = learned_p[..., -1:].masked_fill(~real, 0.0)
-        out = out + slot_p * slot[1].float().view(1, hkv, rep, 1, -1)
-    out = out.reshape(b, h, c, -1).transpose(1, 2)
-    if gate is not None:
-        out = out * gate
-    return out.contiguous().to(query.dtype), None
+    if view.from_buffer:
+        # Decode: anchored slots were re-rotated in place, every visible slot is a plain key.
+        visible = view.visible[:, None, None, :]  # (B, 1, 1, K)
+        if softcap is None and kwargs.get("s_aux") is None and not variant_has_columns(module):
+            out = attend(query, key, value, visible, scale=scale, gate=gate, fast=True)  # in the model's dtype
+            return out.transpose(1, 2).contiguous(), None
+        q = query.float()
+        out = attend(q, key.float(), value.float(), visible, scale=scale, softcap=softcap, gate=gate,
+                     columns=_learned_columns(module, q, kwargs.get("s_aux"), view, rope, scale, softcap))
+        return out.transpose(1, 2).contiguous().to(query.dtype), None
+    # A chunk (prefill): keys are the buffer ⧺ the chunk, (B, C, K) visibility from the cache's metadata.
+    q, k, v = query.float(), key.float(), value.float()
+    visible = view.visible if view.visible.dim() == 3 else view.visible[:, None, :]
+    columns = _learned_columns(module, q, kwargs.get("s_aux"), view, rope, scale, softcap)
+    idx = view.anchor_idx
+    if idx.numel() and rope is not None:
+        shift = _anchor_shift(view, idx, state.window)  # (B, C, nA)
+        if bool(((shift != 0) & visible[:, :, idx]).any()):  # some query sees an anchored key elsewhere
+            scores = _anchored_scores(q.view(b, hkv, rep, c, dh), key, view, idx, state.window, rope, scale)
+            columns.append(Columns(soft_cap(scores.view(b, h, c, -1), softcap), v[:, :, idx], visible[:, None, :, idx]))
+            visible = visible.clone()
+            visible[:, :, idx] = False
+    used = visible.any(1).any(0)  # keys some query sees (an empty buffer's slots drop out)
+    if not bool(used.all()):
+        keep = used.nonzero()[:, 0]
+        k, v, visible = k[:, :, keep], v[:, :, keep], visible[..., keep]
+    causal = False
+    if not columns and visible.shape[-1] == c:  # one fresh causal block: the fused kernel's own causal mode
+        causal = bool(torch.equal(visible, torch.ones(c, c, dtype=torch.bool, device=visible.device).tril().expand_as(visible)))
+    out = attend(q, k, v, None if causal else visible[:, None], causal=causal, scale=scale, columns=columns,
+                 softcap=softcap, gate=gate)
+    return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def _learned_columns(module: nn.Module, q: Tensor, s_aux: Tensor | None, view, rope, scale: float,
+                     softcap: float | None) -> list[Columns]:
+    """A sinklab variant's columns (:data:`sinklab.variants.VARIANTS`), or the model's own learned sinks (``s_aux``).
+
+    A kv-bias slot's key has no position, so its score depends on where the query is rotated: at the query's
+    own cache-slot position (positions by cache slot), not at the stream's internal virtual position.
+    """
+    def slot_query() -> Tensor:
+        return rotate(q, rope, view.slot_shift[:, None, :]) if rope is not None else q
+
+    return variant_column_logits(module, q, scale, slot_query=slot_query, softcap=softcap, model_sink=s_aux)
+
+
+def _anchor_shift(view, idx: Tensor, window: int) -> Tensor:
+    """``[B, C, nA]``: the rotation taking anchored key ``idx[j]`` to its slot distance from query ``i``."""
+    dist = view.q_a[:, :, None] - view.k_a[:, None, idx] + torch.clamp(view.q_f[:, :, None] - view.k_f[:, None, idx],
+                                                                       max=window)
+    return view.q_v[:, :, None] - dist - view.k_o[:, None, idx]
