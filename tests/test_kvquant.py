@@ -143,12 +143,17 @@ def test_protected_tokens_stay_bit_exact_and_bytes_are_counted():
     assert torch.equal(half_values[:, :, kept], full.layers[0].values[:, :, kept].half().float())
 
 
+#: This model's sinks draw most of the attention; at the default ε = 0.2 one of its 8 heads also picks position 5.
+EPS = 0.3
+
+
 def test_massive_activation_sink_protection_cuts_kl():
     model = massive_sink_llama()
     ids = torch.randint(2, 256, (1, 160), generator=torch.Generator().manual_seed(0))
     ids[0, 0] = ids[0, 40] = SINK_ID
-    detected = detect_sinks(model, ids[0, :128])
+    detected = detect_sinks(model, ids[0, :128], eps=EPS)
     assert detected == [0, 40]
+    assert {0, 40} <= set(detect_sinks(model, ids[0, :128]))  # the default threshold finds them too
 
     def median_kl(protect: Protection) -> float:
         with torch.no_grad():
@@ -170,8 +175,8 @@ def test_sinks_measured_during_prefill_give_the_cache_a_separate_scan_gives():
     ids = torch.randint(2, 256, (1, 128), generator=torch.Generator().manual_seed(1))
     ids[0, 0] = ids[0, 40] = SINK_ID
     cache = quantized_sink_cache(model, 2, group_size=32, residual=8)
-    logits, sinks = prefill_detecting_sinks(model, ids, cache)
-    assert sinks == detect_sinks(model, ids[0]) == [0, 40]
+    logits, sinks = prefill_detecting_sinks(model, ids, cache, eps=EPS)
+    assert sinks == detect_sinks(model, ids[0], eps=EPS) == [0, 40]
     with torch.no_grad():
         scanned = quantized_sink_cache(model, 2, Protection(positions=(0, 40)), group_size=32, residual=8)
         model(ids, cache=scanned)

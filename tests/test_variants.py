@@ -12,11 +12,21 @@ import sinklab
 from sinklab.attention import sink_mass, softmax_with_sink
 from sinklab.errors import InputError, ModelWeightsError, UnsupportedModelError
 from sinklab.checkpoint import load, save
-from sinklab.variants import VARIANT_NAMES, VariantConfig, apply_variant, parse_variant
+from sinklab.variants import VARIANT_NAMES, VARIANTS, VariantConfig, active_variants, apply_variant, parse_variant
 
+import variant_cases
 from tiny_models import build
 from variant_reference import V, naive_forward as _naive_forward, tiny_llama
 
+
+def test_the_table_of_variants():
+    """One row per variant: a unique name that selects exactly that row; the CLI's names are the table's."""
+    names = [v.name for v in VARIANTS]
+    assert len(set(names)) == len(names) and list(VARIANT_NAMES) == names
+    for variant in VARIANTS:
+        assert [v.name for v in active_variants(parse_variant(variant.name))] == [variant.name]
+        assert variant.name in variant_cases.SINGLE and (variant.__doc__ or "").strip()
+    assert [v.name for v in active_variants(parse_variant("kv-bias+gated+registers"))] == ["kv-bias", "gated", "registers"]
 
 
 def test_softmax_with_sink_closed_forms_and_worked_example():
@@ -37,11 +47,7 @@ def test_softmax_with_sink_closed_forms_and_worked_example():
     torch.testing.assert_close(w, ref)
 
 
-CASES = ["sink-logit", "softmax1", "kv-bias", "gated", "gated-headwise", "registers", "sink-logit+gated",
-         "gated+registers", "kv-bias+sink-logit"]
-
-
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", variant_cases.REFERENCE)
 def test_variant_matches_naive_float64_values_and_gradients(name):
     model = tiny_llama()
     handle = apply_variant(model, name)
@@ -65,7 +71,7 @@ def test_variant_matches_naive_float64_values_and_gradients(name):
     assert model.config._attn_implementation == "sdpa" and not any("sinklab_" in n for n, _ in model.named_parameters())
 
 
-@pytest.mark.parametrize("name", ["sink-logit", "gated", "gated-headwise", "sink-logit+gated"])
+@pytest.mark.parametrize("name", variant_cases.OFF_IDENTITY)
 def test_off_initialisation_leaves_outputs_unchanged(name):
     model = tiny_llama().float()
     ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1))
@@ -141,7 +147,7 @@ def _trained_like(model, name):
     return model
 
 
-@pytest.mark.parametrize("name", [*sorted(VARIANT_NAMES), "gated+registers", "kv-bias+sink-logit"])
+@pytest.mark.parametrize("name", variant_cases.SAVED)
 def test_load_model_by_path_restores_every_variant(tmp_path, name):
     model = _trained_like(tiny_llama().float().eval(), name)
     ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(3))

@@ -17,12 +17,12 @@ from sinklab.variants import apply_variant
 
 from stream_reference import Reference
 from tiny_models import tiny_vit
+import variant_cases
 from variant_reference import V, naive_forward, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only spins
 
-CASES = ["sink-logit", "softmax1", "kv-bias", "kv-bias+sink-logit", "gated", "gated-headwise", "registers",
-         "gated+registers", "kv-bias+gated+registers"]
+CASES = variant_cases.EVERYWHERE
 
 
 def variant_model(name: str, seed: int = 0, layers: int = 2):
@@ -94,7 +94,7 @@ def test_scan_and_diagnose_label_registers(tmp_path):
     assert code == 2 and "register tokens" in text and not (tmp_path / "c").exists()  # P0 is a register here
 
 
-@pytest.mark.parametrize("name", ["registers", "gated+registers", "kv-bias+gated+registers", "kv-bias", "gated"])
+@pytest.mark.parametrize("name", variant_cases.KV_CACHE)
 def test_kv_cache_generation_matches_full_forwards(name):
     """Prefill + token-by-token decoding with a DynamicCache == full forwards of the whole sequence."""
     model, cfg = variant_model(name)

@@ -15,11 +15,12 @@ from sinklab.vit import ShapesConfig, ShapesDataset, apply_vit_variant, load_vit
 from sinklab.vit.data import patch_targets
 from sinklab.vit.probe import frozen_features, miou, ridge_fit, ridge_predict
 
+import variant_cases
 from tiny_models import tiny_vit
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only spins
 
-VARIANTS = ["registers", "gated", "gated-headwise", "gated+registers", "kv-bias", "kv-bias+gated+registers"]
+VARIANTS = variant_cases.VIT
 
 
 def _vit(kind: str):

@@ -95,7 +95,7 @@ class Columns:
 
     ``logits`` ``[B|1, H|1, C|1, E]``: the final score of each column for each query (already scaled and, where
     the caller wants it, softcapped — :func:`attend` does not touch them). ``values`` ``[B|1, G, E, dv]`` with
-    ``G`` 1, the key/value heads or the query heads; ``None`` is value 0 (a sink). ``visible``
+    ``G`` 1, the key/value heads, the query heads or any divisor of them (head ``h`` reads ``h // (H/G)``); ``None`` is value 0 (a sink). ``visible``
     ``[B|1, 1, C|1, E]`` (True = seen); ``None``: seen by every row that sees anything of the sequence.
 
     Learned columns (a sink logit, a kv-bias slot) have ``visible=None``; the stream's anchored keys, scored at
@@ -215,7 +215,7 @@ def attend(
     return (out, probs) if weights else out
 
 
-def _column_parts(columns: list[Columns], b: int, h: int, c: int, device: torch.device):
+def _column_parts(columns: list[Columns], b: int, h: int, hkv: int, c: int, device: torch.device):
     """The columns as one ``[B', H, C, E]`` logit block, their visibility ``[B', 1, C, E]`` and values (or None)."""
     lead = max(col.logits.shape[0] for col in columns)
     logits = torch.cat([col.logits.expand(lead, h, c, col.logits.shape[-1]) for col in columns], dim=-1)
@@ -235,6 +235,8 @@ def _column_parts(columns: list[Columns], b: int, h: int, c: int, device: torch.
             part = col.values if col.values is not None else logits.new_zeros(1, 1, e, dv)
             parts.append(part.to(logits.dtype).expand(vlead, heads, e, dv))
         values = torch.cat(parts, dim=2)
+        if heads not in (1, hkv, h):  # grouped over other key/value heads than these keys' (repeated keys)
+            values = values.repeat_interleave(h // heads, dim=1)
     return logits, seen, values
 
 
@@ -256,7 +258,7 @@ def _attend_manual(query, key, value, visible, causal, scale, bias, columns, sof
             scores = scores.masked_fill(~seen, -math.inf)
     col_p = col_values = None
     if columns:
-        logits, col_seen, col_values = _column_parts(columns, b, h, c, query.device)
+        logits, col_seen, col_values = _column_parts(columns, b, h, hkv, c, query.device)
         logits = _by_group(logits.to(scores.dtype), hkv, rep)
         if col_seen is not None:
             logits = logits.masked_fill(~col_seen[:, :, None], -math.inf)
@@ -290,7 +292,7 @@ def _attend_fast(query, key, value, visible, causal, scale, bias, columns, softc
         out = sdpa(query, key, value, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
                    dropout_p=dropout, enable_gqa=rep > 1)
         return out, None
-    logits, col_seen, col_values = _column_parts(columns, b, h, c, query.device)
+    logits, col_seen, col_values = _column_parts(columns, b, h, hkv, c, query.device)
     e = logits.shape[-1]
     if col_values is not None and col_values.shape[1] not in (1, hkv):  # per-query-head values: no grouping
         key, value = (x.repeat_interleave(rep, dim=1) for x in (key, value))

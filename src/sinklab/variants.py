@@ -10,6 +10,8 @@ Each variant is a flag, off by default, with its paper:
 * ``registers`` — ``n`` learnable placeholder tokens prepended to every sample, dropped at the output
   (Darcet et al. 2024, arXiv:2309.16588; the learnable sink token of StreamingLLM, arXiv:2309.17453).
 
+Each variant is one class (:class:`Variant`: its parameters, its extra softmax columns, its gate) in the
+table :data:`VARIANTS`, which the variant attention, the capture, the stream and the ViT side loop over.
 ``apply_variant(model, "gated+registers")`` adds the parameters to each attention module, registers an
 attention function (with its mask function) and hooks; ``handle.remove()`` undoes all of it.
 ``save``/``load`` keep the variant with the weights (safetensors). The attention itself is
@@ -29,8 +31,9 @@ from . import _compat
 from .attention import Columns, attend, mask_rows
 from .errors import InputError, UnsupportedModelError
 
-__all__ = ["VariantConfig", "VARIANT_NAMES", "parse_variant", "apply_variant", "VariantHandle", "add_attention_parameters",
-           "variant_columns", "variant_column_logits", "variant_gate", "register_count", "register_labels"]
+__all__ = ["VariantConfig", "Variant", "VARIANTS", "VARIANT_NAMES", "active_variants", "parse_variant", "apply_variant",
+           "VariantHandle", "add_attention_parameters", "variant_column_logits", "variant_has_columns", "variant_gate",
+           "register_count", "register_labels"]
 
 ATTN_NAME = "sinklab_variant"
 _OFF_GATE_BIAS = 30.0  # σ(30) == 1.0 in float32: a gate initialised "off" passes everything
@@ -61,14 +64,140 @@ class VariantConfig:
         return self.sink_logit or self.softmax1 or self.kv_bias or self.gate is not None or self.registers > 0
 
 
-VARIANT_NAMES = {
-    "sink-logit": {"sink_logit": True},
-    "softmax1": {"softmax1": True},
-    "kv-bias": {"kv_bias": True},
-    "gated": {"gate": "elementwise"},
-    "gated-headwise": {"gate": "headwise"},
-    "registers": {"registers": 4},
-}
+# ----------------------------------------------------------------------------- the table of variants
+class Variant:
+    """One attention variant, one row of :data:`VARIANTS`: everything sinklab does differently for it.
+
+    ``name`` (the CLI/``parse_variant`` name) sets ``fields`` of :class:`VariantConfig`. ``add_parameters`` adds
+    its parameters to one attention module (causal LM and ViT alike, through the handle's ``ModelPatch``);
+    ``columns`` are the extra softmax columns it gives each query (:class:`sinklab.attention.Columns`); ``gate``
+    the output gate ``[B, Tq, H, dh | 1]``; ``tokens`` says it adds tokens (registers), placed by
+    :func:`apply_variant` / :func:`sinklab.vit.apply_vit_variant`. Every consumer — the variant attention, the
+    capture, the stream, the ViT side, the CLI's list of names — loops over the table. A new variant: one class
+    and one entry in :data:`VARIANTS` (plus its field in :class:`VariantConfig` and a case in
+    ``tests/variant_cases.py``).
+    """
+
+    name = ""
+    fields: dict = {}
+    has_columns = False
+    tokens = False
+    off_is_identity = False  # init="off" leaves the model's outputs unchanged
+
+    def active(self, cfg: VariantConfig) -> bool:
+        """Is this variant on in ``cfg``?"""
+        return all(getattr(cfg, key) == value for key, value in self.fields.items())
+
+    def add_parameters(self, patch: _compat.ModelPatch, attn: nn.Module, *, heads: int, kv_heads: int, head_dim: int,
+                       width: int, init: str, sink_start: float, generator: torch.Generator | None) -> None:
+        """Add this variant's parameters (and hooks) to one attention module, through ``patch`` (nothing by default)."""
+
+    def columns(self, module: nn.Module, query: Tensor, scale: float, slot_query, softcap: float | None
+                ) -> list[Columns]:
+        """This variant's extra columns for ``query`` ``[B, H, C, dh]`` (none by default)."""
+        return []
+
+    def gate(self, module: nn.Module, heads: int) -> Tensor | None:
+        """This variant's output gate for the module's current input (none by default)."""
+        return None
+
+
+class SinkLogit(Variant):
+    """A learned per-head sink logit appended to every row, value 0 (gpt-oss, arXiv:2508.10925)."""
+
+    name, fields, has_columns, off_is_identity = "sink-logit", {"sink_logit": True}, True, True
+
+    def add_parameters(self, patch, attn, *, heads, kv_heads, head_dim, width, init, sink_start, generator):
+        ref = attn.q_proj.weight
+        start = -math.inf if init == "off" else float(sink_start)
+        patch.add(attn, "sinklab_sink_logit", nn.Parameter(torch.full((heads,), start, dtype=ref.dtype, device=ref.device)))
+
+    def columns(self, module, query, scale, slot_query, softcap):
+        return [Columns.sink(module.sinklab_sink_logit, query)]
+
+
+class Softmax1(Variant):
+    """The sink logit fixed at 0: softmax₁ ("Attention is off by one", Miller 2023)."""
+
+    name, fields, has_columns = "softmax1", {"softmax1": True}, True
+
+    def columns(self, module, query, scale, slot_query, softcap):
+        return [Columns.sink(torch.zeros(query.shape[1], device=module.q_proj.weight.device), query)]
+
+
+class KvBias(Variant):
+    """A learned per-head key/value slot seen by every query, 0 at the start (Sun et al. 2024, arXiv:2402.17762).
+
+    Its key has no position: its logit is ``q·k_slot·scale`` with ``q`` rotated where the caller says
+    (``slot_query``: a tensor or a function returning one; default the query as it is).
+    """
+
+    name, fields, has_columns = "kv-bias", {"kv_bias": True}, True
+
+    def add_parameters(self, patch, attn, *, heads, kv_heads, head_dim, width, init, sink_start, generator):
+        ref = attn.q_proj.weight
+        for name in ("sinklab_k_bias", "sinklab_v_bias"):
+            patch.add(attn, name, nn.Parameter(torch.zeros(kv_heads, head_dim, dtype=ref.dtype, device=ref.device)))
+
+    def columns(self, module, query, scale, slot_query, softcap):
+        q = slot_query() if callable(slot_query) else slot_query
+        rep = query.shape[1] // module.sinklab_k_bias.shape[0]
+        return [Columns.slot(query if q is None else q.to(query), module.sinklab_k_bias.repeat_interleave(rep, 0),
+                             module.sinklab_v_bias, scale, softcap)]
+
+
+class Gated(Variant):
+    """Output gating ``Y ⊙ σ(X W)``, ``X`` the normalised block input, ``d → H·dh`` (Qiu et al. 2025, arXiv:2505.06708)."""
+
+    name, fields, off_is_identity = "gated", {"gate": "elementwise"}, True
+
+    def add_parameters(self, patch, attn, *, heads, kv_heads, head_dim, width, init, sink_start, generator):
+        ref = attn.q_proj.weight
+        gate = nn.Linear(width, heads * head_dim if self.fields["gate"] == "elementwise" else heads, bias=True)
+        if generator is not None and init != "off":
+            bound = width**-0.5  # nn.Linear's default range, drawn from the generator
+            with torch.no_grad():
+                gate.weight.uniform_(-bound, bound, generator=generator)
+        gate = gate.to(ref.device, ref.dtype)
+        with torch.no_grad():
+            if init == "off":
+                gate.weight.zero_()
+                gate.bias.fill_(_OFF_GATE_BIAS)
+            else:
+                gate.bias.zero_()
+        patch.add(attn, "sinklab_gate", gate)
+        patch.add(attn, "sinklab_gate_input", None)
+        patch.hook(attn, stash_gate_input, pre=True, with_kwargs=True)
+
+    def gate(self, module, heads):
+        y = module.sinklab_gate(module.sinklab_gate_input)
+        gate = torch.sigmoid(y.to(torch.promote_types(y.dtype, torch.float32)))
+        return gate.view(*gate.shape[:2], heads, -1)
+
+
+class GatedHeadwise(Gated):
+    """Output gating with one gate per head, ``d → H`` (Qiu et al. 2025)."""
+
+    name, fields = "gated-headwise", {"gate": "headwise"}
+
+
+class Registers(Variant):
+    """``n`` learnable placeholder tokens in every sample, dropped at the output (Darcet et al. 2024,
+    arXiv:2309.16588; the learnable sink token of StreamingLLM, arXiv:2309.17453). Default ``n`` = 4."""
+
+    name, fields, tokens = "registers", {"registers": 4}, True
+
+    def active(self, cfg):
+        return cfg.registers > 0
+
+
+VARIANTS: tuple[Variant, ...] = (SinkLogit(), Softmax1(), KvBias(), Gated(), GatedHeadwise(), Registers())
+VARIANT_NAMES = {variant.name: dict(variant.fields) for variant in VARIANTS}
+
+
+def active_variants(cfg: VariantConfig | None) -> list[Variant]:
+    """The rows of :data:`VARIANTS` that are on in ``cfg`` (table order), none for ``None``."""
+    return [] if cfg is None else [variant for variant in VARIANTS if variant.active(cfg)]
 
 
 def parse_variant(spec: str | VariantConfig | dict, **overrides) -> VariantConfig:
@@ -110,58 +239,37 @@ def variant_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     return out.transpose(1, 2).contiguous().to(query.dtype), None
 
 
-def variant_column_logits(module: nn.Module, query: Tensor, scale: float, slot_query: Tensor | None = None,
-                          softcap: float | None = None) -> list[Columns]:
-    """The variant's extra columns of one attention module as :class:`sinklab.attention.Columns` for ``query``.
+def variant_column_logits(module: nn.Module, query: Tensor, scale: float, slot_query=None,
+                          softcap: float | None = None, model_sink: Tensor | None = None) -> list[Columns]:
+    """The extra softmax columns of one attention module for ``query`` ``[B, H, C, dh]``, from :data:`VARIANTS`.
 
-    The sink logit (value 0) as it is; the kv-bias slot's logit ``q·k_slot·scale`` from ``slot_query`` (the
-    queries rotated where the slot should see them; default ``query``), softcapped by ``softcap``, its value
-    per key/value head. Empty without a variant.
+    ``slot_query``: the queries rotated where a position-free slot should see them (a tensor or a function
+    returning one; default ``query``); ``softcap`` applies to the slot's logit. ``model_sink``: the model's
+    own learned sink logits (gpt-oss's ``s_aux``), used unless a variant brings its own sink. Empty without
+    any of them.
     """
-    h = query.shape[1]
-    sink, slot = variant_columns(module, h)
     columns = []
-    if sink is not None:
-        columns.append(Columns.sink(sink, query))
-    if slot is not None:
-        rep = h // module.sinklab_v_bias.shape[0]  # the slot's value per key/value head (grouped attention)
-        columns.append(Columns.slot(query if slot_query is None else slot_query.to(query), slot[0], slot[1][::rep],
-                                    scale, softcap))
+    for variant in active_variants(getattr(module, "sinklab_variant", None)):
+        columns += variant.columns(module, query, scale, slot_query, softcap)
+    if model_sink is not None and not any(col.values is None for col in columns):
+        columns.insert(0, Columns.sink(model_sink, query))
     return columns
 
 
-def variant_columns(module: nn.Module, heads: int) -> tuple[Tensor | None, tuple[Tensor, Tensor] | None]:
-    """What a variant adds to one attention module's softmax, for code that computes attention itself.
-
-    Returns ``(sink, slot)``: ``sink`` the per-head sink logit ``[H]`` (sink-logit; zeros for softmax₁) or
-    None; ``slot`` the kv-bias key and value ``([H, dh], [H, dv])``, repeated to ``heads`` query heads, or
-    None. The sink's value is 0; the slot's logit is ``q·k_slot·scale`` per query, its value ``v_slot``.
-    Neither is a token: both are position-free and always visible. (The capture and the stream use this.)
-    """
-    cfg: VariantConfig | None = getattr(module, "sinklab_variant", None)
-    if cfg is None:
-        return None, None
-    sink = None
-    if cfg.sink_logit:
-        sink = module.sinklab_sink_logit
-    elif cfg.softmax1:
-        sink = torch.zeros(heads, device=module.q_proj.weight.device)
-    slot = None
-    if cfg.kv_bias:
-        rep = heads // module.sinklab_k_bias.shape[0]
-        slot = (module.sinklab_k_bias.repeat_interleave(rep, 0), module.sinklab_v_bias.repeat_interleave(rep, 0))
-    return sink, slot
+def variant_has_columns(module: nn.Module) -> bool:
+    """Does a variant give this attention module extra softmax columns?"""
+    return any(v.has_columns for v in active_variants(getattr(module, "sinklab_variant", None)))
 
 
 def variant_gate(module: nn.Module, heads: int) -> Tensor | None:
     """The output gate ``σ(X W)`` of one attention module for its current input, ``[B, Tq, H, dh | 1]``
-    (float32, or float64 for a float64 model), or None without a gate. Multiply each head's attention output by it before ``o_proj``."""
-    cfg: VariantConfig | None = getattr(module, "sinklab_variant", None)
-    if cfg is None or cfg.gate is None:
-        return None
-    y = module.sinklab_gate(module.sinklab_gate_input)
-    gate = torch.sigmoid(y.to(torch.promote_types(y.dtype, torch.float32)))
-    return gate.view(*gate.shape[:2], heads, -1)
+    (float32, or float64 for a float64 model), or None without a gate. Multiply each head's attention output
+    by it before ``o_proj``."""
+    for variant in active_variants(getattr(module, "sinklab_variant", None)):
+        gate = variant.gate(module, heads)
+        if gate is not None:
+            return gate
+    return None
 
 
 # ----------------------------------------------------------------------------- applying
@@ -233,32 +341,11 @@ def add_attention_parameters(handle: VariantHandle, attn: nn.Module, *, heads: i
     ``nn.Linear``'s weights (redrawn from ``generator`` when one is given, for reproducible runs; ``init="off"``
     draws nothing from it).
     """
-    cfg = handle.config
-    ref = attn.q_proj.weight
     add = handle.patch.add
-    add(attn, "sinklab_variant", cfg)
-    if cfg.sink_logit:
-        start = -math.inf if init == "off" else float(sink_start)
-        add(attn, "sinklab_sink_logit", nn.Parameter(torch.full((heads,), start, dtype=ref.dtype, device=ref.device)))
-    if cfg.kv_bias:  # a learned key/value slot per key/value head, 0 at the start (the slot scores 0)
-        for name in ("sinklab_k_bias", "sinklab_v_bias"):
-            add(attn, name, nn.Parameter(torch.zeros(kv_heads, head_dim, dtype=ref.dtype, device=ref.device)))
-    if cfg.gate is not None:
-        gate = nn.Linear(width, heads * head_dim if cfg.gate == "elementwise" else heads, bias=True)
-        if generator is not None and init != "off":
-            bound = width**-0.5  # nn.Linear's default range, drawn from the generator
-            with torch.no_grad():
-                gate.weight.uniform_(-bound, bound, generator=generator)
-        gate = gate.to(ref.device, ref.dtype)
-        with torch.no_grad():
-            if init == "off":
-                gate.weight.zero_()
-                gate.bias.fill_(_OFF_GATE_BIAS)
-            else:
-                gate.bias.zero_()
-        add(attn, "sinklab_gate", gate)
-        add(attn, "sinklab_gate_input", None)
-        handle.patch.hook(attn, stash_gate_input, pre=True, with_kwargs=True)
+    add(attn, "sinklab_variant", handle.config)
+    for variant in active_variants(handle.config):
+        variant.add_parameters(handle.patch, attn, heads=heads, kv_heads=kv_heads, head_dim=head_dim, width=width,
+                               init=init, sink_start=sink_start, generator=generator)
 
 
 def apply_variant(model: nn.Module, variant: str | VariantConfig | dict, *, init: str = "default",

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from .. import _compat
 from ..errors import UnsupportedModelError
-from ..variants import variant_columns, variant_gate
+from ..variants import variant_column_logits, variant_gate, variant_has_columns
 from .heads import head_statistics
 from .hidden import HIDDEN_FIELDS, check_finite, hidden_statistics
 from .reduce import ColumnStats, chunked_attention
@@ -319,10 +319,12 @@ class AttentionCapture:
         scale = dh**-0.5 if scaling is None else float(scaling)
         is_causal = kwargs.get("is_causal")
         is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
-        sinks = kwargs.get("s_aux")
-        learned, slot = variant_columns(module, h)  # sinklab.variants applied to this model
-        if learned is not None:
-            sinks = learned
+        sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
+        has_columns = sinks is not None or variant_has_columns(module)  # sinklab.variants applied to this model
+
+        def columns(q: Tensor) -> list:  # the learned columns (sink logit, kv-bias slot) for a chunk's queries
+            return variant_column_logits(module, q, scale, softcap=softcap, model_sink=sinks)
+
         k = _repeat_kv(key.float(), h // hkv)  # (B, H, Tk, dh)
         v = _repeat_kv(value.float(), h // hkv).clone()  # (B, H, Tk, dv), private: edits write into it
         edit = self.edit if self.edit is not None and self.edit.layer == index else None
@@ -333,11 +335,12 @@ class AttentionCapture:
         stats = None
         if self.statistics:
             stats = ColumnStats(b, h, tq, tk, qmask, candidates=cfg.candidates, map_len=cfg.map_len,
-                                route_threshold=cfg.route_threshold, has_sink=sinks is not None or slot is not None,
+                                route_threshold=cfg.route_threshold, has_sink=has_columns,
                                 row_stats=cfg.row_stats)
         out = chunked_attention(query, k, v, attention_mask, qmask, is_causal=is_causal, scale=scale,
-                                chunk_elements=cfg.chunk_elements, softcap=kwargs.get("softcap"), sinks=sinks,
-                                slot=slot, bias=kwargs.get("position_bias"), drop=drop, stats=stats)  # (B, H, Tq, dv)
+                                chunk_elements=cfg.chunk_elements, softcap=softcap,
+                                columns=columns if has_columns else None, bias=kwargs.get("position_bias"), drop=drop,
+                                stats=stats)  # (B, H, Tq, dv)
         gate = variant_gate(module, h)  # output gate σ(X W) on each head's output, (B, Tq, H, dv | 1)
         if gate is not None:
             out = out * gate.transpose(1, 2).to(out.dtype)

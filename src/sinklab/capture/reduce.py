@@ -9,6 +9,7 @@ minimum, routed share, visibility count) and per-query (candidate attention, sin
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -129,8 +130,7 @@ def chunked_attention(
     scale: float,
     chunk_elements: int,
     softcap: float | None = None,
-    sinks: Tensor | None = None,
-    slot: tuple[Tensor, Tensor] | None = None,
+    columns: Callable[[Tensor], list[Columns]] | None = None,
     bias: Tensor | None = None,
     drop: tuple[int, Tensor] | None = None,
     stats: ColumnStats | None = None,
@@ -139,9 +139,9 @@ def chunked_attention(
 
     ``query`` ``[B, H, Tq, dh]``; ``k``/``v`` ``[B, H, Tk, dh|dv]`` float32 with the KV heads already
     repeated; ``attention_mask`` boolean ``[B|1, 1, Tq, Tk]`` (True = attend), additive float, or ``None``;
-    ``qmask`` ``[B, Tq]`` real queries; ``sinks`` ``[H]`` learned sink logits (value 0); ``slot`` a learned
-    key/value slot ``([H, dh], [H, dv])`` seen by every query (kv-bias; its weight is not a column's, so
-    ``1 − Σ_j A_ij`` counts it with the sink); ``bias`` additive
+    ``qmask`` ``[B, Tq]`` real queries; ``columns`` gives the learned columns (a sink logit, a kv-bias slot:
+    :class:`sinklab.attention.Columns`) for a chunk's queries — their weight is not a key's, so ``1 − Σ_j A_ij``
+    counts them as sink mass; ``bias`` additive
     ``[..., Tq, Tk]`` position bias; ``drop`` ``(head, positions [B])`` removes one key column per sample
     for one head (rows renormalise; a row left with no key outputs 0; position −1: nothing removed in that row).
     Each chunk is :func:`sinklab.attention.attend` (manual path, which also returns the weights the statistics
@@ -175,14 +175,9 @@ def chunked_attention(
         if additive is not None:
             shift = additive[..., :kend] if shift is None else shift + additive[..., :kend]
         q = query[:, :, c0:c1].float()
-        columns = []  # the learned columns (logits per query, not tokens)
-        if sinks is not None:
-            columns.append(Columns.sink(sinks, q))
-        if slot is not None:
-            columns.append(Columns.slot(q, slot[0], slot[1], scale, softcap))
         # Rows with nothing visible (padding, or a query whose only key was removed) come out as 0.
-        out[:, :, c0:c1], probs = attend(q, k[:, :, :kend], v[:, :, :kend], allowed,
-                                         scale=scale, bias=shift, columns=columns, softcap=softcap,
+        out[:, :, c0:c1], probs = attend(q, k[:, :, :kend], v[:, :, :kend], allowed, scale=scale, bias=shift,
+                                         columns=columns(q) if columns is not None else (), softcap=softcap,
                                          mask_from=full, weights=True)
         if stats is not None:
             stats.add(probs, allowed, c0, c1, kend, full, fast)

@@ -9,9 +9,10 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import InputError
+from ..variants import VARIANT_NAMES
 from ._common import user_errors, app, check_out_dir, console, err, join_ranks
 
-_VARIANTS = "sink-logit, softmax1, kv-bias, gated, gated-headwise, registers; combine with +"
+_VARIANTS = ", ".join(VARIANT_NAMES) + "; combine with +"
 
 
 @app.command("train")

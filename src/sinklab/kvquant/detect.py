@@ -8,13 +8,14 @@ from torch import Tensor, nn
 from .. import _compat
 from ..capture import AttentionCapture, CaptureConfig
 from .layer import DynamicQuantizedSinkLayer
-from .plan import Protection, sink_positions
+from .plan import SINK_EPS, SINK_SHARE, Protection, sink_positions
 
 __all__ = ["detect_sinks", "prefill_detecting_sinks"]
 
 
 @torch.no_grad()
-def detect_sinks(model: nn.Module, input_ids: Tensor, eps: float = 0.3, share: float = 0.1, limit: int = 8) -> list[int]:
+def detect_sinks(model: nn.Module, input_ids: Tensor, eps: float = SINK_EPS, share: float = SINK_SHARE,
+                 limit: int = 8) -> list[int]:
     """Positions of ``input_ids`` ``[T]`` or ``[1, T]`` that receive more than ``eps`` of the attention in at least
     ``share`` of the layer×head pairs (see :func:`~sinklab.kvquant.plan.sink_positions`).
 
@@ -28,8 +29,8 @@ def detect_sinks(model: nn.Module, input_ids: Tensor, eps: float = 0.3, share: f
 
 
 @torch.no_grad()
-def prefill_detecting_sinks(model: nn.Module, input_ids: Tensor, cache, eps: float = 0.3, share: float = 0.1,
-                            limit: int = 8) -> tuple[Tensor, list[int]]:
+def prefill_detecting_sinks(model: nn.Module, input_ids: Tensor, cache, eps: float = SINK_EPS,
+                            share: float = SINK_SHARE, limit: int = 8) -> tuple[Tensor, list[int]]:
     """Prefill ``cache`` (a :func:`~sinklab.kvquant.quantized_sink_cache`) with ``input_ids`` ``[1, T]`` while
     measuring which positions are sinks, then protect them: no separate scan of the prompt.
 

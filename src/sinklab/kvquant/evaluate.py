@@ -30,7 +30,7 @@ from ..errors import InputError
 from .codec import BITS
 from .detect import detect_sinks
 from .layer import dense_bytes_per_token, kv_shape, quantized_sink_cache
-from .plan import PROTECTIONS, Protection
+from .plan import PROTECTIONS, SINK_EPS, SINK_SHARE, Protection
 
 __all__ = ["KvQuantPlan", "KvQuantResult", "kv_quant", "ROW_KEYS", "HF_BACKENDS"]
 
@@ -56,8 +56,8 @@ class KvQuantPlan:
     group_size_2bit: int = 32  # G at 2 bits: four levels per block need shorter blocks (KIVI's own G is 32)
     value_group: int | None = 64  # channels per value scale (per-token; capped at the head width); None: G
     residual: int = 32  # R: most recent tokens kept in full precision
-    eps: float = 0.3  # sink detection: column mass above eps …
-    share: float = 0.1  # … in at least this share of layer×head pairs
+    eps: float = SINK_EPS  # sink detection: column mass above eps …
+    share: float = SINK_SHARE  # … in at least this share of layer×head pairs
     decode_steps: int = 16  # timed one-token forwards per cache (sample 0)
     hf_backends: tuple[str, ...] = ()  # also transformers' QuantizedCache with these backends ("quanto", "hqq")
     bytes_lengths: tuple[int, ...] = (1024, 4096)  # also report bytes per token at these cached lengths

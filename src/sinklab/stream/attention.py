@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from ..attention import Columns, attend, soft_cap
 from ..errors import UnsupportedModelError
 from ..rope import rotate
-from ..variants import variant_column_logits, variant_columns, variant_gate
+from ..variants import variant_column_logits, variant_gate, variant_has_columns
 
 __all__ = ["stream_attention", "stream_mask", "active_stream", "ACTIVE_STREAM", "ATTN_NAME", "TRACED_STREAM"]
 
@@ -103,7 +103,7 @@ def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     if view.from_buffer:
         # Decode: anchored slots were re-rotated in place, every visible slot is a plain key.
         visible = view.visible[:, None, None, :]  # (B, 1, 1, K)
-        if softcap is None and kwargs.get("s_aux") is None and variant_columns(module, h) == (None, None):
+        if softcap is None and kwargs.get("s_aux") is None and not variant_has_columns(module):
             out = attend(query, key, value, visible, scale=scale, gate=gate, fast=True)  # in the model's dtype
             return out.transpose(1, 2).contiguous(), None
         q = query.float()
@@ -136,18 +136,15 @@ def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
 
 def _learned_columns(module: nn.Module, q: Tensor, s_aux: Tensor | None, view, rope, scale: float,
                      softcap: float | None) -> list[Columns]:
-    """A sinklab variant's sink / kv-bias columns, or the model's own learned sinks (``s_aux``, gpt-oss).
+    """A sinklab variant's columns (:data:`sinklab.variants.VARIANTS`), or the model's own learned sinks (``s_aux``).
 
-    The slot's key has no position, so its score depends on where the query is rotated: at the query's own
-    cache-slot position (positions by cache slot), not at the stream's internal virtual position.
+    A kv-bias slot's key has no position, so its score depends on where the query is rotated: at the query's
+    own cache-slot position (positions by cache slot), not at the stream's internal virtual position.
     """
-    slot_query = q
-    if rope is not None and variant_columns(module, q.shape[1])[1] is not None:
-        slot_query = rotate(q, rope, view.slot_shift[:, None, :])
-    columns = variant_column_logits(module, q, scale, slot_query=slot_query, softcap=softcap)
-    if s_aux is not None and not any(col.values is None for col in columns):  # a variant's sink replaces it
-        columns.insert(0, Columns.sink(s_aux, q))
-    return columns
+    def slot_query() -> Tensor:
+        return rotate(q, rope, view.slot_shift[:, None, :]) if rope is not None else q
+
+    return variant_column_logits(module, q, scale, slot_query=slot_query, softcap=softcap, model_sink=s_aux)
 
 
 def _anchor_shift(view, idx: Tensor, window: int) -> Tensor:

@@ -10,7 +10,9 @@ the small :class:`~sinklab.vit.model.SinklabViT`, whose blocks hold an ``attenti
 * ``gate`` — ``Y ⊙ σ(X W)`` on each head's SDPA output before ``o_proj``, ``X`` the block's normalised input
   (the attention module's input): ``"elementwise"`` (``d → H·dh``) or ``"headwise"`` (``d → H``)
   (Qiu et al. 2025, arXiv:2505.06708).
-* ``sink_logit`` / ``softmax1`` come for free from :func:`sinklab.variants.variant_attention`.
+* ``sink_logit`` / ``softmax1`` / ``kv_bias`` come for free: every row of :data:`sinklab.variants.VARIANTS` adds
+  its parameters through :func:`sinklab.variants.add_attention_parameters` and its columns in
+  :func:`sinklab.variants.variant_attention`.
 
 The variant is described by :class:`sinklab.variants.VariantConfig` and uses the same attribute names as
 :mod:`sinklab.variants` (``sinklab_variant``, ``sinklab_gate``, ``sinklab_gate_input``), so
