@@ -2,7 +2,7 @@
 
 * A second model built from the SAME config object is never switched by scan/capture, a variant or a stream
   (transformers keeps the attention implementation on the config, so switching one model used to switch both).
-* Every entry point (scan, diagnose, circuit, stream, variants) leaves the model and its config exactly as it found
+* Every entry point (scan, diagnose, circuit, stream, kv tools, variants) leaves the model and its config exactly as it found
   them, starting from an eager, an sdpa and a variant model.
 * Guard: no module outside the ``sinklab/_compat/`` package touches transformers' attention-dispatch internals.
 """
@@ -125,6 +125,17 @@ def _entry_points(model):
         cache2.close()
 
     yield "stream", stream
+
+    def kv_tools():  # the kv-quant comparison (full, packed and detected-sink caches) and a packed stream
+        from sinklab.kvquant.evaluate import KvQuantPlan, kv_quant
+
+        plan = KvQuantPlan(bits=(4,), protect=("none", "detected"), context=24, score=8, samples=1, group_size=8,
+                           value_group=8, residual=4, decode_steps=1)
+        kv_quant(model, torch.randint(5, 4000, (32,), generator=torch.Generator().manual_seed(0)), plan)
+        with torch.no_grad(), SinkCache(model, num_sinks=2, window=8, kv_bits=4, kv_group_size=4) as cache:
+            model(IDS, cache=cache, use_cache=True)
+
+    yield "kv tools", kv_tools
 
     def variants():
         for name in sinklab.variants.VARIANT_NAMES:
