@@ -44,19 +44,18 @@ def active_stream():
 _PAIR_BUDGET = 1 << 15  # (query, anchored key) pairs rotated at once
 
 
-def _anchored_scores(q: Tensor, keys: Tensor, view, idx: Tensor, window: int, rope, scale: float) -> Tensor:
-    """Scores of queries ``q`` ``[B, Hkv, rep, C, dh]`` against anchored key slots ``idx`` at slot distance."""
-    b, hkv, rep, c, dh = q.shape
+def _anchored_scores(q: Tensor, keys: Tensor, idx: Tensor, shift: Tensor, rope, scale: float) -> Tensor:
+    """Scores of queries ``q`` ``[B, Hkv, rep, C, dh]`` against anchored key slots ``idx`` at slot distance.
+
+    ``shift`` ``[B, C, nA]`` (:func:`_anchor_shift`) rotates key ``idx[j]`` for query ``i``; rotated in float64,
+    ``_PAIR_BUDGET`` (query, key) pairs at a time."""
+    c = q.shape[3]
     k = keys[:, :, idx].double()  # (B, Hkv, nA, dh)
-    k_a, k_f, k_o = view.k_a[:, idx], view.k_f[:, idx], view.k_o[:, idx]  # (B, nA)
     out = []
     step = max(1, _PAIR_BUDGET // max(1, idx.numel()))
     for c0 in range(0, c, step):
         c1 = min(c, c0 + step)
-        q_a, q_f, q_v = view.q_a[:, c0:c1, None], view.q_f[:, c0:c1, None], view.q_v[:, c0:c1, None]
-        dist = q_a - k_a[:, None] + torch.clamp(q_f - k_f[:, None], max=window)  # (B, C', nA)
-        shift = q_v - dist - k_o[:, None]  # rotate key j by this for query i
-        kr = rotate(k[:, :, None], rope, shift[:, None])  # (B, Hkv, C', nA, dh)
+        kr = rotate(k[:, :, None], rope, shift[:, None, c0:c1])  # (B, Hkv, C', nA, dh)
         out.append(torch.einsum("bgrcd,bgcjd->bgrcj", q[:, :, :, c0:c1].double(), kr) * scale)
     return torch.cat(out, dim=3).float()
 
@@ -118,7 +117,7 @@ def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     if idx.numel() and rope is not None:
         shift = _anchor_shift(view, idx, state.window)  # (B, C, nA)
         if bool(((shift != 0) & visible[:, :, idx]).any()):  # some query sees an anchored key elsewhere
-            scores = _anchored_scores(q.view(b, hkv, rep, c, dh), key, view, idx, state.window, rope, scale)
+            scores = _anchored_scores(q.view(b, hkv, rep, c, dh), key, idx, shift, rope, scale)
             columns.append(Columns(soft_cap(scores.view(b, h, c, -1), softcap), v[:, :, idx], visible[:, None, :, idx]))
             visible = visible.clone()
             visible[:, :, idx] = False
