@@ -142,6 +142,10 @@ def test_counts_and_options_out_of_range(tmp_path):
     fails(["train", "--data", "bb", "--out", out, "--checkpoint-every", "-1"], 2, "checkpoint_every must be ≥ 0")
     fails(["train", "--data", tmp_path / "missing.txt", "--out", out, "--steps", "1"], 2, "neither 'pydoc'")
     fails(["train", "--data", "bb", "--out", out, "--variant", "sinky", "--steps", "1"], 2, "unknown variant")
+    fails(["diagnose", "builtin:tiny-lm", "--edit-layers", "-2", "--out", out], 2,
+          "--edit-layers) must be ≥ 1, or None (--edit-layers 0)", "got -2")
+    fails(["circuit", "builtin:tiny-lm", "--causal-samples", "-1", "--out", out], 2,
+          "--causal-samples) must be ≥ 1, or None (--causal-samples 0)", "got -1")
     assert not out.exists() and leftovers(tmp_path) == []
 
 

@@ -318,7 +318,8 @@ def diagnose_inputs(
     if edit_samples is not None and edit_samples < 1:
         raise InputError(f"edit_samples must be ≥ 1, got {edit_samples}")
     if edit_layers is not None and edit_layers < 1:
-        raise InputError(f"edit_layers must be ≥ 1 (or None: every sinking layer), got {edit_layers}")
+        raise InputError(f"edit_layers (--edit-layers) must be ≥ 1, or None (--edit-layers 0) to edit every sinking "
+                         f"layer; got {edit_layers}")
     thresholds = check_thresholds({"eps": rules["sink_mass"], "eps_event": rules["eps_event"],
                                    "relaxed_share": rules["relaxed_share"]})
     n_edit = len(tokens) if edit_samples is None else min(edit_samples, len(tokens))

@@ -302,7 +302,8 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
     if not 0.0 <= eps <= 1.0:
         raise InputError(f"eps must be in [0, 1], got {eps}")
     if causal_samples is not None and causal_samples < 1:
-        raise InputError(f"causal_samples must be ≥ 1 (or None: every sample), got {causal_samples}")
+        raise InputError(f"causal_samples (--causal-samples) must be ≥ 1, or None (--causal-samples 0) to patch every "
+                         f"sample; got {causal_samples}")
     if register_count(model):
         raise UnsupportedModelError(
             f"the model puts {register_count(model)} register tokens in front of every sequence, so position 0 is "
