@@ -300,3 +300,41 @@ def test_causal_check_on_the_first_samples_equals_the_check_on_those_samples_alo
             assert part.causal[kind][key] == pytest.approx(alone.causal[kind][key], rel=1e-5, abs=1e-6), (kind, key)
     assert part.causal["scale"]["ratio"][AMP_BLOCK + 1] == pytest.approx(1.0, abs=1e-3)  # the patch did its job …
     assert part.ratio[AMP_BLOCK + 1] > 10  # … on an amplified x₀
+
+
+def test_other_conditions_on_the_first_samples_equal_those_samples_alone():
+    model = _llama()
+    rows = _rows(5)
+    inputs = lambda r: id_inputs(r, bos_id=V - 1, swap_ids=(3, 4))  # noqa: E731
+    part = circuit_inputs(model, inputs(rows), batch_size=4, condition_samples=2, causal_samples=4)
+    alone = circuit_inputs(model, inputs(rows[:2]), batch_size=4, condition_samples=None, causal=False)
+    full = circuit_inputs(model, inputs(rows), batch_size=4, condition_samples=None, causal=False)
+    ref = part.conditions["as_tokenized"]
+    assert ref["samples"] == 5 and ref["sink_rate"] == full.conditions["as_tokenized"]["sink_rate"]
+    assert ref["loss"] == pytest.approx(full.conditions["as_tokenized"]["loss"], rel=1e-6)
+    for name in ("bos_removed", "first_swapped"):
+        got, want = part.conditions[name], alone.conditions[name]
+        assert got["samples"] == 2 and got["sink_rate"] == want["sink_rate"]
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        torch.testing.assert_close(torch.tensor(got["column_mass_0"]), torch.tensor(want["column_mass_0"]),
+                                   rtol=1e-4, atol=1e-6)
+        # x₀ compared with the reference's x₀ on the same (first) samples
+        assert part.cross_condition_cosine[name] == pytest.approx(alone.cross_condition_cosine[name], rel=1e-4)
+    # (first_swapped's first token is the same in every row, so its x₀ is too: only bos_removed tells them apart)
+    assert part.cross_condition_cosine["bos_removed"] != pytest.approx(full.cross_condition_cosine["bos_removed"],
+                                                                       rel=1e-4)
+    assert part.causal["samples"] == 2  # the donor x₀ comes from first_swapped: at most condition_samples
+    assert part.meta["condition_samples"] == 2 and part.meta["loss_tokens"] == 8
+
+
+def test_the_loss_scores_each_rows_last_targets():
+    model = _llama()
+    rows = _rows(3, 12)
+    with torch.no_grad():
+        logits = model(input_ids=rows).logits.double()
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten(), reduction="none")
+    ce = ce.view(3, 11)
+    for last, want in ((5, ce[:, -5:].mean()), (None, ce.mean())):
+        res = circuit_inputs(model, id_inputs(rows, bos_id=V - 1, swap_ids=(3, 4)), batch_size=2, causal=False,
+                             loss_tokens=last)
+        assert res.conditions["as_tokenized"]["loss"] == pytest.approx(float(want), rel=1e-5)

@@ -146,6 +146,10 @@ def test_counts_and_options_out_of_range(tmp_path):
           "--edit-layers) must be ≥ 1, or None (--edit-layers 0)", "got -2")
     fails(["circuit", "builtin:tiny-lm", "--causal-samples", "-1", "--out", out], 2,
           "--causal-samples) must be ≥ 1, or None (--causal-samples 0)", "got -1")
+    fails(["circuit", "builtin:tiny-lm", "--condition-samples", "-3", "--out", out], 2,
+          "--condition-samples) must be ≥ 1, or None (--condition-samples 0)", "got -3")
+    fails(["circuit", "builtin:tiny-lm", "--loss-tokens", "-4", "--out", out], 2,
+          "--loss-tokens) must be ≥ 1, or None (--loss-tokens 0)", "got -4")
     assert not out.exists() and leftovers(tmp_path) == []
 
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .. import _compat
 from ..fingerprint import ModelCache
 
-__all__ = ["head_matches", "head_logits", "token_losses", "CHUNK_ELEMENTS"]
+__all__ = ["head_matches", "head_logits", "scored_pairs", "token_losses", "CHUNK_ELEMENTS"]
 
 #: Logit entries per chunk (64 MB in float32).
 CHUNK_ELEMENTS = 1 << 24
@@ -102,9 +102,19 @@ def _vocab_chunked_ce(model: nn.Module, head: nn.Linear, h: Tensor, targets: Ten
     return peak + torch.log(total) - picked
 
 
+def scored_pairs(mask: Tensor, last: int | None = None) -> Tensor:
+    """``[B, T-1]`` bool: the (token, next token) pairs a loss scores — both tokens real, and with ``last`` only
+    each row's last ``last`` such pairs (their targets are the row's last real tokens, whatever its padding side).
+    """
+    valid = mask[:, :-1].bool() & mask[:, 1:].bool()  # (B, T-1)
+    if last is not None:
+        valid &= valid.flip(-1).cumsum(-1).flip(-1) <= last
+    return valid
+
+
 @torch.no_grad()
 def token_losses(model: nn.Module, hidden: Tensor, ids: Tensor, mask: Tensor,
-                 chunk_elements: int = CHUNK_ELEMENTS) -> tuple[Tensor, Tensor]:
+                 chunk_elements: int = CHUNK_ELEMENTS, last: int | None = None) -> tuple[Tensor, Tensor]:
     """Per-row sum and count of next-token cross-entropy over the real (token, next token) pairs.
 
     Parameters
@@ -113,6 +123,8 @@ def token_losses(model: nn.Module, hidden: Tensor, ids: Tensor, mask: Tensor,
         ``[B, T, d]`` the base model's final hidden states (after the final norm).
     ids, mask:
         ``[B, T]`` token ids and real-token mask.
+    last:
+        score only each row's last ``last`` pairs (:func:`scored_pairs`; None: every pair).
 
     Returns
     -------
@@ -120,7 +132,7 @@ def token_losses(model: nn.Module, hidden: Tensor, ids: Tensor, mask: Tensor,
     ``chunk_elements`` logits at a time: all rows against one slice of the vocabulary (a running log-sum-exp), so
     the head's weight is read once.
     """
-    valid = mask[:, :-1].bool() & mask[:, 1:].bool()  # (B, T-1)
+    valid = scored_pairs(mask, last)
     rows = valid.nonzero()  # (N, 2)
     sums = torch.zeros(ids.shape[0], dtype=torch.float64)
     if rows.numel():

@@ -38,7 +38,7 @@ from .hooks import Patch
 from .inputs import REFERENCE, CircuitInputs, text_inputs
 from .measure import MeasureSession, measure_rows
 
-__all__ = ["CAUSAL_SAMPLES", "CONTRIBUTION_RULE", "SCHEMA_VERSION", "CircuitResult", "circuit", "circuit_inputs"]
+__all__ = ["CAUSAL_SAMPLES", "CONDITION_SAMPLES", "CONTRIBUTION_RULE", "LOSS_TOKENS", "SCHEMA_VERSION", "CircuitResult", "circuit", "circuit_inputs"]
 
 SCHEMA_VERSION = "sinklab.circuit/1"
 
@@ -202,8 +202,8 @@ def _condition_summary(rec: dict[str, Tensor], eps: float, description: str) -> 
     loss = None
     if "loss_sum" in rec:
         loss = float(rec["loss_sum"].sum() / rec["loss_count"].sum().clamp_min(1))
-    return {"description": description, "sink_rate": _r4(rates), "column_mass_0": _r4(mass[..., 0].nanmean(0)),
-            "ratio": _r4(_ratio(rec).nanmean(0)), "loss": loss}
+    return {"description": description, "samples": int(mass.shape[0]), "sink_rate": _r4(rates),
+            "column_mass_0": _r4(mass[..., 0].nanmean(0)), "ratio": _r4(_ratio(rec).nanmean(0)), "loss": loss}
 
 
 def _ablation(conditions: dict[str, dict], threshold: float) -> dict:
@@ -277,9 +277,19 @@ def _causal(model, rows, base: dict, donor_rec: dict, layer: int, eps: float, co
             "note": "layers ≤ the patched block are unchanged by construction (the patch is on its output)"}
 
 
-#: Samples the causal check patches by default (the first ones; the conditions use every sample). Each patch is
-#: a full pass, and there are two or four of them: on all 16 samples they were four of SmolLM2's seven passes.
+#: Samples the causal check patches by default (the first ones). Each patch is a full pass, and there are two or
+#: four of them: on all 16 samples they were four of SmolLM2's seven passes.
 CAUSAL_SAMPLES = 4
+
+#: Samples the other first-token conditions run on by default (the first ones; the reference runs on every
+#: sample). Their verdict — does Sink_0 form, in how many layers — separates by a wide margin (Gemma 3: 16 of 18
+#: layers vs none; SmolLM2: every condition keeps it), and each condition is a full pass.
+CONDITION_SAMPLES = 8
+
+#: Next-token targets the loss scores by default: each row's last 8 (the same tokens under every condition
+#: that keeps the row's end, and on the same rows the causal patches compare). The LM head is the costliest
+#: layer of a small-model, large-vocabulary LM (Gemma 3: 262,144 × 640, ≈ 7 CPU s for 16 × 64 positions).
+LOSS_TOKENS = 8
 
 
 def _first_rows(rec: dict[str, Tensor], n: int) -> dict[str, Tensor]:
@@ -290,20 +300,30 @@ def _first_rows(rec: dict[str, Tensor], n: int) -> dict[str, Tensor]:
 def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3, batch_size: int = 8,
                    padding_side: str = "right", layer_threshold: float = rules.LAYER_SINK_THRESHOLD,
                    causal: bool = True, causal_samples: int | None = CAUSAL_SAMPLES,
+                   condition_samples: int | None = CONDITION_SAMPLES, loss_tokens: int | None = LOSS_TOKENS,
                    progress: Callable[[int], None] | None = None,
                    set_total: Callable[[int], None] | None = None, meta: dict | None = None) -> CircuitResult:
     """The circuit on prepared :class:`~sinklab.circuit.inputs.CircuitInputs` (e.g. Bigram-Backcopy rows).
 
-    ``causal_samples``: the causal check patches the first that many samples (None: all) and compares them with
-    the reference on the same samples. ``progress(k)`` is called after every batch of ``k`` samples;
-    ``set_total(n)`` once the number of sample passes is known (3 conditions, plus 2 causal patches, plus 2 more
-    when the first amplification is elsewhere).
+    ``condition_samples``: the conditions other than the reference run on the first that many samples (None:
+    all; the reference always runs on every sample). ``causal_samples``: the causal check patches the first that
+    many samples (None: all; at most ``condition_samples``, since its donor comes from ``first_swapped``) and
+    compares them with the reference on the same samples. ``loss_tokens``: the loss scores each row's last that
+    many next-token targets (None: every one). ``progress(k)`` is called after every batch of ``k`` samples;
+    ``set_total(n)`` once the number of sample passes is known (the reference, the other conditions, plus 2
+    causal patches, plus 2 more when the first amplification is elsewhere).
     """
     if not 0.0 <= eps <= 1.0:
         raise InputError(f"eps must be in [0, 1], got {eps}")
     if causal_samples is not None and causal_samples < 1:
         raise InputError(f"causal_samples (--causal-samples) must be ≥ 1, or None (--causal-samples 0) to patch every "
                          f"sample; got {causal_samples}")
+    if condition_samples is not None and condition_samples < 1:
+        raise InputError(f"condition_samples (--condition-samples) must be ≥ 1, or None (--condition-samples 0) to run "
+                         f"every condition on every sample; got {condition_samples}")
+    if loss_tokens is not None and loss_tokens < 1:
+        raise InputError(f"loss_tokens (--loss-tokens) must be ≥ 1, or None (--loss-tokens 0) to score every "
+                         f"next-token target; got {loss_tokens}")
     if register_count(model):
         raise UnsupportedModelError(
             f"the model puts {register_count(model)} register tokens in front of every sequence, so position 0 is "
@@ -312,17 +332,19 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
     check_weights(model)
     with MeasureSession(model) as session:
         common = {"pad_id": inputs.pad_id, "batch_size": batch_size, "padding_side": padding_side,
-                  "progress": progress, "session": session}
-        recs = {name: measure_rows(model, rows, **common) for name, rows in inputs.conditions.items()}
+                  "progress": progress, "session": session, "loss_tokens": loss_tokens}
+        n_all = len(inputs.conditions[REFERENCE])
+        n_cond = n_all if condition_samples is None else min(condition_samples, n_all)
+        n_causal = min(n_cond, n_all if causal_samples is None else causal_samples)
+        recs = {name: measure_rows(model, rows if name == REFERENCE else rows[:n_cond], **common)
+                for name, rows in inputs.conditions.items()}
         amp = rules.amplification_layer(_ratio(recs[REFERENCE]).nanmean(0).tolist())
         conds = {name: _condition_summary(rec, eps, inputs.description[name]) for name, rec in recs.items()}
         causal_out, causal_early = {}, {}
         run = rules.first_amplification_run(_ratio(recs[REFERENCE]).nanmean(0).tolist())
-        n_all = len(inputs.conditions[REFERENCE])
-        n_causal = n_all if causal_samples is None else min(causal_samples, n_all)
         if set_total is not None:
             extra = (2 + 2 * bool(run and run[-1] != amp)) if causal and amp is not None else 0
-            set_total(len(inputs.conditions) * n_all + extra * n_causal)
+            set_total(n_all + (len(inputs.conditions) - 1) * n_cond + extra * n_causal)
         if causal and amp is not None:
             rows = inputs.conditions[REFERENCE][:n_causal]
             base = (conds[REFERENCE] if n_causal == n_all else
@@ -338,8 +360,9 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
     seq_len = ref["hidden_norm"].shape[-1]
     cross = {}
     for name, rec in recs.items():
-        if name != REFERENCE and rec["x0"].shape == ref["x0"].shape:
-            a, b = ref["x0"].double(), rec["x0"].double()
+        n = rec["x0"].shape[0]
+        if name != REFERENCE and rec["x0"].shape == ref["x0"][:n].shape:
+            a, b = ref["x0"][:n].double(), rec["x0"].double()
             cross[name] = _r4(torch.nn.functional.cosine_similarity(a, b, dim=-1).mean(0))
     stage = rules.classify_stage(early, rules.stage_amplification(ratio.tolist()), threshold=layer_threshold)
     ablation = _ablation(conds, layer_threshold)
@@ -360,22 +383,28 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
                "location": rules.LOCATION_RULE, "stage": rules.STAGE_RULE, "ablation": ablation["rule"],
                "attention": DESTINATION_RULE,
                "massive": "|a| > 100 and ≥ 1000 × the median |a| of that hidden state (Sun et al. 2024)",
-               "positions": "position 0 = each row's first real token (padding skipped)"},
-        meta={**inputs.meta, "conditions": list(inputs.conditions), **(meta or {})},
+               "positions": "position 0 = each row's first real token (padding skipped)",
+               "loss": ("mean next-token cross-entropy over " + ("every target" if loss_tokens is None else
+                        f"each row's last {loss_tokens} targets") + f"; conditions other than {REFERENCE} run on the "
+                        f"first {n_cond} samples")},
+        meta={**inputs.meta, "conditions": list(inputs.conditions), "condition_samples": n_cond,
+              "loss_tokens": loss_tokens, **(meta or {})},
     )
 
 
 def circuit(model: nn.Module, tokenizer, texts: str | list[str] | None = None, *, seq_len: int = 64,
             samples: int = 16, batch_size: int = 8, eps: float = 0.3, special_token: str | None = None,
             padding_side: str = "right", layer_threshold: float = rules.LAYER_SINK_THRESHOLD, causal: bool = True,
-            causal_samples: int | None = CAUSAL_SAMPLES, source: str | None = None, revision: str | None = None,
+            causal_samples: int | None = CAUSAL_SAMPLES, condition_samples: int | None = CONDITION_SAMPLES,
+            loss_tokens: int | None = LOSS_TOKENS, source: str | None = None, revision: str | None = None,
             progress: Callable[[int], None] | None = None,
             set_total: Callable[[int], None] | None = None) -> CircuitResult:
     """Measure the P0 sink circuit of a causal LM on ``texts`` (default: the pydoc corpus).
 
     Texts are cut into ``samples`` windows of ``seq_len`` tokens and run under three first-token conditions
-    (see :mod:`sinklab.circuit.inputs`); then the causal patches at the amplification layer, on the first
-    ``causal_samples`` samples (None: every one). Progress is
+    (see :mod:`sinklab.circuit.inputs`) — the reference on every sample, the others on the first
+    ``condition_samples`` — then the causal patches at the amplification layer, on the first ``causal_samples``
+    samples (None: every one); the loss scores each row's last ``loss_tokens`` targets. Progress is
     reported per sample through ``progress``; ``set_total`` receives the number of sample passes when known.
     """
     from ..checks import check_vocab
@@ -391,4 +420,4 @@ def circuit(model: nn.Module, tokenizer, texts: str | list[str] | None = None, *
     meta = model_meta(model, source, revision, corpus=corpus, requested_seq_len=seq_len)
     return circuit_inputs(model, inputs, eps=eps, batch_size=batch_size, padding_side=padding_side,
                           layer_threshold=layer_threshold, causal=causal, causal_samples=causal_samples,
-                          progress=progress, set_total=set_total, meta=meta)
+                          condition_samples=condition_samples, loss_tokens=loss_tokens, progress=progress, set_total=set_total, meta=meta)

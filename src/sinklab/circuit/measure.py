@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ..capture import AttentionCapture, CaptureConfig
-from ..capture.loss import head_matches, token_losses
+from ..capture.loss import head_matches, scored_pairs, token_losses
 from ..errors import InputError
 from .destination import align_to_start, head_destinations
 from .hooks import Patch, PositionZeroRecorder, find_sublayers
@@ -39,10 +39,11 @@ def _pad(rows: list[list[int]], pad_id: int, side: str) -> tuple[Tensor, Tensor]
     return ids, mask
 
 
-def _losses(logits: Tensor, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+def _losses(logits: Tensor, ids: Tensor, mask: Tensor, last: int | None) -> tuple[Tensor, Tensor]:
     """Per-row sum and count of next-token cross-entropy from full ``[B, T, V]`` logits (models whose head
-    :func:`~sinklab.capture.loss.head_matches` cannot reproduce)."""
-    valid = mask[:, :-1].bool() & mask[:, 1:].bool()  # (B, T-1)
+    :func:`~sinklab.capture.loss.head_matches` cannot reproduce), over the pairs of
+    :func:`~sinklab.capture.loss.scored_pairs`."""
+    valid = scored_pairs(mask, last)  # (B, T-1)
     ce = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten(),
                                            reduction="none").view(valid.shape)
     return torch.where(valid, ce, 0.0).double().sum(-1), valid.sum(-1).double()
@@ -81,7 +82,7 @@ class MeasureSession:
 def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, batch_size: int = 8,
                  padding_side: str = "right", patch: Callable[[slice], Patch | None] | None = None,
                  progress: Callable[[int], None] | None = None, session: MeasureSession | None = None,
-                 destinations: bool = True) -> dict[str, Tensor]:
+                 destinations: bool = True, loss_tokens: int | None = None) -> dict[str, Tensor]:
     """One pass over token ``rows``: attention column mass of the early positions, position-0 records, loss.
 
     Returns CPU tensors: ``column_mass`` ``[S, L, H, P]`` (P = 4 early positions, aligned to each row's first
@@ -89,13 +90,15 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
     ``x0`` ``[S, L+1, d]``, ``attn0``/``mlp0`` ``[S, L, d]`` …), ``loss_sum``/``loss_count`` ``[S]``.
     ``patch(batch_slice)`` gives the :class:`~sinklab.circuit.hooks.Patch` for each batch (``None``: no edit).
     ``destinations=False`` skips the per-query rows and the destinations (the causal check does not read them).
+    ``loss_tokens``: the loss scores each row's last that many next-token targets (None: every one).
     """
     if padding_side not in ("left", "right"):
         raise InputError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     if session is None:
         with MeasureSession(model) as own:
             return measure_rows(model, rows, pad_id=pad_id, batch_size=batch_size, padding_side=padding_side,
-                                patch=patch, progress=progress, session=own, destinations=destinations)
+                                patch=patch, progress=progress, session=own, destinations=destinations,
+                                loss_tokens=loss_tokens)
     cap, rec = session.cap, session.rec
     parts: list[dict[str, Tensor]] = []
     cap.config = session.config if destinations else replace(session.config, row_stats=False)
@@ -116,9 +119,10 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
                                               batch.row_entropy, batch.row_diagonal, batch.row_previous,
                                               batch.update_norm, starts))
             if session.chunked_loss:
-                part["loss_sum"], part["loss_count"] = token_losses(model, cap.last_output.last_hidden_state, ids, mask)
+                part["loss_sum"], part["loss_count"] = token_losses(model, cap.last_output.last_hidden_state, ids, mask,
+                                                                      last=loss_tokens)
             elif getattr(cap.last_output, "logits", None) is not None:
-                part["loss_sum"], part["loss_count"] = _losses(cap.last_output.logits.cpu(), ids, mask)
+                part["loss_sum"], part["loss_count"] = _losses(cap.last_output.logits.cpu(), ids, mask, loss_tokens)
             parts.append(part)
             if progress is not None:
                 progress(sl.stop - sl.start)

@@ -77,6 +77,10 @@ def circuit_cmd(
     no_causal: Annotated[bool, typer.Option("--no-causal", help="skip the patching passes")] = False,
     causal_samples: Annotated[int, typer.Option("--causal-samples", help="samples the causal patches run on "
                                                 "(0: every sample)")] = 4,
+    condition_samples: Annotated[int, typer.Option("--condition-samples", help="samples the other first-token "
+                                                   "conditions run on (0: every sample)")] = 8,
+    loss_tokens: Annotated[int, typer.Option("--loss-tokens", help="next-token targets per row the loss scores, "
+                                             "the last ones (0: every one)")] = 8,
     out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("sinklab-circuit"),
     device_map: Annotated[str | None, device_map_option()] = None,
 ) -> None:
@@ -105,6 +109,7 @@ def circuit_cmd(
             result = circuit_source(net, tokenizer, cfg, texts=texts, seq_len=seq_len, samples=samples, source=model,
                                     batch_size=batch_size, causal=not no_causal,
                                     causal_samples=causal_samples or None,
+                                    condition_samples=condition_samples or None, loss_tokens=loss_tokens or None,
                                     progress=lambda k: progress.advance(task, k),
                                     set_total=lambda n: progress.update(task, total=n),
                                     **({"special_token": special_token} if tokenizer is not None else {}))
