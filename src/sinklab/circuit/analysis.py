@@ -268,9 +268,9 @@ def _causal(model, rows, base: dict, donor_rec: dict, layer: int, eps: float, co
 
     donor = donor_rec["x0"][:, layer + 1]  # (S, d) x₀ after the block with a different first token
     rec_donor = measure_rows(model, rows, patch=lambda sl: Patch(layer, "replace", replacement=donor[sl]),
-                             destinations=False, **common)
+                             destinations=False, massive=False, **common)
     rec_scale = measure_rows(model, rows, patch=lambda sl: Patch(layer, "scale", target_ratio=1.0), destinations=False,
-                             **common)
+                             massive=False, **common)
     return {"layer": layer, "samples": len(rows),
             "donor": effect(rec_donor, "x₀ after the block replaced by its value under first_swapped"),
             "scale": effect(rec_scale, "x₀ after the block rescaled to the median norm of the other tokens (r = 1)"),
@@ -336,7 +336,10 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
         n_all = len(inputs.conditions[REFERENCE])
         n_cond = n_all if condition_samples is None else min(condition_samples, n_all)
         n_causal = min(n_cond, n_all if causal_samples is None else causal_samples)
-        recs = {name: measure_rows(model, rows if name == REFERENCE else rows[:n_cond], **common)
+        # the reference runs on every sample (and alone records massive activations); its loss is scored on the
+        # samples the other conditions share, so every condition's loss is over the same rows
+        recs = {name: measure_rows(model, rows, loss_rows=n_cond, **common) if name == REFERENCE else
+                measure_rows(model, rows[:n_cond], massive=False, **common)
                 for name, rows in inputs.conditions.items()}
         amp = rules.amplification_layer(_ratio(recs[REFERENCE]).nanmean(0).tolist())
         conds = {name: _condition_summary(rec, eps, inputs.description[name]) for name, rec in recs.items()}
@@ -385,8 +388,8 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
                "massive": "|a| > 100 and ≥ 1000 × the median |a| of that hidden state (Sun et al. 2024)",
                "positions": "position 0 = each row's first real token (padding skipped)",
                "loss": ("mean next-token cross-entropy over " + ("every target" if loss_tokens is None else
-                        f"each row's last {loss_tokens} targets") + f"; conditions other than {REFERENCE} run on the "
-                        f"first {n_cond} samples")},
+                        f"each row's last {loss_tokens} targets") + f" of the first {n_cond} samples (those every "
+                        f"condition runs on; the conditions other than {REFERENCE} run on them only)")},
         meta={**inputs.meta, "conditions": list(inputs.conditions), "condition_samples": n_cond,
               "loss_tokens": loss_tokens, **(meta or {})},
     )

@@ -111,7 +111,8 @@ class PositionZeroRecorder:
 
     After each forward: ``hidden_norm`` ``[B, L+1, T]`` (aligned: column ``j`` is the row's ``j``-th real
     token, NaN beyond), ``x0`` ``[B, L+1, d]``, ``max_abs``/``max_dim`` ``[B, L+1, T]``, ``median_abs``
-    ``[B, L+1]``, ``attn0``/``mlp0`` ``[B, L, d]`` (each sublayer's output at position 0). Index 0 of the
+    ``[B, L+1]`` (only when :meth:`start` is given ``massive=True``), ``attn0``/``mlp0`` ``[B, L, d]`` (each
+    sublayer's output at position 0). Index 0 of the
     ``L+1`` axis is the embeddings (block 0's input), index ``l + 1`` block ``l``'s output (after any patch).
     """
 
@@ -140,12 +141,15 @@ class PositionZeroRecorder:
             handle.remove()
         self._handles.clear()
 
-    def start(self, attention_mask: Tensor, patch: Patch | None = None) -> None:
-        """Prepare for one forward pass over a batch with ``attention_mask`` ``[B, T]`` (1 = real token)."""
+    def start(self, attention_mask: Tensor, patch: Patch | None = None, massive: bool = True) -> None:
+        """Prepare for one forward pass over a batch with ``attention_mask`` ``[B, T]`` (1 = real token);
+        ``massive=False`` skips the massive-activation fields (a median over every activation of every layer)."""
         self._mask = attention_mask.bool()
         self._starts = self._mask.long().argmax(-1)  # (B,) first real token of each row
         self.patch = patch
-        self._rec = {k: {} for k in ("hidden_norm", "x0", "max_abs", "max_dim", "median_abs", "attn0", "mlp0")}
+        self._massive = massive
+        keys = ("hidden_norm", "x0", "attn0", "mlp0") + (("max_abs", "max_dim", "median_abs") if massive else ())
+        self._rec = {k: {} for k in keys}
 
     def collect(self) -> dict[str, Tensor]:
         """Stack what the last forward recorded (see the class docstring for shapes)."""
@@ -178,9 +182,11 @@ class PositionZeroRecorder:
         x = hidden.detach().float()  # (B, T, d)
         mask = self._mask.to(x.device)
         rows, starts = self._rows(x.device)
-        max_abs, max_dim = x.abs().max(dim=-1)
         self._rec["hidden_norm"][index] = self._aligned(x.norm(dim=-1), math.nan).cpu()
         self._rec["x0"][index] = x[rows, starts].cpu()
+        if not self._massive:
+            return
+        max_abs, max_dim = x.abs().max(dim=-1)
         self._rec["max_abs"][index] = self._aligned(max_abs, math.nan).cpu()
         self._rec["max_dim"][index] = self._aligned(max_dim.float(), -1.0).long().cpu()
         self._rec["median_abs"][index] = metrics.activation_median(x, mask).cpu()

@@ -82,7 +82,8 @@ class MeasureSession:
 def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, batch_size: int = 8,
                  padding_side: str = "right", patch: Callable[[slice], Patch | None] | None = None,
                  progress: Callable[[int], None] | None = None, session: MeasureSession | None = None,
-                 destinations: bool = True, loss_tokens: int | None = None) -> dict[str, Tensor]:
+                 destinations: bool = True, loss_tokens: int | None = None, loss_rows: int | None = None,
+                 massive: bool = True) -> dict[str, Tensor]:
     """One pass over token ``rows``: attention column mass of the early positions, position-0 records, loss.
 
     Returns CPU tensors: ``column_mass`` ``[S, L, H, P]`` (P = 4 early positions, aligned to each row's first
@@ -90,7 +91,9 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
     ``x0`` ``[S, L+1, d]``, ``attn0``/``mlp0`` ``[S, L, d]`` …), ``loss_sum``/``loss_count`` ``[S]``.
     ``patch(batch_slice)`` gives the :class:`~sinklab.circuit.hooks.Patch` for each batch (``None``: no edit).
     ``destinations=False`` skips the per-query rows and the destinations (the causal check does not read them).
-    ``loss_tokens``: the loss scores each row's last that many next-token targets (None: every one).
+    ``loss_tokens``: the loss scores each row's last that many next-token targets (None: every one);
+    ``loss_rows``: only the first that many rows are scored (the others count 0 targets; None: every row).
+    ``massive=False`` skips the recorder's massive-activation fields.
     """
     if padding_side not in ("left", "right"):
         raise InputError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
@@ -98,7 +101,7 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
         with MeasureSession(model) as own:
             return measure_rows(model, rows, pad_id=pad_id, batch_size=batch_size, padding_side=padding_side,
                                 patch=patch, progress=progress, session=own, destinations=destinations,
-                                loss_tokens=loss_tokens)
+                                loss_tokens=loss_tokens, loss_rows=loss_rows, massive=massive)
     cap, rec = session.cap, session.rec
     parts: list[dict[str, Tensor]] = []
     cap.config = session.config if destinations else replace(session.config, row_stats=False)
@@ -106,7 +109,10 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
         for start in range(0, len(rows), batch_size):
             sl = slice(start, min(len(rows), start + batch_size))
             ids, mask = _pad(rows[sl], pad_id, padding_side)
-            rec.start(mask, None if patch is None else patch(sl))
+            rec.start(mask, None if patch is None else patch(sl), massive=massive)
+            scored = mask.clone()  # rows beyond loss_rows: nothing to score (no LM-head work)
+            if loss_rows is not None:
+                scored[max(0, loss_rows - sl.start):] = 0
             kwargs = {"input_ids": ids.to(session.device), "attention_mask": mask.to(session.device)}
             if session.takes_positions:  # left padding: positions count real tokens only
                 kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp_min(0).to(session.device)
@@ -119,10 +125,10 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
                                               batch.row_entropy, batch.row_diagonal, batch.row_previous,
                                               batch.update_norm, starts))
             if session.chunked_loss:
-                part["loss_sum"], part["loss_count"] = token_losses(model, cap.last_output.last_hidden_state, ids, mask,
+                part["loss_sum"], part["loss_count"] = token_losses(model, cap.last_output.last_hidden_state, ids, scored,
                                                                       last=loss_tokens)
             elif getattr(cap.last_output, "logits", None) is not None:
-                part["loss_sum"], part["loss_count"] = _losses(cap.last_output.logits.cpu(), ids, mask, loss_tokens)
+                part["loss_sum"], part["loss_count"] = _losses(cap.last_output.logits.cpu(), ids, scored, loss_tokens)
             parts.append(part)
             if progress is not None:
                 progress(sl.stop - sl.start)
