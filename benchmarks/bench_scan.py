@@ -7,8 +7,10 @@ Prints a table and writes benchmarks/results/bench_scan.json. Not a test: number
 Real-model mode (``--models``): per model, one process loads it once (load excluded) and times, in
 interleaved rounds on the same windows (16 × 64 tokens by default), the backbone forward
 (``model.model``, no LM head), ``sinklab.scan``, ``sinklab.diagnose`` and ``sinklab.circuit`` with their
-defaults: wall and CPU seconds (CPU time is steadier on a shared machine), medians over the rounds. Peak
-memory: RSS sampled every 2 ms during each operation's warm-up run, against the RSS after loading. Writes benchmarks/results/bench_scan_models.json.
+defaults, and the whole model's forward (``lm-forward``: LM head included, what any loss runs): wall and CPU
+seconds (CPU time is steadier on a shared machine), medians over the rounds. Peak memory: RSS sampled every
+2 ms during each operation's warm-up run (in that order, ``lm-forward`` last: a memory-mapped, tied LM head
+stays paged in once read), against the RSS after loading. Writes benchmarks/results/bench_scan_models.json.
 
     python benchmarks/bench_scan.py [--lengths 512 2048 8192] [--repeats 2]
     python benchmarks/bench_scan.py --models builtin:smollm2 path/to/gemma-3-270m.gguf [--repeats 3]
@@ -28,7 +30,7 @@ import time
 from pathlib import Path
 
 MODES = ("plain-sdpa", "sinklab-scan", "eager-attentions")
-OPERATIONS = ("forward", "scan", "diagnose", "circuit")
+OPERATIONS = ("forward", "lm-forward", "scan", "diagnose", "circuit")
 
 
 def _model(attn: str):
@@ -89,10 +91,16 @@ def _operations(name: str, samples: int, seq_len: int) -> dict:
             for batch in batches:
                 model.model(**batch, use_cache=False)
 
+    def lm_forward():  # the whole model, LM head included: what a loss (the circuit's) has to run
+        with torch.no_grad():
+            for batch in batches:
+                model(**batch, use_cache=False)
+
     return {"forward": forward,
             "scan": lambda: sinklab.scan(model, tok, seq_len=seq_len, samples=samples),
             "diagnose": lambda: sinklab.diagnose(model, tok, seq_len=seq_len, samples=samples),
-            "circuit": lambda: circuit(model, tok, seq_len=seq_len, samples=samples)}
+            "circuit": lambda: circuit(model, tok, seq_len=seq_len, samples=samples),
+            "lm-forward": lm_forward}  # last: it pages in a tied LM head the others may not read
 
 
 def _rss_mib() -> float:
@@ -162,15 +170,16 @@ def models_main(args) -> None:
     print(f"\n{args.samples} × {args.seq_len} tokens, load excluded, medians of {args.repeats} interleaved rounds "
           f"(threads: {os.environ.get('OMP_NUM_THREADS', 'default')})\n")
     print("| model | operation | wall (s) | CPU (s) | wall / forward | CPU / forward | CPU / scan | "
-          "peak RSS (MiB) | peak − loaded (MiB) | peak / forward's |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "peak RSS (MiB) | peak − loaded (MiB) | peak / forward's | peak / lm-forward's |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, t in rows.items():
         for op in OPERATIONS:
             print(f"| {name} | {op} | {t[op]['wall_s']:.2f} | {t[op]['cpu_s']:.2f} | "
                   f"{t[op]['wall_s'] / t['forward']['wall_s']:.2f}× | {t[op]['cpu_s'] / t['forward']['cpu_s']:.2f}× | "
                   f"{t[op]['cpu_s'] / t['scan']['cpu_s']:.2f}× | {t[op]['peak_rss_mib']:.0f} | "
                   f"{t[op]['peak_rss_mib'] - t[op]['rss_after_load_mib']:.0f} | "
-                  f"{t[op]['peak_rss_mib'] / t['forward']['peak_rss_mib']:.2f}× |")
+                  f"{t[op]['peak_rss_mib'] / t['forward']['peak_rss_mib']:.2f}× | "
+                  f"{t[op]['peak_rss_mib'] / t['lm-forward']['peak_rss_mib']:.2f}× |")
     _write("bench_scan_models.json", {"benchmark": "scan-models", "samples": args.samples, "seq_len": args.seq_len,
                                       "repeats": args.repeats, "models": rows})
 

@@ -19,8 +19,8 @@ from ..fingerprint import ModelCache
 
 __all__ = ["head_matches", "head_logits", "scored_pairs", "token_losses", "CHUNK_ELEMENTS"]
 
-#: Logit entries per chunk (64 MB in float32).
-CHUNK_ELEMENTS = 1 << 24
+#: Logit entries per chunk (16 MB in float32; the chunk and its exp are the loss's only large temporaries).
+CHUNK_ELEMENTS = 1 << 22
 
 _VERIFIED = ModelCache()
 
