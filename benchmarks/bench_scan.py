@@ -71,8 +71,9 @@ def worker(mode: str, length: int, repeats: int) -> dict:
     return {"mode": mode, "T": length, "seconds": min(times), "peak_rss_mb": peak_mb}
 
 
-def _operations(name: str, samples: int, seq_len: int) -> dict:
-    """Load ``name`` and return ``{operation: callable}`` on the same windows (see the module docstring)."""
+def _operations(name: str, samples: int, seq_len: int, resident: bool = False) -> dict:
+    """Load ``name`` and return ``{operation: callable}`` on the same windows (see the module docstring);
+    ``resident``: every parameter read once after loading (memory-mapped pages in)."""
     import warnings
 
     import torch
@@ -84,6 +85,10 @@ def _operations(name: str, samples: int, seq_len: int) -> dict:
     warnings.filterwarnings("ignore")
     loaded = sinklab.load_model(name)
     model, tok = loaded.model, loaded.tokenizer
+    if resident:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sum()
     batches, _, _ = text_batches(model, tok, None, seq_len=seq_len, samples=samples, batch_size=8)
 
     def forward():
@@ -132,9 +137,12 @@ class _PeakRSS:
         self._thread.join()
 
 
-def model_worker(name: str, repeats: int, samples: int, seq_len: int) -> dict:
-    """Wall/CPU seconds of every operation in interleaved rounds, and the peak RSS while each one ran."""
-    ops = _operations(name, samples, seq_len)
+def model_worker(name: str, repeats: int, samples: int, seq_len: int, resident: bool = False) -> dict:
+    """Wall/CPU seconds of every operation in interleaved rounds, and the peak RSS while each one ran.
+
+    ``resident``: read every parameter once before the baseline RSS is taken, so a memory-mapped weight that
+    only some operations read (Gemma 3's tied 262,144-row LM head) counts in every operation's baseline."""
+    ops = _operations(name, samples, seq_len, resident)
     ops["forward"]()  # warm: allocator and thread pools
     loaded = _rss_mib()
     rss = _PeakRSS()
@@ -165,6 +173,7 @@ def models_main(args) -> None:
     rows = {}
     for name in args.models:
         rows[name] = _child(["--model-worker", name, "--repeats", str(args.repeats), "--samples", str(args.samples),
+                             *(["--resident"] if args.resident else []),
                              "--seq-len", str(args.seq_len)])
         print(f"  {name}: done", flush=True)
     print(f"\n{args.samples} × {args.seq_len} tokens, load excluded, medians of {args.repeats} interleaved rounds "
@@ -180,8 +189,9 @@ def models_main(args) -> None:
                   f"{t[op]['peak_rss_mib'] - t[op]['rss_after_load_mib']:.0f} | "
                   f"{t[op]['peak_rss_mib'] / t['forward']['peak_rss_mib']:.2f}× | "
                   f"{t[op]['peak_rss_mib'] / t['lm-forward']['peak_rss_mib']:.2f}× |")
-    _write("bench_scan_models.json", {"benchmark": "scan-models", "samples": args.samples, "seq_len": args.seq_len,
-                                      "repeats": args.repeats, "models": rows})
+    _write("bench_scan_models" + ("_resident" if args.resident else "") + ".json",
+           {"benchmark": "scan-models", "samples": args.samples, "seq_len": args.seq_len, "repeats": args.repeats,
+            "resident": args.resident, "models": rows})
 
 
 def _write(filename: str, result: dict) -> None:
@@ -206,9 +216,11 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--model-worker")
+    ap.add_argument("--resident", action="store_true",
+                    help="real-model mode: page every weight in before the baseline RSS (see model_worker)")
     args = ap.parse_args()
     if args.model_worker:
-        print(json.dumps(model_worker(args.model_worker, args.repeats, args.samples, args.seq_len)))
+        print(json.dumps(model_worker(args.model_worker, args.repeats, args.samples, args.seq_len, args.resident)))
         return
     if args.models:
         models_main(args)
