@@ -325,17 +325,17 @@ def test_other_conditions_on_the_first_samples_equal_those_samples_alone():
         assert part.cross_condition_cosine[name] == pytest.approx(alone.cross_condition_cosine[name], rel=1e-4)
         assert part.cross_condition_cosine[name] != pytest.approx(full.cross_condition_cosine[name], rel=1e-4)
     assert part.causal["samples"] == 2  # the donor x₀ comes from first_swapped: at most condition_samples
-    assert part.meta["condition_samples"] == 2 and part.meta["loss_tokens"] == 8
+    assert part.meta["condition_samples"] == 2 and part.meta["loss_stride"] == 8
 
 
-def test_the_loss_scores_each_rows_last_targets():
+def test_the_loss_scores_every_kth_target_back_from_each_rows_last():
     model = _llama()
     rows = _rows(3, 12)
     with torch.no_grad():
         logits = model(input_ids=rows).logits.double()
     ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten(), reduction="none")
     ce = ce.view(3, 11)
-    for last, want in ((5, ce[:, -5:].mean()), (None, ce.mean())):
+    for stride, want in ((4, ce[:, [2, 6, 10]].mean()), (1, ce.mean())):
         res = circuit_inputs(model, id_inputs(rows, bos_id=V - 1, swap_ids=(3, 4)), batch_size=2, causal=False,
-                             loss_tokens=last)
+                             loss_stride=stride)
         assert res.conditions["as_tokenized"]["loss"] == pytest.approx(float(want), rel=1e-5)

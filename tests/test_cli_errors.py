@@ -148,8 +148,8 @@ def test_counts_and_options_out_of_range(tmp_path):
           "--causal-samples) must be ≥ 1, or None (--causal-samples 0)", "got -1")
     fails(["circuit", "builtin:tiny-lm", "--condition-samples", "-3", "--out", out], 2,
           "--condition-samples) must be ≥ 1, or None (--condition-samples 0)", "got -3")
-    fails(["circuit", "builtin:tiny-lm", "--loss-tokens", "-4", "--out", out], 2,
-          "--loss-tokens) must be ≥ 1, or None (--loss-tokens 0)", "got -4")
+    fails(["circuit", "builtin:tiny-lm", "--loss-stride", "0", "--out", out], 2,
+          "--loss-stride) must be ≥ 1 (1: every next-token target)", "got 0")
     assert not out.exists() and leftovers(tmp_path) == []
 
 

@@ -188,15 +188,15 @@ def test_token_losses_equal_the_models_own_logits(which):
     got, count = token_losses(model, hidden, ids, mask, chunk_elements=3 * model.config.vocab_size)  # 3 rows a chunk
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     assert count.tolist() == [8.0, 5.0, 0.0]
-    # only each row's last 3 targets, picked by hand from the pair list
-    last = torch.zeros_like(valid)
+    # every 3rd target counting back from each row's last, picked by hand from the pair list
+    picked = torch.zeros_like(valid)
     for row in range(valid.shape[0]):
-        for j in [j for j in range(valid.shape[1]) if valid[row, j]][-3:]:
-            last[row, j] = True
-    ref3 = torch.where(last, ce.view(valid.shape), 0.0).sum(-1)
-    got3, count3 = token_losses(model, hidden, ids, mask, chunk_elements=3 * model.config.vocab_size, last=3)
+        for j in [j for j in range(valid.shape[1]) if valid[row, j]][::-1][::3]:
+            picked[row, j] = True
+    ref3 = torch.where(picked, ce.view(valid.shape), 0.0).sum(-1)
+    got3, count3 = token_losses(model, hidden, ids, mask, chunk_elements=3 * model.config.vocab_size, stride=3)
     torch.testing.assert_close(got3, ref3, atol=1e-5, rtol=1e-5)
-    assert count3.tolist() == [3.0, 3.0, 0.0]
+    assert count3.tolist() == [3.0, 2.0, 0.0]
 
 
 def test_a_model_whose_logits_the_head_does_not_give_is_detected():

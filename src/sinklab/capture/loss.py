@@ -102,19 +102,21 @@ def _vocab_chunked_ce(model: nn.Module, head: nn.Linear, h: Tensor, targets: Ten
     return peak + torch.log(total) - picked
 
 
-def scored_pairs(mask: Tensor, last: int | None = None) -> Tensor:
-    """``[B, T-1]`` bool: the (token, next token) pairs a loss scores — both tokens real, and with ``last`` only
-    each row's last ``last`` such pairs (their targets are the row's last real tokens, whatever its padding side).
+def scored_pairs(mask: Tensor, stride: int = 1) -> Tensor:
+    """``[B, T-1]`` bool: the (token, next token) pairs a loss scores — both tokens real, and with ``stride`` k
+    only every k-th one counting back from each row's last (the row's last target, the k-th before it …, whatever
+    the padding side): an evenly spread 1/k of the targets, the same tokens in rows that share their end.
     """
     valid = mask[:, :-1].bool() & mask[:, 1:].bool()  # (B, T-1)
-    if last is not None:
-        valid &= valid.flip(-1).cumsum(-1).flip(-1) <= last
+    if stride > 1:
+        from_end = valid.flip(-1).cumsum(-1).flip(-1) - 1  # 0 at each row's last pair
+        valid &= from_end % stride == 0
     return valid
 
 
 @torch.no_grad()
 def token_losses(model: nn.Module, hidden: Tensor, ids: Tensor, mask: Tensor,
-                 chunk_elements: int = CHUNK_ELEMENTS, last: int | None = None) -> tuple[Tensor, Tensor]:
+                 chunk_elements: int = CHUNK_ELEMENTS, stride: int = 1) -> tuple[Tensor, Tensor]:
     """Per-row sum and count of next-token cross-entropy over the real (token, next token) pairs.
 
     Parameters
@@ -123,8 +125,8 @@ def token_losses(model: nn.Module, hidden: Tensor, ids: Tensor, mask: Tensor,
         ``[B, T, d]`` the base model's final hidden states (after the final norm).
     ids, mask:
         ``[B, T]`` token ids and real-token mask.
-    last:
-        score only each row's last ``last`` pairs (:func:`scored_pairs`; None: every pair).
+    stride:
+        score every ``stride``-th pair counting back from each row's last (:func:`scored_pairs`; 1: every pair).
 
     Returns
     -------
@@ -132,7 +134,7 @@ def token_losses(model: nn.Module, hidden: Tensor, ids: Tensor, mask: Tensor,
     ``chunk_elements`` logits at a time: all rows against one slice of the vocabulary (a running log-sum-exp), so
     the head's weight is read once.
     """
-    valid = scored_pairs(mask, last)
+    valid = scored_pairs(mask, stride)
     rows = valid.nonzero()  # (N, 2)
     sums = torch.zeros(ids.shape[0], dtype=torch.float64)
     if rows.numel():

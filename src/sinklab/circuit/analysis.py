@@ -38,7 +38,7 @@ from .hooks import Patch
 from .inputs import REFERENCE, CircuitInputs, text_inputs
 from .measure import MeasureSession, measure_rows
 
-__all__ = ["CAUSAL_SAMPLES", "CONDITION_SAMPLES", "CONTRIBUTION_RULE", "LOSS_TOKENS", "SCHEMA_VERSION", "CircuitResult", "circuit", "circuit_inputs"]
+__all__ = ["CAUSAL_SAMPLES", "CONDITION_SAMPLES", "CONTRIBUTION_RULE", "LOSS_STRIDE", "SCHEMA_VERSION", "CircuitResult", "circuit", "circuit_inputs"]
 
 SCHEMA_VERSION = "sinklab.circuit/1"
 
@@ -286,10 +286,10 @@ CAUSAL_SAMPLES = 4
 #: layers vs none; SmolLM2: every condition keeps it), and each condition is a full pass.
 CONDITION_SAMPLES = 8
 
-#: Next-token targets the loss scores by default: each row's last 8 (the same tokens under every condition
-#: that keeps the row's end, and on the same rows the causal patches compare). The LM head is the costliest
-#: layer of a small-model, large-vocabulary LM (Gemma 3: 262,144 × 640, ≈ 7 CPU s for 16 × 64 positions).
-LOSS_TOKENS = 8
+#: The loss scores every 8th next-token target by default, counting back from each row's last: an evenly spread
+#: eighth of the targets (the same tokens under every condition that keeps the row's end). The LM head is the
+#: costliest layer of a small-model, large-vocabulary LM (Gemma 3: 262,144 × 640, ≈ 7 CPU s for 16 × 64 positions).
+LOSS_STRIDE = 8
 
 
 def _first_rows(rec: dict[str, Tensor], n: int) -> dict[str, Tensor]:
@@ -300,7 +300,7 @@ def _first_rows(rec: dict[str, Tensor], n: int) -> dict[str, Tensor]:
 def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3, batch_size: int = 8,
                    padding_side: str = "right", layer_threshold: float = rules.LAYER_SINK_THRESHOLD,
                    causal: bool = True, causal_samples: int | None = CAUSAL_SAMPLES,
-                   condition_samples: int | None = CONDITION_SAMPLES, loss_tokens: int | None = LOSS_TOKENS,
+                   condition_samples: int | None = CONDITION_SAMPLES, loss_stride: int = LOSS_STRIDE,
                    progress: Callable[[int], None] | None = None,
                    set_total: Callable[[int], None] | None = None, meta: dict | None = None) -> CircuitResult:
     """The circuit on prepared :class:`~sinklab.circuit.inputs.CircuitInputs` (e.g. Bigram-Backcopy rows).
@@ -308,8 +308,8 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
     ``condition_samples``: the conditions other than the reference run on the first that many samples (None:
     all; the reference always runs on every sample). ``causal_samples``: the causal check patches the first that
     many samples (None: all; at most ``condition_samples``, since its donor comes from ``first_swapped``) and
-    compares them with the reference on the same samples. ``loss_tokens``: the loss scores each row's last that
-    many next-token targets (None: every one). ``progress(k)`` is called after every batch of ``k`` samples;
+    compares them with the reference on the same samples. ``loss_stride``: the loss scores every that-many-th
+    next-token target counting back from each row's last (1: every one). ``progress(k)`` is called after every batch of ``k`` samples;
     ``set_total(n)`` once the number of sample passes is known (the reference, the other conditions, plus 2
     causal patches, plus 2 more when the first amplification is elsewhere).
     """
@@ -321,9 +321,8 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
     if condition_samples is not None and condition_samples < 1:
         raise InputError(f"condition_samples (--condition-samples) must be ≥ 1, or None (--condition-samples 0) to run "
                          f"every condition on every sample; got {condition_samples}")
-    if loss_tokens is not None and loss_tokens < 1:
-        raise InputError(f"loss_tokens (--loss-tokens) must be ≥ 1, or None (--loss-tokens 0) to score every "
-                         f"next-token target; got {loss_tokens}")
+    if loss_stride < 1:
+        raise InputError(f"loss_stride (--loss-stride) must be ≥ 1 (1: every next-token target), got {loss_stride}")
     if register_count(model):
         raise UnsupportedModelError(
             f"the model puts {register_count(model)} register tokens in front of every sequence, so position 0 is "
@@ -332,7 +331,7 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
     check_weights(model)
     with MeasureSession(model) as session:
         common = {"pad_id": inputs.pad_id, "batch_size": batch_size, "padding_side": padding_side,
-                  "progress": progress, "session": session, "loss_tokens": loss_tokens}
+                  "progress": progress, "session": session, "loss_stride": loss_stride}
         n_all = len(inputs.conditions[REFERENCE])
         n_cond = n_all if condition_samples is None else min(condition_samples, n_all)
         n_causal = min(n_cond, n_all if causal_samples is None else causal_samples)
@@ -387,11 +386,11 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
                "attention": DESTINATION_RULE,
                "massive": "|a| > 100 and ≥ 1000 × the median |a| of that hidden state (Sun et al. 2024)",
                "positions": "position 0 = each row's first real token (padding skipped)",
-               "loss": ("mean next-token cross-entropy over " + ("every target" if loss_tokens is None else
-                        f"each row's last {loss_tokens} targets") + f" of the first {n_cond} samples (those every "
+               "loss": ("mean next-token cross-entropy over " + ("every target" if loss_stride == 1 else
+                        f"every {loss_stride}th target counting back from each row's last") + f" of the first {n_cond} samples (those every "
                         f"condition runs on; the conditions other than {REFERENCE} run on them only)")},
         meta={**inputs.meta, "conditions": list(inputs.conditions), "condition_samples": n_cond,
-              "loss_tokens": loss_tokens, **(meta or {})},
+              "loss_stride": loss_stride, **(meta or {})},
     )
 
 
@@ -399,7 +398,7 @@ def circuit(model: nn.Module, tokenizer, texts: str | list[str] | None = None, *
             samples: int = 16, batch_size: int = 8, eps: float = 0.3, special_token: str | None = None,
             padding_side: str = "right", layer_threshold: float = rules.LAYER_SINK_THRESHOLD, causal: bool = True,
             causal_samples: int | None = CAUSAL_SAMPLES, condition_samples: int | None = CONDITION_SAMPLES,
-            loss_tokens: int | None = LOSS_TOKENS, source: str | None = None, revision: str | None = None,
+            loss_stride: int = LOSS_STRIDE, source: str | None = None, revision: str | None = None,
             progress: Callable[[int], None] | None = None,
             set_total: Callable[[int], None] | None = None) -> CircuitResult:
     """Measure the P0 sink circuit of a causal LM on ``texts`` (default: the pydoc corpus).
@@ -407,7 +406,7 @@ def circuit(model: nn.Module, tokenizer, texts: str | list[str] | None = None, *
     Texts are cut into ``samples`` windows of ``seq_len`` tokens and run under three first-token conditions
     (see :mod:`sinklab.circuit.inputs`) — the reference on every sample, the others on the first
     ``condition_samples`` — then the causal patches at the amplification layer, on the first ``causal_samples``
-    samples (None: every one); the loss scores each row's last ``loss_tokens`` targets. Progress is
+    samples (None: every one); the loss scores every ``loss_stride``-th target. Progress is
     reported per sample through ``progress``; ``set_total`` receives the number of sample passes when known.
     """
     from ..checks import check_vocab
@@ -423,4 +422,4 @@ def circuit(model: nn.Module, tokenizer, texts: str | list[str] | None = None, *
     meta = model_meta(model, source, revision, corpus=corpus, requested_seq_len=seq_len)
     return circuit_inputs(model, inputs, eps=eps, batch_size=batch_size, padding_side=padding_side,
                           layer_threshold=layer_threshold, causal=causal, causal_samples=causal_samples,
-                          condition_samples=condition_samples, loss_tokens=loss_tokens, progress=progress, set_total=set_total, meta=meta)
+                          condition_samples=condition_samples, loss_stride=loss_stride, progress=progress, set_total=set_total, meta=meta)

@@ -39,11 +39,11 @@ def _pad(rows: list[list[int]], pad_id: int, side: str) -> tuple[Tensor, Tensor]
     return ids, mask
 
 
-def _losses(logits: Tensor, ids: Tensor, mask: Tensor, last: int | None) -> tuple[Tensor, Tensor]:
+def _losses(logits: Tensor, ids: Tensor, mask: Tensor, stride: int) -> tuple[Tensor, Tensor]:
     """Per-row sum and count of next-token cross-entropy from full ``[B, T, V]`` logits (models whose head
     :func:`~sinklab.capture.loss.head_matches` cannot reproduce), over the pairs of
     :func:`~sinklab.capture.loss.scored_pairs`."""
-    valid = scored_pairs(mask, last)  # (B, T-1)
+    valid = scored_pairs(mask, stride)  # (B, T-1)
     ce = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten(),
                                            reduction="none").view(valid.shape)
     return torch.where(valid, ce, 0.0).double().sum(-1), valid.sum(-1).double()
@@ -82,7 +82,7 @@ class MeasureSession:
 def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, batch_size: int = 8,
                  padding_side: str = "right", patch: Callable[[slice], Patch | None] | None = None,
                  progress: Callable[[int], None] | None = None, session: MeasureSession | None = None,
-                 destinations: bool = True, loss_tokens: int | None = None, loss_rows: int | None = None,
+                 destinations: bool = True, loss_stride: int = 1, loss_rows: int | None = None,
                  massive: bool = True) -> dict[str, Tensor]:
     """One pass over token ``rows``: attention column mass of the early positions, position-0 records, loss.
 
@@ -91,7 +91,8 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
     ``x0`` ``[S, L+1, d]``, ``attn0``/``mlp0`` ``[S, L, d]`` …), ``loss_sum``/``loss_count`` ``[S]``.
     ``patch(batch_slice)`` gives the :class:`~sinklab.circuit.hooks.Patch` for each batch (``None``: no edit).
     ``destinations=False`` skips the per-query rows and the destinations (the causal check does not read them).
-    ``loss_tokens``: the loss scores each row's last that many next-token targets (None: every one);
+    ``loss_stride``: the loss scores every that-many-th next-token target counting back from each row's last (1:
+    every one);
     ``loss_rows``: only the first that many rows are scored (the others count 0 targets; None: every row).
     ``massive=False`` skips the recorder's massive-activation fields.
     """
@@ -101,7 +102,7 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
         with MeasureSession(model) as own:
             return measure_rows(model, rows, pad_id=pad_id, batch_size=batch_size, padding_side=padding_side,
                                 patch=patch, progress=progress, session=own, destinations=destinations,
-                                loss_tokens=loss_tokens, loss_rows=loss_rows, massive=massive)
+                                loss_stride=loss_stride, loss_rows=loss_rows, massive=massive)
     cap, rec = session.cap, session.rec
     parts: list[dict[str, Tensor]] = []
     cap.config = session.config if destinations else replace(session.config, row_stats=False)
@@ -126,9 +127,9 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
                                               batch.update_norm, starts))
             if session.chunked_loss:
                 part["loss_sum"], part["loss_count"] = token_losses(model, cap.last_output.last_hidden_state, ids, scored,
-                                                                      last=loss_tokens)
+                                                                      stride=loss_stride)
             elif getattr(cap.last_output, "logits", None) is not None:
-                part["loss_sum"], part["loss_count"] = _losses(cap.last_output.logits.cpu(), ids, scored, loss_tokens)
+                part["loss_sum"], part["loss_count"] = _losses(cap.last_output.logits.cpu(), ids, scored, loss_stride)
             parts.append(part)
             if progress is not None:
                 progress(sl.stop - sl.start)

@@ -79,8 +79,8 @@ def circuit_cmd(
                                                 "(0: every sample)")] = 4,
     condition_samples: Annotated[int, typer.Option("--condition-samples", help="samples the other first-token "
                                                    "conditions run on (0: every sample)")] = 8,
-    loss_tokens: Annotated[int, typer.Option("--loss-tokens", help="next-token targets per row the loss scores, "
-                                             "the last ones (0: every one)")] = 8,
+    loss_stride: Annotated[int, typer.Option("--loss-stride", help="the loss scores every k-th next-token target, "
+                                             "counting back from each row's last (1: every one)")] = 8,
     out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("sinklab-circuit"),
     device_map: Annotated[str | None, device_map_option()] = None,
 ) -> None:
@@ -109,7 +109,7 @@ def circuit_cmd(
             result = circuit_source(net, tokenizer, cfg, texts=texts, seq_len=seq_len, samples=samples, source=model,
                                     batch_size=batch_size, causal=not no_causal,
                                     causal_samples=causal_samples or None,
-                                    condition_samples=condition_samples or None, loss_tokens=loss_tokens or None,
+                                    condition_samples=condition_samples or None, loss_stride=loss_stride,
                                     progress=lambda k: progress.advance(task, k),
                                     set_total=lambda n: progress.update(task, total=n),
                                     **({"special_token": special_token} if tokenizer is not None else {}))
