@@ -6,7 +6,7 @@ the quanto and HQQ backends at the bit widths each accepts. The backends are ins
 virtualenv made here (``--venv``; it sees the main venv's packages through a ``.pth`` file), never into the
 main one; when they cannot be installed the run goes on without them and the JSON says why.
 
-Prints the table and writes ``benchmarks/results/kv_quant_<model>.json`` and ``…_kl_vs_bytes.png``.
+Prints the table and writes ``benchmarks/results/kv_quant_<model><suffix>.json`` and ``…_kl_vs_bytes.png``.
 Timings are medians of interleaved greedy decode steps (every cache decodes one token in turn). Not a test.
 
 ``--stream`` measures the streaming form instead: ``SinkCache(num_sinks=S, window=W)`` at full precision and
@@ -64,7 +64,7 @@ def _worker(args: argparse.Namespace) -> None:
                            decode_steps=args.decode_steps, hf_backends=tuple(args.hf))
         ids = torch.tensor(loaded.tokenizer(text[: plan.tokens * 16])["input_ids"][: plan.tokens])
         result = kv_quant(loaded.model, ids, plan)
-        stem = name.split(":")[-1].split("/")[-1].removesuffix(".gguf")
+        stem = name.split(":")[-1].split("/")[-1].removesuffix(".gguf") + args.suffix
         result.meta = {"model": name, "note": args.note, "threads": args.threads, "load_average": os.getloadavg(),
                        "machine": "under load on a shared 2-core CPU VM",
                        "detected_tokens": [[loaded.tokenizer.decode([int(ids[i * (plan.context + plan.score) + p])])
@@ -164,6 +164,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, nargs="+", default=[4, 2])
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--suffix", default="", help="appended to the result files' names (e.g. _4096)")
     ap.add_argument("--venv", type=Path, default=Path("/tmp/sinklab-kvquant-bench-venv"))
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' QuantizedCache")
     ap.add_argument("--stream", action="store_true", help="measure SinkCache(kv_bits=) instead")
@@ -184,7 +185,8 @@ def main() -> None:
     hf = ["quanto", "hqq"] if python else []
     cmd = [str(python or sys.executable), __file__, "--worker", "--note", note, "--hf", *hf, "--models", *args.models,
            "--context", str(args.context), "--score", str(args.score), "--samples", str(args.samples),
-           "--bits", *map(str, args.bits), "--decode-steps", str(args.decode_steps), "--threads", str(args.threads)]
+           "--bits", *map(str, args.bits), "--decode-steps", str(args.decode_steps), "--threads", str(args.threads),
+           "--suffix", args.suffix]
     print(f"transformers' QuantizedCache: {note}")
     sys.stdout.flush()
     env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
