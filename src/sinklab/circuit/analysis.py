@@ -38,7 +38,8 @@ from .hooks import Patch
 from .inputs import REFERENCE, CircuitInputs, text_inputs
 from .measure import MeasureSession, measure_rows
 
-__all__ = ["CAUSAL_SAMPLES", "CONDITION_SAMPLES", "CONTRIBUTION_RULE", "LOSS_STRIDE", "SCHEMA_VERSION", "CircuitResult", "circuit", "circuit_inputs"]
+__all__ = ["CAUSAL_SAMPLES", "CONDITION_SAMPLES", "CONTRIBUTION_RULE", "LOSS_STRIDE", "SCHEMA_VERSION", "CircuitResult",
+           "circuit", "circuit_inputs"]
 
 SCHEMA_VERSION = "sinklab.circuit/1"
 
@@ -309,9 +310,9 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
     all; the reference always runs on every sample). ``causal_samples``: the causal check patches the first that
     many samples (None: all; at most ``condition_samples``, since its donor comes from ``first_swapped``) and
     compares them with the reference on the same samples. ``loss_stride``: the loss scores every that-many-th
-    next-token target counting back from each row's last (1: every one). ``progress(k)`` is called after every batch of ``k`` samples;
-    ``set_total(n)`` once the number of sample passes is known (the reference, the other conditions, plus 2
-    causal patches, plus 2 more when the first amplification is elsewhere).
+    next-token target counting back from each row's last (1: every one). ``progress(k)`` is called after every
+    batch of ``k`` samples; ``set_total(n)`` once the number of sample passes is known (the reference, the
+    other conditions, plus 2 causal patches, plus 2 more when the first amplification is elsewhere).
     """
     if not 0.0 <= eps <= 1.0:
         raise InputError(f"eps must be in [0, 1], got {eps}")
@@ -319,8 +320,8 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
         raise InputError(f"causal_samples (--causal-samples) must be ≥ 1, or None (--causal-samples 0) to patch every "
                          f"sample; got {causal_samples}")
     if condition_samples is not None and condition_samples < 1:
-        raise InputError(f"condition_samples (--condition-samples) must be ≥ 1, or None (--condition-samples 0) to run "
-                         f"every condition on every sample; got {condition_samples}")
+        raise InputError(f"condition_samples (--condition-samples) must be ≥ 1, or None (--condition-samples 0) to "
+                         f"run every condition on every sample; got {condition_samples}")
     if loss_stride < 1:
         raise InputError(f"loss_stride (--loss-stride) must be ≥ 1 (1: every next-token target), got {loss_stride}")
     if register_count(model):
@@ -387,8 +388,9 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
                "massive": "|a| > 100 and ≥ 1000 × the median |a| of that hidden state (Sun et al. 2024)",
                "positions": "position 0 = each row's first real token (padding skipped)",
                "loss": ("mean next-token cross-entropy over " + ("every target" if loss_stride == 1 else
-                        f"every {loss_stride}th target counting back from each row's last") + f" of the first {n_cond} samples (those every "
-                        f"condition runs on; the conditions other than {REFERENCE} run on them only)")},
+                        f"every k-th target counting back from each row's last (k = {loss_stride})")
+                        + f" of the first {n_cond} samples (those every condition runs on; the conditions other "
+                        f"than {REFERENCE} run on them only)")},
         meta={**inputs.meta, "conditions": list(inputs.conditions), "condition_samples": n_cond,
               "loss_stride": loss_stride, **(meta or {})},
     )
@@ -422,4 +424,5 @@ def circuit(model: nn.Module, tokenizer, texts: str | list[str] | None = None, *
     meta = model_meta(model, source, revision, corpus=corpus, requested_seq_len=seq_len)
     return circuit_inputs(model, inputs, eps=eps, batch_size=batch_size, padding_side=padding_side,
                           layer_threshold=layer_threshold, causal=causal, causal_samples=causal_samples,
-                          condition_samples=condition_samples, loss_stride=loss_stride, progress=progress, set_total=set_total, meta=meta)
+                          condition_samples=condition_samples, loss_stride=loss_stride, progress=progress,
+                          set_total=set_total, meta=meta)

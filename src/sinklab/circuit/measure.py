@@ -126,8 +126,8 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
                                               batch.row_entropy, batch.row_diagonal, batch.row_previous,
                                               batch.update_norm, starts))
             if session.chunked_loss:
-                part["loss_sum"], part["loss_count"] = token_losses(model, cap.last_output.last_hidden_state, ids, scored,
-                                                                      stride=loss_stride)
+                hidden = cap.last_output.last_hidden_state
+                part["loss_sum"], part["loss_count"] = token_losses(model, hidden, ids, scored, stride=loss_stride)
             elif getattr(cap.last_output, "logits", None) is not None:
                 part["loss_sum"], part["loss_count"] = _losses(cap.last_output.logits.cpu(), ids, scored, loss_stride)
             parts.append(part)
