@@ -91,7 +91,8 @@ def _linear_weight(module: nn.Module) -> Tensor:
     raise UnsupportedModelError(f"cannot read a projection weight from {type(module).__name__}")
 
 
-def _child(module: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
+def child_module(module: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
+    """The first of ``module``'s attributes named in ``names`` that is an ``nn.Module`` (None if none is)."""
     for name in names:
         sub = getattr(module, name, None)
         if isinstance(sub, nn.Module):
@@ -125,7 +126,7 @@ class HeadWeights:
 
 
 def _split_qk(attn: nn.Module, n_heads: int, n_kv: int, head_dim: int) -> tuple[Tensor, Tensor] | None:
-    q_mod, k_mod = _child(attn, _Q_NAMES), _child(attn, _K_NAMES)
+    q_mod, k_mod = child_module(attn, _Q_NAMES), child_module(attn, _K_NAMES)
     if q_mod is not None and k_mod is not None:
         wq = _linear_weight(q_mod)[: n_heads * head_dim]
         wk = _linear_weight(k_mod)[: n_kv * head_dim]
@@ -148,7 +149,7 @@ def _split_qk(attn: nn.Module, n_heads: int, n_kv: int, head_dim: int) -> tuple[
 def _output_weight(layer: nn.Module, attn: nn.Module) -> Tensor | None:
     """``[d, H·dh]`` output projection of ``attn``: on the module, or in an enclosing ``output.dense``."""
     for module in _ancestors(layer, attn):
-        direct = _child(module, _O_NAMES)
+        direct = child_module(module, _O_NAMES)
         if direct is not None and module is attn:
             return _linear_weight(direct)
         output = getattr(module, "output", None)

@@ -33,14 +33,6 @@ class Sublayers:
     mlp: list[nn.Module]
 
 
-def _child(block: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
-    for name in names:
-        sub = getattr(block, name, None)
-        if isinstance(sub, nn.Module):
-            return sub
-    return None
-
-
 def find_sublayers(model: nn.Module) -> Sublayers:
     """Blocks plus attention/MLP children; :class:`UnsupportedModelError` for encoders and unknown layouts."""
     config = getattr(model, "config", None)
@@ -56,7 +48,7 @@ def find_sublayers(model: nn.Module) -> Sublayers:
     blocks = _compat.find_layers(model)
     attn, mlp = [], []
     for index, block in enumerate(blocks):
-        a, m = _child(block, ATTN_NAMES), _child(block, MLP_NAMES)
+        a, m = _compat.child_module(block, ATTN_NAMES), _compat.child_module(block, MLP_NAMES)
         if a is None or m is None:
             children = ", ".join(n for n, _ in block.named_children())
             missing = "attention" if a is None else "MLP"

@@ -111,8 +111,9 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
             sl = slice(start, min(len(rows), start + batch_size))
             ids, mask = _pad(rows[sl], pad_id, padding_side)
             rec.start(mask, None if patch is None else patch(sl), massive=massive)
-            scored = mask.clone()  # rows beyond loss_rows: nothing to score (no LM-head work)
-            if loss_rows is not None:
+            scored = mask  # rows beyond loss_rows: nothing to score (no LM-head work)
+            if loss_rows is not None and loss_rows < sl.stop:
+                scored = mask.clone()
                 scored[max(0, loss_rows - sl.start):] = 0
             kwargs = {"input_ids": ids.to(session.device), "attention_mask": mask.to(session.device)}
             if session.takes_positions:  # left padding: positions count real tokens only

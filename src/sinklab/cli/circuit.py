@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from ..circuit.analysis import CAUSAL_SAMPLES, CONDITION_SAMPLES, LOSS_STRIDE
 from ._common import (
     MODEL_HELP,
     progress_bar,
@@ -76,11 +77,11 @@ def circuit_cmd(
     special_token: Annotated[str | None, typer.Option("--special-token", help="token to prepend when the tokenizer adds no BOS")] = None,
     no_causal: Annotated[bool, typer.Option("--no-causal", help="skip the patching passes")] = False,
     causal_samples: Annotated[int, typer.Option("--causal-samples", help="samples the causal patches run on "
-                                                "(0: every sample)")] = 4,
+                                                "(0: every sample)")] = CAUSAL_SAMPLES,
     condition_samples: Annotated[int, typer.Option("--condition-samples", help="samples the other first-token "
-                                                   "conditions run on (0: every sample)")] = 8,
+                                                   "conditions run on (0: every sample)")] = CONDITION_SAMPLES,
     loss_stride: Annotated[int, typer.Option("--loss-stride", help="the loss scores every k-th next-token target, "
-                                             "counting back from each row's last (1: every one)")] = 8,
+                                             "counting back from each row's last (1: every one)")] = LOSS_STRIDE,
     out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("sinklab-circuit"),
     device_map: Annotated[str | None, device_map_option()] = None,
 ) -> None:
