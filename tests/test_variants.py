@@ -164,6 +164,27 @@ def test_load_model_by_path_restores_every_variant(tmp_path, name):
             assert float((bare(input_ids=ids).logits - ref).abs().max()) > 1e-3
 
 
+@pytest.mark.parametrize("arch", ["gemma2-softcap", "gpt-oss-learned-sinks"])
+def test_off_variant_keeps_the_models_own_softcap_and_sink_logits(arch):
+    """A variant at init="off" on a model whose attention soft-caps its logits (Gemma 2) or has learned sink
+    logits (gpt-oss) leaves its outputs unchanged: the variant backend keeps both."""
+    if arch == "gemma2-softcap":
+        config = tf.Gemma2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                 attn_logit_softcapping=0.02, max_position_embeddings=128)
+        config._attn_implementation = "eager"
+        torch.manual_seed(0)
+        model = tf.Gemma2ForCausalLM(config).eval()
+    else:
+        model = build(arch, attn="eager")
+    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        with apply_variant(model, "gated", init="off"):
+            during = model(input_ids=ids).logits
+    torch.testing.assert_close(during, before, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma"])
 def test_variants_round_trip_on_other_llama_style_classes(tmp_path, arch):
     model = _trained_like(build(arch), "sink-logit+gated")

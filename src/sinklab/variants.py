@@ -226,17 +226,20 @@ def parse_variant(spec: str | VariantConfig | dict, **overrides) -> VariantConfi
 # ----------------------------------------------------------------------------- attention function
 def variant_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                       scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
-    """Registered attention: :func:`sinklab.attention.attend` (fused path) with the variant's columns and gate.
+    """Registered attention: :func:`sinklab.attention.attend` with the variant's columns and gate (fused unless the
+    model soft-caps its attention logits), keeping the model's own softcap and learned sink logits.
 
     The sink logit ``s_h`` and the kv-bias slot enter as extra key columns of the fused attention (the sink's
     value is 0; the slot's logit is ``q·k_slot·scale``), then the output gate. Output ``[B, Tq, H, dh]``.
     """
-    b, h, tq, dh = query.shape
+    _, h, tq, dh = query.shape
     scale = dh**-0.5 if scaling is None else float(scaling)
+    softcap = kwargs.get("softcap")  # the model's own attention soft-capping (Gemma 2) and sink logits (gpt-oss)
     visible, _ = mask_rows(attention_mask, getattr(module, "is_causal", True), 0, tq, tq, key.shape[2], query.device)
-    out = attend(query, key, value, visible, scale=scale, columns=variant_column_logits(module, query, scale),
-                 gate=variant_gate(module, h), dropout=dropout if module.training else 0.0, fast=True)
-    return out.transpose(1, 2).contiguous().to(query.dtype), None
+    columns = variant_column_logits(module, query, scale, softcap=softcap, model_sink=kwargs.get("s_aux"))
+    out = attend(query, key, value, visible, scale=scale, columns=columns, softcap=softcap,
+                 gate=variant_gate(module, h), dropout=dropout if module.training else 0.0)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def variant_column_logits(module: nn.Module, query: Tensor, scale: float, slot_query=None,
