@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _compat
+from ..attention import soft_cap
 from ..fingerprint import ModelCache
 
 __all__ = ["head_matches", "head_logits", "scored_pairs", "token_losses", "CHUNK_ELEMENTS"]
@@ -33,15 +34,16 @@ def _head(model: nn.Module) -> nn.Module | None:
         return None
 
 
-def head_logits(model: nn.Module, hidden: Tensor) -> Tensor:
-    """The LM head of ``model`` on final hidden states ``[..., d]`` → logits ``[..., V]`` (as the model's forward)."""
-    logits = _head(model)(hidden)
+def _final_softcap(model: nn.Module) -> float | None:
+    """The model's final-logit soft-capping (Gemma 2), None without one."""
     config = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    cap = getattr(config, "final_logit_softcapping", None)
-    if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+    return getattr(config, "final_logit_softcapping", None)
+
+
+def head_logits(model: nn.Module, hidden: Tensor) -> Tensor:
+    """The LM head of ``model`` on final hidden states ``[..., d]`` → logits ``[..., V]`` (as the model's forward)."""
+    return soft_cap(_head(model)(hidden), _final_softcap(model))
 
 
 @torch.no_grad()
@@ -84,21 +86,17 @@ def _vocab_chunked_ce(model: nn.Module, head: nn.Linear, h: Tensor, targets: Ten
     peak = torch.full((n,), -torch.inf, device=h.device)  # running max of the logits
     total = torch.zeros(n, device=h.device)  # Σ exp(logit − peak)
     picked = torch.zeros(n, device=h.device)  # the target's logit
-    config = getattr(model, "config", None)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    cap = getattr(config, "final_logit_softcapping", None)
+    cap = _final_softcap(model)
     for v0 in range(0, vocab, step):
         v1 = min(vocab, v0 + step)
         bias = None if head.bias is None else head.bias[v0:v1]
-        z = torch.nn.functional.linear(h, head.weight[v0:v1], bias)  # (N, v1 − v0), as head_logits
-        if cap is not None:
-            z = torch.tanh(z / cap) * cap
-        z = z.float()
+        z = soft_cap(torch.nn.functional.linear(h, head.weight[v0:v1], bias), cap).float()  # as head_logits
         new_peak = torch.maximum(peak, z.amax(-1))
         total = total * torch.exp(peak - new_peak) + torch.exp(z - new_peak[:, None]).sum(-1)
         peak = new_peak
-        inside = (targets >= v0) & (targets < v1)
-        picked[inside] = z[inside, targets[inside] - v0]
+        inside = (targets >= v0) & (targets < v1)  # no boolean indexing: no host sync per slice
+        here = z.gather(1, (targets - v0).clamp(0, v1 - v0 - 1)[:, None])[:, 0]
+        picked = torch.where(inside, here, picked)
     return peak + torch.log(total) - picked
 
 
