@@ -251,14 +251,12 @@ def spread_layers(layers: list[int], limit: int | None) -> list[int]:
     return [layers[round(i * (len(layers) - 1) / (limit - 1))] for i in range(limit)]
 
 
-def _edit_heads(records: list[SinkRecord], n_layers: int, limit: int | None = None) -> list[tuple[int, int, str]]:
+def _edit_heads(records: list[SinkRecord], limit: int | None = None) -> list[tuple[int, int, str]]:
     """The head with the most sinks in each sinking layer (ties: larger mean strength), and its usual class;
     at most ``limit`` layers, evenly spread over the sinking ones (:func:`spread_layers`)."""
     chosen = []
     for layer in spread_layers(sorted({r.layer for r in records}), limit):
-        recs = [r for r in records if r.layer == layer]
-        if not recs:
-            continue
+        recs = [r for r in records if r.layer == layer]  # never empty: the layers come from the records
         by_head: dict[int, list[SinkRecord]] = {}
         for r in recs:
             by_head.setdefault(r.head, []).append(r)
@@ -272,7 +270,7 @@ def _edit_targets(edits: bool | list[tuple[int, int]], records: list[SinkRecord]
     """``(layer, head, usual class)`` of every head to edit (checked against the model's shape)."""
     if not edits:
         return []
-    heads = ([(layer, head) for layer, head, _ in _edit_heads(records, scan.num_layers, limit)] if edits is True
+    heads = ([(layer, head) for layer, head, _ in _edit_heads(records, limit)] if edits is True
              else [tuple(e) for e in edits])
     targets = []
     for layer, head in heads:

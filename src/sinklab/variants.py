@@ -61,7 +61,7 @@ class VariantConfig:
 
     @property
     def any(self) -> bool:
-        return self.sink_logit or self.softmax1 or self.kv_bias or self.gate is not None or self.registers > 0
+        return any(variant.active(self) for variant in VARIANTS)
 
 
 # ----------------------------------------------------------------------------- the table of variants
@@ -71,8 +71,8 @@ class Variant:
     ``name`` (the CLI/``parse_variant`` name) sets ``fields`` of :class:`VariantConfig`. ``add_parameters`` adds
     its parameters to one attention module (causal LM and ViT alike, through the handle's ``ModelPatch``);
     ``columns`` are the extra softmax columns it gives each query (:class:`sinklab.attention.Columns`); ``gate``
-    the output gate ``[B, Tq, H, dh | 1]``; ``tokens`` says it adds tokens (registers), placed by
-    :func:`apply_variant` / :func:`sinklab.vit.apply_vit_variant`. Every consumer — the variant attention, the
+    the output gate ``[B, Tq, H, dh | 1]`` (register tokens are placed by :func:`apply_variant` /
+    :func:`sinklab.vit.apply_vit_variant`). Every consumer — the variant attention, the
     capture, the stream, the ViT side, the CLI's list of names — loops over the table. A new variant: one class
     and one entry in :data:`VARIANTS` (plus its field in :class:`VariantConfig` and a case in
     ``tests/variant_cases.py``).
@@ -81,7 +81,6 @@ class Variant:
     name = ""
     fields: dict = {}
     has_columns = False
-    tokens = False
     off_is_identity = False  # init="off" leaves the model's outputs unchanged
 
     def active(self, cfg: VariantConfig) -> bool:
@@ -185,7 +184,7 @@ class Registers(Variant):
     """``n`` learnable placeholder tokens in every sample, dropped at the output (Darcet et al. 2024,
     arXiv:2309.16588; the learnable sink token of StreamingLLM, arXiv:2309.17453). Default ``n`` = 4."""
 
-    name, fields, tokens = "registers", {"registers": 4}, True
+    name, fields = "registers", {"registers": 4}
 
     def active(self, cfg):
         return cfg.registers > 0

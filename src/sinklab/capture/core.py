@@ -225,10 +225,10 @@ class AttentionCapture:
         n = len(self._layers)
         rec = [self._records[i] for i in range(n)]
         hidden = [self._hidden[i] for i in range(n + 1)]
-        stacked = {key: torch.stack([r[key] for r in rec], dim=1) if key in rec[0] else None for key in _PER_LAYER}
+        per_layer = {key: torch.stack([r[key] for r in rec], dim=1) if key in rec[0] else None for key in _PER_LAYER}
         kept = self.config.hidden_stats
         return CaptureBatch(
-            **stacked,
+            **per_layer,
             **{name: torch.stack([h[i] for h in hidden], dim=1) if kept else None
                for i, name in enumerate(HIDDEN_FIELDS)},
             token_mask=rec[0]["token_mask"],

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from ..diagnose import EDIT_LAYERS, EDIT_SAMPLES
 from ..errors import SinklabError
 from ..report import save
 from ._common import (
@@ -41,9 +42,9 @@ def diagnose(
     broadcast_min: Annotated[float, typer.Option("--broadcast-min", help="broadcast if r_out ≥ this …")] = 0.5,
     broadcast_srank: Annotated[float, typer.Option("--broadcast-srank", help="… and stable rank ≤ this")] = 1.5,
     edits: Annotated[bool, typer.Option("--edits/--no-edits", help="run the causal value edits")] = True,
-    edit_samples: Annotated[int, typer.Option("--edit-samples", help="samples the causal edits run on")] = 4,
+    edit_samples: Annotated[int, typer.Option("--edit-samples", help="samples the causal edits run on")] = EDIT_SAMPLES,
     edit_layers: Annotated[int, typer.Option("--edit-layers", help="sinking layers to edit, evenly spread "
-                                             "(0: every sinking layer)")] = 5,
+                                             "(0: every sinking layer)")] = EDIT_LAYERS,
     batch_size: Annotated[int, typer.Option("--batch-size")] = 8,
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     device: Annotated[str | None, typer.Option("--device")] = None,

@@ -116,8 +116,8 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         """One decoded column ``[B, Hkv, d]``: each row's slot (padding and anchored rows keep the ring as it
         was; an anchored row writes its value instead). On the state's uniform decode plan (no padding, past
         every anchor: known on the host) nothing is read back; otherwise whether any row is padding or anchored
-        is read once per forward. The usual case — every row a window token in one slot — quantizes the column
-        as the parent wrote it into the shared buffer and makes three ``index_copy_`` writes."""
+        is read once per forward. The usual case — every row a window token in one slot — sets the column aside
+        (``state.kv_pending``); the next ring read or forward packs every layer's pending columns at once."""
         n = self.state.anchor_capacity
         if plan.get("uniform"):  # the host already knows: every row a real window token in one slot (no read-back)
             if "ring_slot1" not in plan:  # shared by every layer of this forward
