@@ -16,6 +16,7 @@ and are masked among the plain keys. A decode step's anchored slots were re-rota
 from __future__ import annotations
 
 import contextvars
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -111,26 +112,53 @@ def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         return out.transpose(1, 2).contiguous().to(query.dtype), None
     # A chunk (prefill): keys are the buffer ⧺ the chunk, (B, C, K) visibility from the cache's metadata.
     q, k, v = query.float(), key.float(), value.float()
-    visible = view.visible if view.visible.dim() == 3 else view.visible[:, None, :]
+    layout = view.chunk_layout or chunk_layout(view, state.window, rope is not None)
     columns = _learned_columns(module, q, kwargs.get("s_aux"), view, rope, scale, softcap)
+    if layout.anchor_shift is not None:  # some query sees an anchored key elsewhere: scored at its slot distance
+        idx = view.anchor_idx
+        scores = _anchored_scores(q.view(b, hkv, rep, c, dh), key, idx, layout.anchor_shift, rope, scale)
+        columns.append(Columns(soft_cap(scores.view(b, h, c, -1), softcap), v[:, :, idx], layout.anchor_visible))
+    if layout.keep is not None:
+        k, v = k[:, :, layout.keep], v[:, :, layout.keep]
+    causal = layout.causal and not columns
+    out = attend(q, k, v, None if causal else layout.visible[:, None], causal=causal, scale=scale, columns=columns,
+                 softcap=softcap, gate=gate)
+    return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+@dataclass
+class ChunkLayout:
+    """What the queries of one prefill chunk attend over, the same in every layer that shares a stream state."""
+
+    visible: Tensor  # (B, C, K') the sequence keys each query sees (moved anchored keys and unseen slots out)
+    keep: Tensor | None  # the K' key positions kept (None: all)
+    anchor_shift: Tensor | None  # (B, C, nA) rotation of each anchored key to its slot distance; None: none moves
+    anchor_visible: Tensor | None  # (B, 1, C, nA) which query sees which anchored key (with anchor_shift)
+    causal: bool  # the kept keys are one fresh causal block (the fused kernel's own causal mode applies)
+
+
+def chunk_layout(view, window: int, rotary: bool) -> ChunkLayout:
+    """Work out (once per chunk, stored on ``view``) the keys a chunk attends over. This is where the chunk path
+    reads tensors back to the host — a few booleans per chunk, not per layer."""
+    visible = view.visible if view.visible.dim() == 3 else view.visible[:, None, :]
     idx = view.anchor_idx
-    if idx.numel() and rope is not None:
-        shift = _anchor_shift(view, idx, state.window)  # (B, C, nA)
-        if bool(((shift != 0) & visible[:, :, idx]).any()):  # some query sees an anchored key elsewhere
-            scores = _anchored_scores(q.view(b, hkv, rep, c, dh), key, idx, shift, rope, scale)
-            columns.append(Columns(soft_cap(scores.view(b, h, c, -1), softcap), v[:, :, idx], visible[:, None, :, idx]))
+    shift = anchor_visible = None
+    if idx.numel() and rotary:
+        moved = _anchor_shift(view, idx, window)  # (B, C, nA)
+        if bool(((moved != 0) & visible[:, :, idx]).any()):
+            shift, anchor_visible = moved, visible[:, None, :, idx]
             visible = visible.clone()
             visible[:, :, idx] = False
     used = visible.any(1).any(0)  # keys some query sees (an empty buffer's slots drop out)
+    keep = None
     if not bool(used.all()):
         keep = used.nonzero()[:, 0]
-        k, v, visible = k[:, :, keep], v[:, :, keep], visible[..., keep]
-    causal = False
-    if not columns and visible.shape[-1] == c:  # one fresh causal block: the fused kernel's own causal mode
-        causal = bool(torch.equal(visible, torch.ones(c, c, dtype=torch.bool, device=visible.device).tril().expand_as(visible)))
-    out = attend(q, k, v, None if causal else visible[:, None], causal=causal, scale=scale, columns=columns,
-                 softcap=softcap, gate=gate)
-    return out.transpose(1, 2).contiguous().to(query.dtype), None
+        visible = visible[..., keep]
+    c = visible.shape[1]
+    causal = visible.shape[-1] == c and bool(torch.equal(
+        visible, torch.ones(c, c, dtype=torch.bool, device=visible.device).tril().expand_as(visible)))
+    view.chunk_layout = ChunkLayout(visible, keep, shift, anchor_visible, causal)
+    return view.chunk_layout
 
 
 def _learned_columns(module: nn.Module, q: Tensor, s_aux: Tensor | None, view, rope, scale: float,

@@ -52,6 +52,9 @@ class View:
     # Rotation taking each query from its virtual position to its own cache-slot position (kept tokens it
     # sees − 1): (B, C). Only a kv-bias slot's score needs it.
     slot_shift: Tensor | None = None
+    # Chunk path: what every layer sharing this view attends over, worked out once per chunk by the first
+    # layer's attention (:func:`sinklab.stream.attention.chunk_layout`); None until then.
+    chunk_layout: object | None = None
 
 
 def _check_pinned(pinned) -> list[tuple[int, int]]:
