@@ -48,16 +48,19 @@ def _with_hidden(args: tuple, kwargs: dict, hidden: Tensor) -> tuple[tuple, dict
     return args, {**kwargs, "hidden_states": hidden}
 
 
-def _repeat(value: object, batch: int, copies: int) -> object:
-    """``value`` with every batch-leading tensor (``[B, …]``, two or more dims) repeated ``copies`` times."""
+def _repeat(value: object, batch: int, copies: int, memo: dict[int, Tensor]) -> object:
+    """``value`` with every batch-leading tensor (``[B, …]``, two or more dims) repeated ``copies`` times; a tensor
+    met again (the mask and position embeddings every block call shares) is repeated once (``memo``, by ``id``)."""
     if isinstance(value, Tensor):
         if value.dim() >= 2 and value.shape[0] == batch:
-            return value.repeat(copies, *([1] * (value.dim() - 1)))  # (copies·B, …): copy i = rows i·B …
+            if id(value) not in memo:  # (copies·B, …): copy i = rows i·B …
+                memo[id(value)] = value.repeat(copies, *([1] * (value.dim() - 1)))
+            return memo[id(value)]
         return value
     if isinstance(value, (tuple, list)):
-        return type(value)(_repeat(v, batch, copies) for v in value)
+        return type(value)(_repeat(v, batch, copies, memo) for v in value)
     if isinstance(value, dict):
-        return {k: _repeat(v, batch, copies) for k, v in value.items()}
+        return {k: _repeat(v, batch, copies, memo) for k, v in value.items()}
     return value
 
 
@@ -65,14 +68,17 @@ def stacked(inputs: BlockInputs, copies: int) -> BlockInputs:
     """``inputs`` repeated ``copies`` times along the batch axis (copy ``i`` = rows ``i·B … (i+1)·B − 1``).
 
     Batch-leading tensors (hidden states, masks ``[B, 1, T, T]``, position embeddings ``[B, T, d]``, model
-    inputs) are repeated; shared ones (``[1, T, T]`` masks, 1-D cache positions) are kept as they are.
+    inputs) are repeated, each shared one once for all the calls; shared ones of another batch size
+    (``[1, T, T]`` masks, 1-D cache positions) are kept as they are.
     """
     if copies == 1:
         return inputs
-    b = inputs.final.shape[0]
-    return BlockInputs(calls=[(_repeat(args, b, copies), _repeat(kwargs, b, copies)) for args, kwargs in inputs.calls],
-                       token_mask=_repeat(inputs.token_mask, b, copies), final=_repeat(inputs.final, b, copies),
-                       final_map=inputs.final_map, batch=_repeat(inputs.batch, b, copies))
+    b, memo = inputs.final.shape[0], {}
+    return BlockInputs(calls=[(_repeat(args, b, copies, memo), _repeat(kwargs, b, copies, memo))
+                              for args, kwargs in inputs.calls],
+                       token_mask=_repeat(inputs.token_mask, b, copies, memo),
+                       final=_repeat(inputs.final, b, copies, memo), final_map=inputs.final_map,
+                       batch=_repeat(inputs.batch, b, copies, memo))
 
 
 def run_blocks(layers: nn.ModuleList, inputs: BlockInputs, start: int, stop: int) -> Tensor:
