@@ -69,14 +69,13 @@ def _gather(c: Tensor, bits: int) -> Tensor:
     """Inverse of :func:`_spread`: one code per byte ``[..., n]`` (``n`` a multiple of ``8 / bits``) → packed bytes."""
     h = bits
     while h <= 4:
-        w = c.contiguous().view(torch.int16).to(torch.int32)  # lo + 256 · hi per pair of bytes, little-endian
+        w = c.contiguous().view(torch.int16)  # lo + 256 · hi per pair of bytes, little-endian (< 2^12: no overflow)
         c = torch.add(w, w >> 8, alpha=(1 << h) - 256).to(torch.uint8)  # lo + 2^h · hi
         h *= 2
     return c
 
 
-def _little_endian() -> bool:
-    return sys.byteorder == "little"
+_LITTLE_ENDIAN = sys.byteorder == "little"  # the byte-level paths read pairs of bytes as int16 words
 
 
 def pack_bits(codes: Tensor, bits: int) -> Tensor:
@@ -84,7 +83,7 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     k = _codes_per_word(bits)
     n = codes.shape[-1]
     pad = (-n) % k
-    if bits in (2, 4, 8) and _little_endian():
+    if bits in (2, 4, 8) and _LITTLE_ENDIAN:
         c = codes.to(torch.uint8)
         if pad:
             c = torch.nn.functional.pad(c, (0, pad))
@@ -108,7 +107,7 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
     if bits == 8:
         return packed[..., :n]
     if nbytes == 1:  # 2 and 4 bits
-        if _little_endian():
+        if _LITTLE_ENDIAN:
             return _spread(packed, bits)[..., :n]
         codes = (packed[..., None] >> _shifts(k, bits, torch.uint8, packed.device)) & ((1 << bits) - 1)  # (..., m, k)
         return codes.flatten(-2)[..., :n]
