@@ -73,7 +73,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
     def _bind_buffer(self, b: int, hkv: int, dh: int, dv: int) -> None:
         """Point ``keys``/``values`` at the two halves of the stream's shared ``[B, Hkv, S + P + W, dk + dv]``
         buffer (made once)."""
-        shared = self.state.__dict__.setdefault("kv_scratch", {})
+        shared = self.state.kv_scratch
         key = (b, hkv, self.state.capacity, dh, dv, self.dtype, self.device)
         if key not in shared:  # one tensor, a token's key then its value: the ring's layout (one dequantization)
             shared[key] = torch.zeros(b, hkv, self.state.capacity, dh + dv, dtype=self.dtype, device=self.device)
@@ -98,7 +98,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         """Dequantize the ring into the shared buffer, let the parent update it, pack what it wrote."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.state.__dict__.get("kv_pending_plan") is not self.state.plan:  # the first layer of this forward
+        if self.state.kv_pending_plan is not self.state.plan:  # the first layer of this forward
             self._flush()
         n = self.state.anchor_capacity
         dequantize(self.ring, out=self.kv[:, :, n:])  # keys and values together (groups never straddle them)
@@ -122,7 +122,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         if plan.get("uniform"):  # the host already knows: every row a real window token in one slot (no read-back)
             if "ring_slot1" not in plan:  # shared by every layer of this forward
                 plan["ring_slot1"] = plan["slot1"] - n
-            self.state.__dict__.setdefault("kv_pending", []).append(
+            self.state.kv_pending.append(
                 (self, self.kv.index_select(2, plan["slot1"]), plan["ring_slot1"]))  # (B, Hkv, 1, D)
             self.state.kv_pending_plan = plan
             return
@@ -144,7 +144,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         """Pack the columns the layers of this stream left pending in their last uniform decode step: one
         quantization for all of them (the same codes as one per layer: groups are per token), then three
         ``index_copy_`` writes into each layer's ring. Runs before anything reads a ring."""
-        pending = self.state.__dict__.get("kv_pending")
+        pending = self.state.kv_pending
         if not pending:
             return
         self.state.kv_pending, self.state.kv_pending_plan = [], None

@@ -106,6 +106,11 @@ class StreamState:
         self.layers: list = []  # SinkWindowLayer objects, for rebasing
         self.view: View | None = None
         self.plan: dict | None = None
+        # Quantized layers (sinklab.stream.quantized): the one dequantization buffer they share, keyed by shape,
+        # and the decoded columns they set aside in a uniform decode step (packed before any ring is read).
+        self.kv_scratch: dict = {}
+        self.kv_pending: list = []
+        self.kv_pending_plan: dict | None = None
 
     # ------------------------------------------------------------------ per-row storage
     def _init_rows(self, batch: int, device: torch.device) -> None:
