@@ -175,7 +175,7 @@ def test_synthetic_nop_task_forms_a_nop_sink():
 
 @pytest.mark.usefixtures("one_thread")  # a tiny training run
 def test_synthetic_broadcast_task_forms_a_broadcast_hub():
-    r = run_broadcast(BroadcastTask(d=32, n=16), steps=1000, batch=128, eval_samples=32)
+    r = run_broadcast(BroadcastTask(d=32, n=16), steps=500, batch=128, eval_samples=32)  # formed by 500 steps
     m = r.metrics
     assert m["hub_kind"] == "broadcast" and m["broadcast_pct"] > 80
     assert m["hub_value_norm_ratio_out"] > 0.5 and m["hub_stable_rank"] < 1.2
