@@ -212,3 +212,46 @@ def test_beams_move_every_part_of_a_row():
     assert torch.equal(run([0, 1], [1, 0]), run([1, 0]))
     assert torch.equal(run([0, 1], [1]), run([1]))
     assert torch.equal(run([1], repeat=2), run([1, 1]))
+
+
+def _tiny_gemma3_local_global():
+    import transformers as tf
+
+    config = tf.Gemma3TextConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
+                                 sliding_window=12, layer_types=["sliding_attention", "full_attention"],
+                                 query_pre_attn_scalar=16)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return tf.Gemma3ForCausalLM(config).eval()
+
+
+def test_sliding_layers_release_protected_tokens_no_query_can_see():
+    """Gemma 3's local layers: a protected token that has left the window stays a hole in its block but loses its
+    exact copy; the logits equal those of a cache keeping every copy (the model's mask hides the token)."""
+    model = _tiny_gemma3_local_global()
+    ids = torch.randint(5, 300, (1, 60))
+    protect = Protection(first=1, positions=(9, 24, 44))  # 24 has left the window when its block is packed
+    with torch.no_grad():
+        cache = quantized_sink_cache(model, 2, protect, group_size=8, residual=4)
+        every = quantized_sink_cache(model, 2, protect, group_size=8, residual=4)
+        for layer in every.layers:
+            layer.window = None  # the copies kept in every layer: what the cache did before
+        assert [layer.window for layer in cache.layers] == [12, None]
+        got, expected = [], []
+        for c, out in ((cache, got), (every, expected)):
+            out.append(model(ids[:, :30], cache=c).logits)
+            for t in range(30, 60):  # decode: blocks are packed while the protected tokens leave the window
+                out.append(model(ids[:, t:t + 1], cache=c).logits)
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(expected, 1), atol=1e-5, rtol=1e-5)
+    local, full = cache.layers
+    # Window 12: a key p is seen by no later query once p ≤ seen − 12. Block 24–31 is packed at seen = 36 (8 beyond
+    # R = 4), with 24 just out (a hole without a copy, its block-mates quantized around it); 44 is packed in
+    # window at seen = 52 and released at the next packing (seen = 60).
+    assert local.p_pos is None and local.counts()["protected"] == 0
+    assert full.p_pos.tolist() == [0, 9, 24, 44] and every.layers[0].p_pos.tolist() == [0, 9, 24, 44]
+    assert local.nbytes() == every.layers[0].nbytes() - 4 * 2 * 16 * 2  # four 16-bit keys and values of width 16
+    bare = quantized_sink_cache(model, 2, None, group_size=8, residual=4)
+    with torch.no_grad():
+        model(ids, cache=bare)
+    assert bare.layers[0].nbytes() == local.nbytes()  # the local layer holds what an unprotected one holds

@@ -31,7 +31,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .. import _compat
-from ..errors import InputError
+from ..errors import InputError, UnsupportedModelError
 from .codec import BITS, QuantizedTensor, dequantize, quantize
 from .plan import Protection
 
@@ -61,18 +61,28 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
     exact_dtype:
         Storage of the protected and residual tokens: ``None`` — the model's dtype if it is 16-bit, else
         float16.
+    window:
+        The layer's own sliding attention window (keys a query sees, itself included; Gemma 3's local layers),
+        ``None`` for full attention. A protected token that no later query can see any more (position
+        ``≤ seen − window``) is not worth its exact copy: it stays a hole in its block (so the block's other tokens
+        quantize as before) but its exact copy is not kept, or is released once it has left the window; the
+        model's own sliding-window mask hides the hole, so the layer's output is the same as with the copy.
     """
 
     is_croppable = False
 
     def __init__(self, bits: int = 4, group_size: int = 64, residual: int = 32, protect: Protection | None = None,
-                 exact_dtype: torch.dtype | None = None, value_group: int | None = None) -> None:
+                 exact_dtype: torch.dtype | None = None, value_group: int | None = None,
+                 window: int | None = None) -> None:
         super().__init__()
         if bits not in BITS:
             raise InputError(f"kv bits must be one of {BITS}, got {bits!r}")
         if group_size < 1 or residual < 0 or (value_group is not None and value_group < 1):
             raise InputError(f"group_size and value_group must be ≥ 1 and residual ≥ 0, got {group_size}, "
                              f"{value_group} and {residual}")
+        if window is not None and window < 1:
+            raise InputError(f"a sliding window must hold at least one token, got {window}")
+        self.window = window
         self.bits, self.group_size, self.residual = bits, group_size, residual
         self.protect = protect or Protection()
         self.exact_dtype = exact_dtype
@@ -169,16 +179,31 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         if n <= 0:
             return
         pos = torch.arange(start, start + n, device=self.rk.device)
-        keep = self.protect.mask(pos)  # (n,) protected positions among those packed now
+        holes = self.protect.mask(pos)  # (n,) protected positions among those packed now
+        keep = holes
+        if self.window is not None:  # a sliding-window layer: what no later query sees needs no exact copy
+            keep = holes & (pos > self.seen - self.window)
+            self._release_unseen()
         k, v = self.rk[:, :, :n], self.rv[:, :, :n]
-        if bool(keep.any()):
+        if bool(holes.any()):
             self.pk, self.pv = _cat(self.pk, k[:, :, keep]), _cat(self.pv, v[:, :, keep])
             self.p_pos = _cat(self.p_pos, pos[keep], 0)
-            k = _fill_holes(k, keep, self.group_size)
+            k = _fill_holes(k, holes, self.group_size)
         qk = quantize(k, self.bits, self.group_size, dim=-2)  # per channel over G tokens
         qv = quantize(v, self.bits, self.value_group, dim=-1)  # per token
         self.qk, self.qv = self._append(self.qk, qk), self._append(self.qv, qv)
         self.rk, self.rv = self.rk[:, :, n:], self.rv[:, :, n:]
+
+    def _release_unseen(self) -> None:
+        """Drop the exact copies of protected tokens that have left the layer's sliding window."""
+        if self.p_pos is None:
+            return
+        stay = self.p_pos > self.seen - self.window
+        if bool(stay.all()):
+            return
+        self.pk, self.pv, self.p_pos = self.pk[:, :, stay], self.pv[:, :, stay], self.p_pos[stay]
+        if not self.p_pos.numel():
+            self.pk = self.pv = self.p_pos = None
 
     def defer_packing(self) -> None:
         """Hold every token stored from now on unpacked, until :meth:`protect_and_pack` (sinks measured during
@@ -247,12 +272,20 @@ def quantized_sink_cache(model: nn.Module, bits: int = 4, protect: Protection | 
                          value_group: int | None = None) -> Cache:
     """A transformers ``Cache`` of :class:`DynamicQuantizedSinkLayer`, one per decoder layer of ``model``.
 
+    A layer of the model's own sliding-window attention (``layer_types``/``sliding_window`` in the config: Gemma 3's
+    local layers, Mistral) gets its window: it keeps a protected token exact only while a later query can see it.
+
     >>> cache = quantized_sink_cache(model, bits=4, protect=Protection(first=4))   # doctest: +SKIP
     >>> model(input_ids=ids, past_key_values=cache)                               # doctest: +SKIP
     """
     n = len(_compat.find_layers(model))
-    return Cache(layers=[DynamicQuantizedSinkLayer(bits, group_size, residual, protect, exact_dtype, value_group)
-                         for _ in range(n)])
+    try:
+        windows = _compat.layer_sliding_windows(model)
+    except UnsupportedModelError:  # other attention types (chunked, linear): no window is assumed
+        windows = []
+    windows = windows if len(windows) == n else [None] * n
+    return Cache(layers=[DynamicQuantizedSinkLayer(bits, group_size, residual, protect, exact_dtype, value_group, w)
+                         for w in windows])
 
 
 def kv_shape(model: nn.Module) -> tuple[int, int, int]:
