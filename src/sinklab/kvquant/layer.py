@@ -179,16 +179,14 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         if n <= 0:
             return
         pos = torch.arange(start, start + n, device=self.rk.device)
-        holes = self.protect.mask(pos)  # (n,) protected positions among those packed now
-        keep = holes
-        if self.window is not None:  # a sliding-window layer: what no later query sees needs no exact copy
-            keep = holes & (pos > self.seen - self.window)
-            self._release_unseen()
+        keep = self.protect.mask(pos)  # (n,) protected positions among those packed now
         k, v = self.rk[:, :, :n], self.rv[:, :, :n]
-        if bool(holes.any()):
+        if bool(keep.any()):
             self.pk, self.pv = _cat(self.pk, k[:, :, keep]), _cat(self.pv, v[:, :, keep])
             self.p_pos = _cat(self.p_pos, pos[keep], 0)
-            k = _fill_holes(k, holes, self.group_size)
+            k = _fill_holes(k, keep, self.group_size)
+        if self.window is not None:  # a sliding-window layer: what no later query sees needs no exact copy
+            self._release_unseen()
         qk = quantize(k, self.bits, self.group_size, dim=-2)  # per channel over G tokens
         qv = quantize(v, self.bits, self.value_group, dim=-1)  # per token
         self.qk, self.qv = self._append(self.qk, qk), self._append(self.qv, qv)
