@@ -11,7 +11,8 @@ Storage per layer (``[B, Hkv, ·, d]`` tensors), in position order:
   *hole* — its key is replaced, before the block's ranges are taken, by the smallest key of the block's other
   tokens in each channel, so an outlier sink key does not stretch the range of the block it sits in. Holes
   keep the blocks aligned on positions: protecting ``P`` tokens costs exactly ``P`` exact tokens more than
-  protecting none, at every length;
+  protecting none, at every length; a layer of the model's own sliding-window attention releases the copies of
+  protected tokens no later query can see (``window``);
 * residual and protected tokens are stored in **16 bits** (``exact_dtype``): the model's dtype when it is
   16-bit, otherwise float16 (a float32 model's keys/values are rounded once to float16 — its effect on KL is
   the ``16-bit`` row of :func:`~sinklab.kvquant.evaluate.kv_quant`); ``exact_dtype=torch.float32`` keeps them
