@@ -39,8 +39,9 @@ def test_cli_writes_rows_figure_and_escaped_report(tmp_path):
     assert by[(2, "none")]["median_kl"] > by[(4, "none")]["median_kl"] > 0
     assert by[(2, "none")]["bytes_per_token"] < by[(4, "none")]["bytes_per_token"] < full["bytes_per_token"]
     assert (out / "kl_vs_bytes.png").stat().st_size > 1000
+    assert data["meta"]["window_prefix"] == ["<s>"]  # the tiny model's tokenizer starts every prompt with <s>
     html = (out / "report.html").read_text()
-    assert "<script" not in html and "sinklab kv-quant" in html
+    assert "<script" not in html and "sinklab kv-quant" in html and "starts with <code>&lt;s&gt;</code>" in html
 
 
 @pytest.mark.parametrize("args, needle", [(("--bits", "5"), "--bits"), (("--protect", "all"), "--protect"),
@@ -78,3 +79,29 @@ def test_rows_match_the_cache_layers_they_measure():
     exact = (4096 - n + 2) * kv * dh * 2 * 2  # residual + protected keys and values in float16
     assert row["bytes_per_token_4096"] == pytest.approx(layers * (codes + meta + exact) / 4096, rel=1e-12)
     assert row["bytes_ratio_16bit_4096"] == pytest.approx(row["bytes_per_token_4096"] / (2 * layers * kv * dh * 2))
+
+
+def test_windows_start_with_the_special_prefix():
+    """Each sample window is a prompt: the tokenizer's special prefix, then the next stretch of text (no text token
+    used twice); the rows are measured on those windows (the full cache's PPL equals the model's own forward over
+    them, and differs without the prefix)."""
+    from kvquant_models import SINK_ID, massive_sink_llama
+    from sinklab.kvquant.evaluate import sample_windows
+
+    model = massive_sink_llama()
+    ids = torch.randint(5, 256, (80,), generator=torch.Generator().manual_seed(2))
+    plan = KvQuantPlan(bits=(4,), protect=("none",), context=32, score=8, samples=2, group_size=8,
+                       value_group=8, residual=4, decode_steps=0, bytes_lengths=())
+    windows = sample_windows(ids, plan, prefix=[SINK_ID])
+    assert [w.tolist() for w in windows] == [[SINK_ID] + ids[:39].tolist(), [SINK_ID] + ids[39:78].tolist()]
+
+    def ppl(rows):
+        with torch.no_grad():
+            nll = [torch.nn.functional.cross_entropy(model(w[None]).logits[0, 32:39].double(), w[33:]) for w in rows]
+        return float(torch.stack(nll).mean().exp())
+
+    expected = ppl(windows)
+    assert ppl(sample_windows(ids, plan)) != pytest.approx(expected, rel=1e-3)  # the prefix changes the numbers
+    assert kv_quant(model, ids, plan, prefix=[SINK_ID]).row(32, "full")["ppl"] == pytest.approx(expected, rel=1e-5)
+    with pytest.raises(Exception, match="tokens of text"):
+        sample_windows(ids[:70], plan, prefix=[SINK_ID])

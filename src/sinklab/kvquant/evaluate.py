@@ -1,6 +1,8 @@
 """``kv_quant``: what each KV bit width × protection costs (bytes, time) and buys (KL, top-1, PPL).
 
-Protocol, per sample (a window of ``context + score`` tokens of a long text): the first ``context`` tokens
+Protocol, per sample (a window of ``context + score`` tokens: the tokenizer's special prefix — Gemma's ``<bos>``,
+nothing for SmolLM2 — then consecutive tokens of a long text, so each window is a prompt as the tokenizer would
+encode it; :func:`sample_windows`): the first ``context`` tokens
 are prefilled into the cache under test, then the next ``score`` tokens are fed in one forward; their
 next-token distributions are compared with the same two forwards over transformers' unquantized
 ``DynamicCache`` (KL(full ‖ quantized), top-1 agreement) and scored against the text (PPL). Bytes per
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -32,7 +34,7 @@ from .detect import detect_sinks
 from .layer import dense_bytes_per_token, kv_shape, quantized_sink_cache
 from .plan import PROTECTIONS, SINK_EPS, SINK_SHARE, Protection
 
-__all__ = ["KvQuantPlan", "KvQuantResult", "kv_quant", "ROW_KEYS", "HF_BACKENDS"]
+__all__ = ["KvQuantPlan", "KvQuantResult", "kv_quant", "sample_windows", "ROW_KEYS", "HF_BACKENDS"]
 
 #: Keys every row of ``kv_quant.json`` has.
 ROW_KEYS = ("bits", "protect", "median_kl", "p90_kl", "top1", "ppl", "bytes_per_token", "ms_per_token")
@@ -91,7 +93,7 @@ class KvQuantPlan:
 
     @property
     def tokens(self) -> int:
-        """Tokens of text the plan needs."""
+        """Tokens the plan's windows hold (the text needs that many less the special prefix of each window)."""
         return self.samples * (self.context + self.score)
 
     def work(self) -> int:
@@ -219,19 +221,39 @@ class _Runner:
         return {key: 1000.0 * float(torch.tensor(t).median()) if t else math.nan for key, t in times.items()}
 
 
-def kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *,
+def sample_windows(ids: Tensor, plan: KvQuantPlan, prefix: Sequence[int] = ()) -> list[Tensor]:
+    """The plan's ``samples`` windows ``[context + score]``: ``prefix`` (the tokenizer's special prefix,
+    :func:`sinklab.texts.special_affixes`), then the next stretch of ``ids`` ``[N]`` (text tokens without special
+    tokens; consecutive stretches, so no text token is used twice).
+
+    >>> [w.tolist() for w in sample_windows(torch.arange(10, 20), KvQuantPlan(context=2, score=1, samples=2,
+    ...                                      group_size=1, group_size_2bit=1), prefix=[2])]
+    [[2, 10, 11], [2, 12, 13]]
+    """
+    ids, head = ids.reshape(-1).long().cpu(), torch.tensor(list(prefix), dtype=torch.long)
+    body = plan.context + plan.score - head.numel()
+    if body < 1:
+        raise InputError(f"a window of {plan.context + plan.score} tokens leaves no room for text after the "
+                         f"{head.numel()} special tokens every prompt starts with")
+    if ids.numel() < plan.samples * body:
+        raise InputError(f"kv-quant needs {plan.samples * body} tokens of text ({plan.samples} samples × (context "
+                         f"{plan.context} + score {plan.score}{f' − {head.numel()} special' if head.numel() else ''}))"
+                         f", the text has {ids.numel()}: give a longer text or fewer samples")
+    return [torch.cat([head, ids[s * body:(s + 1) * body]]) for s in range(plan.samples)]
+
+
+def kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *, prefix: Sequence[int] = (),
              progress: Progress | None = None) -> KvQuantResult:
-    """Compare packed KV caches at ``plan.bits`` × ``plan.protect`` with the unquantized cache on ``ids`` ``[N]``.
+    """Compare packed KV caches at ``plan.bits`` × ``plan.protect`` with the unquantized cache on ``ids`` ``[N]``
+    (text tokens without special tokens), in windows that start with ``prefix`` (:func:`sample_windows`: pass the
+    tokenizer's special prefix, e.g. Gemma's ``<bos>``, so that each window is the prompt a user would cache).
 
     Returns one row per cache with :data:`ROW_KEYS` (plus ``mean_kl``, ``bytes_ratio_16bit`` — bytes per
     token over a 16-bit unquantized cache's — and ``protected_tokens``). The ``full`` row is the unquantized
     ``DynamicCache`` in the model's dtype; ``hf-<backend>`` rows are transformers' ``QuantizedCache``.
     """
     plan = plan or KvQuantPlan()
-    ids = ids.reshape(-1).long().cpu()
-    if ids.numel() < plan.tokens:
-        raise InputError(f"kv-quant needs {plan.tokens} tokens ({plan.samples} samples × (context {plan.context} + "
-                         f"score {plan.score})), the text has {ids.numel()}: give a longer text or fewer samples")
+    windows = sample_windows(ids, plan, prefix)
     skipped = {}
     for name in plan.hf_backends:
         try:
@@ -255,8 +277,7 @@ def kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *,
     detected: list[list[int]] = []
     span = plan.context + plan.score
     first_run = None
-    for s in range(plan.samples):
-        window = ids[s * span:(s + 1) * span]
+    for s, window in enumerate(windows):
         run = _Runner(model, window, plan)
         sinks = detect_sinks(model, window[: plan.context], eps=plan.eps, share=plan.share)
         detected.append(sinks)

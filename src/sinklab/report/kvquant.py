@@ -94,9 +94,12 @@ def render_kv_quant(data: dict, images: dict[str, bytes]) -> str:
     sinks = "".join(
         f"<li>sample {i}: " + (", ".join(f"{p} <code>{esc(str(t))}</code>" for p, t in zip(pos, toks)) or "none")
         + "</li>" for i, (pos, toks) in enumerate(zip(data["detected"], tokens)))
+    prefix = meta.get("window_prefix")
+    starts = (" Each window starts with " + " ".join(f"<code>{esc(str(t))}</code>" for t in prefix)
+              + ", as the tokenizer starts a prompt.") if prefix else ""
     body = f"""<h1>sinklab kv-quant: {esc(str(meta.get('model')))}</h1>
 <p>{plan['samples']} samples of {plan['context']} cached tokens; the next {plan['score']} tokens are scored against the
-unquantized cache. Keys are quantized per channel over blocks of G = {_groups(plan)} tokens, values per token
+unquantized cache.{starts} Keys are quantized per channel over blocks of G = {_groups(plan)} tokens, values per token
 over groups of {plan.get('value_group') or 'G'} channels (at most the head width); the R = {plan['residual']} most
 recent tokens and the protected ones stay unquantized, stored in 16 bits (the <b>16-bit</b> row: every token so
 stored, nothing quantized). Bytes per token are measured after the {plan['context'] + plan['score']} tokens of a
