@@ -62,7 +62,8 @@ def _worker(args: argparse.Namespace) -> None:
         text = "\n\n".join(default_texts())
         plan = KvQuantPlan(bits=tuple(args.bits), context=args.context, score=args.score, samples=args.samples,
                            decode_steps=args.decode_steps, hf_backends=tuple(args.hf))
-        ids = torch.tensor(loaded.tokenizer(text[: plan.tokens * 16], add_special_tokens=False)["input_ids"][: plan.tokens])
+        encoded = loaded.tokenizer(text[: plan.tokens * 16], add_special_tokens=False)["input_ids"]
+        ids = torch.tensor(encoded[: plan.tokens])
         prefix = special_affixes(loaded.tokenizer)[0]  # every window starts as a prompt does (Gemma 3: <bos>)
         windows = sample_windows(ids, plan, prefix)
         result = kv_quant(loaded.model, ids, plan, prefix=prefix)

@@ -75,12 +75,13 @@ def kv_quant_command(
         encoded = tok(text[: plan.tokens * 16], add_special_tokens=False, verbose=False)["input_ids"]
         if len(encoded) < plan.tokens:
             encoded = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
+        ids = torch.tensor(encoded[: plan.tokens])
         prefix = special_affixes(tok)[0]  # each window is a prompt as the tokenizer makes one (Gemma: <bos> first)
-        windows = sample_windows(torch.tensor(encoded[: plan.tokens]), plan, prefix)
+        windows = sample_windows(ids, plan, prefix)
         total = plan.work()
         with progress_bar(total) as progress:
             task = progress.add_task("kv-quant", total=total)
-            result = kv_quant(loaded.model, torch.tensor(encoded[: plan.tokens]), plan, prefix=prefix,
+            result = kv_quant(loaded.model, ids, plan, prefix=prefix,
                               progress=lambda label, n: progress.update(task, advance=n, description=label))
         result.meta = {"model": model, "text": source, "provenance": provenance(sys.argv, loaded, texts=[text]),
                        "window_prefix": readable_tokens(tok, prefix),
