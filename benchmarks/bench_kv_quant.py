@@ -51,10 +51,10 @@ def _venv(path: Path) -> tuple[Path | None, str]:
 def _worker(args: argparse.Namespace) -> None:
     import torch
 
-    from sinklab.kvquant.evaluate import KvQuantPlan, kv_quant, sample_windows
+    from sinklab.kvquant.evaluate import KvQuantPlan, kv_quant_text
     from sinklab.models import load_model
     from sinklab.report.kvquant import kl_vs_bytes, table_header, table_rows
-    from sinklab.texts import default_texts, special_affixes
+    from sinklab.texts import default_texts
 
     torch.set_num_threads(args.threads)
     for name in args.models:
@@ -62,17 +62,10 @@ def _worker(args: argparse.Namespace) -> None:
         text = "\n\n".join(default_texts())
         plan = KvQuantPlan(bits=tuple(args.bits), context=args.context, score=args.score, samples=args.samples,
                            decode_steps=args.decode_steps, hf_backends=tuple(args.hf))
-        encoded = loaded.tokenizer(text[: plan.tokens * 16], add_special_tokens=False)["input_ids"]
-        ids = torch.tensor(encoded[: plan.tokens])
-        prefix = special_affixes(loaded.tokenizer)[0]  # every window starts as a prompt does (Gemma 3: <bos>)
-        windows = sample_windows(ids, plan, prefix)
-        result = kv_quant(loaded.model, ids, plan, prefix=prefix)
+        result = kv_quant_text(loaded.model, loaded.tokenizer, text, plan)
         stem = name.split(":")[-1].split("/")[-1].removesuffix(".gguf") + args.suffix
         result.meta = {"model": name, "note": args.note, "threads": args.threads, "load_average": os.getloadavg(),
-                       "machine": "under load on a shared 2-core CPU VM",
-                       "window_prefix": [loaded.tokenizer.decode([t]) for t in prefix],
-                       "detected_tokens": [[loaded.tokenizer.decode([int(w[p])]) for p in pos]
-                                           for w, pos in zip(windows, result.detected)]}
+                       "machine": "under load on a shared 2-core CPU VM", **result.meta}
         data = result.to_json()
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / f"kv_quant_{stem}.json").write_text(json.dumps(data, indent=1))

@@ -56,12 +56,9 @@ def kv_quant_command(
 ) -> None:
     """KL, top-1, PPL, bytes per token and decode time of packed KV caches (KIVI layout) at each bit width, keeping
     nothing, the first S tokens or the detected sinks in full precision. Writes kv_quant.json, a figure and HTML."""
-    import torch
-
-    from ..kvquant.evaluate import KvQuantPlan, kv_quant, sample_windows
+    from ..kvquant.evaluate import KvQuantPlan, kv_quant_text
     from ..report import save
     from ..report.kvquant import table_header, table_rows
-    from ..texts import readable_tokens, special_affixes
 
     with user_errors():
         plan = KvQuantPlan(bits=_ints(bits, "--bits"), protect=tuple(p.strip() for p in protect.split(",") if p.strip()),
@@ -71,22 +68,13 @@ def kv_quant_command(
         text, source = read_long_text(file)
         check_out_dir(out)
         loaded = load_for_command(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-        tok = loaded.tokenizer
-        encoded = tok(text[: plan.tokens * 16], add_special_tokens=False, verbose=False)["input_ids"]
-        if len(encoded) < plan.tokens:
-            encoded = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
-        ids = torch.tensor(encoded[: plan.tokens])
-        prefix = special_affixes(tok)[0]  # each window is a prompt as the tokenizer makes one (Gemma: <bos> first)
-        windows = sample_windows(ids, plan, prefix)
         total = plan.work()
         with progress_bar(total) as progress:
             task = progress.add_task("kv-quant", total=total)
-            result = kv_quant(loaded.model, ids, plan, prefix=prefix,
-                              progress=lambda label, n: progress.update(task, advance=n, description=label))
+            result = kv_quant_text(loaded.model, loaded.tokenizer, text, plan,
+                                   progress=lambda label, n: progress.update(task, advance=n, description=label))
         result.meta = {"model": model, "text": source, "provenance": provenance(sys.argv, loaded, texts=[text]),
-                       "window_prefix": readable_tokens(tok, prefix),
-                       "detected_tokens": [readable_tokens(tok, [int(w[p]) for p in pos])
-                                           for w, pos in zip(windows, result.detected)]}
+                       **result.meta}
         data = result.to_json()
         print_table(f"{model}: {plan.samples} × ({plan.context} cached + {plan.score} scored) tokens; 16-bit cache "
                     f"{data['dense_bytes_per_token_16bit']:,} bytes/token", table_header(data), table_rows(data))

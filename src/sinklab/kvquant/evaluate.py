@@ -29,12 +29,13 @@ from transformers.cache_utils import Cache
 
 from .. import _compat
 from ..errors import InputError
+from ..texts import readable_tokens, special_affixes
 from .codec import BITS
 from .detect import detect_sinks
 from .layer import dense_bytes_per_token, kv_shape, quantized_sink_cache
 from .plan import PROTECTIONS, SINK_EPS, SINK_SHARE, Protection
 
-__all__ = ["KvQuantPlan", "KvQuantResult", "kv_quant", "sample_windows", "ROW_KEYS", "HF_BACKENDS"]
+__all__ = ["KvQuantPlan", "KvQuantResult", "kv_quant", "kv_quant_text", "sample_windows", "ROW_KEYS", "HF_BACKENDS"]
 
 #: Keys every row of ``kv_quant.json`` has.
 ROW_KEYS = ("bits", "protect", "median_kl", "p90_kl", "top1", "ppl", "bytes_per_token", "ms_per_token")
@@ -334,3 +335,21 @@ def kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *, 
             "protected_tokens": sum(protected[config]) / len(protected[config]),
         })
     return KvQuantResult(rows, plan, detected, dense16, hf_skipped=skipped)
+
+
+def kv_quant_text(model: nn.Module, tokenizer, text: str, plan: KvQuantPlan | None = None, *,
+                  progress: Progress | None = None) -> KvQuantResult:
+    """:func:`kv_quant` on a long ``text``: its tokens without special tokens, each window after the tokenizer's
+    special prefix (:func:`sinklab.texts.special_affixes`: Gemma's ``<bos>``), as a prompt starts. ``meta`` holds
+    ``window_prefix`` and ``detected_tokens`` (each window's detected sinks as readable token strings)."""
+    plan = plan or KvQuantPlan()
+    encoded = tokenizer(text[: plan.tokens * 16], add_special_tokens=False, verbose=False)["input_ids"]
+    if len(encoded) < plan.tokens:  # a text of unusually long tokens: encode all of it
+        encoded = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    ids, prefix = torch.tensor(encoded[: plan.tokens]), special_affixes(tokenizer)[0]
+    result = kv_quant(model, ids, plan, prefix=prefix, progress=progress)
+    windows = sample_windows(ids, plan, prefix)
+    result.meta = {"window_prefix": readable_tokens(tokenizer, prefix),
+                   "detected_tokens": [readable_tokens(tokenizer, [int(w[p]) for p in pos])
+                                       for w, pos in zip(windows, result.detected)]}
+    return result
