@@ -40,34 +40,65 @@ def test_pack_matches_bitstring_and_round_trips(bits, n):
     assert torch.equal(unpack_bits(packed, bits, n).long(), codes)
 
 
-def _quantize_reference(x: torch.Tensor, bits: int, group: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 min/max per group, scale and zero rounded to float16 (the stated storage): codes and x̂."""
+def _quantize_reference(x: torch.Tensor, bits: int, group: int, dim: int,
+                        clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 min/max per group, scale and zero rounded to float16 (the stated storage): codes and x̂.
+
+    ``clip``: every shrink of the range about its midpoint by 1.0, 0.9, …, 0.5, the one with the least squared
+    error over the group kept (the first of equals)."""
     xt = x.double().movedim(dim, -1)  # groups along the last axis
     g = xt.reshape(*xt.shape[:-1], xt.shape[-1] // group, group)  # (..., groups, group)
     levels = 2**bits - 1
-    lo = g.min(-1, keepdim=True).values.half().double()
-    scale = ((g.max(-1, keepdim=True).values - g.min(-1, keepdim=True).values) / levels).half().double()
-    codes = torch.where(scale > 0, torch.round((g - lo) / scale.clamp_min(1e-300)).clamp(0, levels), 0.0)
+    lo0, hi0 = g.min(-1, keepdim=True).values, g.max(-1, keepdim=True).values
+    best = None
+    for ratio in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5) if clip else (1.0,):
+        cut = (1 - ratio) * (hi0 - lo0) / 2
+        lo = (lo0 + cut).half().double()
+        scale = ((hi0 - lo0 - 2 * cut) / levels).half().double()
+        codes = torch.where(scale > 0, torch.round((g - lo) / scale.clamp_min(1e-300)).clamp(0, levels), 0.0)
+        err = ((codes * scale + lo - g) ** 2).sum(-1, keepdim=True)
+        if best is None:
+            best = (err, codes, lo, scale)
+        else:
+            better = err < best[0]
+            best = tuple(torch.where(better, new, old) for new, old in zip((err, codes, lo, scale), best))
+    _, codes, lo, scale = best
     back = lambda t: t.reshape(xt.shape).movedim(-1, dim)  # noqa: E731
     return back(codes), back(codes * scale + lo)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("dim", [-1, -2])
-def test_quantize_matches_float64_reference(bits, dim):
+@pytest.mark.parametrize("clip", [False, True])
+def test_quantize_matches_float64_reference(bits, dim, clip):
     x = torch.randn(2, 3, 32, 16) * torch.linspace(0.1, 5.0, 16)  # channels of different ranges
     x[0, 0, 3, 5] = 40.0  # an outlier
-    q = quantize(x, bits, 8, dim=dim)
-    codes_ref, x_ref = _quantize_reference(x, bits, 8, dim)
+    q = quantize(x, bits, 8, dim=dim, clip=clip)
+    codes_ref, x_ref = _quantize_reference(x, bits, 8, dim, clip)
     codes = unpack_bits(q.packed, bits, x.shape[-1]).double()
     assert (codes != codes_ref).double().mean() < 1e-3  # only float32-vs-float64 rounding ties may differ
-    assert (codes - codes_ref).abs().max() <= 1
     same = codes == codes_ref
     torch.testing.assert_close(dequantize(q).double()[same], x_ref[same], atol=1e-5, rtol=1e-5)
     assert q.scale.dtype == torch.float16 and q.scale.shape[dim] == x.shape[dim] // 8
 
 
-def _reference_past(keys, values, protect: Protection, bits: int, group: int, residual: int):
+@pytest.mark.parametrize("dim", [-1, -2])
+def test_clipped_range_is_never_worse_than_min_max_and_cuts_2bit_error(dim):
+    x = torch.randn(4, 2, 64, 32, generator=torch.Generator().manual_seed(1))
+    x[0, 0, 5, 7] = 30.0  # one group with an outlier: clipping it would cost more than it saves
+
+    def group_error(clip: bool) -> torch.Tensor:
+        err = (dequantize(quantize(x, 2, 16, dim=dim, clip=clip)).double() - x.double()) ** 2
+        return err.movedim(dim, -1).unflatten(-1, (-1, 16)).sum(-1)  # (..., groups)
+
+    plain, clipped = group_error(False), group_error(True)
+    assert (clipped <= plain * (1 + 1e-6) + 1e-9).all()
+    assert clipped.sum() < 0.8 * plain.sum()  # Gaussian groups of 16: about 28 % less squared error
+    outlier = dequantize(quantize(x, 2, 16, dim=dim, clip=True))[0, 0, 5, 7]
+    assert float(outlier) > 25.0  # the outlier's group stays (nearly) min/max: the outlier is not clipped away
+
+
+def _reference_past(keys, values, protect: Protection, bits: int, group: int, residual: int, clip: bool = False):
     """The stored past rebuilt from full-precision k/v ``[B, H, T, d]`` with the float64 reference quantizer:
     float16 storage; positions below ``n`` packed in blocks of ``group``, where a protected token's key is
     replaced by its block's per-channel minimum over the other tokens before quantizing, and kept exact."""
@@ -83,14 +114,14 @@ def _reference_past(keys, values, protect: Protection, bits: int, group: int, re
             if holes.any():
                 lo = keys[:, :, b0:b0 + group][:, :, ~holes].amin(-2, keepdim=True)
                 filled[:, :, b0:b0 + group][:, :, holes] = lo.expand(-1, -1, int(holes.sum()), -1)
-        k[:, :, :n] = _quantize_reference(filled.float(), bits, group, -2)[1]
-        v[:, :, :n] = _quantize_reference(values[:, :, :n].float(), bits, min(group, values.shape[-1]), -1)[1]
+        k[:, :, :n] = _quantize_reference(filled.float(), bits, group, -2, clip)[1]
+        v[:, :, :n] = _quantize_reference(values[:, :, :n].float(), bits, min(group, values.shape[-1]), -1, clip)[1]
         k[:, :, keep], v[:, :, keep] = keys[:, :, keep], values[:, :, keep]
     return k.float(), v.float()
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-def test_attention_over_quantized_cache_equals_attention_over_reference_dequantized(bits):
+@pytest.mark.parametrize("bits, clip", [(2, False), (4, False), (2, True)])
+def test_attention_over_quantized_cache_equals_attention_over_reference_dequantized(bits, clip):
     model = tiny_llama(num_hidden_layers=2, vocab_size=1000)
     ids = torch.randint(5, 1000, (2, 90))
     protect = Protection(first=2, positions=(37,))
@@ -99,9 +130,9 @@ def test_attention_over_quantized_cache_equals_attention_over_reference_dequanti
         model(ids[:, :70], cache=full)
         ref_cache = DynamicCache(config=model.config)
         for i, layer in enumerate(full.layers):
-            ref_cache.update(*_reference_past(layer.keys, layer.values, protect, bits, 16, 8), i)
+            ref_cache.update(*_reference_past(layer.keys, layer.values, protect, bits, 16, 8, clip), i)
         expected = model(ids[:, 70:], cache=ref_cache).logits
-        cache = quantized_sink_cache(model, bits, protect, group_size=16, residual=8)
+        cache = quantized_sink_cache(model, bits, protect, group_size=16, residual=8, clip=clip)
         model(ids[:, :70], cache=cache)
         got = model(ids[:, 70:], cache=cache).logits
     assert cache.layers[0].counts() == {"quantized": 80, "protected": 3, "residual": 10}  # after both forwards
@@ -155,10 +186,10 @@ def test_massive_activation_sink_protection_cuts_kl():
     assert detected == [0, 40]
     assert {0, 40} <= set(detect_sinks(model, ids[0, :128]))  # the default threshold finds them too
 
-    def median_kl(protect: Protection) -> float:
+    def median_kl(protect: Protection, clip: bool = False) -> float:
         with torch.no_grad():
             ref = model(ids).logits[0, 128:].log_softmax(-1)
-            cache = quantized_sink_cache(model, 2, protect, group_size=32, residual=8)
+            cache = quantized_sink_cache(model, 2, protect, group_size=32, residual=8, clip=clip)
             model(ids[:, :128], cache=cache)
             got = model(ids[:, 128:], cache=cache).logits[0].log_softmax(-1)
         return float((ref.exp() * (ref - got)).sum(-1).median())
@@ -166,6 +197,11 @@ def test_massive_activation_sink_protection_cuts_kl():
     none, first, sinks = median_kl(Protection()), median_kl(Protection(first=1)), median_kl(Protection(positions=detected))
     assert none > 3 * sinks
     assert sinks < first < none
+    # least-squares ranges clip whatever stands out of its group: the unprotected sink's key and value (worse
+    # than min/max), while with the sinks kept exact they only tighten the ordinary tokens' ranges
+    clipped_none, clipped_sinks = median_kl(Protection(), clip=True), median_kl(Protection(positions=detected), clip=True)
+    assert clipped_none > 1.5 * none
+    assert clipped_sinks < 0.5 * sinks
 
 
 def test_sinks_measured_during_prefill_give_the_cache_a_separate_scan_gives():

@@ -46,6 +46,8 @@ def kv_quant_command(
     group_size_2bit: Annotated[int, typer.Option("--group-size-2bit", help="G: tokens per key block at 2 bits")] = 32,
     value_group: Annotated[int, typer.Option("--value-group", help="channels per value scale (≤ head width)")] = 64,
     residual: Annotated[int, typer.Option("--residual", help="R: most recent tokens kept in full precision")] = 32,
+    clip: Annotated[bool, typer.Option("--clip/--no-clip", help="least-squares range per group (default) or "
+                                       "min/max")] = True,
     decode_steps: Annotated[int, typer.Option("--decode-steps", help="timed one-token forwards per cache")] = 16,
     hf_backend: Annotated[str, typer.Option("--hf-backend", help="also transformers' QuantizedCache with these "
                                            "comma-separated backends (quanto, hqq; must be installed)")] = "",
@@ -63,7 +65,8 @@ def kv_quant_command(
     with user_errors():
         plan = KvQuantPlan(bits=_ints(bits, "--bits"), protect=tuple(p.strip() for p in protect.split(",") if p.strip()),
                            num_first=num_first, context=context, score=score, samples=samples, group_size=group_size,
-                           group_size_2bit=group_size_2bit, value_group=value_group, residual=residual, decode_steps=decode_steps,
+                           group_size_2bit=group_size_2bit, value_group=value_group, residual=residual, clip=clip,
+                           decode_steps=decode_steps,
                            hf_backends=tuple(b.strip() for b in hf_backend.split(",") if b.strip()))
         text, source = read_long_text(file)
         check_out_dir(out)

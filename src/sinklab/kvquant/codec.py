@@ -11,6 +11,13 @@ dimension: ``scale = (max − min) / (2^b − 1)``, ``zero = min``, ``code = rou
 ``x̂`` is exactly what the codes and the stored metadata say. A constant group stores scale 0 and
 decodes exactly to its (float16) value.
 
+``clip=True`` searches each group's range instead of taking min/max: the range is shrunk about its midpoint by
+each ratio of :data:`CLIP_RATIOS` and the one whose codes (with the stored, rounded metadata) give the
+smallest squared error over the group is kept — min/max is the first candidate and wins ties, so no group
+is quantized worse than min/max. At 2 bits (four levels) it cuts a Gaussian group's squared error by about a quarter, at the
+price of clipping whatever is far from the rest of its group: only worth it when the outliers that matter
+(a sink's key and value) are kept out of the groups, as a protected cache does.
+
 KIVI (Liu et al., 2024, arXiv:2402.02750) groups keys **per channel** over blocks of tokens (``dim=-2``:
 outlier channels get their own range) and values **per token** (``dim=-1``).
 """
@@ -25,12 +32,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["BITS", "QuantizedTensor", "pack_bits", "unpack_bits", "packed_width", "quantize", "dequantize"]
+__all__ = ["BITS", "CLIP_RATIOS", "QuantizedTensor", "pack_bits", "unpack_bits", "packed_width", "quantize",
+           "dequantize"]
 
 #: Bit widths with a packed layout.
 BITS = (2, 3, 4, 8)
 
 META_DTYPE = torch.float16
+
+#: Shrink factors of a group's (max − min) range tried by ``quantize(..., clip=True)``; 1.0 (min/max) first.
+CLIP_RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 
 
 @functools.lru_cache(maxsize=64)
@@ -147,7 +158,21 @@ def _check_groups(shape: tuple[int, ...], dim: int, group_size: int) -> int:
     return d
 
 
-def quantize(x: Tensor, bits: int, group_size: int, dim: int = -1) -> QuantizedTensor:
+def _clipped_range(xg: Tensor, d: int, levels: int) -> tuple[Tensor, Tensor]:
+    """Per group (axis ``d`` of ``xg``): the ``(lo, hi)`` among the :data:`CLIP_RATIOS` shrinks of its min/max
+    range whose codes reconstruct the group with the least squared error (ties: the first, min/max)."""
+    lo, hi = torch.aminmax(xg, dim=d, keepdim=True)
+    ratios = torch.tensor(CLIP_RATIOS, dtype=xg.dtype, device=xg.device).view(-1, *([1] * xg.ndim))
+    half = (hi - lo) / 2
+    los, his = lo + (1 - ratios) * half, hi - (1 - ratios) * half  # (A, ...) candidates; ratio 1: lo, hi exactly
+    scale, zero = ((his - los) / levels).to(META_DTYPE).float(), los.to(META_DTYPE).float()
+    codes = (xg - zero).div_(scale.masked_fill(scale == 0, 1.0)).round_().clamp_(0, levels)
+    err = codes.mul_(scale).add_(zero).sub_(xg).square_().sum(d + 1, keepdim=True)  # (A, ..., 1, ...)
+    best = err.argmin(0, keepdim=True)
+    return los.take_along_dim(best, 0)[0], his.take_along_dim(best, 0)[0]
+
+
+def quantize(x: Tensor, bits: int, group_size: int, dim: int = -1, clip: bool = False) -> QuantizedTensor:
     """Asymmetric ``bits``-bit quantization of ``x`` over groups of ``group_size`` entries along ``dim``.
 
     Parameters
@@ -161,14 +186,16 @@ def quantize(x: Tensor, bits: int, group_size: int, dim: int = -1) -> QuantizedT
     dim:
         ``-1`` groups within each row (per token for ``[B, H, T, d]`` values); ``-2`` groups over
         consecutive rows of one column (per channel over blocks of tokens for keys).
+    clip:
+        Search each group's range for the least squared error (:data:`CLIP_RATIOS`) instead of min/max.
     """
     _codes_per_word(bits)
     d = _check_groups(tuple(x.shape), dim, group_size)
     levels = (1 << bits) - 1
     xg = x.float().unflatten(d, (-1, group_size))  # group axis at d + 1
-    lo, hi = torch.aminmax(xg, dim=d + 1, keepdim=True)
+    lo, hi = _clipped_range(xg, d + 1, levels) if clip else torch.aminmax(xg, dim=d + 1, keepdim=True)
     zero = lo.to(META_DTYPE)
-    scale = hi.sub_(lo).div_(levels).to(META_DTYPE)  # hi is aminmax's own tensor: reused in place
+    scale = (hi - lo).div_(levels).to(META_DTYPE)
     safe = scale.float()
     safe.masked_fill_(safe == 0, 1.0)  # a constant group: every code 0
     codes = (xg - zero.float()).div_(safe).round_().clamp_(0, levels).to(torch.uint8).flatten(d, d + 1)

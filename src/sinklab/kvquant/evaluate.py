@@ -59,6 +59,7 @@ class KvQuantPlan:
     group_size_2bit: int = 32  # G at 2 bits: four levels per block need shorter blocks (KIVI's own G is 32)
     value_group: int | None = 64  # channels per value scale (per-token; capped at the head width); None: G
     residual: int = 32  # R: most recent tokens kept in full precision
+    clip: bool = True  # least-squares range per group instead of min/max (every protection alike)
     eps: float = SINK_EPS  # sink detection: column mass above eps …
     share: float = SINK_SHARE  # … in at least this share of layer×head pairs
     decode_steps: int = 16  # timed one-token forwards per cache (sample 0)
@@ -184,7 +185,7 @@ def _sinklab_cache(model: nn.Module, bits: int, protect: str, sinks: list[int], 
     guard = {"none": Protection(), "first": Protection(first=plan.num_first),
              "detected": Protection(positions=tuple(sinks))}[protect]
     return quantized_sink_cache(model, bits, guard, group_size=plan.group_for(bits), residual=plan.residual,
-                                value_group=plan.value_group), guard
+                                value_group=plan.value_group, clip=plan.clip), guard
 
 
 class _Runner:

@@ -68,13 +68,17 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         ``≤ seen − window``) is not worth its exact copy: it stays a hole in its block (so the block's other tokens
         quantize as before) but its exact copy is not kept, or is released once it has left the window; the
         model's own sliding-window mask hides the hole, so the layer's output is the same as with the copy.
+    clip:
+        Search each key block's and value group's range for the least squared error instead of taking its
+        min/max (:func:`~sinklab.kvquant.codec.quantize`). Clipping cuts the error of ordinary tokens but would
+        clip an outlier sink sitting in the group: it pays when the sinks are protected.
     """
 
     is_croppable = False
 
     def __init__(self, bits: int = 4, group_size: int = 64, residual: int = 32, protect: Protection | None = None,
                  exact_dtype: torch.dtype | None = None, value_group: int | None = None,
-                 window: int | None = None) -> None:
+                 window: int | None = None, clip: bool = False) -> None:
         super().__init__()
         if bits not in BITS:
             raise InputError(f"kv bits must be one of {BITS}, got {bits!r}")
@@ -83,7 +87,7 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
                              f"{value_group} and {residual}")
         if window is not None and window < 1:
             raise InputError(f"a sliding window must hold at least one token, got {window}")
-        self.window = window
+        self.window, self.clip = window, clip
         self.bits, self.group_size, self.residual = bits, group_size, residual
         self.protect = protect or Protection()
         self.exact_dtype = exact_dtype
@@ -188,8 +192,8 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
             k = _fill_holes(k, keep, self.group_size)
         if self.window is not None:  # a sliding-window layer: what no later query sees needs no exact copy
             self._release_unseen()
-        qk = quantize(k, self.bits, self.group_size, dim=-2)  # per channel over G tokens
-        qv = quantize(v, self.bits, self.value_group, dim=-1)  # per token
+        qk = quantize(k, self.bits, self.group_size, dim=-2, clip=self.clip)  # per channel over G tokens
+        qv = quantize(v, self.bits, self.value_group, dim=-1, clip=self.clip)  # per token
         self.qk, self.qv = self._append(self.qk, qk), self._append(self.qv, qv)
         self.rk, self.rv = self.rk[:, :, n:], self.rv[:, :, n:]
 
@@ -268,7 +272,7 @@ def _fill_holes(keys: Tensor, holes: Tensor, group: int) -> Tensor:
 
 def quantized_sink_cache(model: nn.Module, bits: int = 4, protect: Protection | None = None, *, group_size: int = 64,
                          residual: int = 32, exact_dtype: torch.dtype | None = None,
-                         value_group: int | None = None) -> Cache:
+                         value_group: int | None = None, clip: bool = False) -> Cache:
     """A transformers ``Cache`` of :class:`DynamicQuantizedSinkLayer`, one per decoder layer of ``model``.
 
     A layer of the model's own sliding-window attention (``layer_types``/``sliding_window`` in the config: Gemma 3's
@@ -283,8 +287,8 @@ def quantized_sink_cache(model: nn.Module, bits: int = 4, protect: Protection | 
     except UnsupportedModelError:  # other attention types (chunked, linear): no window is assumed
         windows = []
     windows = windows if len(windows) == n else [None] * n
-    return Cache(layers=[DynamicQuantizedSinkLayer(bits, group_size, residual, protect, exact_dtype, value_group, w)
-                         for w in windows])
+    return Cache(layers=[DynamicQuantizedSinkLayer(bits, group_size, residual, protect, exact_dtype, value_group, w,
+                                                   clip) for w in windows])
 
 
 def kv_shape(model: nn.Module) -> tuple[int, int, int]:
