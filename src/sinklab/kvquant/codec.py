@@ -14,12 +14,9 @@ decodes exactly to its (float16) value.
 ``clip=True`` searches each group's range instead of taking min/max: the range is shrunk about its midpoint by
 each ratio of :data:`CLIP_RATIOS` and the one whose codes (with the stored, rounded metadata) give the
 smallest squared error over the group is kept — min/max is the first candidate and wins ties, so no group
-is quantized worse than min/max. At 2 bits (four levels) it cuts a Gaussian group's squared error by about a quarter, at the
-price of clipping whatever is far from the rest of its group: only worth it when the outliers that matter
-(a sink's key and value) are kept out of the groups, as a protected cache does.
-
-KIVI (Liu et al., 2024, arXiv:2402.02750) groups keys **per channel** over blocks of tokens (``dim=-2``:
-outlier channels get their own range) and values **per token** (``dim=-1``).
+is quantized worse than min/max. At 2 bits (four levels) it cuts a Gaussian group's squared error by about a
+quarter, at the price of clipping whatever is far from the rest of its group: only worth it when the outliers
+that matter (a sink's key and value) are kept out of the groups, as a protected cache does.
 """
 
 from __future__ import annotations
