@@ -61,7 +61,7 @@ def _worker(args: argparse.Namespace) -> None:
         loaded = load_model(name)
         text = "\n\n".join(default_texts())
         plan = KvQuantPlan(bits=tuple(args.bits), context=args.context, score=args.score, samples=args.samples,
-                           decode_steps=args.decode_steps, hf_backends=tuple(args.hf), clip=not args.no_clip)
+                           decode_steps=args.decode_steps, hf_backends=tuple(args.hf), clip={"auto": None, "on": True, "off": False}[args.clip])
         result = kv_quant_text(loaded.model, loaded.tokenizer, text, plan)
         stem = name.split(":")[-1].split("/")[-1].removesuffix(".gguf") + args.suffix
         result.meta = {"model": name, "note": args.note, "threads": args.threads, "load_average": os.getloadavg(),
@@ -164,7 +164,8 @@ def main() -> None:
     ap.add_argument("--suffix", default="", help="appended to the result files' names (e.g. _4096)")
     ap.add_argument("--venv", type=Path, default=Path("/tmp/sinklab-kvquant-bench-venv"))
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' QuantizedCache")
-    ap.add_argument("--no-clip", action="store_true", help="min/max ranges instead of least-squares ones")
+    ap.add_argument("--clip", choices=("auto", "on", "off"), default="auto",
+                    help="least-squares ranges: at 2 bits only (auto), at every width, or never (min/max)")
     ap.add_argument("--stream", action="store_true", help="measure SinkCache(kv_bits=) instead")
     ap.add_argument("--tokens", type=int, default=2048, help="--stream: tokens of text")
     ap.add_argument("--window", type=int, default=252, help="--stream: window W (S = 4)")
@@ -184,7 +185,7 @@ def main() -> None:
     cmd = [str(python or sys.executable), __file__, "--worker", "--note", note, "--hf", *hf, "--models", *args.models,
            "--context", str(args.context), "--score", str(args.score), "--samples", str(args.samples),
            "--bits", *map(str, args.bits), "--decode-steps", str(args.decode_steps), "--threads", str(args.threads),
-           "--suffix", args.suffix, *(["--no-clip"] if args.no_clip else [])]
+           "--suffix", args.suffix, "--clip", args.clip]
     print(f"transformers' QuantizedCache: {note}")
     sys.stdout.flush()
     env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))

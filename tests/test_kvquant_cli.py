@@ -57,7 +57,8 @@ def test_rows_match_the_cache_layers_they_measure():
     model = loaded.model
     ids = torch.randint(5, 4000, (96,), generator=torch.Generator().manual_seed(1))
     plan = KvQuantPlan(bits=(3,), protect=("first",), num_first=2, context=64, score=32, samples=1, group_size=16,
-                       value_group=16, residual=4, decode_steps=0)
+                       value_group=16, residual=4, decode_steps=0, clip=True)  # least squares (default: 2 bits only)
+    assert quantized_sink_cache(model, 2).layers[0].clip and not quantized_sink_cache(model, 4).layers[0].clip
     result = kv_quant(model, ids, plan)
     row = result.row(3, "first")
     with torch.no_grad():  # the same two forwards by hand, KL computed independently in float64

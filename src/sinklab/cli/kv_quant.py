@@ -46,8 +46,8 @@ def kv_quant_command(
     group_size_2bit: Annotated[int, typer.Option("--group-size-2bit", help="G: tokens per key block at 2 bits")] = 32,
     value_group: Annotated[int, typer.Option("--value-group", help="channels per value scale (≤ head width)")] = 64,
     residual: Annotated[int, typer.Option("--residual", help="R: most recent tokens kept in full precision")] = 32,
-    clip: Annotated[bool, typer.Option("--clip/--no-clip", help="least-squares range per group (default) or "
-                                       "min/max")] = True,
+    clip: Annotated[bool | None, typer.Option("--clip/--no-clip", help="least-squares range per group, or min/max "
+                                              "(default: least squares at 2 bits only)")] = None,
     decode_steps: Annotated[int, typer.Option("--decode-steps", help="timed one-token forwards per cache")] = 16,
     hf_backend: Annotated[str, typer.Option("--hf-backend", help="also transformers' QuantizedCache with these "
                                            "comma-separated backends (quanto, hqq; must be installed)")] = "",

@@ -59,7 +59,7 @@ class KvQuantPlan:
     group_size_2bit: int = 32  # G at 2 bits: four levels per block need shorter blocks (KIVI's own G is 32)
     value_group: int | None = 64  # channels per value scale (per-token; capped at the head width); None: G
     residual: int = 32  # R: most recent tokens kept in full precision
-    clip: bool = True  # least-squares range per group instead of min/max (every protection alike)
+    clip: bool | None = None  # least-squares ranges (True), min/max (False), None: at 2 bits only (CLIP_BITS)
     eps: float = SINK_EPS  # sink detection: column mass above eps …
     share: float = SINK_SHARE  # … in at least this share of layer×head pairs
     decode_steps: int = 16  # timed one-token forwards per cache (sample 0)
