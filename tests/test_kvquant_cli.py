@@ -42,6 +42,14 @@ def test_cli_writes_rows_figure_and_escaped_report(tmp_path):
     assert data["meta"]["window_prefix"] == ["<s>"]  # the tiny model's tokenizer starts every prompt with <s>
     html = (out / "report.html").read_text()
     assert "<script" not in html and "sinklab kv-quant" in html and "starts with <code>&lt;s&gt;</code>" in html
+    assert data["plan"]["clip"] is None and "least-squares (clipped) at 2 bits, min/max at other" in html
+    r = _cli("builtin:tiny-lm", "--bits", "2", "--protect", "none", "--context", 64, "--score", 16, "--samples", 1,
+             "--residual", 4, "--decode-steps", 0, "--no-clip", "--out", tmp_path / "minmax")
+    assert r.exit_code == 0, r.output
+    minmax = json.loads((tmp_path / "minmax" / "kv_quant.json").read_text())
+    assert minmax["plan"]["clip"] is False
+    assert "Group ranges: min/max." in (tmp_path / "minmax" / "report.html").read_text()
+    assert minmax["rows"][2]["median_kl"] != by[(2, "none")]["median_kl"]  # the ranges differ, so does the KL
 
 
 @pytest.mark.parametrize("args, needle", [(("--bits", "5"), "--bits"), (("--protect", "all"), "--protect"),

@@ -75,6 +75,14 @@ def kl_vs_bytes(data: dict) -> Figure:
     return fig
 
 
+def _ranges(plan: dict) -> str:
+    """How each group's range was taken (``plan['clip']``: None — least squares at 2 bits only)."""
+    clip = plan.get("clip")
+    if clip is None:
+        return "Group ranges: least-squares (clipped) at 2 bits, min/max at other widths."
+    return "Group ranges: least-squares (clipped) at every width." if clip else "Group ranges: min/max."
+
+
 def _groups(plan: dict) -> str:
     g, g2 = plan["group_size"], plan.get("group_size_2bit", plan["group_size"])
     return str(g) if g == g2 else f"{g} ({g2} at 2 bits)"
@@ -106,7 +114,7 @@ stored, nothing quantized). Bytes per token are measured after the {plan['contex
 sample and, for a cache filled to each length, at {', '.join(map(str, plan.get('bytes_lengths', ()))) or '—'} tokens.
 Protections: <b>none</b>; <b>first</b> (the first {plan['num_first']} tokens exact); <b>detected</b> (the positions
 receiving more than ε = {plan['eps']} of the attention in at least {100 * plan['share']:.0f} % of the heads, exact).
-A 16-bit unquantized cache takes {data['dense_bytes_per_token_16bit']:,} bytes per token.</p>
+{_ranges(plan)} A 16-bit unquantized cache takes {data['dense_bytes_per_token_16bit']:,} bytes per token.</p>
 <table><tr>{head}</tr>{body_rows}</table>
 <h2>Detected sinks</h2><ul>{sinks}</ul>
 <h2>Figures</h2>{images_html(images, CAPTIONS)}
