@@ -61,7 +61,8 @@ def _worker(args: argparse.Namespace) -> None:
         loaded = load_model(name)
         text = "\n\n".join(default_texts())
         plan = KvQuantPlan(bits=tuple(args.bits), context=args.context, score=args.score, samples=args.samples,
-                           decode_steps=args.decode_steps, hf_backends=tuple(args.hf), clip={"auto": None, "on": True, "off": False}[args.clip])
+                           decode_steps=args.decode_steps, hf_backends=tuple(args.hf),
+                           clip={"auto": None, "on": True, "off": False}[args.clip])
         result = kv_quant_text(loaded.model, loaded.tokenizer, text, plan)
         stem = name.split(":")[-1].split("/")[-1].removesuffix(".gguf") + args.suffix
         result.meta = {"model": name, "note": args.note, "threads": args.threads, "load_average": os.getloadavg(),
