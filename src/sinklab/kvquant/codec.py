@@ -155,6 +155,17 @@ def _check_groups(shape: tuple[int, ...], dim: int, group_size: int) -> int:
     return d
 
 
+def _metadata(lo: Tensor, hi: Tensor, levels: int) -> tuple[Tensor, Tensor]:
+    """The stored (float16) ``scale`` and ``zero`` of groups ranging over ``[lo, hi]``."""
+    return (hi - lo).div_(levels).to(META_DTYPE), lo.to(META_DTYPE)
+
+
+def _codes(xg: Tensor, scale: Tensor, zero: Tensor, levels: int) -> Tensor:
+    """Float codes ``round((x − zero) / scale)`` in ``[0, levels]`` from stored metadata (scale 0: code 0)."""
+    safe = scale.float().masked_fill_(scale == 0, 1.0)
+    return (xg - zero.float()).div_(safe).round_().clamp_(0, levels)
+
+
 def _clipped_range(xg: Tensor, d: int, levels: int) -> tuple[Tensor, Tensor]:
     """Per group (axis ``d`` of ``xg``): the ``(lo, hi)`` among the :data:`CLIP_RATIOS` shrinks of its min/max
     range whose codes reconstruct the group with the least squared error (ties: the first, min/max)."""
@@ -162,10 +173,9 @@ def _clipped_range(xg: Tensor, d: int, levels: int) -> tuple[Tensor, Tensor]:
     ratios = torch.tensor(CLIP_RATIOS, dtype=xg.dtype, device=xg.device).view(-1, *([1] * xg.ndim))
     half = (hi - lo) / 2
     los, his = lo + (1 - ratios) * half, hi - (1 - ratios) * half  # (A, ...) candidates; ratio 1: lo, hi exactly
-    scale, zero = ((his - los) / levels).to(META_DTYPE).float(), los.to(META_DTYPE).float()
-    codes = (xg - zero).div_(scale.masked_fill(scale == 0, 1.0)).round_().clamp_(0, levels)
-    err = codes.mul_(scale).add_(zero).sub_(xg).square_().sum(d + 1, keepdim=True)  # (A, ..., 1, ...)
-    best = err.argmin(0, keepdim=True)
+    scale, zero = _metadata(los, his, levels)
+    err = _codes(xg, scale, zero, levels).mul_(scale.float()).add_(zero.float()).sub_(xg).square_()
+    best = err.sum(d + 1, keepdim=True).argmin(0, keepdim=True)  # (1, ..., 1, ...): per group
     return los.take_along_dim(best, 0)[0], his.take_along_dim(best, 0)[0]
 
 
@@ -191,11 +201,8 @@ def quantize(x: Tensor, bits: int, group_size: int, dim: int = -1, clip: bool = 
     levels = (1 << bits) - 1
     xg = x.float().unflatten(d, (-1, group_size))  # group axis at d + 1
     lo, hi = _clipped_range(xg, d + 1, levels) if clip else torch.aminmax(xg, dim=d + 1, keepdim=True)
-    zero = lo.to(META_DTYPE)
-    scale = (hi - lo).div_(levels).to(META_DTYPE)
-    safe = scale.float()
-    safe.masked_fill_(safe == 0, 1.0)  # a constant group: every code 0
-    codes = (xg - zero.float()).div_(safe).round_().clamp_(0, levels).to(torch.uint8).flatten(d, d + 1)
+    scale, zero = _metadata(lo, hi, levels)
+    codes = _codes(xg, scale, zero, levels).to(torch.uint8).flatten(d, d + 1)  # a constant group: every code 0
     return QuantizedTensor(pack_bits(codes, bits), scale.squeeze(d + 1), zero.squeeze(d + 1), bits, group_size, d,
                            tuple(x.shape), x.dtype)
 
