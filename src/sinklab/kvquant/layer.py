@@ -5,7 +5,8 @@ Storage per layer (``[B, Hkv, ·, d]`` tensors), in position order:
 * the **residual**: the most recent tokens, unquantized, between ``R`` and ``R + G − 1`` of them (KIVI);
 * **quantized blocks**: whenever ``R + G`` tokens are waiting, the oldest ``G`` are packed — keys per channel
   over the block of ``G`` tokens (one scale and zero point per channel and block), values per token over
-  groups of ``G_v`` channels (one per token and group);
+  groups of ``G_v`` channels (one per token and group); at 2 bits each group's range is its least-squares one
+  (``clip``), at other widths its min/max;
 * **protected** tokens (:class:`~sinklab.kvquant.plan.Protection`: first ``S``, pinned spans, detected sinks)
   are never quantized: when their block is packed, an exact copy is kept and their slot in the block is a
   *hole* — its key is replaced, before the block's ranges are taken, by the smallest key of the block's other
