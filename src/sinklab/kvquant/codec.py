@@ -17,6 +17,9 @@ smallest squared error over the group is kept — min/max is the first candidate
 is quantized worse than min/max. At 2 bits (four levels) it cuts a Gaussian group's squared error by about a
 quarter, at the price of clipping whatever is far from the rest of its group: only worth it when the outliers
 that matter (a sink's key and value) are kept out of the groups, as a protected cache does.
+
+KIVI (Liu et al., 2024, arXiv:2402.02750) groups keys **per channel** over blocks of tokens (``dim=-2``:
+outlier channels get their own range) and values **per token** (``dim=-1``).
 """
 
 from __future__ import annotations
@@ -162,7 +165,7 @@ def _metadata(lo: Tensor, hi: Tensor, levels: int) -> tuple[Tensor, Tensor]:
 
 def _codes(xg: Tensor, scale: Tensor, zero: Tensor, levels: int) -> Tensor:
     """Float codes ``round((x − zero) / scale)`` in ``[0, levels]`` from stored metadata (scale 0: code 0)."""
-    safe = scale.float().masked_fill_(scale == 0, 1.0)
+    safe = torch.where(scale == 0, 1.0, scale.float())
     return (xg - zero.float()).div_(safe).round_().clamp_(0, levels)
 
 
