@@ -5,6 +5,8 @@ random weights — the same shapes, so the same speed — for a machine without 
 Every method decodes at the same cached length, in steady state past eviction:
 
 * sinklab compiled — ``torch.compile(model.forward)`` with the SinkCache passed in;
+* sinklab compiled+plan — the same with ``SinkCache(compile_plan=True)``: the decode step's bookkeeping (the
+  decoder-stack pre-hook, eager between the graphs) compiled too (``--compiled-plan``);
 * sinklab eager    — the same forward, eager;
 * static compiled  — transformers' StaticCache of S + W slots, filled to S + W − 1, decode one, then every
   layer's ``crop(-1)`` hands the step's slot back, so each step attends over S + W keys. Sliding layers
@@ -17,6 +19,8 @@ Every method decodes at the same cached length, in steady state past eviction:
   processor; the prompt's prefill time is reported apart).
 
 Rounds are interleaved (the machine is shared); warm-up (compile) is timed separately; one thread and two.
+Also per token: the safety checks and the step plan (the pre-hook's bookkeeping, eager and, with
+``--compiled-plan``, compiled); ``--profile`` prints torch.profiler's op table of each compiled method.
 The bandwidth limit: bytes read per token (weights + the cached K/V) ÷ the copy bandwidth of this machine.
 On CUDA every timed step ends with a synchronisation, and with ``mode="reduce-overhead"`` (CUDA graphs) each
 compiled step starts with ``torch.compiler.cudagraph_mark_step_begin()``.
@@ -127,12 +131,13 @@ class Method:
 
 
 class Sink(Method):
-    def __init__(self, *a, compiled: bool, num_sinks: int, window: int) -> None:
+    def __init__(self, *a, compiled: bool, num_sinks: int, window: int, compile_plan: bool = False) -> None:
         super().__init__(*a)
-        self.compiled, self.num_sinks, self.window = compiled, num_sinks, window
+        self.compiled, self.num_sinks, self.window, self.compile_plan = compiled, num_sinks, window, compile_plan
 
     def setup(self) -> None:
-        self.cache = sinklab.SinkCache(self.model, num_sinks=self.num_sinks, window=self.window)
+        self.cache = sinklab.SinkCache(self.model, num_sinks=self.num_sinks, window=self.window,
+                                       compile_plan=self.compile_plan)
         prompt = _ids(self.cached + 64, self.vocab, self.device)  # past eviction
         self.model(input_ids=prompt, **{self.kw: self.cache})
         self.forward = self._compile() if self.compiled else self.model.forward
@@ -191,6 +196,37 @@ def check_costs(method: Sink, calls: int = 200) -> dict[str, float]:
         sync(method.device)
         out[name] = 1e6 * (time.perf_counter() - t) / calls
     return out
+
+
+PLANNED = "sinklab compiled+plan"  # the row of SinkCache(compile_plan=True) under the compiled forward
+
+
+def plan_cost(method: Sink, calls: int = 200) -> float:
+    """µs per decoded token of the stream's host bookkeeping: ``SinkCache.plan_forward`` (the decoder-stack pre-hook's
+    work: ids check, slot, virtual positions, visibility, anchor re-rotation angles), called as a decode step calls it.
+    It advances the stream, so it runs last, on a stream that is closed afterwards."""
+    cache = method.cache
+    with torch.no_grad():  # as in a decode step (a compiled plan is guarded on grad mode)
+        for _ in range(3):
+            cache.plan_forward((), {"input_ids": method.token})
+        sync(method.device)
+        t = time.perf_counter()
+        for _ in range(calls):
+            cache.plan_forward((), {"input_ids": method.token})
+        sync(method.device)
+    return 1e6 * (time.perf_counter() - t) / calls
+
+
+def profile_steps(method: Method, steps: int = 10, rows: int = 12) -> str:
+    """torch.profiler's table (ops by self CPU time; CUDA time too on a GPU) over ``steps`` decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if method.device.type == "cuda" else [])
+    with torch.no_grad(), profile(activities=activities) as prof:
+        for _ in range(steps):
+            method.step()
+        sync(method.device)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
 def time_steps(method: Method, steps: int) -> list[float]:
@@ -266,10 +302,12 @@ def bytes_per_token(model, num_sinks: int, window: int) -> int:
 
 def run(specs: list[str], rounds: int, steps: int, threads: list[int], gen_tokens: int, num_sinks: int = 4,
         window: int = 1020, device: str = "cpu", dtype: str = "float32", compile_options: dict | None = None,
-        checkpoint=None, generate_only: bool = False) -> dict:
+        checkpoint=None, generate_only: bool = False, profile: bool = False, compiled_plan: bool = False) -> dict:
     """Every model in ``specs`` at each thread count; ``checkpoint(results)`` is called after each model.
 
-    ``generate_only``: only the greedy/beams/sampling rows (at ``threads[0]``), no decode-step table."""
+    ``generate_only``: only the greedy/beams/sampling rows (at ``threads[0]``), no decode-step table.
+    ``profile``: also torch.profiler's op table over 10 steps of each compiled method (printed, in the JSON).
+    ``compiled_plan``: also the row of ``SinkCache(compile_plan=True)`` under the compiled forward."""
     dev, dt = torch.device(device), getattr(torch, dtype)
     options = dict(compile_options or {})
     bandwidth = copy_bandwidth(dev)
@@ -291,7 +329,8 @@ def run(specs: list[str], rounds: int, steps: int, threads: list[int], gen_token
                  "threads": {}}
         for n_threads in ([] if generate_only else threads):
             try:
-                measure(entry, label, model, vocab, n_threads, rounds, steps, num_sinks, window, options, floor_ms, results)
+                measure(entry, label, model, vocab, n_threads, rounds, steps, num_sinks, window, options, floor_ms,
+                        results, profile, compiled_plan)
             except Exception as exc:  # noqa: BLE001 - a one-shot run (a GPU lease) keeps the other rows
                 traceback.print_exc()
                 entry["threads"][n_threads] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -310,18 +349,21 @@ def run(specs: list[str], rounds: int, steps: int, threads: list[int], gen_token
 
 
 def measure(entry: dict, label: str, model, vocab: int, n_threads: int, rounds: int, steps: int, num_sinks: int,
-            window: int, options: dict, floor_ms: float, results: dict) -> None:
+            window: int, options: dict, floor_ms: float, results: dict, profile: bool = False,
+            compiled_plan: bool = False) -> None:
     """One thread count: warm every method (timed), interleaved rounds, ratios; into ``entry["threads"]``."""
     cached = num_sinks + window - 1  # K/V held before each step; the step attends over S + W
     torch.set_num_threads(n_threads)
     # One copy of the model per method: interleaving caches on one model would switch its attention
     # backend every step (and make the compiled forwards recompile).
-    copies = [copy.deepcopy(model) for _ in range(4)]
+    copies = [copy.deepcopy(model) for _ in range(5 if compiled_plan else 4)]
     sink = dict(num_sinks=num_sinks, window=window)
     methods = [Sink("sinklab compiled", copies[0], cached, vocab, options, compiled=True, **sink),
                Static("static compiled", copies[1], cached, vocab, options),
                Sink("sinklab eager", copies[2], cached, vocab, options, compiled=False, **sink),
                Dynamic("dynamic eager", copies[3], cached, vocab, options)]
+    if compiled_plan:  # SinkCache(compile_plan=True): the decode step's bookkeeping compiled too
+        methods.insert(1, Sink(PLANNED, copies[4], cached, vocab, options, compiled=True, compile_plan=True, **sink))
     warm, failed, skips = {}, {}, {}
     counters = torch._dynamo.utils.counters["inductor"]
     for m in methods:  # a method that fails (an older transformers, a backend) is left out; the rest still run
@@ -339,25 +381,40 @@ def measure(entry: dict, label: str, model, vocab: int, n_threads: int, rounds: 
     for _ in range(rounds):  # interleaved
         for m in methods:
             samples[m.name] += time_steps(m, steps)
-    compiled_vs_eager = None
-    if {"sinklab compiled", "sinklab eager"} <= set(warm):  # the same tokens decoded: one more step must agree
+    compiled_vs_eager, plan_vs_eager = None, None
+    if "sinklab eager" in warm:  # the same tokens decoded: one more step must agree
         with torch.no_grad():
-            a, b = (m.step()[:, -1].double().cpu() for m in methods if m.name.startswith("sinklab"))
-        compiled_vs_eager = float((a - b).abs().max() / b.abs().max())
-    checks = check_costs(next(m for m in methods if m.name == "sinklab eager")) if "sinklab eager" in warm else {}
+            last = {m.name: m.step()[:, -1].double().cpu() for m in methods if m.name.startswith("sinklab")}
+        b = last["sinklab eager"]
+        if "sinklab compiled" in last:
+            compiled_vs_eager = float((last["sinklab compiled"] - b).abs().max() / b.abs().max())
+        if PLANNED in last:
+            plan_vs_eager = float((last[PLANNED] - b).abs().max() / b.abs().max())
+    profiles = {m.name: profile_steps(m) for m in methods if profile and m.compiled}
+    for name, table in profiles.items():
+        print(f"  profile, {name}, 10 steps:\n{table}", flush=True)
+    checks, plan = {}, {}
+    if "sinklab eager" in warm:
+        checks = check_costs(next(m for m in methods if m.name == "sinklab eager"))
+        plan["eager"] = plan_cost(next(m for m in methods if m.name == "sinklab eager"))
+    if PLANNED in warm:
+        plan["compiled"] = plan_cost(next(m for m in methods if m.name == PLANNED))
     for m in methods:
         m.close()
     med = {k: statistics.median(v) for k, v in samples.items()}
     ratios = {f"{a} / {b}": med[a] / med[b] for a, b in (("sinklab compiled", "static compiled"),
                                                        ("sinklab compiled", "dynamic eager"),
-                                                       ("sinklab eager", "dynamic eager")) if a in med and b in med}
+                                                       ("sinklab eager", "dynamic eager"),
+                                                       (PLANNED, "static compiled"), (PLANNED, "dynamic eager"))
+              if a in med and b in med}
     if "sinklab compiled" in med:
         ratios["bandwidth floor / sinklab compiled"] = floor_ms / med["sinklab compiled"]
     entry["threads"][n_threads] = {
         "warmup_s": warm, "median_ms": med, "failed": failed, "cudagraph_skips": skips,
         "p90_ms": {k: sorted(v)[int(0.9 * (len(v) - 1))] for k, v in samples.items()},
         "samples": rounds * steps, "sinklab_compiled_vs_eager_logits_rel": compiled_vs_eager,
-        "checks_us_per_token": checks, "ratios": ratios}
+        "compiled_plan_vs_eager_logits_rel": plan_vs_eager,
+        "checks_us_per_token": checks, "plan_us_per_token": plan, "profiles": profiles, "ratios": ratios}
     print_table(label, n_threads, entry, results)
 
 
@@ -377,7 +434,12 @@ def print_table(label: str, n_threads: int, entry: dict, results: dict) -> None:
         print(f"  CUDA graphs skipped (graphs per method): {r['cudagraph_skips']}")
     if r["sinklab_compiled_vs_eager_logits_rel"] is not None:
         print(f"  sinklab compiled vs eager, logits (rel)  {r['sinklab_compiled_vs_eager_logits_rel']:.1e}")
+    if r.get("compiled_plan_vs_eager_logits_rel") is not None:
+        print(f"  {PLANNED} vs eager, logits (rel)  {r['compiled_plan_vs_eager_logits_rel']:.1e}")
     if r["checks_us_per_token"]:
         costs = ", ".join(f"{k} {v:.0f} µs" for k, v in r["checks_us_per_token"].items())
         print(f"  checks per token: {costs} (of {r['median_ms']['sinklab eager']:.1f} ms)")
+    if r.get("plan_us_per_token"):
+        costs = ", ".join(f"{k} {v:.0f} µs" for k, v in r["plan_us_per_token"].items())
+        print(f"  step plan per token (host bookkeeping, ids check included): {costs}")
     print(flush=True)

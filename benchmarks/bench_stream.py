@@ -17,7 +17,8 @@ with RSS samples. Prints a table and writes benchmarks/results/bench_stream.json
     python benchmarks/bench_stream.py [--windows 256 1020 4092] [--tokens 2000] [--rounds 3] [--no-peers]
     python benchmarks/bench_stream.py --smollm2 [--tokens 40] [--rounds 2]   # real weights, W = 1020 only
     python benchmarks/bench_stream.py --compile [--rounds 3] [--steps 8] [--threads 1 2]   # torch.compile'd stream
-        [--models builtin:smollm2 builtin:gemma3] [--device cuda --dtype bfloat16 --mode reduce-overhead]
+        [--models builtin:smollm2 builtin:gemma3] [--device cuda --dtype bfloat16 --mode reduce-overhead] [--profile]
+        [--compiled-plan]
 
 ``--smollm2`` times the converted SmolLM2-135M-Instruct folder (builtin:smollm2's cache, a plain Llama
 safetensors folder) instead: sinklab vs a DynamicCache of equal cached length, attention-sinks and HF
@@ -168,7 +169,8 @@ def compile_main(args) -> None:
     results = _stream_compile.run(args.models, args.rounds, args.steps, args.threads, args.gen_tokens,
                                   num_sinks=args.sinks, window=args.window, device=args.device, dtype=args.dtype,
                                   compile_options=options, checkpoint=save,
-                                  generate_only=args.generate_only)
+                                  generate_only=args.generate_only, profile=args.profile,
+                                  compiled_plan=args.compiled_plan)
     save(results)
 
 
@@ -198,6 +200,9 @@ def main() -> None:
     ap.add_argument("--backend", default=None, help="--compile: torch.compile backend (default inductor)")
     ap.add_argument("--mode", default=None, help="--compile: torch.compile mode (reduce-overhead: CUDA graphs)")
     ap.add_argument("--json", default=None, help="--compile: file name of the JSON under benchmarks/results/")
+    ap.add_argument("--profile", action="store_true", help="--compile: torch.profiler op table of the compiled methods")
+    ap.add_argument("--compiled-plan", action="store_true",
+                    help="--compile: also SinkCache(compile_plan=True) under the compiled forward")
     args = ap.parse_args()
     if args.compile:
         return compile_main(args)

@@ -2,7 +2,10 @@
 # One GPU run of `bench_stream.py --compile`: bfloat16, torch.compile(mode="reduce-overhead") (CUDA graphs),
 # SmolLM2-135M and Gemma 3 270M, S 4 + W 1020, steady state past eviction, warm-up (compile) timed apart.
 #
-#   bash benchmarks/gpu_stream_compile.sh            # from the repository root; about 3-4 minutes on one H200
+#   bash benchmarks/gpu_stream_compile.sh            # from the repository root; about 4-5 minutes on one H200
+#
+# Also the row of SinkCache(compile_plan=True) (the decode step's bookkeeping compiled too) and torch.profiler's
+# op table of each compiled method.
 #
 # Needs: python3 with a CUDA torch (≥ 2.5) and transformers ≥ 5.2 (5.25 is what sinklab is tested with),
 # safetensors, typer, rich; sinklab itself comes from ./src. Models: the converted cache of builtin:smollm2 /
@@ -21,4 +24,4 @@ nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader ||
 exec "$PY" benchmarks/bench_stream.py --compile --device cuda --dtype bfloat16 --mode reduce-overhead \
     --models "builtin:smollm2|config:benchmarks/configs/smollm2-135m.json" \
              "builtin:gemma3|config:benchmarks/configs/gemma3-270m.json" \
-    --sinks 4 --window 1020 --threads 1 --rounds 3 --steps 20 --gen-tokens 0 "$@"
+    --sinks 4 --window 1020 --threads 1 --rounds 3 --steps 20 --gen-tokens 0 --compiled-plan --profile "$@"

@@ -18,6 +18,7 @@ Buffer layout per row: ``[0, S + P)`` anchored slots in arrival order, ``[S + P,
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -57,6 +58,66 @@ class View:
     chunk_layout: object | None = None
 
 
+def free_step(n_real: Tensor, n_anchor: Tensor, n_free: Tensor, base: Tensor, s_valid: Tensor, s_sidx: Tensor,
+              s_a: Tensor, s_f: Tensor, s_o: Tensor, rope, start_position: int, anchor_capacity: int,
+              window: int) -> tuple[Tensor, ...]:
+    """The tensor work of a decode step where every row decodes a real, free token into the same slot.
+
+    Writes the new column's metadata into the buffers (at row 0's slot, every row's), advances ``n_real`` and
+    ``n_free`` in place, and returns ``(t, q_v, slot, visible, anchor_cos, anchor_sin, slot_shift)``: the
+    stream index and virtual position of the new token (``[B]``), its ring slot (``[B]``), what it may see
+    (``[B, K]``), the rotation of each anchored key to its slot distance (``[B, 1, A, r/2]``, float32; None
+    without RoPE or anchors) and the query's slot shift (``[B, 1]``). A pure tensor function of its arguments
+    (no value read back, no branch on one), so it can run eagerly or compiled (:func:`compiled_free_step`).
+    """
+    t = n_real.clone()
+    q_f = n_free + 1
+    q_v = start_position + t - base
+    slot = anchor_capacity + n_free % window
+    slot1 = slot[:1]  # (1,): the slot of every row
+    s_valid.index_fill_(1, slot1, True)
+    for buf, value in ((s_sidx, t), (s_a, n_anchor), (s_f, q_f), (s_o, q_v)):
+        buf.index_copy_(1, slot1, value[:, None])
+    # The ring holds exactly the W most recent free tokens, so every valid slot is visible; anchored keys
+    # are re-rotated to their slot distance from this query (O(S + P) per layer).
+    visible = s_valid.clone()
+    cos = sin = None
+    if anchor_capacity and rope is not None:
+        cos, sin = _anchor_rotation(rope, n_anchor, q_f, q_v, s_a, s_f, s_o, anchor_capacity, window)
+    slot_shift = _slot_shift(n_anchor, q_f, q_v, window)
+    n_real += 1
+    n_free += 1
+    return t, q_v, slot, visible, cos, sin, slot_shift
+
+
+def _anchor_rotation(rope, q_a: Tensor, q_f: Tensor, q_v: Tensor, s_a: Tensor, s_f: Tensor, s_o: Tensor, n: int,
+                     window: int) -> tuple[Tensor, Tensor]:
+    """A decode query's rotation of each of the ``n`` anchored keys to its slot distance: ``[B, 1, n, r/2]``."""
+    dist = q_a[:, None] - s_a[:, :n] + torch.clamp(q_f[:, None] - s_f[:, :n], max=window)
+    cos, sin = angles(rope, q_v[:, None] - dist - s_o[:, :n])  # (B, n, r/2)
+    return cos.float()[:, None], sin.float()[:, None]
+
+
+def _slot_shift(q_a: Tensor, q_f: Tensor, q_v: Tensor, window: int) -> Tensor:
+    """From a decode query's virtual position to its own cache-slot position (kept tokens it sees − 1): ``[B, 1]``."""
+    return (q_a + torch.clamp(q_f, max=window) - 1 - q_v)[:, None]
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def compiled_free_step():
+    """:func:`free_step` through ``torch.compile`` (fixed shapes, one graph), created on first use.
+
+    On an accelerator a decode step's bookkeeping (the whole eager pre-hook) is some forty small kernels
+    launched one by one from the host: 0.8–0.9 ms per token measured on an H200, against a 2.1 ms compiled
+    SmolLM2 step with transformers' StaticCache. Compiled, the free step is a few fused kernels."""
+    fn = _COMPILED.get("free_step")
+    if fn is None:
+        fn = _COMPILED["free_step"] = torch.compile(free_step, dynamic=False, fullgraph=True)
+    return fn
+
+
 def _check_pinned(pinned) -> list[tuple[int, int]]:
     spans = []
     for item in pinned or []:
@@ -78,7 +139,7 @@ class StreamState:
     """Counters, buffer metadata and position plan for one stream (all layers share it)."""
 
     def __init__(self, num_sinks: int, window: int, pinned=None, start_position: int = 0,
-                 rebase_every: int | None = None, rope=None) -> None:
+                 rebase_every: int | None = None, rope=None, compile_plan: bool = False) -> None:
         if not isinstance(window, int) or window < 1:
             raise InputError(f"window must be an integer ≥ 1 (it includes the current token), got {window!r}")
         if not isinstance(num_sinks, int) or num_sinks < 0:
@@ -96,6 +157,8 @@ class StreamState:
         self.start_position = int(start_position)
         self.rebase_every = int(rebase_every or max(4 * window, 2048))
         self.rebase_keep = window  # re-base so the newest `rebase_keep` tokens keep virtual positions ≥ 0
+        # Decode-step bookkeeping through torch.compile (:func:`compiled_free_step`).
+        self.compile_plan = bool(compile_plan)
         self.closed = False
         self.rebases = 0  # times the base was moved (ring rotated)
         self.columns = 0  # columns (incl. padding) fed so far: what generate() calls the past length
@@ -219,22 +282,34 @@ class StreamState:
     def _begin_free_step(self, valid: Tensor) -> Tensor:
         """:meth:`_begin_step` where the host knows every row decodes a real, free token into the same slot.
 
-        The same plan, without per-row masking: each buffer takes the new column with one ``index_copy_`` at
-        row 0's slot (every row's), and the layers write their keys/values the same way (fewer ops per token).
+        The same plan, without per-row masking (:func:`free_step`): each buffer takes the new column with one
+        ``index_copy_`` at row 0's slot (every row's), and the layers write their keys/values the same way
+        (fewer ops per token). With :attr:`compile_plan` it runs compiled.
         """
-        t = self.n_real
-        q_a, q_f = self.n_anchor, self.n_free + 1
-        q_v = self.start_position + t - self.base
-        slot = self.anchor_capacity + self.n_free % self.window
-        slot1 = slot[:1]  # (1,): the slot of every row
-        self.s_valid.index_fill_(1, slot1, True)
-        for buf, value in ((self.s_sidx, t), (self.s_a, q_a), (self.s_f, q_f), (self.s_o, q_v)):
-            buf.index_copy_(1, slot1, value[:, None])
-        self.plan = {"rows": self._rows, "slot": slot, "slot1": slot1, "valid": valid,
+        args = (self.n_real, self.n_anchor, self.n_free, self.base, self.s_valid, self.s_sidx, self.s_a, self.s_f,
+                self.s_o, self.rope, self.start_position, self.anchor_capacity, self.window)
+        if self.compile_plan:
+            try:
+                out = compiled_free_step()(*args)
+            except torch._dynamo.exc.TorchDynamoException as exc:  # compiling failed (before anything ran)
+                if _COMPILED.get("free_step_ok"):
+                    raise
+                warnings.warn(f"the stream's decode-step plan could not be compiled ({type(exc).__name__}: {exc}); "
+                              "it runs eagerly (SinkCache(..., compile_plan=False) skips the attempt)", RuntimeWarning,
+                              stacklevel=2)
+                self.compile_plan = False
+                out = free_step(*args)
+            else:
+                _COMPILED["free_step_ok"] = True
+        else:
+            out = free_step(*args)
+        t, q_v, slot, visible, cos, sin, slot_shift = out
+        q_a, q_f = self.n_anchor, self.n_free  # n_free already counts the new token
+        self.plan = {"rows": self._rows, "slot": slot, "slot1": slot[:1], "valid": valid,
                      "anchored": torch.zeros_like(valid), "uniform": True}
-        self._step_view(valid, t, q_a, q_f, q_v)
-        self.n_real += 1
-        self.n_free += 1
+        self.view = View(self.s_valid, self.s_sidx, self.s_anchored, self.s_a, self.s_f, self.s_o,
+                         valid[:, None], t[:, None], q_a[:, None], q_f[:, None], q_v[:, None], from_buffer=True,
+                         visible=visible, anchor_cos=cos, anchor_sin=sin, slot_shift=slot_shift)
         return q_v[:, None]
 
     def _step_view(self, valid: Tensor, sidx: Tensor, q_a: Tensor, q_f: Tensor, q_v: Tensor) -> None:
@@ -244,12 +319,10 @@ class StreamState:
         # The ring holds exactly the W most recent free tokens, so every valid slot is visible; anchored
         # keys are re-rotated to their slot distance from this query (O(S + P) per layer).
         view.visible = self.s_valid & valid[:, None]
-        n = self.anchor_capacity
-        if n:
-            dist = q_a[:, None] - self.s_a[:, :n] + torch.clamp(q_f[:, None] - self.s_f[:, :n], max=self.window)
-            cos, sin = angles(self.rope, q_v[:, None] - dist - self.s_o[:, :n])  # (B, A, r/2)
-            view.anchor_cos, view.anchor_sin = cos.float()[:, None], sin.float()[:, None]
-        view.slot_shift = (q_a + torch.clamp(q_f, max=self.window) - 1 - q_v)[:, None]
+        if self.anchor_capacity:
+            view.anchor_cos, view.anchor_sin = _anchor_rotation(self.rope, q_a, q_f, q_v, self.s_a, self.s_f,
+                                                                self.s_o, self.anchor_capacity, self.window)
+        view.slot_shift = _slot_shift(q_a, q_f, q_v, self.window)
         self.view = view
 
     def _begin_chunk(self, valid: Tensor) -> Tensor:
