@@ -211,3 +211,12 @@ def test_compiled_step_plan_leaves_the_same_stream_state():
     assert states[0].keys() == states[1].keys()
     for name in states[0]:
         assert torch.equal(states[0][name], states[1][name]), name
+
+
+def test_compile_plan_is_checked_and_reaches_the_stream():
+    model = build("llama-gqa")
+    with pytest.raises(sinklab.errors.InputError, match="compile_plan"):
+        SinkCache(model, num_sinks=2, window=6, compile_plan="yes")
+    with StreamSession(model, num_sinks=2, window=6, compile_plan=True) as s:
+        assert all(state.compile_plan for state in s.sink.states)
+    assert not any(state.compile_plan for state in SinkCache(model, num_sinks=2, window=6).states)

@@ -118,6 +118,8 @@ class SinkCache(Cache):
                  check_every: int = 64, window_length: int | None = None, num_sink_tokens: int | None = None,
                  kv_bits: int | None = None, kv_group_size: int = 16, compile_plan: bool = False) -> None:
         num_sinks, window = _legacy_sizes(num_sinks, window, window_length, num_sink_tokens)
+        if not isinstance(compile_plan, bool):
+            raise InputError(f"compile_plan is True or False, got {compile_plan!r}")
         self.model = model
         self.sliding_sinks = bool(sliding_sinks)
         main = StreamState(num_sinks, window, pinned, start_position, rebase_every)

@@ -35,7 +35,7 @@ class StreamSession:
     def __init__(self, model: nn.Module, num_sinks: int = 4, window: int = 1020, pinned=None,
                  start_position: int = 0, chunk_size: int = 256, rebase_every: int | None = None, *,
                  sliding_sinks: bool = False, compile: bool | dict | None = None, kv_bits: int | None = None,
-                 kv_group_size: int = 16) -> None:
+                 kv_group_size: int = 16, compile_plan: bool = False) -> None:
         if chunk_size < 1:
             raise InputError(f"chunk_size must be ≥ 1, got {chunk_size}")
         if compile is not None and not isinstance(compile, (bool, dict)):
@@ -46,7 +46,8 @@ class StreamSession:
         self.model = model
         self.chunk_size = chunk_size
         self.sink = SinkCache(model, num_sinks, window, pinned, start_position, rebase_every,
-                              sliding_sinks=sliding_sinks, kv_bits=kv_bits, kv_group_size=kv_group_size)
+                              sliding_sinks=sliding_sinks, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                              compile_plan=compile_plan)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.cache = None
         self._cache_kwarg = _compat.cache_kwarg_name(model)
