@@ -4,7 +4,8 @@ Models: SmolLM2-135M-Instruct and Gemma 3 270M (``builtin:`` real weights; or a 
 random weights — the same shapes, so the same speed — for a machine without the converted cache). S 4, W 1020.
 Every method decodes at the same cached length, in steady state past eviction:
 
-* sinklab compiled — ``torch.compile(model.forward)`` with the SinkCache passed in;
+* sinklab compiled — ``torch.compile(model.forward)`` with the SinkCache passed in (``--freezing``: inductor's
+  freezing for every compiled method, what ``StreamSession(compile=True)`` does on a CPU);
 * sinklab compiled+plan — the same with ``SinkCache(compile_plan=True)``: the decode step's bookkeeping (the
   decoder-stack pre-hook, eager between the graphs) compiled too (``--compiled-plan``);
 * sinklab eager    — the same forward, eager;
@@ -302,16 +303,24 @@ def bytes_per_token(model, num_sinks: int, window: int) -> int:
 
 def run(specs: list[str], rounds: int, steps: int, threads: list[int], gen_tokens: int, num_sinks: int = 4,
         window: int = 1020, device: str = "cpu", dtype: str = "float32", compile_options: dict | None = None,
-        checkpoint=None, generate_only: bool = False, profile: bool = False, compiled_plan: bool = False) -> dict:
+        checkpoint=None, generate_only: bool = False, profile: bool = False, compiled_plan: bool = False,
+        freezing: bool = False) -> dict:
     """Every model in ``specs`` at each thread count; ``checkpoint(results)`` is called after each model.
 
     ``generate_only``: only the greedy/beams/sampling rows (at ``threads[0]``), no decode-step table.
     ``profile``: also torch.profiler's op table over 10 steps of each compiled method (printed, in the JSON).
-    ``compiled_plan``: also the row of ``SinkCache(compile_plan=True)`` under the compiled forward."""
+    ``compiled_plan``: also the row of ``SinkCache(compile_plan=True)`` under the compiled forward.
+    ``freezing``: inductor's freezing for every compiled method (weights folded into the graphs; what
+    ``StreamSession(compile=True)`` uses on a CPU)."""
     dev, dt = torch.device(device), getattr(torch, dtype)
     options = dict(compile_options or {})
+    if freezing:  # a global inductor setting, so StaticCache's compiled forward gets it too (equal terms)
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = True
     bandwidth = copy_bandwidth(dev)
-    results = {"bandwidth_GBps": bandwidth / 1e9, "device": str(dev), "dtype": dtype, "compile": options,
+    results = {"bandwidth_GBps": bandwidth / 1e9, "device": str(dev), "dtype": dtype,
+               "compile": {**options, **({"freezing": True} if freezing else {})},
                "num_sinks": num_sinks, "window": window, "models": []}
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s ({dev})", flush=True)
     for spec in specs:

@@ -170,7 +170,7 @@ def compile_main(args) -> None:
                                   num_sinks=args.sinks, window=args.window, device=args.device, dtype=args.dtype,
                                   compile_options=options, checkpoint=save,
                                   generate_only=args.generate_only, profile=args.profile,
-                                  compiled_plan=args.compiled_plan)
+                                  compiled_plan=args.compiled_plan, freezing=args.freezing)
     save(results)
 
 
@@ -201,6 +201,8 @@ def main() -> None:
     ap.add_argument("--mode", default=None, help="--compile: torch.compile mode (reduce-overhead: CUDA graphs)")
     ap.add_argument("--json", default=None, help="--compile: file name of the JSON under benchmarks/results/")
     ap.add_argument("--profile", action="store_true", help="--compile: torch.profiler op table of the compiled methods")
+    ap.add_argument("--freezing", action="store_true",
+                    help="--compile: inductor's freezing (weights folded into the graphs) for every compiled method")
     ap.add_argument("--compiled-plan", action="store_true",
                     help="--compile: also SinkCache(compile_plan=True) under the compiled forward")
     args = ap.parse_args()

@@ -220,3 +220,28 @@ def test_compile_plan_is_checked_and_reaches_the_stream():
     with StreamSession(model, num_sinks=2, window=6, compile_plan=True) as s:
         assert all(state.compile_plan for state in s.sink.states)
     assert not any(state.compile_plan for state in SinkCache(model, num_sinks=2, window=6).states)
+
+
+def test_session_compile_true_on_cpu_freezes_weights_and_matches_eager():
+    """``StreamSession(compile=True)`` on a CPU: inductor with freezing (weights folded into the graph, what
+    ``stream_generate(compile=True)`` and ``sinklab stream --compile`` use): the same logits as the eager session
+    (≤ 1e-5) over evictions and ≥ 3 re-bases, no recompilation after 2 warm-up steps."""
+    model = build("llama-gqa")
+    prompt, follow = _tokens(9, seed=5)[None], _tokens(16, seed=7)
+    out = {}
+    for compile in (None, True):
+        with StreamSession(model, num_sinks=2, window=6, rebase_every=8, compile=compile) as s:
+            s.feed(prompt)
+            steps = []
+            for i, t in enumerate(follow):
+                with torch._dynamo.config.patch(error_on_recompile=compile is True and i >= 2):
+                    steps.append(s.step(t[None]))
+            out[compile] = torch.stack(steps)
+            assert s.sink.state.rebases >= 3
+            assert s.compile_options == ({"options": {"freezing": True}} if compile else None)
+    assert _rel(out[True], out[None]) <= 1e-5
+    for given in ({"backend": "eager"}, {"mode": "max-autotune-no-cudagraphs"}, {"options": {"freezing": False}}):
+        with StreamSession(model, num_sinks=2, window=6, compile=given) as s:  # as given: no freezing added
+            assert s.compile_options == given
+    with StreamSession(model, num_sinks=2, window=6, compile={"backend": "inductor"}) as s:
+        assert s.compile_options == {"backend": "inductor", "options": {"freezing": True}}
