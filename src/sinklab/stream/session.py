@@ -58,8 +58,8 @@ class StreamSession:
         options = {} if compile is True else dict(compile or {})
         if compile and self._device.type == "cpu" and options.get("backend", "inductor") == "inductor" \
                 and not {"mode", "options"} & options.keys():
-            # inductor's freezing: the weights become constants of the graph (prepacked for the CPU's matrix
-            # kernels). Measured on a 2-core CPU VM, one thread: SmolLM2 59.0 → 51.5 ms per token, Gemma 3 270M
+            # inductor's freezing: the weights become constants of the graph (folded and laid out at compile
+            # time). Measured on a 2-core CPU VM, one thread: SmolLM2 59.0 → 51.5 ms per token, Gemma 3 270M
             # 102.3 → 71.7 ms (docs/stream.md); the compiled forward holds the weights as they were when compiled.
             options["options"] = {"freezing": True}
         self.compile_options = options if compile else None  # what torch.compile was given for step()
