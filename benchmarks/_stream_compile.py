@@ -390,24 +390,22 @@ def measure(entry: dict, label: str, model, vocab: int, n_threads: int, rounds: 
     for _ in range(rounds):  # interleaved
         for m in methods:
             samples[m.name] += time_steps(m, steps)
-    compiled_vs_eager, plan_vs_eager = None, None
-    if "sinklab eager" in warm:  # the same tokens decoded: one more step must agree
+    by_name = {m.name: m for m in methods}
+    vs_eager = {}  # the same tokens decoded: one more step must agree with the eager stream's
+    if "sinklab eager" in by_name:
         with torch.no_grad():
             last = {m.name: m.step()[:, -1].double().cpu() for m in methods if m.name.startswith("sinklab")}
-        b = last["sinklab eager"]
-        if "sinklab compiled" in last:
-            compiled_vs_eager = float((last["sinklab compiled"] - b).abs().max() / b.abs().max())
-        if PLANNED in last:
-            plan_vs_eager = float((last[PLANNED] - b).abs().max() / b.abs().max())
+        b = last.pop("sinklab eager")
+        vs_eager = {name: float((a - b).abs().max() / b.abs().max()) for name, a in last.items()}
     profiles = {m.name: profile_steps(m) for m in methods if profile and m.compiled}
     for name, table in profiles.items():
         print(f"  profile, {name}, 10 steps:\n{table}", flush=True)
     checks, plan = {}, {}
-    if "sinklab eager" in warm:
-        checks = check_costs(next(m for m in methods if m.name == "sinklab eager"))
-        plan["eager"] = plan_cost(next(m for m in methods if m.name == "sinklab eager"))
-    if PLANNED in warm:
-        plan["compiled"] = plan_cost(next(m for m in methods if m.name == PLANNED))
+    if "sinklab eager" in by_name:
+        checks = check_costs(by_name["sinklab eager"])
+        plan["eager"] = plan_cost(by_name["sinklab eager"])
+    if PLANNED in by_name:
+        plan["compiled"] = plan_cost(by_name[PLANNED])
     for m in methods:
         m.close()
     med = {k: statistics.median(v) for k, v in samples.items()}
@@ -421,8 +419,8 @@ def measure(entry: dict, label: str, model, vocab: int, n_threads: int, rounds: 
     entry["threads"][n_threads] = {
         "warmup_s": warm, "median_ms": med, "failed": failed, "cudagraph_skips": skips,
         "p90_ms": {k: sorted(v)[int(0.9 * (len(v) - 1))] for k, v in samples.items()},
-        "samples": rounds * steps, "sinklab_compiled_vs_eager_logits_rel": compiled_vs_eager,
-        "compiled_plan_vs_eager_logits_rel": plan_vs_eager,
+        "samples": rounds * steps, "sinklab_compiled_vs_eager_logits_rel": vs_eager.get("sinklab compiled"),
+        "compiled_plan_vs_eager_logits_rel": vs_eager.get(PLANNED),
         "checks_us_per_token": checks, "plan_us_per_token": plan, "profiles": profiles, "ratios": ratios}
     print_table(label, n_threads, entry, results)
 

@@ -223,11 +223,14 @@ def test_compile_plan_is_checked_and_reaches_the_stream():
 
 
 def test_session_compile_true_on_cpu_freezes_weights_and_matches_eager():
-    """``StreamSession(compile=True)`` on a CPU: inductor with freezing (weights folded into the graph, what
-    ``stream_generate(compile=True)`` and ``sinklab stream --compile`` use): the same logits as the eager session
-    (≤ 1e-5) over evictions and ≥ 3 re-bases, no recompilation after 2 warm-up steps."""
+    """``StreamSession(compile=True)`` on a CPU: inductor with freezing (what ``stream_generate(compile=True)`` and
+    ``sinklab stream --compile`` use): the projections' weights are prepacked into the graph (inductor's weight-pack
+    pass fires — it does not without freezing), the logits equal the eager session's (≤ 1e-5) over evictions and
+    ≥ 3 re-bases, and nothing recompiles after 2 warm-up steps."""
     model = build("llama-gqa")
     prompt, follow = _tokens(9, seed=5)[None], _tokens(16, seed=7)
+    counters = torch._dynamo.utils.counters  # its entries may be replaced while compiling: read them by key
+    before = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
     out = {}
     for compile in (None, True):
         with StreamSession(model, num_sinks=2, window=6, rebase_every=8, compile=compile) as s:
@@ -238,10 +241,50 @@ def test_session_compile_true_on_cpu_freezes_weights_and_matches_eager():
                     steps.append(s.step(t[None]))
             out[compile] = torch.stack(steps)
             assert s.sink.state.rebases >= 3
-            assert s.compile_options == ({"options": {"freezing": True}} if compile else None)
+            assert s.freezing is bool(compile) and s.compile_options == ({} if compile else None)
+    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > before
     assert _rel(out[True], out[None]) <= 1e-5
     for given in ({"backend": "eager"}, {"mode": "max-autotune-no-cudagraphs"}, {"options": {"freezing": False}}):
         with StreamSession(model, num_sinks=2, window=6, compile=given) as s:  # as given: no freezing added
-            assert s.compile_options == given
-    with StreamSession(model, num_sinks=2, window=6, compile={"backend": "inductor"}) as s:
-        assert s.compile_options == {"backend": "inductor", "options": {"freezing": True}}
+            assert s.compile_options == given and not s.freezing
+    assert StreamSession(model, num_sinks=2, window=6, compile={"backend": "inductor"}).freezing
+    assert not StreamSession(model, num_sinks=2, window=6, compile=True, freeze=False).freezing
+    assert StreamSession(model, num_sinks=2, window=6, compile={"mode": "default"}, freeze=True).freezing
+    for bad in (dict(freeze=True), dict(compile={"backend": "eager"}, freeze=True), dict(compile=True, freeze="on")):
+        with pytest.raises(sinklab.errors.InputError, match="freeze"):
+            StreamSession(model, num_sinks=2, window=6, **bad)
+
+
+def test_step_plan_that_cannot_compile_runs_eagerly_with_a_warning(monkeypatch):
+    """No compiler for the plan here (dynamo or the backend fails): one RuntimeWarning, ``compile_plan`` drops to
+    False, and the stream goes on with the eager plan — the same logits as a stream that never tried."""
+    from sinklab.stream import state as stream_state
+
+    class NoCompiler(torch._dynamo.exc.TorchDynamoException):
+        pass
+
+    def failing(*args):
+        raise NoCompiler("no backend on this machine")
+
+    model = build("llama-gqa")
+    prompt = _tokens(9, seed=5)[None]
+    eager, _, _ = _decode(model, model.forward, prompt, None, 12, 12, num_sinks=2, window=6, rebase_every=8)
+    monkeypatch.setattr(stream_state, "compiled_free_step", lambda: failing)
+    cache = SinkCache(model, num_sinks=2, window=6, rebase_every=8, compile_plan=True)
+    follow = _tokens(12, seed=40)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="could not be compiled.*NoCompiler"):
+        model(input_ids=prompt, cache=cache)
+        got = torch.stack([model(input_ids=t.view(1, 1), cache=cache).logits[:, -1] for t in follow])
+    assert not cache.state.compile_plan
+    cache.close()
+    assert torch.equal(got, eager)
+
+
+def test_cli_freeze_without_compile_is_a_clear_error():
+    from typer.testing import CliRunner
+
+    from sinklab.cli import app
+
+    r = CliRunner().invoke(app, ["stream", "builtin:tiny-lm", "--prompt", "The rule", "--freeze",
+                                 "--max-new-tokens", "2"])
+    assert r.exit_code != 0 and "freeze=True needs compile" in r.output and "Traceback" not in r.output

@@ -33,6 +33,9 @@ def stream(
     compile_backend: Annotated[str, typer.Option("--compile-backend", help="torch.compile backend for --compile")] = "inductor",
     compile_mode: Annotated[str | None, typer.Option("--compile-mode", help="torch.compile mode for --compile "
                                                      "(reduce-overhead: CUDA graphs on a GPU)")] = None,
+    freeze: Annotated[bool | None, typer.Option("--freeze/--no-freeze", help="with --compile: inductor's freezing "
+                                                "(faster on a CPU, a second copy of the weights in memory; default: "
+                                                "on a CPU without --compile-mode)")] = None,
 ) -> None:
     """Generate with attention sinks + a sliding window in constant memory; tokens print as they come."""
     import sys as _sys
@@ -50,7 +53,7 @@ def stream(
         pinned = [(0, n_prompt)] if pin_prompt and n_prompt else None
         session = StreamSession(loaded.model, num_sinks=sinks, window=window, pinned=pinned, chunk_size=chunk_size,
                                 compile=({"backend": compile_backend} | ({"mode": compile_mode} if compile_mode else {}))
-                                if compile else None)
+                                if compile else None, freeze=freeze)
         start = time.perf_counter()
         count = 0
         with session:

@@ -24,6 +24,19 @@ __all__ = ["StreamSession", "TextPieces", "sample_token", "stream_generate"]
 _FORMAT = "sinklab.stream/1"
 
 
+def _frozen(forward):
+    """``forward`` (a ``torch.compile``'d function) compiled with inductor's freezing: the setting is global and
+    read when a graph is compiled (``torch.compile(..., options={"freezing": True})`` does not reach it), so
+    every call — any compilation happens inside one — runs with it set."""
+    import torch._inductor.config as inductor_config
+
+    def call(*args, **kwargs):
+        with inductor_config.patch(freezing=True):
+            return forward(*args, **kwargs)
+
+    return call
+
+
 class StreamSession:
     """An open stream: ``feed`` token ids (chunked), ``step`` one token per row, ``save`` / ``load`` the state.
 
@@ -35,11 +48,13 @@ class StreamSession:
     def __init__(self, model: nn.Module, num_sinks: int = 4, window: int = 1020, pinned=None,
                  start_position: int = 0, chunk_size: int = 256, rebase_every: int | None = None, *,
                  sliding_sinks: bool = False, compile: bool | dict | None = None, kv_bits: int | None = None,
-                 kv_group_size: int = 16, compile_plan: bool = False) -> None:
+                 kv_group_size: int = 16, compile_plan: bool = False, freeze: bool | None = None) -> None:
         if chunk_size < 1:
             raise InputError(f"chunk_size must be ≥ 1, got {chunk_size}")
         if compile is not None and not isinstance(compile, (bool, dict)):
             raise InputError(f"compile is True or a dict of torch.compile options, got {compile!r}")
+        if freeze is not None and not isinstance(freeze, bool):
+            raise InputError(f"freeze is True, False or None (automatic), got {freeze!r}")
         from ..checks import check_weights
 
         check_weights(model)  # NaN/inf weights: one clear error now, not garbage tokens later
@@ -56,15 +71,20 @@ class StreamSession:
         self._restore: dict[str, Tensor] | None = None
         # Decoding (``step``) through torch.compile; chunks (``feed``) stay eager. Compiled once per model forward.
         options = {} if compile is True else dict(compile or {})
-        if compile and self._device.type == "cpu" and options.get("backend", "inductor") == "inductor" \
-                and not {"mode", "options"} & options.keys():
-            # inductor's freezing: the weights become constants of the graph (folded and laid out at compile
-            # time). Measured on a 2-core CPU VM, one thread: SmolLM2 59.0 → 51.5 ms per token, Gemma 3 270M
-            # 102.3 → 71.7 ms (docs/stream.md); the compiled forward holds the weights as they were when compiled.
-            options["options"] = {"freezing": True}
         self.compile_options = options if compile else None  # what torch.compile was given for step()
+        # freeze=None: on a CPU with inductor and no mode/options of the caller's, freeze — the weights become
+        # constants of the graph and the projections prepacked matrices: SmolLM2 59.0 → 51.5 ms per token, Gemma 3
+        # 270M 102.3 → 71.7 ms on a 2-core CPU VM, for a second, prepacked copy of the weights in memory
+        # (docs/stream.md). The compiled forward holds the weights as they were when it was compiled.
+        inductor = options.get("backend", "inductor") == "inductor"
+        if freeze and not (compile and inductor):
+            raise InputError("freeze=True needs compile with torch.compile's inductor backend (freezing is one of "
+                             "inductor's settings); drop freeze or compile with inductor")
+        self.freezing = freeze if freeze is not None else (
+            bool(compile) and inductor and self._device.type == "cpu" and not {"mode", "options"} & options.keys())
         self._step_forward = torch.compile(model.forward, **options) if compile else model.forward
-        self._compiled = bool(compile)
+        if self.freezing:
+            self._step_forward = _frozen(self._step_forward)
 
     def __enter__(self) -> StreamSession:
         self.cache = self.sink.__enter__()
@@ -115,7 +135,7 @@ class StreamSession:
         if self.cache is None:
             raise RuntimeError("use the session as a context manager: `with StreamSession(...) as s:`")
         self.tokens_seen += 1
-        graphs = self._compiled and self._device.type == "cuda"
+        graphs = self.compile_options is not None and self._device.type == "cuda"
         if graphs:  # a new step: CUDA graphs (mode="reduce-overhead") may reuse the last step's output memory
             torch.compiler.cudagraph_mark_step_begin()
         logits = self._forward(token_ids.reshape(-1, 1).to(self._device), None, self._step_forward)[:, -1]
@@ -228,7 +248,8 @@ class TextPieces:
 def stream_generate(model: nn.Module, tokenizer, prompt: str | list[str], *, num_sinks: int = 4, window: int = 1020,
                     pinned=None, pin_prompt: bool = False, max_new_tokens: int = 256, temperature: float = 0.0,
                     top_k: int = 0, seed: int = 0, chunk_size: int = 256, stop_at_eos: bool = True,
-                    session: StreamSession | None = None, compile: bool | dict | None = None) -> Iterator[str | list[str]]:
+                    session: StreamSession | None = None, compile: bool | dict | None = None,
+                    freeze: bool | None = None) -> Iterator[str | list[str]]:
     """Generate from ``prompt`` in constant memory, yielding each new piece of text as it comes.
 
     A list of prompts is left-padded into one batch (each row's sinks are its own first real tokens) and
@@ -256,7 +277,8 @@ def stream_generate(model: nn.Module, tokenizer, prompt: str | list[str], *, num
                              f"[{span}] (pins are fixed when a stream starts)")
         pinned = list(pinned or []) + [span]
     own = session is None
-    session = session or StreamSession(model, num_sinks, window, pinned, chunk_size=chunk_size, compile=compile)
+    session = session or StreamSession(model, num_sinks, window, pinned, chunk_size=chunk_size, compile=compile,
+                                       freeze=freeze)
     gen = torch.Generator().manual_seed(seed)
     eos = tokenizer.eos_token_id
     if own:

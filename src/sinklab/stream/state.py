@@ -18,6 +18,7 @@ Buffer layout per row: ``[0, S + P)`` anchored slots in arrival order, ``[S + P,
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, replace
 
@@ -103,19 +104,14 @@ def _slot_shift(q_a: Tensor, q_f: Tensor, q_v: Tensor, window: int) -> Tensor:
     return (q_a + torch.clamp(q_f, max=window) - 1 - q_v)[:, None]
 
 
-_COMPILED: dict[str, object] = {}
-
-
+@functools.cache
 def compiled_free_step():
     """:func:`free_step` through ``torch.compile`` (fixed shapes, one graph), created on first use.
 
     On an accelerator a decode step's bookkeeping (the whole eager pre-hook) is some forty small kernels
     launched one by one from the host: 0.8–0.9 ms per token measured on an H200, against a 2.1 ms compiled
     SmolLM2 step with transformers' StaticCache. Compiled, the free step is a few fused kernels."""
-    fn = _COMPILED.get("free_step")
-    if fn is None:
-        fn = _COMPILED["free_step"] = torch.compile(free_step, dynamic=False, fullgraph=True)
-    return fn
+    return torch.compile(free_step, dynamic=False, fullgraph=True)
 
 
 def _check_pinned(pinned) -> list[tuple[int, int]]:
@@ -288,20 +284,13 @@ class StreamState:
         """
         args = (self.n_real, self.n_anchor, self.n_free, self.base, self.s_valid, self.s_sidx, self.s_a, self.s_f,
                 self.s_o, self.rope, self.start_position, self.anchor_capacity, self.window)
-        if self.compile_plan:
-            try:
-                out = compiled_free_step()(*args)
-            except torch._dynamo.exc.TorchDynamoException as exc:  # compiling failed (before anything ran)
-                if _COMPILED.get("free_step_ok"):
-                    raise
-                warnings.warn(f"the stream's decode-step plan could not be compiled ({type(exc).__name__}: {exc}); "
-                              "it runs eagerly (SinkCache(..., compile_plan=False) skips the attempt)", RuntimeWarning,
-                              stacklevel=2)
-                self.compile_plan = False
-                out = free_step(*args)
-            else:
-                _COMPILED["free_step_ok"] = True
-        else:
+        try:
+            out = (compiled_free_step() if self.compile_plan else free_step)(*args)
+        except torch._dynamo.exc.TorchDynamoException as exc:  # only compiling raises it, before anything ran
+            warnings.warn(f"the stream's decode-step plan could not be compiled ({type(exc).__name__}: {exc}); "
+                          "it runs eagerly (SinkCache(..., compile_plan=False) skips the attempt)", RuntimeWarning,
+                          stacklevel=2)
+            self.compile_plan = False
             out = free_step(*args)
         t, q_v, slot, visible, cos, sin, slot_shift = out
         q_a, q_f = self.n_anchor, self.n_free  # n_free already counts the new token
