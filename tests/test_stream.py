@@ -225,6 +225,21 @@ def test_rotate_matches_the_models_own_rope():
     torch.testing.assert_close(rope.rotate(at(10), spec, torch.tensor(7)), at(17), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotate_pairs_equals_a_complex_rotation(interleaved):
+    """The decode step's anchor re-rotation (factors once per step, two ops per layer) against complex numbers."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=g)
+    theta = torch.randn(2, 1, 5, 4, dtype=torch.float64, generator=g) * 50  # one angle per pair, per key
+    pairs = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :4], x[..., 4:])
+    z = torch.complex(*pairs) * torch.polar(torch.ones_like(theta), theta)
+    want = torch.stack([z.real, z.imag], -1).flatten(-2) if interleaved else torch.cat([z.real, z.imag], -1)
+    c, s = rope.pair_factors(theta.cos(), theta.sin(), interleaved)
+    got = rope.rotate_pairs(x, rope.pair_partner(x, interleaved), c, s)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(got, rope.rotate_with(x, theta.cos(), theta.sin(), interleaved), atol=1e-12, rtol=0)
+
+
 def test_stream_generate_yields_text_and_batches(minilm):
     model = sinklab.models.tiny_llama(num_hidden_layers=2)
     pieces = list(stream_generate(model, minilm.tokenizer, "hello streaming world", num_sinks=2, window=6,

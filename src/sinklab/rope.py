@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["RopeSpec", "rotate", "rotate_with", "angles"]
+__all__ = ["RopeSpec", "rotate", "rotate_with", "angles", "pair_factors", "pair_partner", "rotate_pairs"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,29 @@ def rotate_with(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) 
         return out.to(x.dtype)
     rest = x[..., r:].expand(*out.shape[:-1], x.shape[-1] - r)  # pass-through dims, broadcast like the angles
     return torch.cat([out.to(x.dtype), rest], dim=-1)
+
+
+def pair_factors(cos: Tensor, sin: Tensor, interleaved: bool = False) -> tuple[Tensor, Tensor]:
+    """The rotation by ``cos``/``sin`` ``[..., r/2]`` as two per-dimension factors ``c``, ``s`` ``[..., r]``, so
+    that ``rotate_with(x, cos, sin) == x·c + pair_partner(x)·s`` (:func:`rotate_pairs`) over the ``r`` rotated
+    dimensions. Worth it when one rotation is applied to many tensors (each then costs two fused ops)."""
+    if interleaved:
+        return (torch.stack([cos, cos], dim=-1).flatten(-2), torch.stack([-sin, sin], dim=-1).flatten(-2))
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def pair_partner(x: Tensor, interleaved: bool = False) -> Tensor:
+    """Each rotated dimension's partner: ``(x₂, x₁)`` for the half layout, pairs swapped for the interleaved one."""
+    if interleaved:
+        return torch.stack([x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat([x[..., half:], x[..., :half]], dim=-1)
+
+
+def rotate_pairs(x: Tensor, partner: Tensor, c: Tensor, s: Tensor) -> Tensor:
+    """``x·c + partner·s``: a fully rotated ``x`` (``x.shape[-1] == c.shape[-1]``) from :func:`pair_factors` and
+    :func:`pair_partner` (``partner`` may be computed once and reused while ``x`` does not change)."""
+    return torch.addcmul(x * c, partner, s)
 
 
 def rotate(x: Tensor, spec: RopeSpec, delta: Tensor) -> Tensor:

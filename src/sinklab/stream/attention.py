@@ -102,7 +102,8 @@ def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     gate = variant_gate(module, h)  # (B, C, H, dv | 1) or None
     if view.from_buffer:
         # Decode: anchored slots were re-rotated in place, every visible slot is a plain key.
-        visible = view.visible[:, None, None, :]  # (B, 1, 1, K)
+        # (B, 1, 1, K); eagerly none at all once every slot is visible (a compiled graph keeps one form)
+        visible = None if not torch.compiler.is_compiling() and view.all_visible else view.visible[:, None, None, :]
         if softcap is None and kwargs.get("s_aux") is None and not variant_has_columns(module):
             out = attend(query, key, value, visible, scale=scale, gate=gate, fast=True)  # in the model's dtype
             return out.transpose(1, 2).contiguous(), None

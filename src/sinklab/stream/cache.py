@@ -22,6 +22,7 @@ layer keeps ``S`` sinks, the pinned spans and a window of ``W``.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -228,8 +229,15 @@ class SinkCache(Cache):
         A chunk, or any forward on the CPU, is checked at once (the values are on the host already); single
         columns on an accelerator are accumulated on the device and read back every ``check_every`` columns.
         """
-        bad = ~torch.isfinite(hidden).all()
         state = self.state
+        if hidden.device.type == "cpu":
+            # On the host already: one float64 sum, read at once (NaN and ±inf carry through it; finite
+            # float32/16 values cannot overflow it).
+            if not math.isfinite(float(hidden.sum(dtype=torch.float64))):
+                self._pending_hidden = torch.ones((), dtype=torch.bool)
+            self.flush_checks(state.columns - hidden.shape[1])
+            return
+        bad = ~torch.isfinite(hidden).all()
         if hidden.device.type != "cpu" and hidden.shape[1] == 1 and state.columns - self._checked < self.check_every:
             self._pending_hidden = bad | self._pending_hidden
             return

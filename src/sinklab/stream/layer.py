@@ -13,7 +13,7 @@ from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
 from ..errors import InputError
-from ..rope import RopeSpec, rotate, rotate_with
+from ..rope import RopeSpec, pair_partner, rotate, rotate_pairs
 from .state import StreamState
 
 __all__ = ["SinkWindowLayer"]
@@ -30,6 +30,7 @@ class SinkWindowLayer(CacheLayerMixin):
         super().__init__()
         self.state = state
         self.rope = rope
+        self._partner: tuple | None = None  # (anchor_keys, their partner dimensions): eager decode steps
         state.layers.append(self)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -66,12 +67,27 @@ class SinkWindowLayer(CacheLayerMixin):
         if view.from_buffer:
             self._write(key_states, value_states, plan)
             if n:
-                self.keys[:, :, :n] = rotate_with(self.anchor_keys, view.anchor_cos, view.anchor_sin, self.rope.interleaved)
+                self.keys[:, :, :n] = self._anchors_rotated(view.anchor_c, view.anchor_s)
             return self.keys, self.values
         keys = torch.cat([self.anchor_keys, self.keys[:, :, n:], key_states], dim=-2)
         values = torch.cat([self.values, value_states], dim=-2)
         self._write(key_states, value_states, plan)
         return keys, values
+
+    def _anchors_rotated(self, c: Tensor, s: Tensor) -> Tensor:
+        """The anchored keys rotated by the step's factors (:func:`sinklab.rope.rotate_pairs`). Eagerly, each
+        key's partner dimensions are kept between steps while the anchored keys do not change (two ops per
+        layer and token); compiled, they are part of the graph."""
+        keys = self.anchor_keys
+        r = c.shape[-1]
+        if r != keys.shape[-1]:  # partial rotary: the pass-through dimensions stay as they are
+            rotated = rotate_pairs(keys[..., :r], pair_partner(keys[..., :r], self.rope.interleaved), c, s)
+            return torch.cat([rotated.to(keys.dtype), keys[..., r:].expand(*rotated.shape[:-1], -1)], dim=-1)
+        if torch.compiler.is_compiling():
+            return rotate_pairs(keys, pair_partner(keys, self.rope.interleaved), c, s)
+        if self._partner is None or self._partner[0] is not keys:  # dropped by every write to the anchored keys
+            self._partner = (keys, pair_partner(keys, self.rope.interleaved))
+        return rotate_pairs(keys, self._partner[1], c, s)
 
     def _write(self, key_states: Tensor, value_states: Tensor, plan: dict) -> None:
         if plan.get("uniform"):  # decode, every row a real free token in the same slot: one copy per buffer
@@ -89,6 +105,7 @@ class SinkWindowLayer(CacheLayerMixin):
                 at = slot.clamp(max=n - 1)
                 anchored = plan["anchored"][:, None, None]
                 self.anchor_keys[rows, :, at] = torch.where(anchored, k, self.anchor_keys[rows, :, at])
+                self._partner = None
             return
         rows, cols, slots = plan["rows"], plan["cols"], plan["slots"]
         if rows.numel():
@@ -98,6 +115,7 @@ class SinkWindowLayer(CacheLayerMixin):
             if bool(anchored.any()):
                 r, c, sl = rows[anchored], cols[anchored], slots[anchored]
                 self.anchor_keys[r, :, sl] = key_states[r, :, c]
+                self._partner = None
 
     def select_rows(self, index: Tensor) -> None:
         """Row ``i`` becomes old row ``index[i]`` (the stream state is re-indexed by the cache, once)."""

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
-from ..rope import angles
+from ..rope import angles, pair_factors
 
 __all__ = ["StreamState", "View"]
 
@@ -49,11 +49,15 @@ class View:
     from_buffer: bool  # True: keys are the buffer itself (decode); False: buffer ⧺ chunk
     visible: Tensor | None = None  # (B, K) for decode, (B, C, K) for a chunk: what each query may attend to
     anchor_idx: Tensor | None = None  # key positions holding anchored tokens (chunk path)
-    anchor_cos: Tensor | None = None  # (B, 1, A, r/2) decode: rotation of each anchored key to its slot distance
-    anchor_sin: Tensor | None = None
+    # Decode: the rotation of each anchored key to its slot distance, as rotate_pairs factors (B, 1, A, r).
+    anchor_c: Tensor | None = None
+    anchor_s: Tensor | None = None
     # Rotation taking each query from its virtual position to its own cache-slot position (kept tokens it
     # sees − 1): (B, C). Only a kv-bias slot's score needs it.
     slot_shift: Tensor | None = None
+    # Decode, known on the host: every slot holds a visible token (the anchors have all arrived and the ring is
+    # full, no padding): an eager attention can then skip the mask.
+    all_visible: bool = False
     # Chunk path: what every layer sharing this view attends over, worked out once per chunk by the first
     # layer's attention (:func:`sinklab.stream.attention.chunk_layout`); None until then.
     chunk_layout: object | None = None
@@ -65,11 +69,12 @@ def free_step(n_real: Tensor, n_anchor: Tensor, n_free: Tensor, base: Tensor, s_
     """The tensor work of a decode step where every row decodes a real, free token into the same slot.
 
     Writes the new column's metadata into the buffers (at row 0's slot, every row's), advances ``n_real`` and
-    ``n_free`` in place, and returns ``(t, q_v, slot, visible, anchor_cos, anchor_sin, slot_shift)``: the
+    ``n_free`` in place, and returns ``(t, q_v, slot, visible, anchor_c, anchor_s, slot_shift)``: the
     stream index and virtual position of the new token (``[B]``), its ring slot (``[B]``), what it may see
-    (``[B, K]``), the rotation of each anchored key to its slot distance (``[B, 1, A, r/2]``, float32; None
-    without RoPE or anchors) and the query's slot shift (``[B, 1]``). A pure tensor function of its arguments
-    (no value read back, no branch on one), so it can run eagerly or compiled (:func:`compiled_free_step`).
+    (``[B, K]``), the rotation of each anchored key to its slot distance (the factors of
+    :func:`sinklab.rope.rotate_pairs`, ``[B, 1, A, r]`` float32; None without RoPE or anchors) and the
+    query's slot shift (``[B, 1]``). A pure tensor function of its arguments (no value read back, no branch on
+    one), so it can run eagerly or compiled (:func:`compiled_free_step`).
     """
     t = n_real.clone()
     q_f = n_free + 1
@@ -93,10 +98,12 @@ def free_step(n_real: Tensor, n_anchor: Tensor, n_free: Tensor, base: Tensor, s_
 
 def _anchor_rotation(rope, q_a: Tensor, q_f: Tensor, q_v: Tensor, s_a: Tensor, s_f: Tensor, s_o: Tensor, n: int,
                      window: int) -> tuple[Tensor, Tensor]:
-    """A decode query's rotation of each of the ``n`` anchored keys to its slot distance: ``[B, 1, n, r/2]``."""
+    """A decode query's rotation of each of the ``n`` anchored keys to its slot distance, as the factors
+    ``c``, ``s`` ``[B, 1, n, r]`` of :func:`sinklab.rope.rotate_pairs` (worked out once, applied by every layer)."""
     dist = q_a[:, None] - s_a[:, :n] + torch.clamp(q_f[:, None] - s_f[:, :n], max=window)
     cos, sin = angles(rope, q_v[:, None] - dist - s_o[:, :n])  # (B, n, r/2)
-    return cos.float()[:, None], sin.float()[:, None]
+    c, s = pair_factors(cos.float()[:, None], sin.float()[:, None], rope.interleaved)
+    return c, s
 
 
 def _slot_shift(q_a: Tensor, q_f: Tensor, q_v: Tensor, window: int) -> Tensor:
@@ -298,7 +305,8 @@ class StreamState:
                      "anchored": torch.zeros_like(valid), "uniform": True}
         self.view = View(self.s_valid, self.s_sidx, self.s_anchored, self.s_a, self.s_f, self.s_o,
                          valid[:, None], t[:, None], q_a[:, None], q_f[:, None], q_v[:, None], from_buffer=True,
-                         visible=visible, anchor_cos=cos, anchor_sin=sin, slot_shift=slot_shift)
+                         visible=visible, anchor_c=cos, anchor_s=sin, slot_shift=slot_shift,
+                         all_visible=self.columns + 1 >= self.capacity)
         return q_v[:, None]
 
     def _step_view(self, valid: Tensor, sidx: Tensor, q_a: Tensor, q_f: Tensor, q_v: Tensor) -> None:
@@ -309,7 +317,7 @@ class StreamState:
         # keys are re-rotated to their slot distance from this query (O(S + P) per layer).
         view.visible = self.s_valid & valid[:, None]
         if self.anchor_capacity:
-            view.anchor_cos, view.anchor_sin = _anchor_rotation(self.rope, q_a, q_f, q_v, self.s_a, self.s_f,
+            view.anchor_c, view.anchor_s = _anchor_rotation(self.rope, q_a, q_f, q_v, self.s_a, self.s_f,
                                                                 self.s_o, self.anchor_capacity, self.window)
         view.slot_shift = _slot_shift(q_a, q_f, q_v, self.window)
         self.view = view
