@@ -21,7 +21,10 @@ Every method decodes at the same cached length, in steady state past eviction:
 
 Rounds are interleaved (the machine is shared); warm-up (compile) is timed separately; one thread and two.
 Also per token: the safety checks and the step plan (the pre-hook's bookkeeping, eager and, with
-``--compiled-plan``, compiled); ``--profile`` prints torch.profiler's op table of each compiled method.
+``--compiled-plan``, compiled); ``--profile`` prints torch.profiler's op table of each compiled method. The
+DynamicCache's own work per token (every layer's ``update`` — a copy one token longer — and the crop back) is
+timed alone too: without it the eager floor would be ``(dynamic − copies) / dynamic`` of itself, the best an
+eager ring buffer can do at zero bookkeeping cost.
 The bandwidth limit: bytes read per token (weights + the cached K/V) ÷ the copy bandwidth of this machine.
 On CUDA every timed step ends with a synchronisation, and with ``mode="reduce-overhead"`` (CUDA graphs) each
 compiled step starts with ``torch.compiler.cudagraph_mark_step_begin()``.
@@ -230,6 +233,29 @@ def profile_steps(method: Method, steps: int = 10, rows: int = 12) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
+def dense_copy_ms(method: Method, steps: int = 20) -> float:
+    """ms per decoded token of the eager DynamicCache's own work: every layer's ``update`` (keys and values
+    copied into a new tensor one token longer, ``torch.cat``) and the ``crop(-1)`` back, timed on a copy of the
+    method's cache with the step's shapes and no model — the one cost a ring buffer does not pay. (torch.profiler's
+    self time of ``aten::cat`` inside a step was not usable here: it came out larger than the whole step.)"""
+    src = method.cache
+    cache = DynamicCache()
+    n = len(src.layers)
+    for i, layer in enumerate(src.layers):
+        cache.update(layer.keys.clone(), layer.values.clone(), i)
+    new = [(layer.keys[..., -1:, :].clone(), layer.values[..., -1:, :].clone()) for layer in src.layers]
+    with torch.no_grad():
+        for rep in range(2):  # the first round warms the allocator
+            sync(method.device)
+            t = time.perf_counter()
+            for _ in range(steps):
+                for i in range(n):
+                    cache.update(*new[i], i)
+                cache.crop(-1)
+            sync(method.device)
+    return 1e3 * (time.perf_counter() - t) / steps
+
+
 def time_steps(method: Method, steps: int) -> list[float]:
     out = []
     for _ in range(steps):
@@ -406,6 +432,9 @@ def measure(entry: dict, label: str, model, vocab: int, n_threads: int, rounds: 
         plan["eager"] = plan_cost(by_name["sinklab eager"])
     if PLANNED in by_name:
         plan["compiled"] = plan_cost(by_name[PLANNED])
+    copy_ms = None
+    if "dynamic eager" in by_name:
+        copy_ms = dense_copy_ms(by_name["dynamic eager"])
     for m in methods:
         m.close()
     med = {k: statistics.median(v) for k, v in samples.items()}
@@ -416,12 +445,15 @@ def measure(entry: dict, label: str, model, vocab: int, n_threads: int, rounds: 
               if a in med and b in med}
     if "sinklab compiled" in med:
         ratios["bandwidth floor / sinklab compiled"] = floor_ms / med["sinklab compiled"]
+    if copy_ms is not None and "dynamic eager" in med:  # an eager ring at zero bookkeeping cost could reach this
+        ratios["(dynamic eager − its cache copies) / dynamic eager"] = 1 - copy_ms / med["dynamic eager"]
     entry["threads"][n_threads] = {
         "warmup_s": warm, "median_ms": med, "failed": failed, "cudagraph_skips": skips,
         "p90_ms": {k: sorted(v)[int(0.9 * (len(v) - 1))] for k, v in samples.items()},
         "samples": rounds * steps, "sinklab_compiled_vs_eager_logits_rel": vs_eager.get("sinklab compiled"),
         "compiled_plan_vs_eager_logits_rel": vs_eager.get(PLANNED),
-        "checks_us_per_token": checks, "plan_us_per_token": plan, "profiles": profiles, "ratios": ratios}
+        "checks_us_per_token": checks, "plan_us_per_token": plan, "dense_cache_copy_ms_per_token": copy_ms,
+        "profiles": profiles, "ratios": ratios}
     print_table(label, n_threads, entry, results)
 
 
@@ -446,6 +478,8 @@ def print_table(label: str, n_threads: int, entry: dict, results: dict) -> None:
     if r["checks_us_per_token"]:
         costs = ", ".join(f"{k} {v:.0f} µs" for k, v in r["checks_us_per_token"].items())
         print(f"  checks per token: {costs} (of {r['median_ms']['sinklab eager']:.1f} ms)")
+    if r.get("dense_cache_copy_ms_per_token") is not None:
+        print(f"  DynamicCache's own update + crop per token (alone): {r['dense_cache_copy_ms_per_token']:.2f} ms")
     if r.get("plan_us_per_token"):
         costs = ", ".join(f"{k} {v:.0f} µs" for k, v in r["plan_us_per_token"].items())
         print(f"  step plan per token (host bookkeeping, ids check included): {costs}")

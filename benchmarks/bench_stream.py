@@ -199,7 +199,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="--compile")
     ap.add_argument("--backend", default=None, help="--compile: torch.compile backend (default inductor)")
     ap.add_argument("--mode", default=None, help="--compile: torch.compile mode (reduce-overhead: CUDA graphs)")
-    ap.add_argument("--json", default=None, help="--compile: file name of the JSON under benchmarks/results/")
+    ap.add_argument("--json", default=None, help="file name of the JSON under benchmarks/results/ (default: by mode)")
     ap.add_argument("--profile", action="store_true", help="--compile: torch.profiler op table of the compiled methods")
     ap.add_argument("--freezing", action="store_true",
                     help="--compile: inductor's freezing (weights folded into the graphs) for every compiled method")
@@ -295,7 +295,7 @@ def main() -> None:
            "torch": torch.__version__, "threads": torch.get_num_threads()}, "model": "SmolLM2-135M-Instruct (Q4_1 dequantised)" if args.smollm2 else "tiny random Llama",
            "rows": rows, "logits": compare, "mapping": mapping,
            "long_stream": long}
-    name = "bench_stream_smollm2.json" if args.smollm2 else "bench_stream.json"
+    name = args.json or ("bench_stream_smollm2.json" if args.smollm2 else "bench_stream.json")
     (RESULTS / name).write_text(json.dumps(out, indent=1))
     print(f"wrote {RESULTS / name}")
 

@@ -1,0 +1,67 @@
+"""The eager decode step of two sinklab trees, side by side, against the DynamicCache floor.
+
+    python benchmarks/ab_stream_eager.py --before /path/to/old/src [--after src] [--windows 1020 2044]
+        [--rounds 4] [--tokens 2000] [--json bench_stream_eager_ab.json]
+
+Runs ``benchmarks/_stream_worker.py`` (the tiny Llama and token stream of ``bench_stream.py``; run that once
+first, it writes them under ``benchmarks/results/``) with ``PYTHONPATH`` set to each tree in turn, plus the
+``dynamic-floor`` method, in interleaved rounds (order reversed every other round), one thread per process.
+Prints the median ms per token and each tree's ratio to the floor; writes the JSON under ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+
+def run(method: str, src: str, window: int, tokens: int) -> list[float]:
+    cmd = [sys.executable, str(HERE / "_stream_worker.py"), method,
+           "--weights", str(RESULTS / "stream_model.safetensors"), "--stream", str(RESULTS / "stream_tokens.json"),
+           "--window", str(window), "--tokens", str(tokens)]
+    env = dict(os.environ, PYTHONPATH=src)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["ms"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", required=True, help="the src/ folder of the tree to compare against")
+    ap.add_argument("--after", default=str(HERE.parent / "src"), help="the src/ folder measured (default: this tree)")
+    ap.add_argument("--windows", type=int, nargs="+", default=[1020, 2044])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--json", default="bench_stream_eager_ab.json")
+    args = ap.parse_args()
+    for name in ("stream_model.safetensors", "stream_tokens.json"):
+        if not (RESULTS / name).exists():
+            raise SystemExit(f"benchmarks/results/{name} is missing: run benchmarks/bench_stream.py once first")
+    trees = {"before": args.before, "after": args.after, "floor": args.after}
+    out = {}
+    print("| S + W | before ms | after ms | DynamicCache floor ms | before ÷ floor | after ÷ floor |")
+    print("|---|---|---|---|---|---|")
+    for window in args.windows:
+        ms: dict[str, list[float]] = {k: [] for k in trees}
+        for rnd in range(args.rounds):
+            for name in (list(trees) if rnd % 2 == 0 else list(reversed(trees))):
+                ms[name] += run("dynamic-floor" if name == "floor" else "sinklab", trees[name], window, args.tokens)
+        med = {k: statistics.median(v) for k, v in ms.items()}
+        ratio = {k: med[k] / med["floor"] for k in ("before", "after")}
+        out[window] = {"median_ms": med, "vs_floor": ratio, "tokens": len(ms["after"])}
+        print(f"| {4 + window} | {med['before']:.2f} | {med['after']:.2f} | {med['floor']:.2f} | "
+              f"{ratio['before']:.3f}× | {ratio['after']:.3f}× |", flush=True)
+    (RESULTS / args.json).write_text(json.dumps({"trees": {"before": args.before, "after": args.after},
+                                                  "rounds": args.rounds, "windows": out}, indent=1))
+    print(f"wrote {RESULTS / args.json}")
+
+
+if __name__ == "__main__":
+    main()
