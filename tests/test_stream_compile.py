@@ -131,6 +131,28 @@ def _session_decode(model, prompt, follow, warm, backend, **cache_kw):
         return torch.stack(out), s.state.rebases
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_and_eager_steps_mix_on_one_stream(backend):
+    """Eager steps keep each anchored key's partner dimensions between steps; a compiled step that writes an
+    anchored key must drop them too (a side effect of the traced cache write). One stream: a 1-token prompt,
+    an eager step (sink 1), a compiled step (sink 2), then eager steps past eviction == the all-eager stream."""
+    model = build("llama-gqa")
+    kw = dict(num_sinks=3, window=4)
+    follow = _tokens(12, seed=9)
+    name = sinklab._compat.cache_kwarg_name(model)
+    compiled = torch.compile(model.forward, backend=backend)
+    runs = []
+    for mixed in (False, True):
+        out = []
+        with torch.no_grad(), SinkCache(model, **kw) as cache:
+            model(input_ids=_tokens(1, seed=2)[None], **{name: cache})
+            for i, tok in enumerate(follow):
+                forward = compiled if mixed and i == 1 else model.forward
+                out.append(forward(input_ids=tok.view(1, 1), **{name: cache}).logits[0, -1])
+        runs.append(torch.stack(out))
+    assert max(_rel(a, b) for a, b in zip(*runs)) <= 1e-5
+
+
 def test_generate_with_compile_config_equals_eager_generate():
     """``generate(past_key_values=SinkCache, compile_config=...)`` compiles the decode step (on a CPU only with
     transformers' ``_compile_all_devices``): same tokens as eager, and no recompilation across rebases."""
