@@ -32,6 +32,12 @@ def run(method: str, src: str, window: int, tokens: int) -> list[float]:
     return json.loads(out.strip().splitlines()[-1])["ms"]
 
 
+def commit_of(src: str) -> str | None:
+    """The git commit a source tree is checked out at (None outside a git checkout)."""
+    done = subprocess.run(["git", "-C", src, "rev-parse", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", required=True, help="the src/ folder of the tree to compare against")
@@ -58,7 +64,8 @@ def main() -> None:
         out[window] = {"median_ms": med, "vs_floor": ratio, "tokens": len(ms["after"])}
         print(f"| {4 + window} | {med['before']:.2f} | {med['after']:.2f} | {med['floor']:.2f} | "
               f"{ratio['before']:.3f}× | {ratio['after']:.3f}× |", flush=True)
-    (RESULTS / args.json).write_text(json.dumps({"trees": {"before": args.before, "after": args.after},
+    trees_out = {k: {"src": trees[k], "commit": commit_of(trees[k])} for k in ("before", "after")}
+    (RESULTS / args.json).write_text(json.dumps({"trees": trees_out,
                                                   "rounds": args.rounds, "windows": out}, indent=1))
     print(f"wrote {RESULTS / args.json}")
 
