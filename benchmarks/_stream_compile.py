@@ -24,7 +24,8 @@ Also per token: the safety checks and the step plan (the pre-hook's bookkeeping,
 ``--compiled-plan``, compiled); ``--profile`` prints torch.profiler's op table of each compiled method. The
 DynamicCache's own work per token (every layer's ``update`` — a copy one token longer — and the crop back) is
 timed alone too: without it the eager floor would be ``(dynamic − copies) / dynamic`` of itself, the best an
-eager ring buffer can do at zero bookkeeping cost.
+eager ring buffer can do at zero bookkeeping cost. And the aten ops of one eager decode step, views and allocations
+left out (on an accelerator, kernel launches), for sinklab and the DynamicCache.
 The bandwidth limit: bytes read per token (weights + the cached K/V) ÷ the copy bandwidth of this machine.
 On CUDA every timed step ends with a synchronisation, and with ``mode="reduce-overhead"`` (CUDA graphs) each
 compiled step starts with ``torch.compiler.cudagraph_mark_step_begin()``.
@@ -256,6 +257,25 @@ def dense_copy_ms(method: Method, steps: int = 20) -> float:
     return 1e3 * (time.perf_counter() - t) / steps
 
 
+_VIEW_OPS = {"aten::unsqueeze", "aten::slice", "aten::select", "aten::view", "aten::as_strided", "aten::transpose",
+             "aten::t", "aten::expand", "aten::_unsafe_view", "aten::reshape", "aten::flatten", "aten::resolve_conj",
+             "aten::resolve_neg", "aten::alias", "aten::permute", "aten::squeeze", "aten::unbind", "aten::split",
+             "aten::narrow", "aten::chunk", "aten::detach", "aten::lift_fresh", "aten::empty", "aten::empty_strided",
+             "aten::_reshape_alias"}
+
+
+def ops_per_step(method: Method) -> int:
+    """Innermost aten ops of one eager decode step that are not views or allocations: on an accelerator each is a
+    kernel launch from the host (what an eager step's time is made of there). Counted with torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        method.step()
+    events = [e for e in prof.events() if e.name.startswith("aten::")]
+    leaves = [e for e in events if not any(c.name.startswith("aten::") for c in e.cpu_children)]
+    return sum(e.name not in _VIEW_OPS for e in leaves)
+
+
 def time_steps(method: Method, steps: int) -> list[float]:
     out = []
     for _ in range(steps):
@@ -435,6 +455,7 @@ def measure(entry: dict, label: str, model, vocab: int, n_threads: int, rounds: 
     copy_ms = None
     if "dynamic eager" in by_name:
         copy_ms = dense_copy_ms(by_name["dynamic eager"])
+    eager_ops = {name: ops_per_step(by_name[name]) for name in ("sinklab eager", "dynamic eager") if name in by_name}
     for m in methods:
         m.close()
     med = {k: statistics.median(v) for k, v in samples.items()}
@@ -453,6 +474,7 @@ def measure(entry: dict, label: str, model, vocab: int, n_threads: int, rounds: 
         "samples": rounds * steps, "sinklab_compiled_vs_eager_logits_rel": vs_eager.get("sinklab compiled"),
         "compiled_plan_vs_eager_logits_rel": vs_eager.get(PLANNED),
         "checks_us_per_token": checks, "plan_us_per_token": plan, "dense_cache_copy_ms_per_token": copy_ms,
+        "eager_ops_per_step": eager_ops,
         "profiles": profiles, "ratios": ratios}
     print_table(label, n_threads, entry, results)
 
@@ -478,6 +500,9 @@ def print_table(label: str, n_threads: int, entry: dict, results: dict) -> None:
     if r["checks_us_per_token"]:
         costs = ", ".join(f"{k} {v:.0f} µs" for k, v in r["checks_us_per_token"].items())
         print(f"  checks per token: {costs} (of {r['median_ms']['sinklab eager']:.1f} ms)")
+    if r.get("eager_ops_per_step"):
+        ops = ", ".join(f"{k} {v}" for k, v in r["eager_ops_per_step"].items())
+        print(f"  aten ops per eager decode step (kernel launches on an accelerator): {ops}")
     if r.get("dense_cache_copy_ms_per_token") is not None:
         print(f"  DynamicCache's own update + crop per token (alone): {r['dense_cache_copy_ms_per_token']:.2f} ms")
     if r.get("plan_us_per_token"):

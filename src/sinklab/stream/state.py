@@ -52,15 +52,22 @@ class View:
     # Decode: the rotation of each anchored key to its slot distance, as rotate_pairs factors (B, 1, A, r).
     anchor_c: Tensor | None = None
     anchor_s: Tensor | None = None
-    # Rotation taking each query from its virtual position to its own cache-slot position (kept tokens it
-    # sees − 1): (B, C). Only a kv-bias slot's score needs it.
-    slot_shift: Tensor | None = None
     # Decode, known on the host: every slot holds a visible token (the anchors have all arrived and the ring is
     # full, no padding): an eager attention can then skip the mask.
     all_visible: bool = False
     # Chunk path: what every layer sharing this view attends over, worked out once per chunk by the first
     # layer's attention (:func:`sinklab.stream.attention.chunk_layout`); None until then.
     chunk_layout: object | None = None
+    window: int = 0  # W of the stream this view belongs to
+    _slot_shift: Tensor | None = None
+
+    @property
+    def slot_shift(self) -> Tensor:
+        """Rotation taking each query from its virtual position to its own cache-slot position (kept tokens it
+        sees − 1), ``[B, C]``. Only a kv-bias slot's score needs it: worked out on first use, once per forward."""
+        if self._slot_shift is None:
+            self._slot_shift = self.q_a + torch.clamp(self.q_f, max=self.window) - 1 - self.q_v
+        return self._slot_shift
 
 
 def free_step(n_real: Tensor, n_anchor: Tensor, n_free: Tensor, base: Tensor, s_valid: Tensor, s_sidx: Tensor,
@@ -69,12 +76,12 @@ def free_step(n_real: Tensor, n_anchor: Tensor, n_free: Tensor, base: Tensor, s_
     """The tensor work of a decode step where every row decodes a real, free token into the same slot.
 
     Writes the new column's metadata into the buffers (at row 0's slot, every row's), advances ``n_real`` and
-    ``n_free`` in place, and returns ``(t, q_v, slot, visible, anchor_c, anchor_s, slot_shift)``: the
+    ``n_free`` in place, and returns ``(t, q_v, slot, visible, anchor_c, anchor_s)``: the
     stream index and virtual position of the new token (``[B]``), its ring slot (``[B]``), what it may see
     (``[B, K]``), the rotation of each anchored key to its slot distance (the factors of
-    :func:`sinklab.rope.rotate_pairs`, ``[B, 1, A, r]`` float32; None without RoPE or anchors) and the
-    query's slot shift (``[B, 1]``). A pure tensor function of its arguments (no value read back, no branch on
-    one), so it can run eagerly or compiled (:func:`compiled_free_step`).
+    :func:`sinklab.rope.rotate_pairs`, ``[B, 1, A, r]`` float32; None without RoPE or anchors). A pure tensor
+    function of its arguments (no value read back, no branch on one), so it can run eagerly or compiled
+    (:func:`compiled_free_step`).
     """
     t = n_real.clone()
     q_f = n_free + 1
@@ -90,10 +97,9 @@ def free_step(n_real: Tensor, n_anchor: Tensor, n_free: Tensor, base: Tensor, s_
     cos = sin = None
     if anchor_capacity and rope is not None:
         cos, sin = _anchor_rotation(rope, n_anchor, q_f, q_v, s_a, s_f, s_o, anchor_capacity, window)
-    slot_shift = _slot_shift(n_anchor, q_f, q_v, window)
     n_real += 1
     n_free += 1
-    return t, q_v, slot, visible, cos, sin, slot_shift
+    return t, q_v, slot, visible, cos, sin
 
 
 def _anchor_rotation(rope, q_a: Tensor, q_f: Tensor, q_v: Tensor, s_a: Tensor, s_f: Tensor, s_o: Tensor, n: int,
@@ -104,11 +110,6 @@ def _anchor_rotation(rope, q_a: Tensor, q_f: Tensor, q_v: Tensor, s_a: Tensor, s
     cos, sin = angles(rope, q_v[:, None] - dist - s_o[:, :n])  # (B, n, r/2)
     c, s = pair_factors(cos.float()[:, None], sin.float()[:, None], rope.interleaved)
     return c, s
-
-
-def _slot_shift(q_a: Tensor, q_f: Tensor, q_v: Tensor, window: int) -> Tensor:
-    """From a decode query's virtual position to its own cache-slot position (kept tokens it sees − 1): ``[B, 1]``."""
-    return (q_a + torch.clamp(q_f, max=window) - 1 - q_v)[:, None]
 
 
 @functools.cache
@@ -299,27 +300,27 @@ class StreamState:
                           stacklevel=2)
             self.compile_plan = False
             out = free_step(*args)
-        t, q_v, slot, visible, cos, sin, slot_shift = out
+        t, q_v, slot, visible, cos, sin = out
         q_a, q_f = self.n_anchor, self.n_free  # n_free already counts the new token
         self.plan = {"rows": self._rows, "slot": slot, "slot1": slot[:1], "valid": valid,
                      "anchored": torch.zeros_like(valid), "uniform": True}
         self.view = View(self.s_valid, self.s_sidx, self.s_anchored, self.s_a, self.s_f, self.s_o,
                          valid[:, None], t[:, None], q_a[:, None], q_f[:, None], q_v[:, None], from_buffer=True,
-                         visible=visible, anchor_c=cos, anchor_s=sin, slot_shift=slot_shift,
+                         visible=visible, anchor_c=cos, anchor_s=sin, window=self.window,
                          all_visible=self.columns + 1 >= self.capacity)
         return q_v[:, None]
 
     def _step_view(self, valid: Tensor, sidx: Tensor, q_a: Tensor, q_f: Tensor, q_v: Tensor) -> None:
         """The :class:`View` of a decode step (``[B]`` query metadata; the buffer already holds the new column)."""
         view = View(self.s_valid, self.s_sidx, self.s_anchored, self.s_a, self.s_f, self.s_o,
-                    valid[:, None], sidx[:, None], q_a[:, None], q_f[:, None], q_v[:, None], from_buffer=True)
+                    valid[:, None], sidx[:, None], q_a[:, None], q_f[:, None], q_v[:, None], from_buffer=True,
+                    window=self.window)
         # The ring holds exactly the W most recent free tokens, so every valid slot is visible; anchored
         # keys are re-rotated to their slot distance from this query (O(S + P) per layer).
         view.visible = self.s_valid & valid[:, None]
         if self.anchor_capacity:
             view.anchor_c, view.anchor_s = _anchor_rotation(self.rope, q_a, q_f, q_v, self.s_a, self.s_f,
                                                                 self.s_o, self.anchor_capacity, self.window)
-        view.slot_shift = _slot_shift(q_a, q_f, q_v, self.window)
         self.view = view
 
     def _begin_chunk(self, valid: Tensor) -> Tensor:
@@ -344,12 +345,11 @@ class StreamState:
             torch.cat([self.s_valid, valid], 1), torch.cat([self.s_sidx, sidx], 1),
             torch.cat([self.s_anchored, anchored], 1), torch.cat([self.s_a, q_a], 1),
             torch.cat([self.s_f, q_f], 1), torch.cat([self.s_o, q_v], 1), valid, sidx, q_a, q_f, q_v,
-            from_buffer=False)
+            from_buffer=False, window=self.window)
         causal = view.k_sidx[:, None, :] <= sidx[:, :, None]  # (B, C, K)
         recent = (q_f[:, :, None] - view.k_f[:, None, :]) < self.window
         view.visible = view.k_valid[:, None, :] & valid[:, :, None] & causal & (view.k_anchored[:, None, :] | recent)
         view.anchor_idx = view.k_anchored.any(0).nonzero()[:, 0]
-        view.slot_shift = q_a + torch.clamp(q_f, max=self.window) - 1 - q_v
         self.view = view
         slots = self.plan["slots"]
         self.s_valid[rows, slots] = True
