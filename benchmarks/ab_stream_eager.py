@@ -13,23 +13,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+from bench_stream import RESULTS, run_worker
+
+FILES = {"weights": RESULTS / "stream_model.safetensors", "stream": RESULTS / "stream_tokens.json"}
 
 
 def run(method: str, src: str, window: int, tokens: int) -> list[float]:
-    cmd = [sys.executable, str(HERE / "_stream_worker.py"), method,
-           "--weights", str(RESULTS / "stream_model.safetensors"), "--stream", str(RESULTS / "stream_tokens.json"),
-           "--window", str(window), "--tokens", str(tokens)]
-    env = dict(os.environ, PYTHONPATH=src)
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["ms"]
+    out = run_worker(Path(sys.executable), method, FILES, window, tokens, src=Path(src))
+    if out is None:
+        raise SystemExit(f"{method} from {src} failed at W={window} (its error is printed above)")
+    return out["ms"]
 
 
 def commit_of(src: str) -> str | None:
@@ -41,15 +39,16 @@ def commit_of(src: str) -> str | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", required=True, help="the src/ folder of the tree to compare against")
-    ap.add_argument("--after", default=str(HERE.parent / "src"), help="the src/ folder measured (default: this tree)")
+    ap.add_argument("--after", default=str(Path(__file__).resolve().parent.parent / "src"),
+                    help="the src/ folder measured (default: this tree)")
     ap.add_argument("--windows", type=int, nargs="+", default=[1020, 2044])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--json", default="bench_stream_eager_ab.json")
     args = ap.parse_args()
-    for name in ("stream_model.safetensors", "stream_tokens.json"):
-        if not (RESULTS / name).exists():
-            raise SystemExit(f"benchmarks/results/{name} is missing: run benchmarks/bench_stream.py once first")
+    for path in FILES.values():
+        if not path.exists():
+            raise SystemExit(f"benchmarks/results/{path.name} is missing: run benchmarks/bench_stream.py once first")
     trees = {"before": args.before, "after": args.after, "floor": args.after}
     out = {}
     print("| S + W | before ms | after ms | DynamicCache floor ms | before ÷ floor | after ÷ floor |")

@@ -70,12 +70,16 @@ def peer_python(name: str) -> Path | None:
     return py
 
 
-def run_worker(py: Path, method: str, files: dict, window: int, tokens: int, logits: Path | None = None) -> dict | None:
+def run_worker(py: Path, method: str, files: dict, window: int, tokens: int, logits: Path | None = None,
+               src: Path | None = None) -> dict | None:
+    """One ``_stream_worker.py`` run; sinklab from ``src`` (default: this checkout, when ``py`` is this Python)."""
     cmd = [str(py), str(WORKER), method, "--weights", str(files["weights"]), "--stream", str(files["stream"]),
            "--window", str(window), "--tokens", str(tokens)]
     if logits is not None:
         cmd += ["--logits", str(logits)]
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src")) if py == Path(sys.executable) else None  # this checkout
+    if src is None and py == Path(sys.executable):
+        src = HERE.parent / "src"
+    env = dict(os.environ, PYTHONPATH=str(src)) if src is not None else None
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:
         print(f"  {method} W={window} failed: {res.stderr.strip().splitlines()[-1] if res.stderr else res.returncode}")

@@ -227,17 +227,22 @@ def test_rotate_matches_the_models_own_rope():
 
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_rotate_pairs_equals_a_complex_rotation(interleaved):
-    """The decode step's anchor re-rotation (factors once per step, two ops per layer) against complex numbers."""
+    """The rotation every stream path uses (factors once per step, two ops per tensor; a kept partner; partial
+    rotary) against complex numbers in float64."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=g)
+    x = torch.randn(2, 3, 5, 10, dtype=torch.float64, generator=g)  # 8 rotated dimensions, 2 passed through
     theta = torch.randn(2, 1, 5, 4, dtype=torch.float64, generator=g) * 50  # one angle per pair, per key
-    pairs = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :4], x[..., 4:])
+    xr = x[..., :8]
+    pairs = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., :4], xr[..., 4:])
     z = torch.complex(*pairs) * torch.polar(torch.ones_like(theta), theta)
-    want = torch.stack([z.real, z.imag], -1).flatten(-2) if interleaved else torch.cat([z.real, z.imag], -1)
+    rotated = torch.stack([z.real, z.imag], -1).flatten(-2) if interleaved else torch.cat([z.real, z.imag], -1)
+    want = torch.cat([rotated, x[..., 8:].expand(2, 3, 5, 2)], -1)
     c, s = rope.pair_factors(theta.cos(), theta.sin(), interleaved)
-    got = rope.rotate_pairs(x, rope.pair_partner(x, interleaved), c, s)
-    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
-    torch.testing.assert_close(got, rope.rotate_with(x, theta.cos(), theta.sin(), interleaved), atol=1e-12, rtol=0)
+    torch.testing.assert_close(rope.rotate_pairs(x, c, s, interleaved), want, atol=1e-12, rtol=1e-12)
+    kept = rope.pair_partner(xr, interleaved)
+    torch.testing.assert_close(rope.rotate_pairs(x, c, s, interleaved, partner=kept), want, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(rope.rotate_with(x, theta.cos(), theta.sin(), interleaved), want, atol=1e-12,
+                               rtol=1e-12)
 
 
 def test_stream_generate_yields_text_and_batches(minilm):

@@ -41,24 +41,13 @@ def angles(spec: RopeSpec, delta: Tensor) -> tuple[Tensor, Tensor]:
 
 def rotate_with(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
     """Rotate ``x`` ``[..., dh]`` with precomputed ``cos``/``sin`` ``[..., r/2]`` (broadcast), in their dtype."""
-    r = 2 * cos.shape[-1]
-    xr = x[..., :r].to(cos.dtype)
-    if interleaved:
-        even, odd = xr[..., 0::2], xr[..., 1::2]
-        out = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
-    else:
-        first, second = xr[..., : r // 2], xr[..., r // 2 :]
-        out = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
-    if r == x.shape[-1]:
-        return out.to(x.dtype)
-    rest = x[..., r:].expand(*out.shape[:-1], x.shape[-1] - r)  # pass-through dims, broadcast like the angles
-    return torch.cat([out.to(x.dtype), rest], dim=-1)
+    return rotate_pairs(x, *pair_factors(cos, sin, interleaved), interleaved)
 
 
 def pair_factors(cos: Tensor, sin: Tensor, interleaved: bool = False) -> tuple[Tensor, Tensor]:
-    """The rotation by ``cos``/``sin`` ``[..., r/2]`` as two per-dimension factors ``c``, ``s`` ``[..., r]``, so
-    that ``rotate_with(x, cos, sin) == x·c + pair_partner(x)·s`` (:func:`rotate_pairs`) over the ``r`` rotated
-    dimensions. Worth it when one rotation is applied to many tensors (each then costs two fused ops)."""
+    """The rotation by ``cos``/``sin`` ``[..., r/2]`` as two per-dimension factors ``c``, ``s`` ``[..., r]``:
+    rotated ``= x·c + pair_partner(x)·s`` over the ``r`` rotated dimensions (:func:`rotate_pairs`). Worked out
+    once, one rotation costs two fused ops on each tensor it is applied to."""
     if interleaved:
         return (torch.stack([cos, cos], dim=-1).flatten(-2), torch.stack([-sin, sin], dim=-1).flatten(-2))
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
@@ -72,10 +61,19 @@ def pair_partner(x: Tensor, interleaved: bool = False) -> Tensor:
     return torch.cat([x[..., half:], x[..., :half]], dim=-1)
 
 
-def rotate_pairs(x: Tensor, partner: Tensor, c: Tensor, s: Tensor) -> Tensor:
-    """``x·c + partner·s``: a fully rotated ``x`` (``x.shape[-1] == c.shape[-1]``) from :func:`pair_factors` and
-    :func:`pair_partner` (``partner`` may be computed once and reused while ``x`` does not change)."""
-    return torch.addcmul(x * c, partner, s)
+def rotate_pairs(x: Tensor, c: Tensor, s: Tensor, interleaved: bool = False,
+                 partner: Tensor | None = None) -> Tensor:
+    """Rotate ``x`` ``[..., dh]`` by the factors of :func:`pair_factors` (``[..., r]``, broadcast): its first
+    ``r`` dimensions become ``x·c + pair_partner(x)·s`` (computed in ``c``'s dtype), the others pass through;
+    result in ``x``'s dtype. ``partner``: ``pair_partner(x[..., :r])`` when the caller keeps it (``x`` unchanged
+    between rotations)."""
+    r = c.shape[-1]
+    xr = x[..., :r].to(c.dtype)
+    out = torch.addcmul(xr * c, pair_partner(xr, interleaved) if partner is None else partner, s).to(x.dtype)
+    if r == x.shape[-1]:
+        return out
+    rest = x[..., r:].expand(*out.shape[:-1], x.shape[-1] - r)  # pass-through dims, broadcast like the factors
+    return torch.cat([out, rest], dim=-1)
 
 
 def rotate(x: Tensor, spec: RopeSpec, delta: Tensor) -> Tensor:

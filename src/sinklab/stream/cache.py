@@ -238,7 +238,7 @@ class SinkCache(Cache):
             self.flush_checks(state.columns - hidden.shape[1])
             return
         bad = ~torch.isfinite(hidden).all()
-        if hidden.device.type != "cpu" and hidden.shape[1] == 1 and state.columns - self._checked < self.check_every:
+        if hidden.shape[1] == 1 and state.columns - self._checked < self.check_every:  # one column, on a device
             self._pending_hidden = bad | self._pending_hidden
             return
         self._pending_hidden = bad | self._pending_hidden

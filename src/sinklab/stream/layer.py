@@ -75,19 +75,15 @@ class SinkWindowLayer(CacheLayerMixin):
         return keys, values
 
     def _anchors_rotated(self, c: Tensor, s: Tensor) -> Tensor:
-        """The anchored keys rotated by the step's factors (:func:`sinklab.rope.rotate_pairs`). Eagerly, each
-        key's partner dimensions are kept between steps while the anchored keys do not change (two ops per
-        layer and token); compiled, they are part of the graph."""
-        keys = self.anchor_keys
-        r = c.shape[-1]
-        if r != keys.shape[-1]:  # partial rotary: the pass-through dimensions stay as they are
-            rotated = rotate_pairs(keys[..., :r], pair_partner(keys[..., :r], self.rope.interleaved), c, s)
-            return torch.cat([rotated.to(keys.dtype), keys[..., r:].expand(*rotated.shape[:-1], -1)], dim=-1)
+        """The anchored keys rotated by the step's factors (:func:`sinklab.rope.rotate_pairs`). Eagerly, their
+        partner dimensions are kept between steps while the anchored keys do not change (two ops per layer and
+        token); compiled, they are part of the graph."""
+        keys, interleaved = self.anchor_keys, self.rope.interleaved
         if torch.compiler.is_compiling():
-            return rotate_pairs(keys, pair_partner(keys, self.rope.interleaved), c, s)
+            return rotate_pairs(keys, c, s, interleaved)
         if self._partner is None or self._partner[0] is not keys:  # dropped by every write to the anchored keys
-            self._partner = (keys, pair_partner(keys, self.rope.interleaved))
-        return rotate_pairs(keys, self._partner[1], c, s)
+            self._partner = (keys, pair_partner(keys[..., : c.shape[-1]].to(c.dtype), interleaved))
+        return rotate_pairs(keys, c, s, interleaved, partner=self._partner[1])
 
     def _write(self, key_states: Tensor, value_states: Tensor, plan: dict) -> None:
         if plan.get("uniform"):  # decode, every row a real free token in the same slot: one copy per buffer

@@ -94,12 +94,12 @@ def free_step(n_real: Tensor, n_anchor: Tensor, n_free: Tensor, base: Tensor, s_
     # The ring holds exactly the W most recent free tokens, so every valid slot is visible; anchored keys
     # are re-rotated to their slot distance from this query (O(S + P) per layer).
     visible = s_valid.clone()
-    cos = sin = None
+    c = s = None
     if anchor_capacity and rope is not None:
-        cos, sin = _anchor_rotation(rope, n_anchor, q_f, q_v, s_a, s_f, s_o, anchor_capacity, window)
+        c, s = _anchor_rotation(rope, n_anchor, q_f, q_v, s_a, s_f, s_o, anchor_capacity, window)
     n_real += 1
     n_free += 1
-    return t, q_v, slot, visible, cos, sin
+    return t, q_v, slot, visible, c, s
 
 
 def _anchor_rotation(rope, q_a: Tensor, q_f: Tensor, q_v: Tensor, s_a: Tensor, s_f: Tensor, s_o: Tensor, n: int,
@@ -108,8 +108,7 @@ def _anchor_rotation(rope, q_a: Tensor, q_f: Tensor, q_v: Tensor, s_a: Tensor, s
     ``c``, ``s`` ``[B, 1, n, r]`` of :func:`sinklab.rope.rotate_pairs` (worked out once, applied by every layer)."""
     dist = q_a[:, None] - s_a[:, :n] + torch.clamp(q_f[:, None] - s_f[:, :n], max=window)
     cos, sin = angles(rope, q_v[:, None] - dist - s_o[:, :n])  # (B, n, r/2)
-    c, s = pair_factors(cos.float()[:, None], sin.float()[:, None], rope.interleaved)
-    return c, s
+    return pair_factors(cos.float()[:, None], sin.float()[:, None], rope.interleaved)
 
 
 @functools.cache
@@ -300,13 +299,13 @@ class StreamState:
                           stacklevel=2)
             self.compile_plan = False
             out = free_step(*args)
-        t, q_v, slot, visible, cos, sin = out
+        t, q_v, slot, visible, anchor_c, anchor_s = out
         q_a, q_f = self.n_anchor, self.n_free  # n_free already counts the new token
         self.plan = {"rows": self._rows, "slot": slot, "slot1": slot[:1], "valid": valid,
                      "anchored": torch.zeros_like(valid), "uniform": True}
         self.view = View(self.s_valid, self.s_sidx, self.s_anchored, self.s_a, self.s_f, self.s_o,
                          valid[:, None], t[:, None], q_a[:, None], q_f[:, None], q_v[:, None], from_buffer=True,
-                         visible=visible, anchor_c=cos, anchor_s=sin, window=self.window,
+                         visible=visible, anchor_c=anchor_c, anchor_s=anchor_s, window=self.window,
                          all_visible=self.columns + 1 >= self.capacity)
         return q_v[:, None]
 
