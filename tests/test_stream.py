@@ -79,6 +79,23 @@ def test_matches_float64_reference_past_eviction(arch, num_sinks):
     assert worst < 1e-4, worst
 
 
+@pytest.mark.parametrize("arch,num_sinks,pinned", [("llama-gqa", 4, ()), ("gpt-neox-partial-rotary", 2, [(9, 11)])])
+def test_decoding_from_the_first_token_matches_float64_reference(arch, num_sinks, pinned):
+    """Every token a decode step from the very first one: anchors arrive in decode steps (kept partner dimensions
+    must be dropped), slots are still empty (the mask is needed until every slot holds a visible token), then
+    evictions and re-bases — against the float64 reference at every step."""
+    model = model_for(arch)
+    window, steps = 5, 48
+    ref = Reference(model, num_sinks, window, pinned)
+    tokens = _tokens(steps, seed=21)
+    worst = 0.0
+    with StreamSession(model, num_sinks=num_sinks, window=window, pinned=pinned, rebase_every=12) as s:
+        for i in range(steps):
+            worst = max(worst, _rel(s.step(tokens[i : i + 1])[0], ref.step(int(tokens[i]))))
+        assert s.state.rebases >= 3 and s.cache_tokens() == num_sinks + window + sum(e - b for b, e in pinned)
+    assert worst < 1e-4, worst
+
+
 def test_pinned_spans_match_reference():
     model = build("llama-gqa")
     pinned = [(8, 11), (30, 32)]
