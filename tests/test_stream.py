@@ -291,7 +291,7 @@ def test_errors_are_clear():
         SinkCache(llama, pinned=[(5, 5)])
     with pytest.raises(InputError, match="pinned spans are \\(start, end\\) pairs"):
         SinkCache(llama, pinned=[5])
-    with pytest.raises(InputError, match="chunk_size must be ≥ 1, got 0"):
+    with pytest.raises(InputError, match="chunk_size must be an integer ≥ 1, got 0"):
         StreamSession(llama, chunk_size=0)
     SinkCache(llama, num_sinks=0, window=3)  # S = 0 (window-only baseline) and S > W are allowed
     SinkCache(llama, num_sinks=8, window=3)
@@ -307,6 +307,51 @@ def test_errors_are_clear():
         with pytest.raises(InputError, match="this SinkCache was closed; create a new one"):
             llama(input_ids=torch.tensor([[9]]), **kw(llama, cache))
     assert llama.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(compile={"backend": "nonsense"}), r"unknown backend 'nonsense'; torch.compile knows .*inductor"),
+    (dict(compile={"mode": "nonsense"}), r"unknown mode 'nonsense'; inductor's modes are .*reduce-overhead"),
+    (dict(compile={"backend": "eager", "mode": "reduce-overhead"}), r"mode is an inductor setting"),
+    (dict(compile={"foo": 1}), r"unknown torch.compile option\(s\) 'foo'; it takes .*backend"),
+    (dict(compile={"fullgraph": True}), r"fullgraph=True cannot hold for a stream"),
+    (dict(compile={"mode": "default", "options": {"freezing": True}}), r"either mode or options, not both"),
+    (dict(compile={"options": {"nonsense_opt": 1}}), r"'nonsense_opt' are not inductor settings"),
+    (dict(compile={"options": "x"}), r"options is a dict of inductor settings"),
+    (dict(compile={"dynamic": "maybe"}), r"dynamic is True or False"),
+    (dict(compile="fast"), r"compile is True, False/None or a dict"),
+    (dict(window=True), r"window must be an integer ≥ 1"),
+    (dict(num_sinks=True), r"num_sinks must be an integer ≥ 0"),
+    (dict(chunk_size="4"), r"chunk_size must be an integer ≥ 1, got '4'"),
+    (dict(start_position="0"), r"start_position must be an integer ≥ 0, got '0'"),
+    (dict(start_position=2.7), r"start_position must be an integer ≥ 0, got 2.7"),
+    (dict(rebase_every=-5), r"rebase_every must be an integer ≥ 1 .* got -5"),
+    (dict(rebase_every="x"), r"rebase_every must be an integer ≥ 1"),
+    (dict(pinned=5), r"pinned is a list of \(start, end\) pairs .* got 5"),
+    (dict(pinned=[(1.5, 4)]), r"pinned spans are \(start, end\) pairs"),
+])
+def test_session_settings_are_checked_up_front(kwargs, message):
+    """Bad settings are one InputError at construction — not a compiler traceback at the first decoded token, and
+    never silently taken for something else (True as a window, 2.7 as a start position)."""
+    with pytest.raises(InputError, match=message):
+        StreamSession(build("llama-gqa"), **kwargs)
+
+
+def test_compile_options_that_run():
+    """What compile= accepts: a dict is torch.compile's options (empty: its defaults), disable=True is eager."""
+    from sinklab.stream.session import compile_options
+
+    assert compile_options(None) is None and compile_options(False) is None and compile_options(True) == {}
+    assert compile_options({}) == {} and compile_options({"disable": True}) is None
+    assert compile_options({"backend": "eager", "dynamic": False}) == {"backend": "eager", "dynamic": False}
+    assert compile_options({"mode": "reduce-overhead"}) == {"mode": "reduce-overhead"}
+    assert compile_options({"options": {"freezing": True}}) == {"options": {"freezing": True}}
+    with pytest.raises(InputError, match="StreamSession takes a loaded model"):
+        StreamSession("builtin:tiny-lm")
+    with pytest.raises(InputError, match="SinkCache takes a loaded model"):
+        SinkCache(None)
+    with pytest.raises(InputError, match="window_length must be an integer, got 12.0"):
+        SinkCache(build("llama-gqa"), window_length=12.0)
 
 
 def test_gptj_interleaved_rope_streams_consistently():

@@ -132,3 +132,51 @@ def test_sampling_matches_torch_by_hand():
                                               top_k=1)]
     argmax = [int(p) for p in stream_generate(model, Ids(), "5 17 42", window=64, max_new_tokens=6)]
     assert greedy == argmax
+
+
+def test_stream_generate_and_session_misuse_are_input_errors(tiny_lm, tmp_path):
+    """stream_generate checks its arguments at the call (not at the first token), refuses settings that contradict
+    the session it continues, and save/load/feed name the mistake."""
+    model, tok = tiny_lm.model, tiny_lm.tokenizer
+    bad = [(dict(temperature=float("nan")), "temperature must be a finite number ≥ 0"),
+           (dict(temperature=-1.0), "temperature must be a finite number ≥ 0"),
+           (dict(top_k=-3), "top_k must be an integer ≥ 0"), (dict(max_new_tokens=2.5), "max_new_tokens must be"),
+           (dict(seed="x"), "seed must be an integer"), (dict(compile={"mode": "nonsense"}), "unknown mode")]
+    for kwargs, message in bad:
+        with pytest.raises(InputError, match=message):
+            stream_generate(model, tok, "hello", **kwargs)  # no iteration needed
+    with pytest.raises(InputError, match="prompt is a string or a list of strings"):
+        stream_generate(model, tok, 123)
+    with pytest.raises(InputError, match="needs the model's tokenizer"):
+        stream_generate(model, None, "hello")
+    other = build("llama-gqa")
+    with StreamSession(model, num_sinks=2, window=8) as s:
+        with pytest.raises(InputError, match=r"window=0 differs from the session's window=8"):
+            stream_generate(model, tok, "hello", session=s, window=0)
+        with pytest.raises(InputError, match="compile and freeze belong to the session"):
+            stream_generate(model, tok, "hello", session=s, compile=True)
+        with pytest.raises(InputError, match="session was opened on a different model"):
+            stream_generate(other, tok, "hello", session=s)
+        with pytest.raises(InputError, match="session is an open StreamSession"):
+            stream_generate(model, tok, "hello", session="x")
+        with pytest.raises(InputError, match="nothing to save yet"):
+            s.save(tmp_path / "s.safetensors")
+        with pytest.raises(InputError, match="input_ids must be an integer tensor"):
+            s.feed([[1, 2, 3]])
+        with pytest.raises(InputError, match="input_ids must be an integer tensor"):
+            s.feed(torch.ones(1, 3))
+        text = "".join(stream_generate(model, tok, "hello", session=s, num_sinks=2, window=8, max_new_tokens=3))
+        assert text  # the CLI's way: the session's own settings repeated are fine
+        with pytest.raises(InputError, match="is a folder"):
+            s.save(tmp_path)
+    with pytest.raises(InputError, match="stream session was closed"):
+        s.step(torch.tensor([3]))
+    never = StreamSession(model, num_sinks=2, window=8)
+    with pytest.raises(InputError, match="use the session as a context manager"):
+        next(stream_generate(model, tok, "hello", session=never))
+    never.sink.close()
+    with pytest.raises(InputError, match="no such stream file"):
+        StreamSession.load(model, tmp_path / "missing.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file at all")
+    with pytest.raises(InputError, match="not a safetensors file written by StreamSession.save"):
+        StreamSession.load(model, tmp_path / "junk.safetensors")

@@ -197,7 +197,7 @@ def test_cli_stream_compile_prints_the_eager_text():
     (_gemma3, dict(num_sinks=2, window=6, rebase_every=11)),  # two budgets: one compiled plan per window
 ], ids=["llama", "gemma3-sliding-and-global"])
 def test_compiled_step_plan_equals_the_eager_plan(make, cache_kw):
-    """``SinkCache(compile_plan=True)`` (inductor, what a CUDA stream runs by default): the decode step's
+    """``SinkCache(compile_plan=True)`` (inductor; off by default, meant for accelerators): the decode step's
     bookkeeping compiled once per budget on the first step, then no recompilation across evictions and ≥ 3
     re-bases; the stream's buffers and logits equal those of the eager plan, and both equal the float64
     reference. Also under a compiled forward (the plan runs in the decoder-stack hook, between its graphs)."""
@@ -302,11 +302,24 @@ def test_step_plan_that_cannot_compile_runs_eagerly_with_a_warning(monkeypatch):
     assert torch.equal(got, eager)
 
 
-def test_cli_freeze_without_compile_is_a_clear_error():
+@pytest.mark.parametrize("args, message", [
+    (["--freeze"], "--freeze is inductor's freezing of a compiled step; add --compile"),
+    (["--compile-backend", "eager"], "--compile-backend and --compile-mode set how --compile compiles"),
+    (["--compile-mode", "bogus"], "--compile-backend and --compile-mode set how --compile compiles"),
+    (["--compile", "--compile-backend", "bogus"], "unknown backend 'bogus'"),
+    (["--compile", "--compile-mode", "bogus"], "unknown mode 'bogus'"),
+    (["--compile", "--compile-backend", "eager", "--compile-mode", "max-autotune"], "mode is an inductor setting"),
+    (["--compile", "--compile-backend", "eager", "--freeze"], "freeze=True needs compile with torch.compile's"),
+    (["--sinks", "-1"], "--sinks must be ≥ 0, got -1"),
+    (["--top-k", "-3"], "--top-k must be ≥ 0, got -3"),
+    (["--temperature", "nan"], "temperature must be a finite number ≥ 0"),
+    (["--file", __file__], "give either --prompt or --file, not both"),
+])
+def test_cli_stream_options_are_clear_errors(args, message):
+    """A bad or idle compile option, or a bad size, is one line naming the flag — no traceback, no silent no-op."""
     from typer.testing import CliRunner
 
     from sinklab.cli import app
 
-    r = CliRunner().invoke(app, ["stream", "builtin:tiny-lm", "--prompt", "The rule", "--freeze",
-                                 "--max-new-tokens", "2"])
-    assert r.exit_code != 0 and "freeze=True needs compile" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(app, ["stream", "builtin:tiny-lm", "--prompt", "The rule", "--max-new-tokens", "2", *args])
+    assert r.exit_code != 0 and message in " ".join(r.output.split()) and "Traceback" not in r.output, r.output

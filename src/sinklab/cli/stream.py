@@ -44,9 +44,18 @@ def stream(
     from ..stream import StreamSession, stream_generate
 
     with user_errors():
-        texts = read_texts(prompt, file)
+        texts = read_texts(prompt, file, option="--prompt")
         if texts is None:
             raise SinklabError("give a prompt with --prompt or --file")
+        sizes = (("--sinks", sinks, 0), ("--window", window, 1), ("--chunk-size", chunk_size, 1),
+                 ("--max-new-tokens", max_new_tokens, 0), ("--top-k", top_k, 0))
+        for flag, value, least in sizes:
+            if value < least:
+                raise SinklabError(f"{flag} must be ≥ {least}, got {value}")
+        if not compile and (compile_mode is not None or compile_backend != "inductor"):
+            raise SinklabError("--compile-backend and --compile-mode set how --compile compiles; add --compile")
+        if freeze and not compile:
+            raise SinklabError("--freeze is inductor's freezing of a compiled step; add --compile")
         loaded = load_for_command(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, device_map=device_map)
         # --pin-prompt: the prompt's tokens are kept forever (pins are fixed when the stream starts).
         n_prompt = len(loaded.tokenizer(texts[0])["input_ids"]) if texts[0] else 0

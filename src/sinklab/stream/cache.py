@@ -50,7 +50,9 @@ def _legacy_sizes(num_sinks: int, window: int | None, window_length: int | None,
     if window_length is not None:
         if window is not None:
             raise InputError("give window (sinklab) or window_length (transformers' old SinkCache), not both")
-        if not isinstance(window_length, int) or window_length <= num_sinks:
+        if isinstance(window_length, bool) or not isinstance(window_length, int):
+            raise InputError(f"window_length must be an integer, got {window_length!r}")
+        if window_length <= num_sinks:
             raise InputError(f"window_length ({window_length!r}) counts the {num_sinks} sinks too; it must exceed them")
         window = window_length - num_sinks
     if window_length is not None or num_sink_tokens is not None:
@@ -118,6 +120,9 @@ class SinkCache(Cache):
                  start_position: int = 0, rebase_every: int | None = None, *, sliding_sinks: bool = False,
                  check_every: int = 64, window_length: int | None = None, num_sink_tokens: int | None = None,
                  kv_bits: int | None = None, kv_group_size: int = 16, compile_plan: bool = False) -> None:
+        if not isinstance(model, nn.Module):
+            raise InputError(f"SinkCache takes a loaded model (torch.nn.Module), got {type(model).__name__}; "
+                             "load one with sinklab.load_model(...)")
         num_sinks, window = _legacy_sizes(num_sinks, window, window_length, num_sink_tokens)
         if not isinstance(compile_plan, bool):
             raise InputError(f"compile_plan is True or False, got {compile_plan!r}")

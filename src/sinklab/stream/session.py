@@ -19,9 +19,16 @@ from ..errors import InputError
 from ..variants import register_count
 from .cache import SinkCache
 
-__all__ = ["StreamSession", "TextPieces", "sample_token", "stream_generate"]
+__all__ = ["StreamSession", "TextPieces", "compile_options", "sample_token", "stream_generate"]
 
 _FORMAT = "sinklab.stream/1"
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _describe(value) -> str:
+    return f"a {value.dtype} tensor" if isinstance(value, Tensor) else type(value).__name__
 
 
 def _frozen(forward):
@@ -37,6 +44,60 @@ def _frozen(forward):
     return call
 
 
+def compile_options(compile: bool | dict | None) -> dict | None:
+    """Check ``compile`` (None/False: eager; True: ``torch.compile``'s defaults; a dict: its options) and return
+    the ``torch.compile`` keyword arguments, or None for an eager step. Every mistake is one clear InputError
+    here, not a compiler traceback at the first decoded token."""
+    import inspect
+
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        return {}
+    if not isinstance(compile, dict):
+        raise InputError(f"compile is True, False/None or a dict of torch.compile options, got {compile!r}")
+    allowed = [n for n in inspect.signature(torch.compile).parameters if n != "model"]
+    unknown = sorted(set(compile) - set(allowed))
+    if unknown:
+        raise InputError(f"compile: unknown torch.compile option(s) {', '.join(map(repr, unknown))}; "
+                         f"it takes {', '.join(allowed)}")
+    options = dict(compile)
+    if options.get("fullgraph"):
+        raise InputError("compile: fullgraph=True cannot hold for a stream — the stream's bookkeeping runs eagerly "
+                         "at the decoder stack's entry and exit (one deliberate graph break); leave fullgraph out")
+    for name in ("dynamic", "disable"):
+        if options.get(name) is not None and not isinstance(options[name], bool):
+            raise InputError(f"compile: {name} is True or False, got {options[name]!r}")
+    backend = options.get("backend", "inductor")
+    if not callable(backend):
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if not isinstance(backend, str) or backend not in known:
+            raise InputError(f"compile: unknown backend {backend!r}; torch.compile knows {', '.join(known)} "
+                             "(or pass a callable)")
+    inductor = backend == "inductor"
+    if "mode" in options and options["mode"] is not None:
+        modes = list(torch._inductor.list_mode_options())
+        if not inductor:
+            raise InputError(f"compile: mode is an inductor setting; backend {backend!r} would ignore it")
+        if options["mode"] not in modes:
+            raise InputError(f"compile: unknown mode {options['mode']!r}; inductor's modes are {', '.join(modes)}")
+    if options.get("options") is not None:
+        extra = options["options"]
+        if not isinstance(extra, dict):
+            raise InputError(f"compile: options is a dict of inductor settings, got {extra!r}")
+        if options.get("mode") is not None:
+            raise InputError("compile: give either mode or options, not both (torch.compile takes one)")
+        if not inductor:
+            raise InputError(f"compile: options are inductor settings; backend {backend!r} would ignore them")
+        wrong = sorted(set(extra) - set(torch._inductor.list_options()))
+        if wrong:
+            raise InputError(f"compile: {', '.join(map(repr, wrong))} are not inductor settings "
+                             "(torch._inductor.list_options() lists them)")
+    if options.get("disable"):
+        return None  # torch.compile(disable=True) is the eager function itself
+    return options
+
+
 class StreamSession:
     """An open stream: ``feed`` token ids (chunked), ``step`` one token per row, ``save`` / ``load`` the state.
 
@@ -49,10 +110,12 @@ class StreamSession:
                  start_position: int = 0, chunk_size: int = 256, rebase_every: int | None = None, *,
                  sliding_sinks: bool = False, compile: bool | dict | None = None, kv_bits: int | None = None,
                  kv_group_size: int = 16, compile_plan: bool = False, freeze: bool | None = None) -> None:
-        if chunk_size < 1:
-            raise InputError(f"chunk_size must be ≥ 1, got {chunk_size}")
-        if compile is not None and not isinstance(compile, (bool, dict)):
-            raise InputError(f"compile is True or a dict of torch.compile options, got {compile!r}")
+        if not isinstance(model, nn.Module):
+            raise InputError(f"StreamSession takes a loaded model (torch.nn.Module), got {type(model).__name__}; "
+                             "load one with sinklab.load_model(...)")
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise InputError(f"chunk_size must be an integer ≥ 1, got {chunk_size!r}")
+        options = compile_options(compile)
         if freeze is not None and not isinstance(freeze, bool):
             raise InputError(f"freeze is True, False or None (automatic), got {freeze!r}")
         from ..checks import check_weights
@@ -70,11 +133,11 @@ class StreamSession:
         self.tokens_seen = 0
         self._restore: dict[str, Tensor] | None = None
         # Decoding (``step``) through torch.compile; chunks (``feed``) stay eager. Compiled once per model forward.
-        options = {} if compile is True else dict(compile or {})
-        self.compile_options = options if compile else None  # what torch.compile was given for step()
+        self.compile_options = options  # what torch.compile was given for step() (None: eager)
+        compile, options = options is not None, options or {}
         # freeze=None: on a CPU with inductor and no mode/options of the caller's, freeze — the weights become
-        # constants of the graph and the projections prepacked matrices: SmolLM2 59.0 → 51.5 ms per token, Gemma 3
-        # 270M 102.3 → 71.7 ms on a 2-core CPU VM, for a second, prepacked copy of the weights in memory
+        # constants of the graph and the projections prepacked matrices: SmolLM2 59.0 → 47.2–51.5 ms per token,
+        # Gemma 3 270M 102.3 → 65.0–71.7 ms on a 2-core CPU VM, for a second, prepacked copy of the weights in memory
         # (docs/stream.md). The compiled forward holds the weights as they were when it was compiled.
         inductor = options.get("backend", "inductor") == "inductor"
         if freeze and not (compile and inductor):
@@ -113,8 +176,9 @@ class StreamSession:
         Returns the logits at the last position ``[B, V]`` (or at every position ``[B, T, V]``); exactly what
         feeding the ids one by one would give.
         """
-        if self.cache is None:
-            raise RuntimeError("use the session as a context manager: `with StreamSession(...) as s:`")
+        self._check_open()
+        if not isinstance(input_ids, Tensor) or input_ids.dtype in (torch.bool, *_FLOATS):
+            raise InputError(f"input_ids must be an integer tensor [batch, tokens], got {_describe(input_ids)}")
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise InputError(f"input_ids must be [batch, tokens] with at least one token, got {tuple(input_ids.shape)}")
         device = _compat.input_device(self.model)
@@ -132,8 +196,9 @@ class StreamSession:
     @torch.no_grad()
     def step(self, token_ids: Tensor) -> Tensor:
         """Feed one token per row (``[B]``); returns the next-token logits ``[B, V]``."""
-        if self.cache is None:
-            raise RuntimeError("use the session as a context manager: `with StreamSession(...) as s:`")
+        self._check_open()
+        if not isinstance(token_ids, Tensor) or token_ids.dtype in (torch.bool, *_FLOATS):
+            raise InputError(f"token_ids must be an integer tensor [batch], got {_describe(token_ids)}")
         self.tokens_seen += 1
         graphs = self.compile_options is not None and self._device.type == "cuda"
         if graphs:  # a new step: CUDA graphs (mode="reduce-overhead") may reuse the last step's output memory
@@ -141,9 +206,22 @@ class StreamSession:
         logits = self._forward(token_ids.reshape(-1, 1).to(self._device), None, self._step_forward)[:, -1]
         return logits.clone() if graphs else logits  # the caller's logits outlive the next replay
 
+    def _check_open(self) -> None:
+        if self.cache is None:
+            raise InputError("use the session as a context manager: `with StreamSession(...) as s:`")
+        if self.sink.closed:
+            raise InputError("this stream session was closed (its `with` block ended); open a new one, or resume a "
+                             "saved stream with StreamSession.load")
+
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path) -> Path:
         """Write the cache and position counters to a safetensors file (resume with :meth:`load`)."""
+        self._check_open()
+        if self.state.batch is None:
+            raise InputError("nothing to save yet: feed the stream first")
+        path = Path(path)
+        if path.is_dir():
+            raise InputError(f"{path} is a folder; give a file name (e.g. {path / 'stream.safetensors'})")
         tensors = {}
         for g, state in enumerate(self.sink.states):
             prefix = "" if g == 0 else f"group{g}."
@@ -159,17 +237,21 @@ class StreamSession:
         meta = {"format": _FORMAT, "settings": self.sink.states[0].settings() | self._main_settings(),
                 "columns": self.state.columns,
                 "tokens_seen": self.tokens_seen, "chunk_size": self.chunk_size}
-        path = Path(path)
         save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(path), metadata={"sinklab": json.dumps(meta)})
         return path
 
     @classmethod
     def load(cls, model: nn.Module, path: str | Path) -> StreamSession:
         """A session that resumes the saved stream when entered (``with StreamSession.load(m, p) as s:``)."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            raw = (f.metadata() or {}).get("sinklab")
+        if not Path(path).is_file():
+            raise InputError(f"{path}: no such stream file" + (" (it is a folder)" if Path(path).is_dir() else ""))
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                raw = (f.metadata() or {}).get("sinklab")
+        except SafetensorError as exc:
+            raise InputError(f"{path} is not a safetensors file written by StreamSession.save ({exc})") from exc
         if raw is None:
             raise InputError(f"{path} is not a sinklab stream file (no sinklab metadata)")
         meta = json.loads(raw)
@@ -245,6 +327,46 @@ class TextPieces:
         return text[len(before):]
 
 
+def _check_sampling(max_new_tokens, temperature, top_k, seed) -> None:
+    import math
+    import numbers
+
+    def integer(value) -> bool:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+    if not integer(max_new_tokens) or max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be an integer ≥ 0, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise InputError(f"temperature must be a finite number ≥ 0 (0: greedy), got {temperature!r}")
+    if not integer(top_k) or top_k < 0:
+        raise InputError(f"top_k must be an integer ≥ 0 (0: the whole vocabulary), got {top_k!r}")
+    if not integer(seed):
+        raise InputError(f"seed must be an integer, got {seed!r}")
+
+
+def _check_session(session, model, **given) -> None:
+    """``stream_generate(..., session=s)`` continues ``s``: its model and settings are the session's, so a
+    different model, or a setting that differs from both the default and the session's, is an error."""
+    if not isinstance(session, StreamSession):
+        raise InputError(f"session is an open StreamSession, got {type(session).__name__}")
+    if session.model is not model:
+        raise InputError("session was opened on a different model than the one given; pass the session's model")
+    if given.pop("compile") is not None or given.pop("freeze") is not None:
+        raise InputError("compile and freeze belong to the session: set them on StreamSession(...), not here")
+    state, defaults = session.state, {"num_sinks": 4, "window": 1020, "chunk_size": 256, "pinned": None}
+    own = {"num_sinks": session.sink.state.num_sinks, "window": session.sink.state.window,
+           "chunk_size": session.chunk_size, "pinned": None}
+    for name, value in given.items():
+        if name == "pinned":
+            if value is not None and any(tuple(p) not in state.pinned for p in value):
+                raise InputError(f"pinned={value!r}: pins are fixed when a stream starts; this session pins "
+                                 f"{state.pinned or 'nothing'}")
+        elif value != defaults[name] and value != own[name]:
+            raise InputError(f"{name}={value!r} differs from the session's {name}={own[name]!r}; a session's "
+                             "settings are fixed when it is created")
+
+
 def stream_generate(model: nn.Module, tokenizer, prompt: str | list[str], *, num_sinks: int = 4, window: int = 1020,
                     pinned=None, pin_prompt: bool = False, max_new_tokens: int = 256, temperature: float = 0.0,
                     top_k: int = 0, seed: int = 0, chunk_size: int = 256, stop_at_eos: bool = True,
@@ -260,8 +382,14 @@ def stream_generate(model: nn.Module, tokenizer, prompt: str | list[str], *, num
     prompts = prompt if batch else [prompt]
     if not prompts or any(not p for p in prompts):
         raise InputError("the prompt is empty")
-    if max_new_tokens < 0:
-        raise InputError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
+    if any(not isinstance(p, str) for p in prompts):
+        raise InputError(f"the prompt is a string or a list of strings, got {_describe(prompt)}")
+    _check_sampling(max_new_tokens, temperature, top_k, seed)
+    if tokenizer is None or not callable(tokenizer):
+        raise InputError("stream_generate needs the model's tokenizer (e.g. sinklab.load_model(...).tokenizer)")
+    if session is not None:
+        _check_session(session, model, num_sinks=num_sinks, window=window, chunk_size=chunk_size, pinned=pinned,
+                       compile=compile, freeze=freeze)
     encoded = [tokenizer(p)["input_ids"] for p in prompts]
     width = max(len(e) for e in encoded)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -276,9 +404,20 @@ def stream_generate(model: nn.Module, tokenizer, prompt: str | list[str], *, num
             raise InputError(f"pin_prompt with an open session: the session must have been built with pinned="
                              f"[{span}] (pins are fixed when a stream starts)")
         pinned = list(pinned or []) + [span]
+    if session is not None:
+        session._check_open()
     own = session is None
     session = session or StreamSession(model, num_sinks, window, pinned, chunk_size=chunk_size, compile=compile,
                                        freeze=freeze)
+    # Everything above runs at the call (bad arguments raise there); the tokens come as the caller iterates.
+    return _pieces(session, own, ids, mask, encoded, tokenizer, batch, max_new_tokens, temperature, top_k, seed,
+                   stop_at_eos)
+
+
+def _pieces(session: StreamSession, own: bool, ids: Tensor, mask: Tensor, encoded: list, tokenizer, batch: bool,
+            max_new_tokens: int, temperature: float, top_k: int, seed: int,
+            stop_at_eos: bool) -> Iterator[str | list[str]]:
+    """:func:`stream_generate`'s generator: feed the prompt, then sample and step one token at a time."""
     gen = torch.Generator().manual_seed(seed)
     eos = tokenizer.eos_token_id
     if own:

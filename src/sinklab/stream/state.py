@@ -19,6 +19,8 @@ Buffer layout per row: ``[0, S + P)`` anchored slots in arrival order, ``[S + P,
 from __future__ import annotations
 
 import functools
+import numbers
+import operator
 import warnings
 from dataclasses import dataclass, replace
 
@@ -121,11 +123,18 @@ def compiled_free_step():
     return torch.compile(free_step, dynamic=False, fullgraph=True)
 
 
+def _is_int(value) -> bool:
+    """A Python or NumPy integer, not a bool (``True`` is not a window size)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _check_pinned(pinned) -> list[tuple[int, int]]:
     spans = []
+    if pinned is not None and (isinstance(pinned, (str, bytes)) or not hasattr(pinned, "__iter__")):
+        raise InputError(f"pinned is a list of (start, end) pairs of stream-token indices, got {pinned!r}")
     for item in pinned or []:
         try:
-            start, end = (int(x) for x in item)
+            start, end = (operator.index(x) for x in item)  # ints (NumPy's, 0-d integer tensors), not floats
         except (TypeError, ValueError) as exc:
             raise InputError(f"pinned spans are (start, end) pairs of stream-token indices, got {item!r}") from exc
         if start < 0 or end <= start:
@@ -143,14 +152,17 @@ class StreamState:
 
     def __init__(self, num_sinks: int, window: int, pinned=None, start_position: int = 0,
                  rebase_every: int | None = None, rope=None, compile_plan: bool = False) -> None:
-        if not isinstance(window, int) or window < 1:
+        if not _is_int(window) or window < 1:
             raise InputError(f"window must be an integer ≥ 1 (it includes the current token), got {window!r}")
-        if not isinstance(num_sinks, int) or num_sinks < 0:
+        if not _is_int(num_sinks) or num_sinks < 0:
             raise InputError(f"num_sinks must be an integer ≥ 0, got {num_sinks!r}")
-        if start_position < 0:
-            raise InputError(f"start_position must be ≥ 0, got {start_position}")
-        self.num_sinks = num_sinks
-        self.window = window
+        if not _is_int(start_position) or start_position < 0:
+            raise InputError(f"start_position must be an integer ≥ 0, got {start_position!r}")
+        if rebase_every is not None and (not _is_int(rebase_every) or rebase_every < 1):
+            raise InputError(f"rebase_every must be an integer ≥ 1 (tokens between re-bases) or None (automatic), "
+                             f"got {rebase_every!r}")
+        self.num_sinks = int(num_sinks)
+        self.window = int(window)
         self.rope = rope
         self.pinned = _check_pinned(pinned)
         # Anchored capacity: sinks plus pinned tokens that are not already sinks.
