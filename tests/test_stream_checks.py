@@ -180,3 +180,15 @@ def test_stream_generate_and_session_misuse_are_input_errors(tiny_lm, tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file at all")
     with pytest.raises(InputError, match="not a safetensors file written by StreamSession.save"):
         StreamSession.load(model, tmp_path / "junk.safetensors")
+
+
+def test_a_window_too_large_for_memory_is_an_input_error(tiny_lm):
+    """A window of 10¹⁵ tokens (more than the address space) cannot be allocated: one InputError that says so (not an allocator traceback),
+    in the Python API and on the command line."""
+    with StreamSession(tiny_lm.model, num_sinks=4, window=10**15) as s, \
+            pytest.raises(InputError, match="do not fit in memory; give a smaller window"):
+        s.feed(torch.tensor([[5, 6, 7]]))
+    r = CliRunner().invoke(app, ["stream", "builtin:tiny-lm", "--prompt", "The rule", "--window", str(10**15),
+                                 "--max-new-tokens", "2"])
+    assert r.exit_code != 0 and "do not fit in memory" in " ".join(r.output.split()), r.output
+    assert "Traceback" not in r.output

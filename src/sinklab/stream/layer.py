@@ -14,7 +14,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..errors import InputError
 from ..rope import RopeSpec, pair_partner, rotate, rotate_pairs
-from .state import StreamState
+from .state import StreamState, buffers_that_fit
 
 __all__ = ["SinkWindowLayer"]
 
@@ -38,9 +38,10 @@ class SinkWindowLayer(CacheLayerMixin):
         cap = self.state.capacity
         self.device = key_states.device
         self.dtype = key_states.dtype
-        self.keys = torch.zeros(b, hkv, cap, dh, dtype=key_states.dtype, device=key_states.device)
-        self.values = torch.zeros(b, hkv, cap, value_states.shape[-1], dtype=value_states.dtype,
-                                  device=value_states.device)
+        with buffers_that_fit(cap):
+            self.keys = torch.zeros(b, hkv, cap, dh, dtype=key_states.dtype, device=key_states.device)
+            self.values = torch.zeros(b, hkv, cap, value_states.shape[-1], dtype=value_states.dtype,
+                                      device=value_states.device)
         # Anchored keys as first rotated (at virtual position o); the buffer's anchored slots hold them
         # re-rotated for the current query.
         self.anchor_keys = torch.zeros(b, hkv, self.state.anchor_capacity, dh, dtype=key_states.dtype,

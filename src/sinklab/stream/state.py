@@ -18,6 +18,7 @@ Buffer layout per row: ``[0, S + P)`` anchored slots in arrival order, ``[S + P,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import numbers
 import operator
@@ -123,6 +124,20 @@ def compiled_free_step():
     return torch.compile(free_step, dynamic=False, fullgraph=True)
 
 
+@contextlib.contextmanager
+def buffers_that_fit(capacity: int):
+    """Allocating a stream's buffers: running out of memory (a window far too large) is an InputError that says
+    so, not an allocator traceback."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        text = str(exc).lower()
+        if isinstance(exc, MemoryError) or "alloc" in text or "out of memory" in text:
+            raise InputError(f"the stream's buffers ({capacity:,} slots per row: sinks + pinned tokens + window) do "
+                             "not fit in memory; give a smaller window") from exc
+        raise
+
+
 def _is_int(value) -> bool:
     """A Python or NumPy integer, not a bool (``True`` is not a window size)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -192,10 +207,13 @@ class StreamState:
 
     # ------------------------------------------------------------------ per-row storage
     def _init_rows(self, batch: int, device: torch.device) -> None:
-        self.batch = batch
         self.device = device
         if self.rope is not None:  # the frequencies on the stream's device once, not copied there every token
             self.rope = replace(self.rope, inv_freq=self.rope.inv_freq.to(device))
+        with buffers_that_fit(self.capacity):
+            self._allocate_rows(batch, device)
+
+    def _allocate_rows(self, batch: int, device: torch.device) -> None:
         cap = self.capacity
         long = dict(dtype=torch.long, device=device)
         self.n_real = torch.zeros(batch, **long)
