@@ -78,3 +78,19 @@ def test_cli_scan_with_device_map_records_provenance(pair, tmp_path):
     assert isinstance(record["command_line"], str) and record["command_line"]
     assert record["input"]["texts"] == 1 and len(record["input"]["sha256"]) == 64
     assert record["versions"]["transformers"] and record["timestamp"]
+
+
+@pytest.mark.parametrize("name", ["builtin:tiny-lm", "builtin:tiny-llama"])
+def test_device_map_on_a_model_sinklab_loads_whole_is_an_error(name):
+    """A device map that would be ignored is refused (it used to be dropped silently, --device with it)."""
+    from typer.testing import CliRunner
+
+    from sinklab.cli import app
+    from sinklab.errors import InputError
+
+    with pytest.raises(InputError, match="loaded whole by sinklab"):
+        sinklab.load_model(name, device_map="auto")
+    r = CliRunner().invoke(app, ["stream", name, "--prompt", "The rule", "--max-new-tokens", "2",
+                                 "--device-map", "bogus"])
+    assert r.exit_code != 0 and "loaded whole by sinklab" in " ".join(r.output.split()), r.output
+

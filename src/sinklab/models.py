@@ -134,6 +134,8 @@ def load_model(
     torch_dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if isinstance(dtype, str) and dtype not in _DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    if device_map is not None and name in ("builtin:tiny-lm", "builtin:tiny-llama"):
+        raise InputError(_whole_model(name))
     if name == "builtin:tiny-lm":
         from .checkpoint import load
 
@@ -262,6 +264,11 @@ def load_tokenizer(path: str | Path, **kwargs):
         raise InputError(f"{path}: cannot load its tokenizer: {exc}") from exc
 
 
+def _whole_model(name: str) -> str:
+    return (f"device_map dispatches models that transformers' from_pretrained loads; {name} is loaded whole by "
+            "sinklab — leave device_map out (use device= / --device to place it)")
+
+
 def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None, trust_remote_code: bool,
                      device_map: str | dict | None, offload_folder: str | None = None) -> LoadedModel:
     """A local folder or hub id through transformers, strictly (every weight used, every parameter loaded)."""
@@ -273,6 +280,8 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
         from .vit.variants import is_vit_checkpoint, load_vit
 
         if is_vit_checkpoint(path):  # a ViT saved with its variant by sinklab.vit.save_vit (no config.json)
+            if device_map is not None:
+                raise InputError(_whole_model(name))
             model = load_vit(path)
             if torch_dtype is not None:
                 model = model.to(torch_dtype)
@@ -292,6 +301,8 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
                          f"(offline, not in the cache, or no such repository): {first}") from exc
     pooler: set[str] = set()
     if folder is not None and ((folder / CONFIG_FILE).is_file() or getattr(config, "sinklab_variant", None)):
+        if device_map is not None:
+            raise InputError(_whole_model(name))
         model = load(folder, dtype=torch_dtype)
     else:
         architectures = getattr(config, "architectures", None) or []
