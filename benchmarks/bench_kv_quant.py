@@ -99,7 +99,8 @@ def _stream_worker(args: argparse.Namespace) -> None:
         runs = [None, *args.bits]
         streams, nll, tokens, segments = {}, {}, {}, {}
         for bits in runs:  # PPL: the text in chunks of 128, every position after the first S + W scored
-            cache = SinkCache(model, num_sinks=4, window=args.window, kv_bits=bits, kv_group_size=args.group_size)
+            groups = {} if bits is None else {"kv_group_size": args.group_size}  # full precision: no groups
+            cache = SinkCache(model, num_sinks=4, window=args.window, kv_bits=bits, **groups)
             losses = []
             with torch.no_grad():
                 for c0 in range(0, ids.numel() - 1, 128):

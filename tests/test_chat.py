@@ -170,3 +170,21 @@ def test_under_a_pseudo_terminal_ctrl_c_stops_the_answer_and_ctrl_d_ends_the_cha
             pass
         os.close(fd)
     assert b"Traceback" not in seen and b"[cache " in seen
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "nan"], "temperature must be a finite number ≥ 0"),
+    (["--temperature", "-1"], "temperature must be a finite number ≥ 0"),
+    (["--top-k", "-3"], "top_k must be an integer ≥ 0"),
+    (["--window", str(10**20)], "more than any memory holds"),
+    (["--script", "."], "is a folder, not a file of user turns"),
+])
+def test_chat_settings_fail_once_before_the_first_turn(args, message):
+    """Bad sampling settings or sizes end the command with one line before any turn (they used to crash with a
+    traceback at the first sampled token, or fail again on every turn)."""
+    from typer.testing import CliRunner
+
+    from sinklab.cli import app
+
+    r = CliRunner().invoke(app, ["chat", "builtin:tiny-lm", "--max-new-tokens", "2", *args], input="hi\n")
+    assert r.exit_code == 2 and message in " ".join(r.output.split()) and "Traceback" not in r.output, r.output

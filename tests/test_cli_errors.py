@@ -150,7 +150,40 @@ def test_counts_and_options_out_of_range(tmp_path):
           "--condition-samples) must be ≥ 1, or None (--condition-samples 0)", "got -3")
     fails(["circuit", "builtin:tiny-lm", "--loss-stride", "0", "--out", out], 2,
           "--loss-stride) must be ≥ 1 (1: every next-token target)", "got 0")
+    for size in ("0", "-1"):  # circuit used to crash here (range step 0, an empty batch list)
+        fails(["circuit", "builtin:tiny-lm", "--batch-size", size, "--out", out], 2,
+              f"batch_size (--batch-size) must be an integer ≥ 1, got {size}")
+    for srank in ("nan", "inf"):  # used to run through with a threshold no stable rank can meet
+        fails(["diagnose", "builtin:tiny-lm", "--broadcast-srank", srank, "--out", out], 2, "broadcast_max_srank")
     assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_analyses_refuse_wrong_types_with_input_errors():
+    """The Python entry points name a wrong argument instead of failing deep inside (AttributeError,
+    TypeError, range() errors)."""
+    loaded = sinklab.load_model("builtin:tiny-lm")
+    model, tok = loaded.model, loaded.tokenizer
+    text = "The rule of the code is that every function returns a value. " * 3
+    cases = [
+        (lambda: sinklab.scan("builtin:tiny-lm", tok, text), "scan_inputs takes a loaded model|takes a loaded model"),
+        (lambda: sinklab.circuit("builtin:tiny-lm", tok, text), "circuit takes a loaded model"),
+        (lambda: sinklab.scan_inputs(None, [], []), "scan_inputs takes a loaded model"),
+        (lambda: sinklab.scan(model, None, text), "a tokenizer is needed"),
+        (lambda: sinklab.scan(model, tok, 123), "texts are a string or a list of strings, got int"),
+        (lambda: sinklab.scan(model, tok, [1, 2]), "got a list holding int"),
+        (lambda: sinklab.scan(model, tok, text, seq_len="8"), "--seq-len must be at least 2 tokens"),
+        (lambda: sinklab.scan(model, tok, text, samples=2.5), "--samples must be at least 1, got 2.5"),
+        (lambda: sinklab.scan(model, tok, text, seed="a"), "--seed must be an integer"),
+        (lambda: sinklab.scan(model, tok, text, batch_size="2"), "batch_size .* must be an integer ≥ 1, got '2'"),
+        (lambda: sinklab.circuit(model, tok, text, seq_len=8, samples=1, batch_size=0), "got 0"),
+        (lambda: sinklab.circuit(model, tok, text, seq_len=8, samples=1, layer_threshold=float("nan")),
+         "layer_threshold .* must be in \\[0, 100\\]"),
+        (lambda: sinklab.circuit(model, tok, text, seq_len=8, samples=1, causal="no"), "causal is True or False"),
+        (lambda: sinklab.circuit(model, tok, text, seq_len=8, samples=1, loss_stride=1.5), "--loss-stride"),
+    ]
+    for call, message in cases:
+        with pytest.raises(InputError, match=message):
+            call()
 
 
 def test_synth_writes_atomically_and_ctrl_c_leaves_nothing(tmp_path, monkeypatch):

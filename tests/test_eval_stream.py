@@ -319,3 +319,18 @@ def test_cli_quality_measures_match_independent_runs(cli, tmp_path):
     assert first["evicted_before"] == 0 and first["fresh_tokens"] == first["stream_tokens"] == len(answer)
     assert first["stream_answer"] == first["fresh_answer"] == tok.decode(answer, skip_special_tokens=True)
     assert first["fresh_nll"] == pytest.approx(ref, abs=1e-4) and first["stream_nll"] == pytest.approx(ref, abs=1e-4)
+
+
+def test_more_tokens_than_the_text_holds_is_refused(tmp_path):
+    """--tokens beyond the text used to be cut to the text silently (a long run on the default corpus, or a
+    shorter evaluation than asked for); now it is one line before any work."""
+    from typer.testing import CliRunner
+
+    from sinklab.cli import app
+
+    text = tmp_path / "short.txt"
+    text.write_text("The rule of the code is that every function returns a value. " * 20, encoding="utf-8")
+    r = CliRunner().invoke(app, ["eval-stream", "builtin:tiny-lm", "--file", str(text), "--tokens", "100000",
+                                 "--window", "12", "--sinks", "4", "--methods", "sinks", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "--tokens 100000: the text has only" in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "o").exists()

@@ -100,3 +100,27 @@ def test_row_selection_moves_the_packed_ring_with_its_row():
         cache.batch_repeat_interleave(2)
         twice = model(nxt[:2], cache=cache).logits[:, -1]
     assert torch.equal(twice, run([0, 0]))
+
+
+def test_kv_settings_are_checked_at_construction():
+    """Quantization settings of the wrong type, or given without what they modify, are InputErrors at once (a
+    float group size used to fail at the first forward; a group size without kv_bits was ignored)."""
+    from sinklab.errors import InputError
+    from sinklab.kvquant import Protection, quantize, quantized_sink_cache
+
+    model = tiny_llama()
+    for kw, message in [(dict(kv_bits=4.0), "kv_bits must be one of"), (dict(kv_bits=4, kv_group_size=True), "integer"),
+                        (dict(kv_bits=4, kv_group_size=7.5), "integer"), (dict(kv_group_size=32), "it needs kv_bits")]:
+        with pytest.raises(InputError, match=message):
+            SinkCache(model, num_sinks=2, window=8, **kw)
+    with pytest.raises(InputError, match="protect is a sinklab.kvquant.Protection"):
+        quantized_sink_cache(model, 4, protect="bogus")
+    with pytest.raises(InputError, match="quantized_sink_cache takes a loaded model"):
+        quantized_sink_cache("notamodel", 4, protect=Protection(first=4))
+    x = torch.randn(2, 2, 4, 8)
+    with pytest.raises(InputError, match="bits must be one of"):
+        quantize(x, 5, 8)
+    with pytest.raises(InputError, match="dimension 9 does not exist in a 4-D tensor"):
+        quantize(x, 4, 8, dim=9)
+    with pytest.raises(InputError, match="group_size must be an integer ≥ 1, got 0"):
+        quantize(x, 4, 0)

@@ -13,6 +13,7 @@ import sinklab
 from sinklab.cli import app
 from sinklab.errors import InputError, ModelWeightsError
 from sinklab.stream import SinkCache, StreamSession, stream_generate
+from sinklab.stream.chat import ChatStream
 
 V = 97
 
@@ -182,13 +183,26 @@ def test_stream_generate_and_session_misuse_are_input_errors(tiny_lm, tmp_path):
         StreamSession.load(model, tmp_path / "junk.safetensors")
 
 
-def test_a_window_too_large_for_memory_is_an_input_error(tiny_lm):
-    """A window of 10¹⁵ tokens (more than the address space) cannot be allocated: one InputError that says so (not an allocator traceback),
-    in the Python API and on the command line."""
-    with StreamSession(tiny_lm.model, num_sinks=4, window=10**15) as s, \
-            pytest.raises(InputError, match="do not fit in memory; give a smaller window"):
-        s.feed(torch.tensor([[5, 6, 7]]))
+def test_a_window_too_large_for_memory_is_an_input_error(tiny_lm, monkeypatch):
+    """A window no memory holds (10¹⁵ slots) is refused when the stream is created, in the API, the CLI and the
+    chat; a window whose buffers fail to allocate is an InputError that says so, not an allocator traceback."""
+    for make in (lambda: StreamSession(tiny_lm.model, num_sinks=4, window=10**15),
+                 lambda: ChatStream(tiny_lm.model, tiny_lm.tokenizer, window=10**15)):
+        with pytest.raises(InputError, match="more than any memory holds"):
+            make()
     r = CliRunner().invoke(app, ["stream", "builtin:tiny-lm", "--prompt", "The rule", "--window", str(10**15),
                                  "--max-new-tokens", "2"])
-    assert r.exit_code != 0 and "do not fit in memory" in " ".join(r.output.split()), r.output
+    assert r.exit_code != 0 and "more than any memory holds" in " ".join(r.output.split()), r.output
     assert "Traceback" not in r.output
+    zeros = torch.zeros
+
+    def failing_zeros(*size, **kwargs):  # what the allocator says when a buffer does not fit
+        dims = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+        if any(isinstance(d, int) and d >= 10**6 for d in dims):
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory")
+        return zeros(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", failing_zeros)
+    with StreamSession(tiny_lm.model, num_sinks=4, window=2 * 10**6) as s, \
+            pytest.raises(InputError, match="do not fit in memory; give a smaller window"):
+        s.feed(torch.tensor([[5, 6, 7]]))

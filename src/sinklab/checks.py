@@ -24,6 +24,19 @@ __all__ = ["check_positions", "check_vocab", "check_weights", "max_positions", "
 _CHECKED = ModelCache()
 
 
+def check_model(model, what: str = "this function") -> None:
+    """An InputError unless ``model`` is a loaded model (a name or path is a common slip: load it first)."""
+    if not isinstance(model, nn.Module):
+        hint = " (a name or path: load it first with sinklab.load_model(...).model)" if isinstance(model, str) else ""
+        raise InputError(f"{what} takes a loaded model (torch.nn.Module), got {type(model).__name__}{hint}")
+
+
+def check_batch_size(batch_size) -> None:
+    """Samples per forward: an integer ≥ 1 (the message names the option and the flag)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InputError(f"batch_size (--batch-size) must be an integer ≥ 1, got {batch_size!r}")
+
+
 def check_weights(model: nn.Module, token_ids: torch.Tensor | None = None) -> None:
     """Raise :class:`ModelWeightsError` naming the first parameter with NaN or inf entries.
 

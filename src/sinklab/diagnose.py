@@ -11,6 +11,7 @@ control) run through :class:`~sinklab.capture.ValueEdit` on the real model (:mod
 
 from __future__ import annotations
 
+import math
 import string
 from collections import Counter
 from collections.abc import Iterable
@@ -114,7 +115,7 @@ def _check_rules(rules: dict) -> dict:
             raise InputError(f"threshold {key} must be in [0, 1], got {merged[key]}")
     if merged["nop_max_ratio"] > merged["broadcast_min_ratio"]:
         raise InputError("nop_max_ratio must not exceed broadcast_min_ratio")
-    if merged["broadcast_max_srank"] < 1.0:
+    if not math.isfinite(float(merged["broadcast_max_srank"])) or merged["broadcast_max_srank"] < 1.0:
         raise InputError(f"broadcast_max_srank must be ≥ 1, got {merged['broadcast_max_srank']}")
     return merged
 

@@ -15,7 +15,7 @@ from . import _compat, distributed, metrics
 from ._version import __version__
 from .capture import AttentionCapture, CaptureBatch, CaptureConfig
 from .errors import InputError
-from .checks import check_vocab, check_weights, used_token_ids
+from .checks import check_batch_size, check_model, check_vocab, check_weights, used_token_ids
 from .registry import REGISTRY, per_layer_table
 from .texts import default_texts, tokenize_windows
 from .variants import register_count, register_labels
@@ -354,6 +354,7 @@ def scan_inputs(
     ``accelerate launch`` (:mod:`sinklab.distributed`) each rank scans its share of the batches and every
     rank returns the whole result; ``split=False`` scans every batch in this process without collectives.
     """
+    check_model(model, "scan_inputs")
     if not split:
         with distributed.local():
             return scan_inputs(model, batches, tokens, candidates=candidates, map_len=map_len, thresholds=thresholds,
@@ -381,12 +382,12 @@ def text_batches(model: nn.Module, tokenizer, texts: str | list[str] | None, *, 
     and the ``meta`` that goes into the JSON outputs. ``first_batch`` makes the first batch exactly that
     many samples (diagnose's edit samples), the rest go in batches of ``batch_size``.
     """
+    check_model(model)
     if isinstance(texts, str):
         texts = [texts]
     corpus = "user text" if texts is not None else "pydoc_data.topics (Python standard library documentation)"
     texts = default_texts() if texts is None else texts
-    if batch_size < 1:
-        raise InputError(f"batch_size must be ≥ 1, got {batch_size}")
+    check_batch_size(batch_size)
     windows = tokenize_windows(tokenizer, texts, seq_len, samples, seed=seed)
     check_vocab(model, tokenizer, windows.input_ids)
     device = _compat.input_device(model)

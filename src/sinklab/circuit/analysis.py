@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from .. import metrics
 from ..errors import InputError, UnsupportedModelError
-from ..checks import check_weights
+from ..checks import check_batch_size, check_model, check_weights
 from ..variants import register_count
 from . import stage as rules
 from .destination import DESTINATION_RULE, destination_summary
@@ -314,8 +314,19 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
     batch of ``k`` samples; ``set_total(n)`` once the number of sample passes is known (the reference, the
     other conditions, plus 2 causal patches, plus 2 more when the first amplification is elsewhere).
     """
+    import math
+
+    check_model(model, "circuit_inputs")
+    check_batch_size(batch_size)
     if not 0.0 <= eps <= 1.0:
         raise InputError(f"eps must be in [0, 1], got {eps}")
+    if isinstance(layer_threshold, bool) or not isinstance(layer_threshold, (int, float)) \
+            or not math.isfinite(layer_threshold) or not 0.0 <= layer_threshold <= 100.0:
+        raise InputError(f"layer_threshold (percent of a layer's heads) must be in [0, 100], got {layer_threshold!r}")
+    if not isinstance(causal, bool):
+        raise InputError(f"causal is True or False, got {causal!r}")
+    if isinstance(loss_stride, bool) or not isinstance(loss_stride, int):
+        raise InputError(f"loss_stride (--loss-stride) must be an integer ≥ 1, got {loss_stride!r}")
     if causal_samples is not None and causal_samples < 1:
         raise InputError(f"causal_samples (--causal-samples) must be ≥ 1, or None (--causal-samples 0) to patch every "
                          f"sample; got {causal_samples}")
@@ -415,6 +426,8 @@ def circuit(model: nn.Module, tokenizer, texts: str | list[str] | None = None, *
     from ..scan import model_meta
     from ..texts import default_texts
 
+    check_model(model, "circuit")
+    check_batch_size(batch_size)
     if isinstance(texts, str):
         texts = [texts]
     corpus = "user text" if texts is not None else "pydoc_data.topics (Python standard library documentation)"

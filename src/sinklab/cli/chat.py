@@ -24,6 +24,8 @@ _HELP = "commands: " + "; ".join(f"{k} — {v}" for k, v in COMMANDS.items())
 def script_turns(path: Path) -> Iterator[str]:
     """User turns of a ``--script`` file: one per line, as plain text or as JSON lines (``"text"`` or
     ``{"user": "text"}``); blank lines are skipped, ``/commands`` run as typed."""
+    if path.is_dir():
+        raise InputError(f"--script {path}: is a folder, not a file of user turns")
     if not path.is_file():
         raise InputError(f"--script {path}: no such file")
     try:

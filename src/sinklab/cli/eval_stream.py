@@ -103,6 +103,9 @@ def eval_stream(
         if ids.numel() <= plan.first:
             raise SinklabError(f"the text has only {ids.numel()} tokens; scoring starts at position {plan.first} "
                                f"(cache size {c}): give a longer --file or a smaller cache")
+        if ids.numel() < tokens:  # the whole text is evaluated, not what was asked for: say so up front
+            raise SinklabError(f"--tokens {tokens}: the text has only {ids.numel():,} tokens; ask for at most that "
+                               "many, or give a longer --file")
         total = plan.work(ids.numel())
         with progress_bar(total) as progress:
             task = progress.add_task("eval-stream", total=total)

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..errors import InputError
+
 __all__ = ["BITS", "CLIP_RATIOS", "QuantizedTensor", "pack_bits", "unpack_bits", "packed_width", "quantize",
            "dequantize"]
 
@@ -51,8 +53,8 @@ def _shifts(n: int, step: int, dtype: torch.dtype, device: torch.device) -> Tens
 
 
 def _codes_per_word(bits: int) -> int:
-    if bits not in BITS:
-        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
+        raise InputError(f"bits must be one of {BITS}, got {bits!r}")
     return 8 // math.gcd(bits, 8)
 
 
@@ -152,9 +154,13 @@ class QuantizedTensor:
 
 
 def _check_groups(shape: tuple[int, ...], dim: int, group_size: int) -> int:
+    if not -len(shape) <= dim < len(shape):
+        raise InputError(f"dimension {dim} does not exist in a {len(shape)}-D tensor")
     d = dim % len(shape)
-    if group_size < 1 or shape[d] % group_size:
-        raise ValueError(f"dimension {dim} of size {shape[d]} is not a multiple of group_size {group_size}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise InputError(f"group_size must be an integer ≥ 1, got {group_size!r}")
+    if shape[d] % group_size:
+        raise InputError(f"dimension {dim} of size {shape[d]} is not a multiple of group_size {group_size}")
     return d
 
 

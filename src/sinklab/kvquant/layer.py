@@ -85,7 +85,7 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
                  exact_dtype: torch.dtype | None = None, value_group: int | None = None,
                  window: int | None = None, clip: bool | None = None) -> None:
         super().__init__()
-        if bits not in BITS:
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
             raise InputError(f"kv bits must be one of {BITS}, got {bits!r}")
         if group_size < 1 or residual < 0 or (value_group is not None and value_group < 1):
             raise InputError(f"group_size and value_group must be ≥ 1 and residual ≥ 0, got {group_size}, "
@@ -286,6 +286,11 @@ def quantized_sink_cache(model: nn.Module, bits: int = 4, protect: Protection | 
     >>> cache = quantized_sink_cache(model, bits=4, protect=Protection(first=4))   # doctest: +SKIP
     >>> model(input_ids=ids, past_key_values=cache)                               # doctest: +SKIP
     """
+    from ..checks import check_model
+
+    check_model(model, "quantized_sink_cache")
+    if protect is not None and not isinstance(protect, Protection):
+        raise InputError(f"protect is a sinklab.kvquant.Protection (or None), got {protect!r}")
     n = len(_compat.find_layers(model))
     try:
         windows = _compat.layer_sliding_windows(model)

@@ -30,6 +30,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from .. import _compat
+from ..checks import check_model
 from ..errors import InputError, ModelWeightsError
 from .activation import streams_of
 from .layer import SinkWindowLayer
@@ -120,9 +121,7 @@ class SinkCache(Cache):
                  start_position: int = 0, rebase_every: int | None = None, *, sliding_sinks: bool = False,
                  check_every: int = 64, window_length: int | None = None, num_sink_tokens: int | None = None,
                  kv_bits: int | None = None, kv_group_size: int = 16, compile_plan: bool = False) -> None:
-        if not isinstance(model, nn.Module):
-            raise InputError(f"SinkCache takes a loaded model (torch.nn.Module), got {type(model).__name__}; "
-                             "load one with sinklab.load_model(...)")
+        check_model(model, "SinkCache")
         num_sinks, window = _legacy_sizes(num_sinks, window, window_length, num_sink_tokens)
         if not isinstance(compile_plan, bool):
             raise InputError(f"compile_plan is True or False, got {compile_plan!r}")
@@ -160,6 +159,8 @@ class SinkCache(Cache):
         self._pending_ids: torch.Tensor | bool = False
         self._pending_hidden: torch.Tensor | bool = False
         self._checked = 0  # columns checked so far
+        if kv_bits is None and kv_group_size != 16:
+            raise InputError(f"kv_group_size={kv_group_size!r} sets the groups of a quantized window; it needs kv_bits")
         if kv_bits is None:
             layers = [SinkWindowLayer(s, s.rope) for s in self.layer_states]
         else:

@@ -26,7 +26,8 @@ from torch import nn
 
 from ..errors import InputError
 from ..variants import register_count
-from .session import StreamSession, TextPieces, sample_token
+from .session import StreamSession, TextPieces, check_sampling, sample_token
+from .state import StreamState
 
 __all__ = ["PLAIN_TEMPLATE", "ChatStream", "Meter", "Turn"]
 
@@ -97,8 +98,12 @@ class ChatStream:
     def __init__(self, model: nn.Module, tokenizer, *, system: str | None = None, num_sinks: int = 4,
                  window: int = 1020, chunk_size: int = 256, rebase_every: int | None = None,
                  max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, seed: int = 0) -> None:
+        check_sampling(max_new_tokens, temperature, top_k, seed)
         if max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+        StreamState(num_sinks, window, rebase_every=rebase_every)  # sizes checked now, not at the first answer
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise InputError(f"chunk_size must be an integer ≥ 1, got {chunk_size!r}")
         if tokenizer is None:
             raise InputError("chat needs a tokenizer (this checkpoint has none)")
         self.model, self.tokenizer = model, tokenizer

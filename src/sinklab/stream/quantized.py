@@ -44,10 +44,10 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
     is_compileable = False
 
     def __init__(self, state: StreamState, rope, bits: int = 4, group_size: int = 16) -> None:
-        if bits not in BITS:
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
             raise InputError(f"kv_bits must be one of {BITS} (or None for full precision), got {bits!r}")
-        if group_size < 1:
-            raise InputError(f"kv_group_size must be ≥ 1, got {group_size}")
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise InputError(f"kv_group_size must be an integer ≥ 1, got {group_size!r}")
         super().__init__(state, rope)
         self.bits, self.group_size = bits, group_size
         self._parts: tuple | None = None  # (ring, its key and value views)

@@ -19,7 +19,7 @@ from ..errors import InputError
 from ..variants import register_count
 from .cache import SinkCache
 
-__all__ = ["StreamSession", "TextPieces", "compile_options", "sample_token", "stream_generate"]
+__all__ = ["StreamSession", "TextPieces", "check_sampling", "compile_options", "sample_token", "stream_generate"]
 
 _FORMAT = "sinklab.stream/1"
 
@@ -110,16 +110,14 @@ class StreamSession:
                  start_position: int = 0, chunk_size: int = 256, rebase_every: int | None = None, *,
                  sliding_sinks: bool = False, compile: bool | dict | None = None, kv_bits: int | None = None,
                  kv_group_size: int = 16, compile_plan: bool = False, freeze: bool | None = None) -> None:
-        if not isinstance(model, nn.Module):
-            raise InputError(f"StreamSession takes a loaded model (torch.nn.Module), got {type(model).__name__}; "
-                             "load one with sinklab.load_model(...)")
+        from ..checks import check_model, check_weights
+
+        check_model(model, "StreamSession")
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise InputError(f"chunk_size must be an integer ≥ 1, got {chunk_size!r}")
         options = compile_options(compile)
         if freeze is not None and not isinstance(freeze, bool):
             raise InputError(f"freeze is True, False or None (automatic), got {freeze!r}")
-        from ..checks import check_weights
-
         check_weights(model)  # NaN/inf weights: one clear error now, not garbage tokens later
         self.model = model
         self.chunk_size = chunk_size
@@ -327,7 +325,9 @@ class TextPieces:
         return text[len(before):]
 
 
-def _check_sampling(max_new_tokens, temperature, top_k, seed) -> None:
+def check_sampling(max_new_tokens, temperature, top_k, seed) -> None:
+    """InputErrors for generation settings: an integer length ≥ 0, a finite temperature ≥ 0 (0: greedy), an
+    integer top-k ≥ 0 (0: off) and an integer seed."""
     import math
     import numbers
 
@@ -384,7 +384,7 @@ def stream_generate(model: nn.Module, tokenizer, prompt: str | list[str], *, num
         raise InputError("the prompt is empty")
     if any(not isinstance(p, str) for p in prompts):
         raise InputError(f"the prompt is a string or a list of strings, got {_describe(prompt)}")
-    _check_sampling(max_new_tokens, temperature, top_k, seed)
+    check_sampling(max_new_tokens, temperature, top_k, seed)
     if tokenizer is None or not callable(tokenizer):
         raise InputError("stream_generate needs the model's tokenizer (e.g. sinklab.load_model(...).tokenizer)")
     if session is not None:

@@ -124,6 +124,10 @@ def compiled_free_step():
     return torch.compile(free_step, dynamic=False, fullgraph=True)
 
 
+#: Slots per row beyond which no buffer can be allocated anywhere (2⁴⁰: a tebibyte per key/value byte per head).
+MAX_CAPACITY = 2**40
+
+
 @contextlib.contextmanager
 def buffers_that_fit(capacity: int):
     """Allocating a stream's buffers: running out of memory (a window far too large) is an InputError that says
@@ -183,6 +187,9 @@ class StreamState:
         # Anchored capacity: sinks plus pinned tokens that are not already sinks.
         self.anchor_capacity = num_sinks + sum(max(0, e - max(s, num_sinks)) for s, e in self.pinned)
         self.capacity = self.anchor_capacity + window
+        if self.capacity > MAX_CAPACITY:
+            raise InputError(f"sinks + pinned tokens + window = {self.capacity:,} slots per row: more than any memory "
+                             f"holds (at most {MAX_CAPACITY:,}); give a smaller window")
         self.anchor_end = max([num_sinks] + [end for _, end in self.pinned])  # stream index past every anchor
         self.start_position = int(start_position)
         self.rebase_every = int(rebase_every or max(4 * window, 2048))
