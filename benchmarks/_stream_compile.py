@@ -257,6 +257,7 @@ def dense_copy_ms(method: Method, steps: int = 20) -> float:
     return 1e3 * (time.perf_counter() - t) / steps
 
 
+_GRAPH_CALLS = ("## Call CompiledFxGraph", "CompiledFunction")  # profiler names of a compiled graph's run
 _VIEW_OPS = {"aten::unsqueeze", "aten::slice", "aten::select", "aten::view", "aten::as_strided", "aten::transpose",
              "aten::t", "aten::expand", "aten::_unsafe_view", "aten::reshape", "aten::flatten", "aten::resolve_conj",
              "aten::resolve_neg", "aten::alias", "aten::permute", "aten::squeeze", "aten::unbind", "aten::split",
@@ -264,17 +265,34 @@ _VIEW_OPS = {"aten::unsqueeze", "aten::slice", "aten::select", "aten::view", "at
              "aten::_reshape_alias", "aten::to", "aten::contiguous"}  # to/contiguous with nothing to do: leaves
 
 
-def ops_per_step(method: Method) -> int:
-    """Innermost aten ops of one eager decode step that are not views, allocations or no-op conversions (a ``to``
-    that copies has a child op, so it is not innermost): on an accelerator each is a kernel launch from the host
-    (what an eager step's time is made of there). Counted with torch.profiler."""
+def _in_graph(event) -> bool:
+    """Whether a profiler event ran inside a compiled graph (not in the eager code between graphs)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(_GRAPH_CALLS):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def ops_per_step(method: Method) -> dict[str, int]:
+    """One decode step under torch.profiler: ``eager_ops`` — innermost aten ops that are not views, allocations or
+    no-op conversions (a ``to`` that copies has a child op, so it is not innermost) and that run outside any
+    compiled graph (for an eager method: all of them); on an accelerator each is a kernel launch from the host.
+    For a compiled method also ``graphs`` (compiled graphs called) and ``frames`` (dynamo-compiled frames
+    entered: each graph break adds some)."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
         method.step()
-    events = [e for e in prof.events() if e.name.startswith("aten::")]
-    leaves = [e for e in events if not any(c.name.startswith("aten::") for c in e.cpu_children)]
-    return sum(e.name not in _VIEW_OPS for e in leaves)
+    events = prof.events()
+    aten = [e for e in events if e.name.startswith("aten::")]
+    leaves = [e for e in aten if not any(c.name.startswith("aten::") for c in e.cpu_children)]
+    out = {"eager_ops": sum(e.name not in _VIEW_OPS and not _in_graph(e) for e in leaves)}
+    if method.compiled:
+        out["graphs"] = sum(e.name.startswith(_GRAPH_CALLS) for e in events)
+        out["frames"] = sum(e.name.startswith("Torch-Compiled Region") for e in events)
+    return out
 
 
 def time_steps(method: Method, steps: int) -> list[float]:
@@ -448,7 +466,7 @@ def measure(entry: dict, label: str, model, vocab: int, n_threads: int, rounds: 
     for name, table in profiles.items():
         print(f"  profile, {name}, 10 steps:\n{table}", flush=True)
     # Before plan_cost, which advances the stream without a forward.
-    eager_ops = {name: ops_per_step(by_name[name]) for name in ("sinklab eager", "dynamic eager") if name in by_name}
+    step_ops = {m.name: ops_per_step(m) for m in methods}
     checks, plan = {}, {}
     if "sinklab eager" in by_name:
         checks = check_costs(by_name["sinklab eager"])
@@ -476,7 +494,7 @@ def measure(entry: dict, label: str, model, vocab: int, n_threads: int, rounds: 
         "samples": rounds * steps, "sinklab_compiled_vs_eager_logits_rel": vs_eager.get("sinklab compiled"),
         "compiled_plan_vs_eager_logits_rel": vs_eager.get(PLANNED),
         "checks_us_per_token": checks, "plan_us_per_token": plan, "dense_cache_copy_ms_per_token": copy_ms,
-        "eager_ops_per_step": eager_ops,
+        "ops_per_step": step_ops,
         "profiles": profiles, "ratios": ratios}
     print_table(label, n_threads, entry, results)
 
@@ -502,9 +520,10 @@ def print_table(label: str, n_threads: int, entry: dict, results: dict) -> None:
     if r["checks_us_per_token"]:
         costs = ", ".join(f"{k} {v:.0f} µs" for k, v in r["checks_us_per_token"].items())
         print(f"  checks per token: {costs} (of {r['median_ms']['sinklab eager']:.1f} ms)")
-    if r.get("eager_ops_per_step"):
-        ops = ", ".join(f"{k} {v}" for k, v in r["eager_ops_per_step"].items())
-        print(f"  aten ops per eager decode step (kernel launches on an accelerator): {ops}")
+    if r.get("ops_per_step"):  # kernel launches from the host on an accelerator; graphs and dynamo frames entered
+        ops = ", ".join(f"{k} {v['eager_ops']}" + (f" ({v['graphs']} graphs, {v['frames']} frames)" if "graphs" in v
+                                                   else "") for k, v in r["ops_per_step"].items())
+        print(f"  aten ops per decode step outside compiled graphs: {ops}")
     if r.get("dense_cache_copy_ms_per_token") is not None:
         print(f"  DynamicCache's own update + crop per token (alone): {r['dense_cache_copy_ms_per_token']:.2f} ms")
     if r.get("plan_us_per_token"):
