@@ -153,6 +153,16 @@ def test_counts_and_options_out_of_range(tmp_path):
     for size in ("0", "-1"):  # circuit used to crash here (range step 0, an empty batch list)
         fails(["circuit", "builtin:tiny-lm", "--batch-size", size, "--out", out], 2,
               f"batch_size (--batch-size) must be an integer ≥ 1, got {size}")
+    # an option whose feature is off used to be ignored silently
+    fails(["diagnose", "builtin:tiny-lm", "--no-edits", "--edit-samples", "3", "--out", out], 2,
+          "--edit-samples 3 has no effect with --no-edits")
+    fails(["diagnose", "builtin:tiny-lm", "--rule", "strict", "--sink-mass", "0.9", "--out", out], 2,
+          "--sink-mass 0.9 has no effect with --rule strict")
+    fails(["circuit", "builtin:tiny-lm", "--no-causal", "--causal-samples", "3", "--out", out], 2,
+          "--causal-samples 3 has no effect with --no-causal")
+    fails(["kv-quant", "builtin:tiny-lm", "--protect", "none", "--first", "3", "--out", out], 2,
+          "--first 3 has no effect without 'first' in --protect")
+    fails(["kv-quant", "builtin:tiny-lm", "--decode-steps", "-1", "--out", out], 2, "--decode-steps must be ≥ 0")
     for srank in ("nan", "inf"):  # used to run through with a threshold no stable rank can meet
         fails(["diagnose", "builtin:tiny-lm", "--broadcast-srank", srank, "--out", out], 2, "broadcast_max_srank")
     assert not out.exists() and leftovers(tmp_path) == []

@@ -222,7 +222,12 @@ def test_cli_rejects_bad_input_before_loading_the_model(cli, tmp_path, no_model)
         (["--quality", "endless", "--endless-tokens", "0"], "--endless-tokens must be ≥ 1"),
         (["--quality", "prompts", "--answer-tokens", "-3"], "--answer-tokens must be ≥ 1"),
         (["--quality", "endless", "--sinks", "0"], "needs ≥ 1 sink"),
-        (["--seed", "3", "--prompts", "4"], "--seed, --prompts only apply with --quality"),
+        (["--seed", "3", "--prompts", "4"], "--seed, --prompts apply only with --quality"),
+        (["--prompts", "4"], "--prompts applies only with --quality"),
+        (["--quality", "endless", "--recall-facts", "3"], "--recall-facts sets the recall measure, which --quality "
+                                                          "endless does not run"),
+        (["--quality", "recall", "--prompts", "2"], "--prompts sets the prompts measure"),
+        (["--quality", "recall,prompts", "--seed", "3"], "--seed sets the endless measure"),
     ]
     for args, message in cases:
         r = cli("builtin:tiny-lm", *args, "--out", out)

@@ -246,6 +246,13 @@ def load_for_command(model: str, *, needs_tokenizer: bool = True, images_ok: boo
     return loaded
 
 
+def needs(flag: str, value, default, condition: bool, without: str) -> None:
+    """``flag`` set away from its default while what it modifies is off (``condition`` false): one error, not a
+    silent no-op. ``without`` names what is missing, e.g. ``"with --no-edits"``."""
+    if value != default and not condition:
+        raise InputError(f"{flag} {value} has no effect {without}; drop it")
+
+
 def read_texts(text: str | None, file: Path | None, option: str = "--text") -> list[str] | None:
     """``[text]``, ``[contents of file]`` or ``None`` (neither: the command's default corpus)."""
     if text is not None and file is not None:

@@ -19,6 +19,7 @@ from ._common import (
     console,
     device_map_option,
     err,
+    needs,
 )
 
 
@@ -91,6 +92,7 @@ def circuit_cmd(
 
     with user_errors():
         texts = read_texts(text, file)
+        needs("--causal-samples", causal_samples, CAUSAL_SAMPLES, not no_causal, "with --no-causal")
         out = check_out_dir(out)
         path = Path(model)
         if path.is_dir():

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..diagnose import EDIT_LAYERS, EDIT_SAMPLES
+from ..diagnose import DEFAULT_RULES, EDIT_LAYERS, EDIT_SAMPLES
 from ..errors import SinklabError
 from ..report import save
 from ._common import (
@@ -21,6 +21,7 @@ from ._common import (
     device_map_option,
     join_ranks,
     analysis_run,
+    needs,
     record_run,
     trust_remote_code_option,
 )
@@ -59,6 +60,10 @@ def diagnose(
 
     with user_errors():
         device = join_ranks(device, device_map)
+        needs("--edit-samples", edit_samples, EDIT_SAMPLES, edits, "with --no-edits")
+        needs("--edit-layers", edit_layers, EDIT_LAYERS, edits, "with --no-edits")
+        needs("--sink-mass", sink_mass, DEFAULT_RULES["sink_mass"], rule == "mass",
+              f"with --rule {rule} (it is rule 'mass''s threshold)")
         rules = {"rule": rule, "sink_mass": sink_mass, "nop_max_ratio": nop_max,
                  "broadcast_min_ratio": broadcast_min, "broadcast_max_srank": broadcast_srank}
         run = analysis_run(

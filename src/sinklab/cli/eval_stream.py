@@ -140,16 +140,27 @@ def eval_stream(
         console.print(f"wrote {out / 'eval_stream.json'}, figures and {report}")
 
 
+_OWNER = {"facts": "recall", "recall_distances": "recall", "endless_tokens": "endless", "seed": "endless",
+          "prompts": "prompts", "answer_tokens": "prompts"}  # the quality measure each option belongs to
+
+
 def _quality_plan(measures: str | None, num_sinks: int, window: int, chunk_size: int, **options):
-    """The :class:`QualityPlan` of ``--quality`` (``None`` without it); its options without it are an error."""
-    from ..stream.quality import QualityPlan
+    """The :class:`QualityPlan` of ``--quality`` (``None`` without it); its options without it, or without the
+    measure they belong to, are an error."""
+    from ..stream.quality import QualityPlan, parse_quality
 
     given = {k: v for k, v in options.items() if v is not None}
+    flag = lambda k: "--" + k.replace("_", "-").replace("facts", "recall-facts")  # noqa: E731
     if measures is None:
         if given:
-            names = ", ".join("--" + k.replace("_", "-").replace("facts", "recall-facts") for k in given)
-            raise SinklabError(f"{names} only apply with --quality (e.g. --quality recall,endless,prompts)")
+            names = ", ".join(flag(k) for k in given)
+            raise SinklabError(f"{names} {'applies' if len(given) == 1 else 'apply'} only with --quality "
+                               "(e.g. --quality recall,endless,prompts)")
         return None
+    chosen = parse_quality(measures)
+    for key in given:  # an option of a measure that is not run would be silently ignored
+        if _OWNER[key] not in chosen:
+            raise SinklabError(f"{flag(key)} sets the {_OWNER[key]} measure, which --quality {measures} does not run")
     if "recall_distances" in given:
         given["distances"] = given.pop("recall_distances")
     return QualityPlan(measures=measures, num_sinks=num_sinks, window=window, chunk_size=chunk_size, **given)

@@ -18,6 +18,7 @@ from ._common import (
     app,
     check_out_dir,
     console,
+    needs,
     print_table,
     trust_remote_code_option,
 )
@@ -63,6 +64,7 @@ def kv_quant_command(
     from ..report.kvquant import table_header, table_rows
 
     with user_errors():
+        needs("--first", num_first, 4, "first" in protect.split(","), "without 'first' in --protect")
         plan = KvQuantPlan(bits=_ints(bits, "--bits"), protect=tuple(p.strip() for p in protect.split(",") if p.strip()),
                            num_first=num_first, context=context, score=score, samples=samples, group_size=group_size,
                            group_size_2bit=group_size_2bit, value_group=value_group, residual=residual, clip=clip,

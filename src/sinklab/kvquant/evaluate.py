@@ -77,6 +77,8 @@ class KvQuantPlan:
         if min(self.group_size, self.group_size_2bit, self.value_group or 1) < 1:
             raise InputError(f"group sizes must be ≥ 1, got {self.group_size}, {self.group_size_2bit} and "
                              f"{self.value_group}")
+        if self.decode_steps < 0:
+            raise InputError(f"--decode-steps must be ≥ 0 (0: no decode timing), got {self.decode_steps}")
         longest = max(self.group_for(b) for b in self.bits)
         if self.context < 2 * longest or self.score < 1 or self.samples < 1:
             raise InputError(f"context ({self.context}) must hold at least two groups of {longest} tokens, "
