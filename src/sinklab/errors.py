@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import numbers
+
+
+def is_int(value) -> bool:
+    """Whether an argument is an integer (Python's or NumPy's), and not a bool: ``True`` is not a size."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
 
 class SinklabError(Exception):
     """Base class of every error sinklab raises on purpose."""

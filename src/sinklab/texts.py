@@ -8,7 +8,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from .errors import InputError
+from .errors import InputError, is_int
 
 __all__ = ["default_texts", "TokenBatch", "tokenize_windows", "special_affixes", "readable_token", "readable_tokens", "byte_level_text"]
 
@@ -66,27 +66,23 @@ def tokenize_windows(tokenizer, texts: list[str], seq_len: int, samples: int, se
     order from their first token; another seed shuffles the texts and starts each one at a random
     token offset (less than one window), so different seeds give different, reproducible samples.
     """
-    def integer(value) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
     if tokenizer is None or not callable(tokenizer):
         raise InputError("a tokenizer is needed to cut texts into windows (sinklab.load_model(...).tokenizer); "
                          "this model was loaded without one — scan prepared inputs with scan_inputs instead")
-    if not integer(seq_len) or seq_len < 2:
+    if not is_int(seq_len) or seq_len < 2:
         raise InputError(f"--seq-len must be at least 2 tokens to measure attention sinks, got {seq_len!r}")
-    if not integer(samples) or samples < 1:
+    if not is_int(samples) or samples < 1:
         raise InputError(f"--samples must be at least 1, got {samples!r}")
-    if not integer(seed):
+    if not is_int(seed):
         raise InputError(f"--seed must be an integer, got {seed!r}")
     if isinstance(texts, str):
         texts = [texts]
     if isinstance(texts, bytes) or not hasattr(texts, "__iter__"):
         raise InputError(f"texts are a string or a list of strings, got {type(texts).__name__}")
-    texts = list(texts)
-    if any(t is not None and not isinstance(t, str) for t in texts):
-        raise InputError("texts are a string or a list of strings, got a list holding "
-                         + ", ".join(sorted({type(t).__name__ for t in texts if t is not None and not isinstance(t, str)})))
     texts = [t for t in texts if t is not None]
+    wrong = sorted({type(t).__name__ for t in texts if not isinstance(t, str)})
+    if wrong:
+        raise InputError(f"texts are a string or a list of strings, got a list holding {', '.join(wrong)}")
     if not texts or all(not t.strip() for t in texts):
         raise InputError("the input text is empty; pass --text/--file with some text, or omit both for the default corpus")
     prefix, suffix = special_affixes(tokenizer)

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import metrics
-from ..errors import InputError, UnsupportedModelError
+from ..errors import InputError, UnsupportedModelError, is_int
 from ..checks import check_batch_size, check_model, check_weights
 from ..variants import register_count
 from . import stage as rules
@@ -325,7 +325,7 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
         raise InputError(f"layer_threshold (percent of a layer's heads) must be in [0, 100], got {layer_threshold!r}")
     if not isinstance(causal, bool):
         raise InputError(f"causal is True or False, got {causal!r}")
-    if isinstance(loss_stride, bool) or not isinstance(loss_stride, int):
+    if not is_int(loss_stride):
         raise InputError(f"loss_stride (--loss-stride) must be an integer ≥ 1, got {loss_stride!r}")
     if causal_samples is not None and causal_samples < 1:
         raise InputError(f"causal_samples (--causal-samples) must be ≥ 1, or None (--causal-samples 0) to patch every "

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..errors import InputError
+from ..errors import InputError, is_int
 
 __all__ = ["BITS", "CLIP_RATIOS", "QuantizedTensor", "pack_bits", "unpack_bits", "packed_width", "quantize",
            "dequantize"]
@@ -53,7 +53,7 @@ def _shifts(n: int, step: int, dtype: torch.dtype, device: torch.device) -> Tens
 
 
 def _codes_per_word(bits: int) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
+    if not is_int(bits) or bits not in BITS:
         raise InputError(f"bits must be one of {BITS}, got {bits!r}")
     return 8 // math.gcd(bits, 8)
 
@@ -157,7 +157,7 @@ def _check_groups(shape: tuple[int, ...], dim: int, group_size: int) -> int:
     if not -len(shape) <= dim < len(shape):
         raise InputError(f"dimension {dim} does not exist in a {len(shape)}-D tensor")
     d = dim % len(shape)
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+    if not is_int(group_size) or group_size < 1:
         raise InputError(f"group_size must be an integer ≥ 1, got {group_size!r}")
     if shape[d] % group_size:
         raise InputError(f"dimension {dim} of size {shape[d]} is not a multiple of group_size {group_size}")

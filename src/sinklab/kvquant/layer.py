@@ -33,7 +33,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .. import _compat
-from ..errors import InputError, UnsupportedModelError
+from ..errors import InputError, UnsupportedModelError, is_int
 from .codec import BITS, QuantizedTensor, dequantize, quantize
 from .plan import Protection
 
@@ -85,7 +85,7 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
                  exact_dtype: torch.dtype | None = None, value_group: int | None = None,
                  window: int | None = None, clip: bool | None = None) -> None:
         super().__init__()
-        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
+        if not is_int(bits) or bits not in BITS:
             raise InputError(f"kv bits must be one of {BITS}, got {bits!r}")
         if group_size < 1 or residual < 0 or (value_group is not None and value_group < 1):
             raise InputError(f"group_size and value_group must be ≥ 1 and residual ≥ 0, got {group_size}, "

@@ -31,12 +31,16 @@ from transformers.cache_utils import Cache
 
 from .. import _compat
 from ..checks import check_model
-from ..errors import InputError, ModelWeightsError
+from ..errors import InputError, ModelWeightsError, is_int
 from .activation import streams_of
 from .layer import SinkWindowLayer
 from .state import StreamState
 
 __all__ = ["SinkCache"]
+
+
+#: Channels per scale and zero point of a quantized window (``SinkCache(kv_bits=...)``) unless given.
+KV_GROUP_SIZE = 16
 
 
 def _legacy_sizes(num_sinks: int, window: int | None, window_length: int | None,
@@ -51,7 +55,7 @@ def _legacy_sizes(num_sinks: int, window: int | None, window_length: int | None,
     if window_length is not None:
         if window is not None:
             raise InputError("give window (sinklab) or window_length (transformers' old SinkCache), not both")
-        if isinstance(window_length, bool) or not isinstance(window_length, int):
+        if not is_int(window_length):
             raise InputError(f"window_length must be an integer, got {window_length!r}")
         if window_length <= num_sinks:
             raise InputError(f"window_length ({window_length!r}) counts the {num_sinks} sinks too; it must exceed them")
@@ -120,7 +124,7 @@ class SinkCache(Cache):
     def __init__(self, model: nn.Module, num_sinks: int = 4, window: int | None = None, pinned=None,
                  start_position: int = 0, rebase_every: int | None = None, *, sliding_sinks: bool = False,
                  check_every: int = 64, window_length: int | None = None, num_sink_tokens: int | None = None,
-                 kv_bits: int | None = None, kv_group_size: int = 16, compile_plan: bool = False) -> None:
+                 kv_bits: int | None = None, kv_group_size: int = KV_GROUP_SIZE, compile_plan: bool = False) -> None:
         check_model(model, "SinkCache")
         num_sinks, window = _legacy_sizes(num_sinks, window, window_length, num_sink_tokens)
         if not isinstance(compile_plan, bool):
@@ -159,7 +163,7 @@ class SinkCache(Cache):
         self._pending_ids: torch.Tensor | bool = False
         self._pending_hidden: torch.Tensor | bool = False
         self._checked = 0  # columns checked so far
-        if kv_bits is None and kv_group_size != 16:
+        if kv_bits is None and kv_group_size != KV_GROUP_SIZE:
             raise InputError(f"kv_group_size={kv_group_size!r} sets the groups of a quantized window; it needs kv_bits")
         if kv_bits is None:
             layers = [SinkWindowLayer(s, s.rope) for s in self.layer_states]

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import InputError
 from ..variants import register_count
-from .session import StreamSession, TextPieces, check_sampling, sample_token
+from .session import StreamSession, TextPieces, check_chunk_size, check_sampling, sample_token
 from .state import StreamState
 
 __all__ = ["PLAIN_TEMPLATE", "ChatStream", "Meter", "Turn"]
@@ -102,8 +102,7 @@ class ChatStream:
         if max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
         StreamState(num_sinks, window, rebase_every=rebase_every)  # sizes checked now, not at the first answer
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise InputError(f"chunk_size must be an integer ≥ 1, got {chunk_size!r}")
+        check_chunk_size(chunk_size)
         if tokenizer is None:
             raise InputError("chat needs a tokenizer (this checkpoint has none)")
         self.model, self.tokenizer = model, tokenizer

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..errors import InputError
+from ..errors import InputError, is_int
 from ..kvquant.codec import BITS, QuantizedTensor, dequantize, packed_width, quantize
 from ..rope import rotate
 from .layer import SinkWindowLayer
@@ -44,9 +44,9 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
     is_compileable = False
 
     def __init__(self, state: StreamState, rope, bits: int = 4, group_size: int = 16) -> None:
-        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
+        if not is_int(bits) or bits not in BITS:
             raise InputError(f"kv_bits must be one of {BITS} (or None for full precision), got {bits!r}")
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        if not is_int(group_size) or group_size < 1:
             raise InputError(f"kv_group_size must be an integer ≥ 1, got {group_size!r}")
         super().__init__(state, rope)
         self.bits, self.group_size = bits, group_size

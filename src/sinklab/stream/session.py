@@ -6,6 +6,7 @@ a session keeps only the cache and the last token, so a stream can run for milli
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,20 +16,30 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from .. import _compat
-from ..errors import InputError
+from ..errors import InputError, is_int
 from ..variants import register_count
-from .cache import SinkCache
+from .cache import KV_GROUP_SIZE, SinkCache
 
-__all__ = ["StreamSession", "TextPieces", "check_sampling", "compile_options", "sample_token", "stream_generate"]
+__all__ = ["StreamSession", "TextPieces", "check_chunk_size", "check_sampling", "compile_options", "sample_token",
+           "stream_generate"]
 
 _FORMAT = "sinklab.stream/1"
 
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def _describe(value) -> str:
     return f"a {value.dtype} tensor" if isinstance(value, Tensor) else type(value).__name__
+
+
+def _token_ids(value) -> bool:
+    """Whether ``value`` can be token ids: an integer tensor (not bool, float or complex)."""
+    return isinstance(value, Tensor) and not (value.is_floating_point() or value.is_complex()
+                                              or value.dtype == torch.bool)
+
+
+def check_chunk_size(chunk_size) -> None:
+    """Tokens per prefill forward: an integer ≥ 1."""
+    if not is_int(chunk_size) or chunk_size < 1:
+        raise InputError(f"chunk_size must be an integer ≥ 1, got {chunk_size!r}")
 
 
 def _frozen(forward):
@@ -48,8 +59,6 @@ def compile_options(compile: bool | dict | None) -> dict | None:
     """Check ``compile`` (None/False: eager; True: ``torch.compile``'s defaults; a dict: its options) and return
     the ``torch.compile`` keyword arguments, or None for an eager step. Every mistake is one clear InputError
     here, not a compiler traceback at the first decoded token."""
-    import inspect
-
     if compile is None or compile is False:
         return None
     if compile is True:
@@ -109,12 +118,11 @@ class StreamSession:
     def __init__(self, model: nn.Module, num_sinks: int = 4, window: int = 1020, pinned=None,
                  start_position: int = 0, chunk_size: int = 256, rebase_every: int | None = None, *,
                  sliding_sinks: bool = False, compile: bool | dict | None = None, kv_bits: int | None = None,
-                 kv_group_size: int = 16, compile_plan: bool = False, freeze: bool | None = None) -> None:
+                 kv_group_size: int = KV_GROUP_SIZE, compile_plan: bool = False, freeze: bool | None = None) -> None:
         from ..checks import check_model, check_weights
 
         check_model(model, "StreamSession")
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise InputError(f"chunk_size must be an integer ≥ 1, got {chunk_size!r}")
+        check_chunk_size(chunk_size)
         options = compile_options(compile)
         if freeze is not None and not isinstance(freeze, bool):
             raise InputError(f"freeze is True, False or None (automatic), got {freeze!r}")
@@ -132,18 +140,18 @@ class StreamSession:
         self._restore: dict[str, Tensor] | None = None
         # Decoding (``step``) through torch.compile; chunks (``feed``) stay eager. Compiled once per model forward.
         self.compile_options = options  # what torch.compile was given for step() (None: eager)
-        compile, options = options is not None, options or {}
+        compiled, options = options is not None, options or {}
         # freeze=None: on a CPU with inductor and no mode/options of the caller's, freeze — the weights become
         # constants of the graph and the projections prepacked matrices: SmolLM2 59.0 → 47.2–51.5 ms per token,
         # Gemma 3 270M 102.3 → 65.0–71.7 ms on a 2-core CPU VM, for a second, prepacked copy of the weights in memory
         # (docs/stream.md). The compiled forward holds the weights as they were when it was compiled.
         inductor = options.get("backend", "inductor") == "inductor"
-        if freeze and not (compile and inductor):
+        if freeze and not (compiled and inductor):
             raise InputError("freeze=True needs compile with torch.compile's inductor backend (freezing is one of "
                              "inductor's settings); drop freeze or compile with inductor")
         self.freezing = freeze if freeze is not None else (
-            bool(compile) and inductor and self._device.type == "cpu" and not {"mode", "options"} & options.keys())
-        self._step_forward = torch.compile(model.forward, **options) if compile else model.forward
+            compiled and inductor and self._device.type == "cpu" and not {"mode", "options"} & options.keys())
+        self._step_forward = torch.compile(model.forward, **options) if compiled else model.forward
         if self.freezing:
             self._step_forward = _frozen(self._step_forward)
 
@@ -175,7 +183,7 @@ class StreamSession:
         feeding the ids one by one would give.
         """
         self._check_open()
-        if not isinstance(input_ids, Tensor) or input_ids.dtype in (torch.bool, *_FLOATS):
+        if not _token_ids(input_ids):
             raise InputError(f"input_ids must be an integer tensor [batch, tokens], got {_describe(input_ids)}")
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise InputError(f"input_ids must be [batch, tokens] with at least one token, got {tuple(input_ids.shape)}")
@@ -195,7 +203,7 @@ class StreamSession:
     def step(self, token_ids: Tensor) -> Tensor:
         """Feed one token per row (``[B]``); returns the next-token logits ``[B, V]``."""
         self._check_open()
-        if not isinstance(token_ids, Tensor) or token_ids.dtype in (torch.bool, *_FLOATS):
+        if not _token_ids(token_ids):
             raise InputError(f"token_ids must be an integer tensor [batch], got {_describe(token_ids)}")
         self.tokens_seen += 1
         graphs = self.compile_options is not None and self._device.type == "cuda"
@@ -258,7 +266,7 @@ class StreamSession:
         s = meta["settings"]
         session = cls(model, s["num_sinks"], s["window"], [tuple(p) for p in s["pinned"]], s["start_position"],
                       meta["chunk_size"], s["rebase_every"], sliding_sinks=s.get("sliding_sinks", False),
-                      kv_bits=s.get("kv_bits"), kv_group_size=s.get("kv_group_size", 16))
+                      kv_bits=s.get("kv_bits"), kv_group_size=s.get("kv_group_size", KV_GROUP_SIZE))
         if len(session.sink.states) != s.get("groups", 1):
             raise InputError(f"{path} was saved from a model with {s.get('groups', 1)} layer budgets; this one has "
                              f"{len(session.sink.states)} — load it with the model that wrote it")
@@ -331,17 +339,14 @@ def check_sampling(max_new_tokens, temperature, top_k, seed) -> None:
     import math
     import numbers
 
-    def integer(value) -> bool:
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-    if not integer(max_new_tokens) or max_new_tokens < 0:
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be an integer ≥ 0, got {max_new_tokens!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) \
             or temperature < 0:
         raise InputError(f"temperature must be a finite number ≥ 0 (0: greedy), got {temperature!r}")
-    if not integer(top_k) or top_k < 0:
+    if not is_int(top_k) or top_k < 0:
         raise InputError(f"top_k must be an integer ≥ 0 (0: the whole vocabulary), got {top_k!r}")
-    if not integer(seed):
+    if not is_int(seed):
         raise InputError(f"seed must be an integer, got {seed!r}")
 
 
@@ -354,15 +359,15 @@ def _check_session(session, model, **given) -> None:
         raise InputError("session was opened on a different model than the one given; pass the session's model")
     if given.pop("compile") is not None or given.pop("freeze") is not None:
         raise InputError("compile and freeze belong to the session: set them on StreamSession(...), not here")
-    state, defaults = session.state, {"num_sinks": 4, "window": 1020, "chunk_size": 256, "pinned": None}
-    own = {"num_sinks": session.sink.state.num_sinks, "window": session.sink.state.window,
-           "chunk_size": session.chunk_size, "pinned": None}
+    state = session.state
+    pinned = given.pop("pinned")
+    if pinned is not None and any(tuple(p) not in state.pinned for p in pinned):
+        raise InputError(f"pinned={pinned!r}: pins are fixed when a stream starts; this session pins "
+                         f"{state.pinned or 'nothing'}")
+    defaults = inspect.signature(stream_generate).parameters
+    own = {"num_sinks": state.num_sinks, "window": state.window, "chunk_size": session.chunk_size}
     for name, value in given.items():
-        if name == "pinned":
-            if value is not None and any(tuple(p) not in state.pinned for p in value):
-                raise InputError(f"pinned={value!r}: pins are fixed when a stream starts; this session pins "
-                                 f"{state.pinned or 'nothing'}")
-        elif value != defaults[name] and value != own[name]:
+        if value != defaults[name].default and value != own[name]:
             raise InputError(f"{name}={value!r} differs from the session's {name}={own[name]!r}; a session's "
                              "settings are fixed when it is created")
 

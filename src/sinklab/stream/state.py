@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import numbers
 import operator
 import warnings
 from dataclasses import dataclass, replace
@@ -28,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from ..errors import InputError
+from ..errors import InputError, is_int
 from ..rope import angles, pair_factors
 
 __all__ = ["StreamState", "View"]
@@ -142,11 +141,6 @@ def buffers_that_fit(capacity: int):
         raise
 
 
-def _is_int(value) -> bool:
-    """A Python or NumPy integer, not a bool (``True`` is not a window size)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _check_pinned(pinned) -> list[tuple[int, int]]:
     spans = []
     if pinned is not None and (isinstance(pinned, (str, bytes)) or not hasattr(pinned, "__iter__")):
@@ -171,13 +165,13 @@ class StreamState:
 
     def __init__(self, num_sinks: int, window: int, pinned=None, start_position: int = 0,
                  rebase_every: int | None = None, rope=None, compile_plan: bool = False) -> None:
-        if not _is_int(window) or window < 1:
+        if not is_int(window) or window < 1:
             raise InputError(f"window must be an integer ≥ 1 (it includes the current token), got {window!r}")
-        if not _is_int(num_sinks) or num_sinks < 0:
+        if not is_int(num_sinks) or num_sinks < 0:
             raise InputError(f"num_sinks must be an integer ≥ 0, got {num_sinks!r}")
-        if not _is_int(start_position) or start_position < 0:
+        if not is_int(start_position) or start_position < 0:
             raise InputError(f"start_position must be an integer ≥ 0, got {start_position!r}")
-        if rebase_every is not None and (not _is_int(rebase_every) or rebase_every < 1):
+        if rebase_every is not None and (not is_int(rebase_every) or rebase_every < 1):
             raise InputError(f"rebase_every must be an integer ≥ 1 (tokens between re-bases) or None (automatic), "
                              f"got {rebase_every!r}")
         self.num_sinks = int(num_sinks)
