@@ -213,7 +213,7 @@ def test_rotate_matches_the_models_own_rope():
     cases = {"llama-gqa": False, "gpt-neox-partial-rotary": False}
     for name in cases:
         model = build(name)
-        spec = sinklab._compat.rope_spec(model)
+        spec = sinklab._compat.layer_rotations(model)[0].cache_rope
         rotary = next(m for m in model.modules() if hasattr(m, "inv_freq"))
         modeling = sys.modules[type(model).__module__]
         x = torch.randn(1, 2, 1, 8, dtype=torch.float64)
@@ -226,7 +226,7 @@ def test_rotate_matches_the_models_own_rope():
     # GPT-J: interleaved pairs, partial rotary_dim, its own sinusoid table.
     cfg = tf.GPTJConfig(vocab_size=V, n_embd=32, n_layer=1, n_head=2, rotary_dim=8, n_positions=256)
     gptj = tf.GPTJForCausalLM(cfg)
-    spec = sinklab._compat.rope_spec(gptj)
+    spec = sinklab._compat.layer_rotations(gptj)[0].cache_rope
     from transformers.models.gptj import modeling_gptj as mg
 
     table = mg.create_sinusoidal_positions(256, 8)

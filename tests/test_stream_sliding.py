@@ -30,8 +30,19 @@ CONFIGS = {
 }
 
 
+# Only under generate() (test_generate_equals_the_models_own_generate_before_eviction).
+GENERATE_ONLY = {
+    # a window (12) wider than the prompt (8), crossed while decoding
+    "mistral-sw12": (tf.MistralConfig, tf.MistralForCausalLM, dict(_BASE, sliding_window=12), "sdpa"),
+    "mistral-sw12-eager": (tf.MistralConfig, tf.MistralForCausalLM, dict(_BASE, sliding_window=12), "eager"),
+    "qwen2-layer-types": (tf.Qwen2Config, tf.Qwen2ForCausalLM,
+                          dict(_BASE, use_sliding_window=True, sliding_window=6, layer_types=TYPES), "sdpa"),
+    "cohere2": (tf.Cohere2Config, tf.Cohere2ForCausalLM, dict(_BASE, sliding_window=6, layer_types=TYPES), "sdpa"),
+}
+
+
 def build(name: str):
-    cfg_cls, model_cls, kwargs, attn = CONFIGS[name]
+    cfg_cls, model_cls, kwargs, attn = {**CONFIGS, **GENERATE_ONLY}[name]
     cfg = cfg_cls(**kwargs)
     cfg._attn_implementation = attn
     torch.manual_seed(4)
@@ -119,3 +130,53 @@ def test_learned_sink_logits_flow_through_the_stream():
         without = s.feed(tokens, all_logits=True)[0]
     assert _rel(without, dense_no_sinks) < 1e-5
     assert _rel(with_sinks, without) > 1e-2
+
+
+# ----------------------------------------------------------------------------- generate(), the SinkCache switched on
+# by generate()'s own first forward (no `with` block): that forward gets a 4-D mask prepared by the model's own mask
+# function (a compileable cache gets its masks built before the forward), sliding-window or eager-additive.
+GENERATE = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                eos_token_id=None)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["one-row", "left-padded"])
+@pytest.mark.parametrize("name", [*CONFIGS, *GENERATE_ONLY])
+def test_generate_equals_the_models_own_generate_before_eviction(name, padded):
+    """A fresh SinkCache handed to generate() without a `with` block (nothing evicted: S + W = 68) generates what
+    the model's own cache generates. Its first forward's mask was built by the model's own (sliding-window) mask
+    function; read as the stream's own, every prompt token came out as padding (0.1–0.5 off on the first step)."""
+    model = build(name)
+    ids = _tokens(16, seed=11).view(2, 8)
+    mask = torch.ones_like(ids)
+    if padded:
+        ids[1, :3], mask[1, :3] = 0, 0
+    else:
+        ids, mask = ids[:1], mask[:1]
+    with torch.no_grad():
+        own = model.generate(ids, attention_mask=mask, **GENERATE)
+        cache = SinkCache(model, num_sinks=4, window=64)
+        ours = model.generate(ids, attention_mask=mask, cache=cache, **GENERATE)
+        cache.close()
+        forward = model(input_ids=ids, attention_mask=mask).logits[:, -1]
+    assert torch.equal(ours.sequences, own.sequences)
+    first = float((ours.logits[0] - own.logits[0]).abs().max())
+    assert first <= 1e-5, first
+    assert float((ours.logits[0] - forward).abs().max()) <= 1e-5
+    assert max(float((a - b).abs().max()) for a, b in zip(ours.logits, own.logits)) <= 1e-4
+
+
+def test_generate_matches_reference_past_eviction():
+    """generate() through a SinkCache that evicts from the prompt on (S + W = 2 + 6 < 8 + 12 tokens; the model's
+    own window is 8): every step's logits equal the float64 StreamingLLM reference fed the same tokens."""
+    model = build("mistral-sw8")
+    prompt = _tokens(8, seed=12)
+    with torch.no_grad():
+        cache = SinkCache(model, num_sinks=2, window=6)
+        out = model.generate(prompt[None], cache=cache, **dict(GENERATE, max_new_tokens=12))
+        cache.close()
+    ref = Reference(model, 2, 6)
+    for t in prompt[:-1].tolist():
+        ref.step(t)
+    fed = [int(prompt[-1])] + out.sequences[0, len(prompt):-1].tolist()
+    worst = max(_rel(logits[0], ref.step(t)) for logits, t in zip(out.logits, fed))
+    assert worst < 1e-4, worst

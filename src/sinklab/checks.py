@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from . import _compat
-from .errors import InputError, ModelWeightsError, SinklabWarning, is_int
+from .errors import InputError, ModelWeightsError, SinklabWarning, UnsupportedModelError, is_int
 from .fingerprint import ModelCache
 
 __all__ = ["check_positions", "check_vocab", "check_weights", "max_positions", "used_token_ids", "uses_rope",
@@ -130,10 +130,9 @@ def max_positions(model: nn.Module) -> int | None:
 def uses_rope(model: nn.Module) -> bool:
     """Whether ``model`` encodes positions by rotary embedding (scores depend on distances only)."""
     try:
-        _compat.rope_spec(model)
-    except Exception:
+        return any(r.cache_rope is not None for r in _compat.layer_rotations(model))
+    except UnsupportedModelError:
         return False
-    return True
 
 
 def check_positions(model: nn.Module, seq_len: int) -> None:

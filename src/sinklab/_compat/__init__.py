@@ -5,8 +5,13 @@ The rest of sinklab talks to models through ``sinklab._compat`` only (imported b
 * :mod:`.backend` — registering an attention function with its matching mask function, switching a model's
   attention implementation and back (:class:`ModelPatch`), transformers' loading chatter and version;
 * :mod:`.layout` — the config fields under their names, the stack of transformer blocks, the query/key/output
-  projection weights in each supported layout, RoPE and sliding-window specs, the architecture tables and the
-  cache argument's name.
+  projection weights in each supported layout, sliding-window specs, the architecture tables and the
+  cache argument's name;
+* :mod:`.rotary` — how each layer encodes positions in its keys and queries, measured on the model
+  (:func:`layer_rotations`): what the stream re-rotates, and what it refuses;
+* :mod:`.support` — architecture features the capture or the stream cannot reproduce (hyper-connections,
+  compressed or indexer-picked keys, position biases, convolution state …), refused up front with what would
+  lift the refusal (:func:`check_capture`, :func:`check_stream`).
 """
 
 from __future__ import annotations
@@ -34,8 +39,6 @@ from .layout import (
     LLAMA_STYLE_TYPES,
     VIT_TYPES,
     ENCODER_TYPES,
-    rope_spec,
-    layer_rope_specs,
     layer_sliding_windows,
     base_model,
     cache_kwarg_name,
@@ -44,6 +47,8 @@ from .layout import (
     offloaded_weights,
     named_weights,
 )
+from .rotary import LayerRotation, layer_rotations
+from .support import check_capture, check_stream, unsupported_features
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -66,8 +71,6 @@ __all__ = [
     "LLAMA_STYLE_TYPES",
     "VIT_TYPES",
     "ENCODER_TYPES",
-    "rope_spec",
-    "layer_rope_specs",
     "layer_sliding_windows",
     "base_model",
     "cache_kwarg_name",
@@ -75,4 +78,9 @@ __all__ = [
     "cache_argument",
     "offloaded_weights",
     "named_weights",
+    "LayerRotation",
+    "layer_rotations",
+    "check_capture",
+    "check_stream",
+    "unsupported_features",
 ]

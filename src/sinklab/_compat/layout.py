@@ -1,7 +1,7 @@
 """Per-architecture layouts: the config fields under their many names, the stack of transformer blocks, the
 query/key/output projection weights in the layouts the supported architectures use (separate ``q_proj``/``k_proj``,
 fused ``qkv_proj`` (Phi-3), per-head fused ``query_key_value`` (GPT-NeoX), ``Conv1D`` ``c_attn``/``c_proj``
-(GPT-2), BERT/ViT ``query``/``key`` with the output dense in a sibling module, DINOv2's LayerScale), RoPE and
+(GPT-2), BERT/ViT ``query``/``key`` with the output dense in a sibling module, DINOv2's LayerScale), the
 sliding-window specs, the architecture tables, and where the cache argument goes."""
 
 from __future__ import annotations
@@ -234,84 +234,23 @@ VIT_TYPES = {"vit", "dinov2", "sinklab-vit"}
 #: bidirectional encoders: every position attends to every other (no causal first-token circuit).
 ENCODER_TYPES = {"bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "xlm-roberta",
                  "mpnet", "camembert", "vit", "dinov2", "dinov2_with_registers", "modernbert"}
-_ABSOLUTE_POSITION_TYPES = {"gpt2", "opt", "bert", "roberta", "gpt_neo", "bart", "xglm", "biogpt", "vit", "dinov2"}
-_ALIBI_TYPES = {"bloom", "mpt", "falcon"}
 
 
-def rope_spec(model: nn.Module):
-    """The model's rotary embedding as a :class:`sinklab.rope.RopeSpec`, or an explanatory error.
-
-    Reads the public ``inv_freq``/``attention_scaling`` of the model's rotary-embedding module (Llama,
-    Qwen2/3, Mistral, Gemma, Phi-3, GPT-NeoX with partial rotary, gpt-oss …) or, for GPT-J's interleaved
-    sinusoid table, rebuilds the frequencies from ``config.rotary_dim``.
-    """
-    from ..rope import RopeSpec
-
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", "")
-    name = type(model).__name__
-    if model_type in _ALIBI_TYPES and getattr(config, "alibi", model_type != "falcon"):
-        raise UnsupportedModelError(
-            f"{name} uses ALiBi position biases; sinklab's streaming re-positions RoPE keys by cache slot and does "
-            "not yet re-bias ALiBi scores. Use a RoPE model (Llama, Qwen, Mistral, Phi-3, Gemma, GPT-NeoX, GPT-J)."
-        )
-    if model_type in ("gptj", "codegen"):
-        dim = int(config.rotary_dim or config.n_embd // config.n_head)
-        inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-        return RopeSpec(inv_freq=inv, interleaved=True, attention_scaling=1.0)
-    found = []
-    for module in model.modules():
-        inv = getattr(module, "inv_freq", None)
-        if isinstance(inv, Tensor) and inv.dim() == 1:
-            found.append(module)
-    if not found:
-        why = ("learned absolute position embeddings" if model_type in _ABSOLUTE_POSITION_TYPES
-               else "no rotary position embedding sinklab can find")
-        raise UnsupportedModelError(
-            f"{name} ({model_type or 'unknown type'}) has {why}: positions by cache slot need RoPE, whose scores depend "
-            "only on distances, so evicted tokens can be skipped. A model with absolute position embeddings would see "
-            "its sinks and window at positions it was trained to read differently, so it cannot stream this way."
-        )
-    freqs = {tuple(m.inv_freq.tolist()) for m in found}
-    if len(freqs) > 1:
-        raise UnsupportedModelError(
-            f"{name} uses several rotary embeddings (e.g. local and global layers); streaming supports one."
-        )
-    rope_type = getattr(found[0], "rope_type", "default")
-    if rope_type == "dynamic":
-        raise UnsupportedModelError(f"{name} uses dynamic NTK RoPE, whose frequencies change with sequence length; "
-                                    "streaming needs fixed frequencies.")
-    module = found[0]
-    return RopeSpec(inv_freq=module.inv_freq.detach().double().cpu(), interleaved=False,
-                    attention_scaling=float(getattr(module, "attention_scaling", 1.0)))
-
-
-def layer_rope_specs(model: nn.Module) -> list:
-    """One :class:`sinklab.rope.RopeSpec` per decoder layer (identical layers share one object).
-
-    Models with one rotary embedding get :func:`rope_spec` for every layer. Models whose rotary module holds
-    one set of frequencies per layer type (Gemma 3: ``sliding_attention_inv_freq`` (local base) and
-    ``full_attention_inv_freq`` (global base)) get each layer the frequencies of its ``config.layer_types`` entry.
-    """
-    from ..rope import RopeSpec
-
-    config = getattr(model, "config", None)
-    n = num_layers(config) or 0
-    types = config_get(config, "layer_types")
-    if types:
-        for module in model.modules():
-            per_type = {t: getattr(module, f"{t}_inv_freq", None) for t in set(types)}
-            if all(isinstance(v, Tensor) and v.dim() == 1 for v in per_type.values()):
-                rope_type = getattr(module, "rope_type", {})
-                if any((rope_type.get(t) if isinstance(rope_type, dict) else rope_type) == "dynamic" for t in per_type):
-                    raise UnsupportedModelError(f"{type(model).__name__} uses dynamic NTK RoPE, whose frequencies "
-                                                "change with sequence length; streaming needs fixed frequencies.")
-                specs = {t: RopeSpec(inv_freq=v.detach().double().cpu(), interleaved=False,
-                                     attention_scaling=float(getattr(module, f"{t}_attention_scaling", 1.0)))
-                         for t, v in per_type.items()}
-                return [specs[t] for t in types]
-    spec = rope_spec(model)
-    return [spec] * n
+#: Why a layer type cannot stream yet, and what would lift it (the refusal a user reads).
+_WHY_NOT_STREAMED = {
+    "linear_attention": "a hybrid model's linear-attention layers keep a recurrent state, not a KV cache. sinklab "
+                        "streams models whose every layer is softmax attention; a hybrid needs its recurrent state "
+                        "carried beside the attention layers' sinks and window, which sinklab does not do yet.",
+    "chunked_attention": "chunked attention (Llama 4) lets a token see only the tokens of its own chunk; sinks + a "
+                         "sliding window would change what each token sees. sinklab does not stream it yet: "
+                         "it needs a per-layer chunk rule in the stream's visibility.",
+    None: "sinklab streams full and sliding-window softmax-attention layers only; a layer of another kind "
+          "(recurrent, state-space, convolution, linear attention) needs its own state carried by the stream, "
+          "which sinklab does not do yet.",
+}
+for _kind in ("mamba", "mamba2", "conv", "recurrent", "rwkv", "deltanet", "gated_deltanet", "moe_linear_attention",
+              "lightning_attention", "hybrid"):
+    _WHY_NOT_STREAMED.setdefault(_kind, _WHY_NOT_STREAMED["linear_attention"])
 
 
 def layer_sliding_windows(model: nn.Module) -> list[int | None]:
@@ -327,6 +266,9 @@ def layer_sliding_windows(model: nn.Module) -> list[int | None]:
     types = config_get(config, "layer_types")
     if config_get(config, "use_bidirectional_attention"):
         raise UnsupportedModelError(f"{type(model).__name__} uses bidirectional attention; streaming needs a causal LM.")
+    if config_get(config, "attention_chunk_size") and "chunked_attention" not in (types or ()):
+        raise UnsupportedModelError(f"{type(model).__name__} uses chunked attention (attention_chunk_size); "
+                                    + _WHY_NOT_STREAMED["chunked_attention"])
     if types:
         out: list[int | None] = []
         for i, kind in enumerate(types):
@@ -335,8 +277,8 @@ def layer_sliding_windows(model: nn.Module) -> list[int | None]:
             elif kind == "sliding_attention" and window is not None:
                 out.append(int(window))
             else:
-                raise UnsupportedModelError(f"{type(model).__name__}: layer {i} has attention type {kind!r}; sinklab "
-                                            "streams full and sliding-window attention layers only.")
+                raise UnsupportedModelError(f"{type(model).__name__}: layer {i} has attention type {kind!r}; "
+                                            + _WHY_NOT_STREAMED.get(kind, _WHY_NOT_STREAMED[None]))
         return out
     return [int(window) if window is not None else None] * n
 

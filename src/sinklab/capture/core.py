@@ -85,6 +85,7 @@ class AttentionCapture:
 
     # ------------------------------------------------------------------ set-up / tear-down
     def __enter__(self) -> AttentionCapture:
+        _compat.check_capture(self.model)  # features the capture cannot reproduce, refused with what would lift it
         self._layers = _compat.find_layers(self.model)
         for index, layer in enumerate(self._layers):
             for sub in layer.modules():

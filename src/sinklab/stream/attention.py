@@ -92,7 +92,7 @@ def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         raise UnsupportedModelError(
             f"layer {layer_idx} attends over a window of {kwargs.get('sliding_window')} tokens but its config says "
             f"{stream.layer_windows[layer_idx]}; sinklab cannot tell this layer's own attention span")
-    rope = state.rope
+    rope = state.attn_rope  # how the key this function receives turns (its rotary part may sit elsewhere)
     view = state.view
     b, h, c, dh = query.shape
     hkv = key.shape[1]

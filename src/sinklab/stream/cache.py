@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache
 
 from .. import _compat
 from ..checks import check_model
-from ..errors import InputError, ModelWeightsError, is_int
+from ..errors import InputError, ModelWeightsError, UnsupportedModelError, is_int
 from .activation import streams_of
 from .layer import SinkWindowLayer
 from .state import StreamState
@@ -69,13 +69,22 @@ def _legacy_sizes(num_sinks: int, window: int | None, window_length: int | None,
 
 def _real_columns(mask, b: int, c: int, device: torch.device) -> torch.Tensor:
     """Which of the ``c`` new columns are real tokens, ``[B, C]`` bool (left padding: each row's sinks are its
-    own first real tokens). From a 2-D padding mask, or from a prepared 4-D one (``generate()`` with a
-    compileable cache): the last query — always real under left padding — sees exactly the real new columns."""
+    own first real tokens). From a 2-D padding mask, or from a 4-D one that ``generate()`` prepared (a
+    compileable cache gets its masks built before the forward):
+
+    * the stream's own (:func:`~sinklab.stream.attention.stream_mask`, ``[B, 1, 1, C]``): the real new columns;
+    * one built by the model's own mask function (the first forward of ``generate()``, before the stream is
+      switched on: sdpa/eager, causal or sliding-window): ``[B, 1|H, C, K]`` whose last ``C`` key columns are the
+      new tokens (:meth:`SinkWindowLayer.get_mask_sizes`); query ``i`` sees key ``i`` of them exactly when that
+      column is real (every causal, sliding or chunked pattern keeps the diagonal), so the diagonal is read —
+      not the last query's row, which a sliding window, or the keys past it, would cut short.
+    """
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         return mask[:, -c:].bool()
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:
-        last = mask[:, 0, -1, -c:]
-        return last if last.dtype == torch.bool else last == 0  # additive float masks: 0 = attend
+        block = mask[:, 0, -c:, -c:]  # (B, 1 | C, C): the new queries against the new columns
+        seen = block[:, -1] if block.shape[1] == 1 else block.diagonal(dim1=-2, dim2=-1)
+        return seen if seen.dtype == torch.bool else seen == 0  # additive float masks: 0 = attend
     return torch.ones(b, c, dtype=torch.bool, device=device)
 
 
@@ -85,7 +94,9 @@ class SinkCache(Cache):
     Parameters
     ----------
     model:
-        A RoPE causal LM (transformers ``PreTrainedModel``).
+        A causal LM whose positions are rotary (any pairing, direction or rotated width; latent attention; layers
+        without positions too) — measured on the model by :func:`sinklab._compat.layer_rotations`, which refuses
+        what streaming cannot reproduce (transformers ``PreTrainedModel``).
     num_sinks:
         ``S``, the first real tokens kept forever (0 gives the window-only baseline).
     window:
@@ -126,26 +137,37 @@ class SinkCache(Cache):
                  check_every: int = 64, window_length: int | None = None, num_sink_tokens: int | None = None,
                  kv_bits: int | None = None, kv_group_size: int = KV_GROUP_SIZE, compile_plan: bool = False) -> None:
         check_model(model, "SinkCache")
+        _compat.check_stream(model)  # features the stream cannot reproduce, refused with what would lift it
         num_sinks, window = _legacy_sizes(num_sinks, window, window_length, num_sink_tokens)
         if not isinstance(compile_plan, bool):
             raise InputError(f"compile_plan is True or False, got {compile_plan!r}")
         self.model = model
         self.sliding_sinks = bool(sliding_sinks)
         main = StreamState(num_sinks, window, pinned, start_position, rebase_every)
-        ropes = _compat.layer_rope_specs(model)
         self.layer_windows = _compat.layer_sliding_windows(model)
+        # How each layer rotates its keys, measured on the model (pairing, direction, rotated dimensions, which
+        # cached tensor; none on NoPE layers): _compat.layer_rotations refuses what it cannot reproduce.
+        self.layer_rotations = _compat.layer_rotations(model)
+        if len(self.layer_rotations) != len(self.layer_windows):  # blocks with several attention modules
+            if any(w is not None for w in self.layer_windows):
+                raise UnsupportedModelError(
+                    f"{type(model).__name__} has {len(self.layer_rotations)} attention layers in "
+                    f"{len(self.layer_windows)} blocks and sliding windows per block; sinklab cannot tell which "
+                    "attention layer each window belongs to")
+            self.layer_windows = [None] * len(self.layer_rotations)
         groups: dict[tuple, StreamState] = {}
         self.layer_states: list[StreamState] = []
-        for rope, own in zip(ropes, self.layer_windows):
+        for rotation, own in zip(self.layer_rotations, self.layer_windows):
             native = own is not None and own <= num_sinks + window
             if native and not sliding_sinks:
                 policy = (0, own, ())
             else:
                 policy = (num_sinks, own if native else window, tuple(main.pinned))
-            key = (id(rope), *policy)
+            key = (id(rotation), *policy)
             if key not in groups:
                 groups[key] = StreamState(policy[0], policy[1], list(policy[2]), start_position, rebase_every,
-                                          rope=rope, compile_plan=compile_plan)
+                                          rope=rotation.cache_rope, attn_rope=rotation.attn_rope,
+                                          compile_plan=compile_plan)
             self.layer_states.append(groups[key])
         self.states = list(groups.values())
         # Every group re-bases at the same steps by the same amount, so all layers share one virtual position.
@@ -165,12 +187,14 @@ class SinkCache(Cache):
         self._checked = 0  # columns checked so far
         if kv_bits is None and kv_group_size != KV_GROUP_SIZE:
             raise InputError(f"kv_group_size={kv_group_size!r} sets the groups of a quantized window; it needs kv_bits")
+        swapped = [r.rotated == "values" for r in self.layer_rotations]  # latent attention: see SinkWindowLayer
         if kv_bits is None:
-            layers = [SinkWindowLayer(s, s.rope) for s in self.layer_states]
+            layers = [SinkWindowLayer(s, s.rope, rotates_values=v) for s, v in zip(self.layer_states, swapped)]
         else:
             from .quantized import QuantizedSinkWindowLayer
 
-            layers = [QuantizedSinkWindowLayer(s, s.rope, kv_bits, kv_group_size) for s in self.layer_states]
+            layers = [QuantizedSinkWindowLayer(s, s.rope, kv_bits, kv_group_size, rotates_values=v)
+                      for s, v in zip(self.layer_states, swapped)]
         super().__init__(layers=layers)
         self._streams = streams_of(model)
         self._streams.add(self)
@@ -207,6 +231,8 @@ class SinkCache(Cache):
         if ids is not None:
             self.check_ids(ids)
         mask = kwargs.get("attention_mask")
+        if isinstance(mask, dict):  # generate() on a hybrid model: one prepared mask per layer type, same padding
+            mask = next((m for m in mask.values() if isinstance(m, torch.Tensor)), None)
         valid = _real_columns(mask, b, c, ref.device)
         # Every column real, known on the host: no mask, or a CPU mask (read where it already is; on an
         # accelerator that read would be a synchronisation, so the per-row masked write is used instead).

@@ -26,10 +26,13 @@ class SinkWindowLayer(CacheLayerMixin):
     is_croppable = True  # until the window evicts (SinkCache.crop says why not after)
     is_sliding = False
 
-    def __init__(self, state: StreamState, rope: RopeSpec) -> None:
+    def __init__(self, state: StreamState, rope: RopeSpec | None, *, rotates_values: bool = False) -> None:
         super().__init__()
         self.state = state
-        self.rope = rope
+        self.rope = rope  # None: the layer's keys carry no position (NoPE), nothing is re-rotated
+        # Latent attention (DeepSeek V2/V3, MiniCPM3 …) hands its cache the compressed latent as "keys" and the
+        # decoupled rotary key as "values": the layer stores them swapped, so ``keys`` is always what rotates.
+        self.rotates_values = bool(rotates_values)
         self._partner: tuple | None = None  # (anchor_keys, their partner dimensions): eager decode steps
         state.layers.append(self)
 
@@ -59,6 +62,13 @@ class SinkWindowLayer(CacheLayerMixin):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Store the new keys/values; return what attention should see (the buffer, or buffer ⧺ chunk)."""
+        if self.rotates_values:
+            values, keys = self.store(value_states, key_states)
+            return keys, values
+        return self.store(key_states, value_states)
+
+    def store(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`update` with ``key_states`` the tensor that rotates with position."""
         if self.state.closed:
             raise InputError("this SinkCache was closed; create a new one")
         if not self.is_initialized:
@@ -67,7 +77,7 @@ class SinkWindowLayer(CacheLayerMixin):
         n = self.state.anchor_capacity
         if view.from_buffer:
             self._write(key_states, value_states, plan)
-            if n:
+            if n and view.anchor_c is not None:
                 self.keys[:, :, :n] = self._anchors_rotated(view.anchor_c, view.anchor_s)
             return self.keys, self.values
         keys = torch.cat([self.anchor_keys, self.keys[:, :, n:], key_states], dim=-2)
@@ -79,12 +89,13 @@ class SinkWindowLayer(CacheLayerMixin):
         """The anchored keys rotated by the step's factors (:func:`sinklab.rope.rotate_pairs`). Eagerly, their
         partner dimensions are kept between steps while the anchored keys do not change (two ops per layer and
         token); compiled, they are part of the graph."""
-        keys, interleaved = self.anchor_keys, self.rope.interleaved
+        keys, interleaved, offset = self.anchor_keys, self.rope.interleaved, self.rope.offset
         if torch.compiler.is_compiling():
-            return rotate_pairs(keys, c, s, interleaved)
+            return rotate_pairs(keys, c, s, interleaved, offset=offset)
         if self._partner is None or self._partner[0] is not keys:  # dropped by every write to the anchored keys
-            self._partner = (keys, pair_partner(keys[..., : c.shape[-1]].to(c.dtype), interleaved))
-        return rotate_pairs(keys, c, s, interleaved, partner=self._partner[1])
+            rotated = keys[..., offset : offset + c.shape[-1]].to(c.dtype)
+            self._partner = (keys, pair_partner(rotated, interleaved))
+        return rotate_pairs(keys, c, s, interleaved, partner=self._partner[1], offset=offset)
 
     def _write(self, key_states: Tensor, value_states: Tensor, plan: dict) -> None:
         if plan.get("uniform"):  # decode, every row a real free token in the same slot: one copy per buffer
@@ -124,7 +135,7 @@ class SinkWindowLayer(CacheLayerMixin):
 
     def rotate_ring(self, ring: slice, delta: Tensor) -> None:
         """Rotate the ring's keys by ``delta`` ``[B]`` positions (used when the stream re-bases)."""
-        if self.is_initialized:
+        if self.is_initialized and self.rope is not None:
             shift = delta.to(self.keys.device)[:, None, None]  # (B, 1, 1) broadcast over heads and slots
             self.keys[:, :, ring] = rotate(self.keys[:, :, ring], self.rope, shift)
 
@@ -132,7 +143,19 @@ class SinkWindowLayer(CacheLayerMixin):
         return self.state.columns
 
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
-        return self.state.capacity + (query_length if isinstance(query_length, int) else 1), 0
+        """``(kv_length, kv_offset)`` of the mask transformers builds for the next forward (queries at
+        :meth:`SinkCache.get_query_offset` on).
+
+        The stream's own mask function ignores it. A mask built by the model's own mask function — ``generate()``
+        prepares the first forward's before the stream is switched on — then spans the stream columns up to the
+        new ones: its last ``q`` keys are the new tokens, each on its own query's diagonal, where
+        ``SinkCache.plan_forward`` reads which are real. At most ``S + P + W`` earlier columns are spanned; inside a
+        compiled forward the size is fixed (reading the host counter there would specialise the graph on it)."""
+        q = query_length if isinstance(query_length, int) else 1
+        if torch.compiler.is_compiling():
+            return self.state.capacity + q, 0
+        past = min(self.state.columns, self.state.capacity)
+        return past + q, self.state.columns - past
 
     def get_max_length(self) -> int:
         return -1  # the stream is unbounded; the memory is bounded by S + P + W

@@ -43,12 +43,13 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
 
     is_compileable = False
 
-    def __init__(self, state: StreamState, rope, bits: int = 4, group_size: int = 16) -> None:
+    def __init__(self, state: StreamState, rope, bits: int = 4, group_size: int = 16, *,
+                 rotates_values: bool = False) -> None:
         if not is_int(bits) or bits not in BITS:
             raise InputError(f"kv_bits must be one of {BITS} (or None for full precision), got {bits!r}")
         if not is_int(group_size) or group_size < 1:
             raise InputError(f"kv_group_size must be an integer ≥ 1, got {group_size!r}")
-        super().__init__(state, rope)
+        super().__init__(state, rope, rotates_values=rotates_values)
         self.bits, self.group_size = bits, group_size
         self._parts: tuple | None = None  # (ring, its key and value views)
 
@@ -94,7 +95,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         self._parts = (r, parts)
         return parts
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+    def store(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
         """Dequantize the ring into the shared buffer, let the parent update it, pack what it wrote."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -104,7 +105,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         dequantize(self.ring, out=self.kv[:, :, n:])  # keys and values together (groups never straddle them)
         if n:
             self.values[:, :, :n] = self.anchor_values
-        out = super().update(key_states, value_states, *args, **kwargs)
+        out = super().store(key_states, value_states)
         plan = self.state.plan
         if "slot" in plan:
             self._pack_step(plan, key_states[:, :, 0], value_states[:, :, 0])
@@ -176,7 +177,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
 
     def rotate_ring(self, ring: slice, delta: Tensor) -> None:
         """Re-base: dequantize the ring's keys, rotate them by ``delta`` ``[B]`` positions, pack them again."""
-        if self.is_initialized:
+        if self.is_initialized and self.rope is not None:
             self._flush()
             shift = delta.to(self.device)[:, None, None]  # (B, 1, 1) broadcast over heads and slots
             keys = rotate(dequantize(self._ring_parts()[0]), self.rope, shift)  # (B, Hkv, W, dk)

@@ -164,7 +164,7 @@ class StreamState:
     """Counters, buffer metadata and position plan for one stream (all layers share it)."""
 
     def __init__(self, num_sinks: int, window: int, pinned=None, start_position: int = 0,
-                 rebase_every: int | None = None, rope=None, compile_plan: bool = False) -> None:
+                 rebase_every: int | None = None, rope=None, compile_plan: bool = False, attn_rope=None) -> None:
         if not is_int(window) or window < 1:
             raise InputError(f"window must be an integer ≥ 1 (it includes the current token), got {window!r}")
         if not is_int(num_sinks) or num_sinks < 0:
@@ -176,7 +176,8 @@ class StreamState:
                              f"got {rebase_every!r}")
         self.num_sinks = int(num_sinks)
         self.window = int(window)
-        self.rope = rope
+        self.rope = rope  # how the cached (rotated) tensor turns with position; None: no position (NoPE)
+        self.attn_rope = rope if attn_rope is None else attn_rope  # how the key the attention receives turns
         self.pinned = _check_pinned(pinned)
         # Anchored capacity: sinks plus pinned tokens that are not already sinks.
         self.anchor_capacity = num_sinks + sum(max(0, e - max(s, num_sinks)) for s, e in self.pinned)
@@ -211,6 +212,7 @@ class StreamState:
         self.device = device
         if self.rope is not None:  # the frequencies on the stream's device once, not copied there every token
             self.rope = replace(self.rope, inv_freq=self.rope.inv_freq.to(device))
+            self.attn_rope = replace(self.attn_rope, inv_freq=self.rope.inv_freq)
         with buffers_that_fit(self.capacity):
             self._allocate_rows(batch, device)
 
@@ -348,7 +350,7 @@ class StreamState:
         # The ring holds exactly the W most recent free tokens, so every valid slot is visible; anchored
         # keys are re-rotated to their slot distance from this query (O(S + P) per layer).
         view.visible = self.s_valid & valid[:, None]
-        if self.anchor_capacity:
+        if self.anchor_capacity and self.rope is not None:
             view.anchor_c, view.anchor_s = _anchor_rotation(self.rope, q_a, q_f, q_v, self.s_a, self.s_f,
                                                                 self.s_o, self.anchor_capacity, self.window)
         self.view = view
