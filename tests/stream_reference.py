@@ -8,6 +8,12 @@ layer keeps ``S`` sinks, the pinned spans and the ``W`` most recent other tokens
 (gpt-oss ``s_aux``) and logit soft-capping (Gemma 2) are applied the way the papers/models define them, and
 so are sinklab's variants (sink logit, softmax₁, kv-bias slot scored by the query at its slot position,
 output gate); register tokens are fed by :meth:`Reference.feed_registers` as the first tokens.
+
+Hybrid models (Qwen3-Next …: ``layer_types`` with ``linear_attention`` / ``conv`` layers beside attention): the
+reference runs the model with its own ``DynamicCache(config=...)``, so those layers carry their convolution and
+recurrent states exactly as the model itself does (never evicted); the attention layers still go through the
+reference's own store and slot positions (their ``DynamicLayer`` is emptied after every step, so the model's cache
+keeps no attention keys).
 """
 
 from __future__ import annotations
@@ -53,6 +59,12 @@ class Reference:
         self.apply = modeling.apply_rotary_pos_emb
         self.rotary = next(m for m in self.model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
         self.types = getattr(model.config, "layer_types", None)
+        # A hybrid: its non-attention layers keep their state in the model's own cache, fed token by token.
+        self.cache = None
+        if any(t not in ("full_attention", "sliding_attention") for t in (self.types or ())):
+            from transformers import DynamicCache
+
+            self.cache = DynamicCache(config=self.model.config)
         AttentionInterface.register("sinklab_test_reference", self._attend)
         self.model.set_attn_implementation("sinklab_test_reference")
         # A sinklab register variant: the reference feeds the registers itself (feed_registers), as the first
@@ -81,8 +93,9 @@ class Reference:
         sinks, window, pins = self.policy[layer]
         store = self.store.setdefault(layer, [])
         _, _, mscale = self._rope(layer, key, torch.zeros(1, 1, dtype=torch.long))
-        # Position 0 is the identity rotation (times the attention scaling), so these are pre-RoPE keys.
-        store.append((self.t, key[0, :, 0] / mscale, value[0, :, 0]))
+        # Position 0 is the identity rotation (times the attention scaling), so these are pre-RoPE keys. The newest
+        # key is the step's own (a hybrid's cache hands over its attention layer's keys, emptied every step).
+        store.append((self.t, key[0, :, -1] / mscale, value[0, :, -1]))
         free = [e for e in store if not self._anchored(e[0], sinks, pins)]
         drop = {e[0] for e in free[: max(0, len(free) - window)]}
         store[:] = [e for e in store if e[0] not in drop]
@@ -123,11 +136,25 @@ class Reference:
             out = out * g.view(1, 1, nh, -1)
         return out, None
 
+    def _cache_kwargs(self) -> dict:
+        if self.cache is None:
+            return {"use_cache": False}
+        return {"use_cache": True, "cache": self.cache}
+
+    def _drop_attention_keys(self) -> None:
+        """A hybrid's cache: the recurrent layers keep their state; the attention layers keep nothing (the
+        reference's own store holds their keys)."""
+        for layer in getattr(self.cache, "layers", ()):
+            if isinstance(getattr(layer, "keys", None), torch.Tensor):
+                layer.keys, layer.values = layer.keys[:, :, :0], layer.values[:, :, :0]
+
     @torch.no_grad()
     def step(self, token: int) -> torch.Tensor:
         self.t += 1
         ids = torch.tensor([[token]])
-        return self.model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits[0, -1]
+        out = self.model(input_ids=ids, position_ids=torch.zeros_like(ids), **self._cache_kwargs()).logits[0, -1]
+        self._drop_attention_keys()
+        return out
 
     @torch.no_grad()
     def feed_registers(self) -> None:
@@ -135,7 +162,8 @@ class Reference:
         for vec in self.registers:
             self.t += 1
             self.model(inputs_embeds=vec.double().view(1, 1, -1), position_ids=torch.zeros(1, 1, dtype=torch.long),
-                       use_cache=False)
+                       **self._cache_kwargs())
+            self._drop_attention_keys()
 
     def kept(self, layer: int) -> int:
         return len(self.store.get(layer, []))

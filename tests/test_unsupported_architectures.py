@@ -44,7 +44,7 @@ SCAN_REFUSAL = {
     "hy_v4": r"residual streams per token \(hyper-connections.*learned indexer pick each query's top-4 keys",
     "inkling_text": None,
     "inkling2_text": r"attention over depth.*sink logit from its hidden state",
-    "inkling2_loop_text": r"runs layers 1–3 2 times per token.*attention over depth.*sink logit from its hidden state",
+    "inkling2_loop_text": r"runs layers 1–3 2 times per token.*attention over depth.*sink logit from its hidden",
 }
 STREAM_REFUSAL = {
     "deepseek_v4": r"compressed summaries of blocks of past tokens.*lifting it needs a stream policy",

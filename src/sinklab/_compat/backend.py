@@ -55,6 +55,21 @@ def register_attention(name: str, fn: Callable, mask: Callable | None = None) ->
     AttentionMaskInterface.register(name, sdpa_mask if mask is None else mask)
 
 
+def explicit_mask(*args: object, **kwargs: object):
+    """The boolean SDPA mask, always built for a causal (sliding, chunked …) pattern — the mask eager attention gets.
+
+    SDPA's mask function returns ``None`` for a causal mask without padding and leaves causality to each attention
+    module's ``is_causal`` flag, which not every module sets right: BigBird-Pegasus' decoder self-attention is
+    causal only through its mask (``is_causal`` False), so a backend that trusts the flag would let every query see
+    every key. With this mask function the mask says what each query sees, as in eager attention; ``None`` is left
+    only where eager attention also gets none (a bidirectional mask without padding).
+    """
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
 def get_attn_implementation(model: nn.Module) -> str | None:
     """The attention backend ``model`` dispatches to (``"eager"``, ``"sdpa"``, a sinklab backend …)."""
     config = getattr(model, "config", None)
@@ -82,7 +97,9 @@ def _set_attn_implementation(model: nn.Module, name: str) -> None:
     if get_attn_implementation(model) != name:
         raise UnsupportedModelError(
             f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, "
-            "so sinklab cannot observe it without copying its modeling code (which it never does)."
+            "so sinklab cannot observe it without copying its modeling code (which it never does). It becomes "
+            "supported when transformers routes this model's attention through the interface (as it does for "
+            "Llama, Qwen, Mistral, Gemma, Phi-3, GPT-NeoX, GPT-2, BERT …; docs/architectures.md lists them)."
         )
 
 

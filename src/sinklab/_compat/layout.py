@@ -79,6 +79,49 @@ def block_input(args: tuple, kwargs: dict) -> Tensor:
     raise UnsupportedModelError("cannot find the hidden-states input of a transformer block")
 
 
+def stacked_streams(model: nn.Module) -> tuple[int, int] | None:
+    """``(copies, main)`` when ``model``'s blocks pass ``copies`` stacked copies of the hidden state
+    ``[copies, B, T, d]`` instead of one ``[B, T, d]`` (Gemma 3n's AltUp, alternating updates), else None.
+
+    Each AltUp block predicts every copy from all of them, runs its attention and MLP on copy ``main``
+    (``altup_active_idx``) only and corrects the other copies from that result; the final hidden state mixes
+    all copies. Copy ``main`` is the one the model treats as its residual stream.
+    """
+    copies = config_get(getattr(model, "config", None), "altup_num_inputs")
+    if not isinstance(copies, int) or isinstance(copies, bool) or copies < 2:
+        return None
+    main = config_get(getattr(model, "config", None), "altup_active_idx", default=0)
+    return copies, int(main)
+
+
+def residual_stream(model: nn.Module, hidden: Tensor) -> Tensor:
+    """The ``[B, T, d]`` residual stream in a block's input or output ``hidden``: the main copy of stacked copies
+    (:func:`stacked_streams`), else ``hidden`` itself."""
+    spec = stacked_streams(model)
+    if spec is not None and hidden.dim() == 4 and hidden.shape[0] == spec[0]:
+        return hidden[spec[1]]
+    return hidden
+
+
+def resume_blocker(model: nn.Module, calls: list[tuple[tuple, dict]]) -> str | None:
+    """Why a pass cannot restart at a block from the arguments every block received in one forward (``calls``),
+    or None when it can.
+
+    It cannot when the blocks pass stacked copies of the hidden state (:func:`stacked_streams`: the copies are
+    not one batch-leading tensor, and the final state mixes them), nor when a block writes state that a later
+    block reads (a filled ``shared_kv_states``: Gemma 3n/4 layers that reuse an earlier layer's keys and
+    values) — a rerun would read the state of whichever pass wrote it last.
+    """
+    spec = stacked_streams(model)
+    if spec is not None:
+        return f"its blocks pass {spec[0]} stacked copies of the hidden state (AltUp)"
+    for _, kwargs in calls:
+        shared = kwargs.get("shared_kv_states")
+        if shared is not None and hasattr(shared, "__len__") and len(shared) > 0:
+            return "later layers reuse the keys and values an earlier layer stored (shared_kv_states)"
+    return None
+
+
 def _linear_weight(module: nn.Module) -> Tensor:
     """Weight as ``[out, in]`` for ``nn.Linear`` and transformers' ``Conv1D`` (stored ``[in, out]``)."""
     if isinstance(module, nn.Linear):
@@ -236,29 +279,40 @@ ENCODER_TYPES = {"bert", "roberta", "distilbert", "albert", "electra", "deberta"
                  "mpnet", "camembert", "vit", "dinov2", "dinov2_with_registers", "modernbert"}
 
 
+#: ``layer_types`` names of layers that are not attention but keep a recurrent / state-space / convolution state
+#: (hybrid models: Qwen3-Next, Qwen3.5, Kimi Linear, OLMo hybrid, Bailing hybrid, Jamba, Bamba, Granite MoE hybrid,
+#: Nemotron-H, LFM2 …), and of layers without any token mixing (Nemotron-H's ``mlp``/``moe`` blocks). They have no
+#: window; whether the stream can keep them is decided by :func:`sinklab._compat.layer_rotations` (the model's own
+#: cache must hold them as linear-attention layers, or hold nothing for them: :func:`cache_layer_kind`).
+RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "conv", "mamba", "mamba2", "recurrent", "rwkv", "deltanet",
+                                   "gated_deltanet", "moe_linear_attention", "lightning_attention"})
+FEEDFORWARD_LAYER_TYPES = frozenset({"mlp", "moe"})
+
 #: Why a layer type cannot stream yet, and what would lift it (the refusal a user reads).
 _WHY_NOT_STREAMED = {
-    "linear_attention": "a hybrid model's linear-attention layers keep a recurrent state, not a KV cache. sinklab "
-                        "streams models whose every layer is softmax attention; a hybrid needs its recurrent state "
-                        "carried beside the attention layers' sinks and window, which sinklab does not do yet.",
     "chunked_attention": "chunked attention (Llama 4) lets a token see only the tokens of its own chunk; sinks + a "
                          "sliding window would change what each token sees. sinklab does not stream it yet: "
                          "it needs a per-layer chunk rule in the stream's visibility.",
-    None: "sinklab streams full and sliding-window softmax-attention layers only; a layer of another kind "
-          "(recurrent, state-space, convolution, linear attention) needs its own state carried by the stream, "
-          "which sinklab does not do yet.",
+    "hybrid": "this layer runs attention and a recurrent (state-space) mixer side by side and the model's cache keeps "
+              "both in one cache layer (Falcon-H1, Zamba2). sinklab streams attention layers (sinks + window) beside "
+              "separate linear-attention layers, whose state it keeps in transformers' own LinearAttentionLayer; "
+              "lifting it needs one stream layer that carries the sinks + window and the recurrent state together.",
+    None: "sinklab streams full and sliding-window softmax-attention layers, and linear-attention / recurrent / "
+          "convolution layers kept whole beside them; a layer of another kind needs its own rule in the stream, "
+          "which sinklab does not have yet.",
 }
-for _kind in ("mamba", "mamba2", "conv", "recurrent", "rwkv", "deltanet", "gated_deltanet", "moe_linear_attention",
-              "lightning_attention", "hybrid"):
-    _WHY_NOT_STREAMED.setdefault(_kind, _WHY_NOT_STREAMED["linear_attention"])
+_WHY_NOT_STREAMED["hybrid_sliding"] = _WHY_NOT_STREAMED["hybrid"]
 
 
 def layer_sliding_windows(model: nn.Module) -> list[int | None]:
-    """Each decoder layer's own attention window (keys a query sees, itself included), ``None`` for full attention.
+    """Each decoder layer's own attention window (keys a query sees, itself included), ``None`` for full attention
+    and for the layers of a hybrid model that are not attention (:data:`RECURRENT_LAYER_TYPES`,
+    :data:`FEEDFORWARD_LAYER_TYPES`: no window, whatever state they have is kept whole).
 
     Read from the config the way transformers' models build their masks: ``layer_types`` (``sliding_attention``
     layers use ``sliding_window``; gpt-oss, Gemma 2/3, Qwen2 …), else one ``sliding_window`` for every layer
-    (Mistral, Phi-3). Other layer types (chunked, linear attention) cannot stream.
+    (Mistral, Phi-3). Other layer types (chunked attention, attention and a recurrent mixer in one layer) cannot
+    stream.
     """
     config = getattr(model, "config", None)
     n = num_layers(config) or 0
@@ -272,7 +326,7 @@ def layer_sliding_windows(model: nn.Module) -> list[int | None]:
     if types:
         out: list[int | None] = []
         for i, kind in enumerate(types):
-            if kind == "full_attention":
+            if kind == "full_attention" or kind in RECURRENT_LAYER_TYPES or kind in FEEDFORWARD_LAYER_TYPES:
                 out.append(None)
             elif kind == "sliding_attention" and window is not None:
                 out.append(int(window))
@@ -283,9 +337,52 @@ def layer_sliding_windows(model: nn.Module) -> list[int | None]:
     return [int(window) if window is not None else None] * n
 
 
+def model_cache_layers(model: nn.Module) -> list:
+    """Fresh (empty) layers of the model's own cache: ``DynamicCache(config=model.config).layers`` — what its forward
+    builds when it is given no cache — one per decoder layer (``[]`` where transformers builds its layers lazily)."""
+    from transformers import DynamicCache
+
+    return list(getattr(DynamicCache(config=model.config), "layers", []))
+
+
+def cache_layer_kind(layer: object) -> str:
+    """What one layer of a transformers cache holds:
+
+    * ``"recurrent"`` — a linear-attention cache layer (transformers' ``LinearAttentionCacheLayerMixin`` and not also a
+      key/value layer: ``LinearAttentionLayer``, for ``layer_types`` ``linear_attention`` and ``conv``): a layer's
+      fixed-size convolution and recurrent states, which the model reads and writes through ``Cache.get_conv_state``
+      / ``update_conv_state`` / ``get_recurrent_state`` / ``update_recurrent_state`` / ``has_previous_state``;
+    * ``"stateless"`` — transformers' ``DummyLayer``: nothing (``mlp``/``moe`` blocks without token mixing, or a
+      layer reading another layer's keys — told apart by whether it calls attention);
+    * ``"keys"`` — anything else (keys and values, or a layer sinklab does not know).
+    """
+    try:
+        from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionCacheLayerMixin
+    except ImportError:  # pragma: no cover - transformers before linear-attention cache layers
+        return "keys"
+    if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin):
+        return "recurrent"
+    if isinstance(layer, DummyLayer):
+        return "stateless"
+    return "keys"
+
+
 def base_model(model: nn.Module) -> nn.Module:
-    """The decoder stack that takes ``position_ids`` (``model.model``, ``gpt_neox``, ``transformer`` …)."""
-    return getattr(model, "base_model", model)
+    """The decoder stack that takes ``position_ids`` (``model.model``, ``gpt_neox``, ``transformer`` …).
+
+    transformers' ``base_model`` reads the attribute named by ``base_model_prefix``; where no attribute has that
+    name (``Llama4ForCausalLM``/``MllamaForCausalLM``: prefix ``language_model``, stack under ``model``) it is the
+    head model itself, whose output holds logits, not hidden states. Then the one child that is a
+    ``PreTrainedModel`` is the stack.
+    """
+    base = getattr(model, "base_model", model)
+    if base is model:
+        from transformers import PreTrainedModel
+
+        stacks = [child for child in model.children() if isinstance(child, PreTrainedModel)]
+        if len(stacks) == 1:
+            return stacks[0]
+    return base
 
 
 def cache_kwarg_name(model: nn.Module) -> str:

@@ -16,6 +16,16 @@ receives are then matched against every rotation the model's frequency tables al
 (:data:`PROBE_TOLERANCE`); a layer whose keys or queries move in a way no rotation reproduces is refused with
 the measured error — never streamed silently wrong. What a single token cannot show (ALiBi biases, relative
 position buckets, masks) is refused by type before the probe.
+
+Hybrid models (Qwen3-Next, Qwen3.5, Jamba, Bamba, LFM2 …) interleave softmax attention with linear-attention,
+state-space or short-convolution layers. A layer that never calls the attention interface is described as
+:data:`RECURRENT` — nothing to re-rotate, nothing to evict — only when the model's own cache
+(``DynamicCache(config=model.config)``) holds it as a linear-attention layer (transformers'
+``LinearAttentionCacheLayerMixin``, which carries its convolution and recurrent states), and as :data:`STATELESS`
+only when that cache holds nothing for it (transformers' ``DummyLayer``: Nemotron-H's MLP/MoE blocks); the stream
+then keeps that layer in the same cache-layer class. Such a layer's state does not depend on positions (the probe's
+rows differ by position alone, so a layer that did would move the next attention layer's keys in a way no rotation
+reproduces, and be refused there).
 """
 
 from __future__ import annotations
@@ -30,9 +40,10 @@ from torch import Tensor, nn
 from ..errors import UnsupportedModelError
 from ..rope import RopeSpec, rotate
 from .backend import ModelPatch
-from .layout import cache_kwarg_name, config_get, embedding_rows, input_device, num_layers
+from .layout import (block_input, cache_kwarg_name, cache_layer_kind, config_get, embedding_rows, find_layers,
+                     input_device, num_layers, residual_stream)
 
-__all__ = ["LayerRotation", "layer_rotations", "PROBE_POSITIONS", "PROBE_TOLERANCE", "ALIBI_TYPES"]
+__all__ = ["LayerRotation", "RECURRENT", "STATELESS", "layer_rotations", "PROBE_POSITIONS", "PROBE_TOLERANCE", "ALIBI_TYPES"]
 
 #: Positions the probe puts its token at (capped below the model's position table).
 PROBE_POSITIONS = (0, 1, 2, 7, 64, 509, 1000)
@@ -46,17 +57,34 @@ _PROBE_BACKEND = "sinklab_probe"
 
 @dataclass(frozen=True)
 class LayerRotation:
-    """How one attention layer encodes positions.
+    """How one layer encodes positions.
 
-    ``cache_rope`` rotates the tensor the layer hands its cache (``rotated``: ``"keys"``, or ``"values"`` where
-    latent attention caches the compressed latent as keys and the decoupled rotary key as values); ``attn_rope``
-    rotates the key and query the attention function receives (the rotary part's ``offset`` can differ). Both
-    ``None``: the layer carries no position (NoPE) and its keys need no re-rotation.
+    ``kind`` ``"attention"``: a softmax-attention layer. ``cache_rope`` rotates the tensor the layer hands its cache
+    (``rotated``: ``"keys"``, or ``"values"`` where latent attention caches the compressed latent as keys and the
+    decoupled rotary key as values); ``attn_rope`` rotates the key and query the attention function receives (the
+    rotary part's ``offset`` can differ). Both ``None``: the layer carries no position (NoPE) and its keys need no
+    re-rotation.
+
+    ``kind`` ``"recurrent"`` (:data:`RECURRENT`): not attention — a linear-attention, state-space or convolution
+    layer whose state the model's own cache holds in a linear-attention cache layer; it has no keys, nothing is
+    re-rotated or evicted, and the stream keeps its state exactly as the model's own cache would. ``"stateless"``
+    (:data:`STATELESS`): not attention and nothing cached (an MLP/MoE block).
     """
 
     cache_rope: RopeSpec | None
     attn_rope: RopeSpec | None
     rotated: str = "keys"
+    kind: str = "attention"
+
+    @property
+    def is_attention(self) -> bool:
+        return self.kind == "attention"
+
+
+#: A layer that is not attention: its recurrent/convolution state is kept whole, nothing to re-rotate.
+RECURRENT = LayerRotation(None, None, kind="recurrent")
+#: A layer that is not attention and keeps nothing in the cache (an MLP/MoE block of a hybrid).
+STATELESS = LayerRotation(None, None, kind="stateless")
 
 
 _MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -120,27 +148,44 @@ def _frequency_tables(model: nn.Module) -> list[tuple[Tensor, bool]]:
 
 
 def _positions(model: nn.Module) -> list[int]:
-    limit = config_get(getattr(model, "config", None), "max_position_embeddings", "n_positions")
+    limit = config_get(getattr(model, "config", None), "max_position_embeddings", "n_positions", "n_ctx",
+                       "max_target_positions", "max_sequence_length")
     top = int(limit) - 1 if isinstance(limit, int) and limit > 8 else max(PROBE_POSITIONS)
     return sorted({min(p, top) for p in PROBE_POSITIONS})
 
 
-def _record(model: nn.Module, positions: list[int] | None, length: int = 1) -> tuple[dict, dict, torch.dtype]:
+def _record(model: nn.Module, positions: list[int] | None, length: int = 1, block_inputs: list | None = None
+            ) -> tuple[dict, dict, torch.dtype, dict[int, str]]:
     """Run the probe forward — one token per row at ``positions``, or (``positions=None``) one row of ``length``
     copies of the token at the model's default positions: ``({layer: (cached keys, cached values)},
-    {layer: (query, key)}, dtype)``, each tensor ``[rows, heads, dim]`` (``[length, heads, dim]`` for a row of
-    copies) in float64."""
+    {layer: (query, key)}, dtype, recurrent)``, each tensor ``[rows, heads, dim]`` (``[length, heads, dim]`` for a
+    row of copies) in float64; ``kinds``: what the model's own cache holds for each layer that holds no keys,
+    ``{index: "recurrent" | "stateless"}`` (:func:`~sinklab._compat.layout.cache_layer_kind`). ``block_inputs``: a
+    list that receives the hidden states ``[B, T, d]`` entering the first block."""
     from transformers import DynamicCache
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    first_block = None
+    if block_inputs is not None:
+        try:
+            first_block = find_layers(model)[0]
+        except UnsupportedModelError:
+            first_block = None
+
+    def grab(module, args, kwargs):
+        if not block_inputs:
+            block_inputs.append(residual_stream(model, block_input(args, kwargs)).detach())
 
     seen: dict[int, tuple[Tensor, Tensor]] = {}
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         idx = getattr(module, "layer_idx", None)
-        if idx is not None and idx not in seen:
-            seen[int(idx)] = (_rows(query), _rows(key))
-        kwargs.pop("s_aux", None)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        if idx is not None and idx not in seen:  # the probe's own tokens are the last (registers come first)
+            seen[int(idx)] = (_rows(query[:, :, -shape[1]:]), _rows(key[:, :, -shape[1]:]))
+        # What attention gives a query that sees only its own token (or its own row of equal tokens): that
+        # token's value, the same at every position — so the next layer's input never depends on the position.
+        # Softcaps, learned sinks and masks change how much of it, not whether it depends on the position.
+        out = value[:, :, -query.shape[2]:].repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+        return out.transpose(1, 2).contiguous(), None  # (B, T, H, dv)
 
     device = input_device(model)
     rows = embedding_rows(model) or 8
@@ -153,6 +198,8 @@ def _record(model: nn.Module, positions: list[int] | None, length: int = 1) -> t
     try:
         with ModelPatch(model) as patch, torch.no_grad():
             patch.use_attention(_PROBE_BACKEND, attention)
+            if first_block is not None:
+                patch.hook(first_block, grab, pre=True, with_kwargs=True)
             model(input_ids=ids, use_cache=True, **where, **{cache_kwarg_name(model): cache})
     except UnsupportedModelError:
         raise
@@ -165,10 +212,12 @@ def _record(model: nn.Module, positions: list[int] | None, length: int = 1) -> t
     cached: dict[int, tuple] = {}
     for idx, layer in enumerate(getattr(cache, "layers", [])):
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if isinstance(keys, Tensor) and isinstance(values, Tensor) and keys.dim() == 4 and keys.shape[2] == shape[1]:
-            cached[idx] = (_rows(keys), _rows(values))
+        # The probe's tokens are the last ones cached (a register variant puts its registers before them).
+        if isinstance(keys, Tensor) and isinstance(values, Tensor) and keys.dim() == 4 and keys.shape[2] >= shape[1]:
+            cached[idx] = (_rows(keys[:, :, -shape[1]:]), _rows(values[:, :, -shape[1]:]))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    return cached, seen, dtype
+    kinds = {i: cache_layer_kind(layer) for i, layer in enumerate(getattr(cache, "layers", []))}
+    return cached, seen, dtype, {i: k for i, k in kinds.items() if k != "keys"}
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -211,7 +260,7 @@ def _probe(model: nn.Module) -> list[LayerRotation]:
     config = getattr(model, "config", None)
     n = num_layers(config) or 0
     positions = _positions(model)
-    cached, seen, dtype = _record(model, positions)
+    cached, seen, dtype, kinds = _record(model, positions)
     tol = PROBE_TOLERANCE["half" if torch.finfo(dtype).bits <= 16 else "float"]
     tables = _frequency_tables(model)
     delta = torch.tensor(positions, dtype=torch.float64) - positions[0]
@@ -222,10 +271,15 @@ def _probe(model: nn.Module) -> list[LayerRotation]:
     out: list[LayerRotation] = []
     for idx in range(n):
         if idx not in seen:
+            if idx in kinds:  # the model's own cache holds it as a linear-attention layer (kept whole), or holds nothing
+                out.append(RECURRENT if kinds[idx] == "recurrent" else STATELESS)
+                continue
             raise UnsupportedModelError(
                 f"{name}: layer {idx} does not call transformers' attention interface (a linear-attention, recurrent "
-                "or state-space layer, or attention the model computes itself); sinklab streams models whose every "
-                "layer is softmax attention over a KV cache")
+                "or state-space layer, or attention the model computes itself), and the model's own cache does not "
+                "hold it as a linear-attention layer (transformers' LinearAttentionLayer: conv and recurrent states) "
+                "nor as a layer without state; sinklab streams softmax attention over a KV cache beside such layers "
+                "only. Lifting it needs this layer's state carried by a cache layer the stream knows")
         if idx not in cached:
             raise UnsupportedModelError(
                 f"{name}: layer {idx} attends without writing its own keys to the cache (keys shared across layers, "
@@ -264,17 +318,31 @@ def _probe(model: nn.Module) -> list[LayerRotation]:
                 f"position as its cached {rotated} do (relative error {max(err, q_err):.2g} > {tol:g}); streaming "
                 "by cache slot would score it at the wrong distance")
         out.append(LayerRotation(_scaled(cache_spec, scaling), _scaled(attn_spec, scaling), rotated))
-    if out and all(r.cache_rope is None for r in out):
-        _check_positions_reach_the_model(model, tol)
+    attention = [r for r in out if r.is_attention]
+    if attention and all(r.cache_rope is None for r in attention):
+        _check_positions_reach_the_model(model, tol, {i for i, k in kinds.items() if k == "recurrent"})
     return _shared(out)
 
 
-def _check_positions_reach_the_model(model: nn.Module, tol: float) -> None:
+def _check_positions_reach_the_model(model: nn.Module, tol: float, recurrent: set[int] = frozenset()) -> None:
     """No layer moved with ``position_ids``: either the model has no positions at all, or it takes them from
     somewhere else (a cache length, learned tables indexed by its own counter). A row of two copies of the token at
-    the model's own positions tells them apart: without positions their first layer's keys are equal."""
-    cached, _, _ = _record(model, None, length=2)
-    keys = cached.get(0, (None,))[0]
+    the model's own positions tells them apart: without positions their first layer's keys are equal.
+
+    In a hybrid whose first attention layer comes after a recurrent layer (Jamba, Kimi Linear: attention without
+    positions), that layer's two keys differ anyway — the recurrent layer mixes the copies — so the hidden states
+    entering the first block are compared instead: learned absolute positions added to the embeddings move them.
+    (Positions an attention layer behind a recurrent layer counted itself from the cache length would not show
+    there; no transformers hybrid does that.)"""
+    inputs: list = []
+    cached, _, _, _ = _record(model, None, length=2, block_inputs=inputs)
+    first = min(cached) if cached else None  # the first layer that caches keys
+    if first is not None and all(first < i for i in recurrent):
+        keys = cached[first][0]
+    elif inputs and inputs[0].dim() == 3:
+        keys = inputs[0][0].detach().double().cpu()[:, None, :]  # (T, 1, d): the two copies' embeddings
+    else:
+        keys = None
     if keys is not None and _moved(keys) > tol:
         raise UnsupportedModelError(
             f"{type(model).__name__}: its keys depend on position, but not on the position_ids it is given (it counts "
@@ -304,4 +372,4 @@ def _shared(rotations: list[LayerRotation]) -> list[LayerRotation]:
     def key(spec: RopeSpec | None) -> tuple:
         return () if spec is None else (tuple(spec.inv_freq.tolist()), spec.interleaved, spec.offset)
 
-    return [unique.setdefault((key(r.cache_rope), key(r.attn_rope), r.rotated), r) for r in rotations]
+    return [unique.setdefault((key(r.cache_rope), key(r.attn_rope), r.rotated, r.kind), r) for r in rotations]

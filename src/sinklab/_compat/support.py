@@ -149,7 +149,9 @@ FEATURES: tuple[Feature, ...] = (
             stream="sinklab's stream positions the kept tokens by rotating RoPE keys to their slot distances and "
                    "drops the model's `position_bias`; lifting it needs that bias recomputed at slot distances"),
     Feature(_conv_state, capture=None,
-            stream="a SinkCache holds no convolution state; lifting it needs one kept alongside the window"),
+            stream="a SinkCache's attention layers hold no convolution state (it keeps one only for the separate "
+                   "linear-attention layers of a hybrid model, in transformers' own LinearAttentionLayer); lifting it "
+                   "needs a stream layer that keeps the convolution state alongside the window"),
 )
 
 

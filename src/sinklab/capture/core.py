@@ -24,7 +24,7 @@ from ..variants import variant_column_logits, variant_gate, variant_has_columns
 from .heads import head_statistics
 from .hidden import HIDDEN_FIELDS, check_finite, hidden_statistics
 from .reduce import ColumnStats, chunked_attention
-from .resume import UNKNOWN_MAP, BlockInputs, find_final_map, run_blocks, stacked
+from .resume import NOT_RESUMABLE, UNKNOWN_MAP, BlockInputs, find_final_map, run_blocks, stacked
 from .types import CaptureBatch, CaptureConfig, StackedEdits, ValueEdit
 from .weights import SHARED, WeightStatistics
 
@@ -82,6 +82,9 @@ class AttentionCapture:
         self._token: contextvars.Token | None = None
         self._calls: list[tuple[tuple, dict]] | None = None  # block inputs while run(keep_inputs=True)
         self._last_block: Tensor | None = None
+        self._grab: int | None = None  # final_states() on a full pass: the block whose output it returns
+        self._grabbed: Tensor | None = None
+        self._causal_mask: tuple[Tensor, int, bool] | None = None  # (mask, Tk, is it the plain causal pattern)
 
     # ------------------------------------------------------------------ set-up / tear-down
     def __enter__(self) -> AttentionCapture:
@@ -92,7 +95,7 @@ class AttentionCapture:
                 self._layer_of[id(sub)] = index
         self._patch = patch = _compat.ModelPatch(self.model)
         try:
-            patch.use_attention(_compat.ATTN_IMPLEMENTATION, _dispatch)
+            patch.use_attention(_compat.ATTN_IMPLEMENTATION, _dispatch, mask=_compat.explicit_mask)
             patch.hook(self._layers[0], self._embed_hook, pre=True, with_kwargs=True)
             for layer in self._layers:
                 patch.hook(layer, self._keep_hook, pre=True, with_kwargs=True)
@@ -149,9 +152,11 @@ class AttentionCapture:
         if missing:
             raise UnsupportedModelError(
                 f"{type(self.model).__name__}: the attention of layer(s) {missing} did not go through "
-                "transformers' attention interface, so sinklab cannot observe it. Supported: models whose "
-                "attention modules dispatch through it (Llama, Qwen2/3, Mistral, Gemma, Phi-3, GPT-NeoX, "
-                "GPT-2, OPT, BERT, ViT, DINOv2, gpt-oss …)."
+                "transformers' attention interface, so sinklab cannot observe it. Usually these are a hybrid "
+                "model's linear-attention, recurrent or state-space layers, which have no attention map; a scan "
+                "that reports the attention layers and marks these as recurrent is not built yet. Supported: "
+                "models whose every block's attention dispatches through the interface (Llama, Qwen2/3, Mistral, "
+                "Gemma, Phi-3, GPT-NeoX, GPT-2, OPT, BERT, ViT, DINOv2, gpt-oss … — docs/architectures.md)."
             )
         return self._collect()
 
@@ -185,6 +190,8 @@ class AttentionCapture:
         final = getattr(self.last_output, "last_hidden_state", None)
         if final is None or self._calls is None or len(self._calls) != len(self._layers):
             final_map = UNKNOWN_MAP
+        elif _compat.resume_blocker(self.model, self._calls) is not None:
+            final_map = NOT_RESUMABLE
         else:
             final_map = find_final_map(self.model, self._layers, self._last_block, final, self._token_mask)
         return BlockInputs(calls=self._calls, token_mask=self._token_mask, final=final, final_map=final_map,
@@ -197,7 +204,8 @@ class AttentionCapture:
 
         Returns the base model's final hidden states ``[B, T, d]`` (``stop`` None: through the last block and
         the final norm), or the hidden states after block ``stop − 1``. No LM head, no statistics. Where the
-        final map is unknown the whole base model runs on ``inputs.batch`` instead (same result, slower).
+        final map is unknown the whole base model runs on ``inputs.batch`` instead (same result, slower), and so
+        it does for any ``stop`` where no block may be rerun from its recorded input (``NOT_RESUMABLE``).
         ``copies``: run that many copies of the batch stacked along the batch axis (``[copies·B, T, d]``), e.g.
         under a :class:`StackedEdits` with one edit per copy.
         """
@@ -211,15 +219,17 @@ class AttentionCapture:
         was_training = self.model.training
         self.model.eval()
         try:
-            if stop == n and not inputs.resumable:
+            if not inputs.resumable and (stop == n or inputs.final_map == NOT_RESUMABLE):
+                self._grab = stop - 1 if stop < n else None
                 output = self._forward(False, inputs.batch)
-                return output.last_hidden_state
+                return output.last_hidden_state if stop == n else self._grabbed
             hidden = run_blocks(self._layers, inputs, start, stop)
             if stop < n or inputs.final_map is None:
                 return hidden
             return inputs.final_map(hidden)
         finally:
             self.statistics, self._token_mask = True, token_mask
+            self._grab, self._grabbed = None, None
             self.model.train(was_training)
 
     def _collect(self) -> CaptureBatch:
@@ -250,7 +260,7 @@ class AttentionCapture:
 
     def _embed_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.statistics:
-            self._hidden_stats(0, _compat.block_input(args, kwargs))
+            self._hidden_stats(0, _compat.residual_stream(self.model, _compat.block_input(args, kwargs)))
 
     def _keep_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._calls is None or not self.statistics:
@@ -264,9 +274,11 @@ class AttentionCapture:
 
     def _make_block_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, output: object) -> None:
+            if index == self._grab:
+                self._grabbed = _compat.residual_stream(self.model, _compat.block_hidden_states(output))
             if not self.statistics:
                 return
-            hidden = _compat.block_hidden_states(output)
+            hidden = _compat.residual_stream(self.model, _compat.block_hidden_states(output))  # AltUp: main copy
             self._hidden_stats(index + 1, hidden)
             if self._calls is not None and index == len(self._layers) - 1:
                 self._last_block = hidden.detach()
@@ -288,6 +300,15 @@ class AttentionCapture:
         return mask[:, -t:] if mask.shape[-1] != t else mask
 
     # ------------------------------------------------------------------ attention
+    def _plain_causal(self, mask: Tensor, tq: int, tk: int) -> bool:
+        """:func:`_is_plain_causal`, checked once per mask object (every layer of a kind shares one)."""
+        cached = self._causal_mask
+        if cached is not None and cached[0] is mask and cached[1] == tk:
+            return cached[2]
+        plain = _is_plain_causal(mask, tq, tk)
+        self._causal_mask = (mask, tk, plain)
+        return plain
+
     def attend(
         self,
         module: nn.Module,
@@ -332,7 +353,10 @@ class AttentionCapture:
         drop = edit.apply(v) if edit is not None else None  # may edit v in place (a private float copy)
         qmask = self._positions_mask(b, tk, dev)[:, tk - tq :]  # (B, Tq)
         if attention_mask is not None:
-            attention_mask = attention_mask[..., :tk]
+            # The mask says what each query sees (the capture's mask function always builds it, as for eager
+            # attention); the plain causal pattern goes back to None + is_causal, the fast path of the same maths.
+            plain = self._plain_causal(attention_mask, tq, tk)
+            attention_mask, is_causal = (None, True) if plain else (attention_mask[..., :tk], is_causal)
         stats = None
         if self.statistics:
             stats = ColumnStats(b, h, tq, tk, qmask, candidates=cfg.candidates, map_len=cfg.map_len,
@@ -358,6 +382,16 @@ class AttentionCapture:
         }
         self._records[index] = {name: value.cpu() for name, value in record.items()}
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _is_plain_causal(mask: Tensor, tq: int, tk: int) -> bool:
+    """Whether boolean ``mask`` ``[B|1, 1, Tq, ≥Tk]`` is, on its first ``tk`` keys, exactly causal for every row: query
+    ``i`` sees keys ``0 … i + Tk − Tq`` (no padding, no window)."""
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-2] != tq or mask.shape[-1] < tk:
+        return False
+    rows = torch.arange(tq, device=mask.device)[:, None] + (tk - tq)
+    causal = torch.arange(tk, device=mask.device)[None, :] <= rows  # (Tq, Tk)
+    return bool((mask[..., :tk] == causal).all())
 
 
 def _dispatch(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, **kwargs):

@@ -19,10 +19,13 @@ from torch import Tensor, nn
 
 from .. import _compat
 
-__all__ = ["BlockInputs", "run_blocks", "stacked", "find_final_map", "UNKNOWN_MAP"]
+__all__ = ["BlockInputs", "run_blocks", "stacked", "find_final_map", "UNKNOWN_MAP", "NOT_RESUMABLE"]
 
 #: ``BlockInputs.final_map`` when no module of the model maps the last block's output to its final states.
 UNKNOWN_MAP = "unknown"
+#: ``BlockInputs.final_map`` when no pass may restart at a block at all (``_compat.resume_blocker``): every pass,
+#: to any block, runs the whole model.
+NOT_RESUMABLE = "not resumable"
 
 
 @dataclass
@@ -74,8 +77,9 @@ def stacked(inputs: BlockInputs, copies: int) -> BlockInputs:
     if copies == 1:
         return inputs
     b, memo = inputs.final.shape[0], {}
+    calls = [] if inputs.final_map == NOT_RESUMABLE else inputs.calls  # never rerun: not worth repeating
     return BlockInputs(calls=[(_repeat(args, b, copies, memo), _repeat(kwargs, b, copies, memo))
-                              for args, kwargs in inputs.calls],
+                              for args, kwargs in calls],
                        token_mask=_repeat(inputs.token_mask, b, copies, memo),
                        final=_repeat(inputs.final, b, copies, memo), final_map=inputs.final_map,
                        batch=_repeat(inputs.batch, b, copies, memo))

@@ -45,6 +45,15 @@ def find_sublayers(model: nn.Module) -> Sublayers:
         raise UnsupportedModelError(
             f"{name} ({model_type}) is an encoder: every position attends to every other, so no causal mask singles "
             "out position 0 and the P0 sink circuit does not apply. Use `sinklab scan`/`diagnose` for encoders.")
+    streams = _compat.stacked_streams(model)
+    if streams is not None:
+        raise UnsupportedModelError(
+            f"{name} ({model_type}) passes {streams[0]} stacked copies of its hidden state between blocks (AltUp, "
+            f"alternating updates): each block predicts every copy from all of them, runs attention and MLP on copy "
+            f"{streams[1]} only and corrects the others from its result, and the final state mixes the copies. The P0 "
+            "circuit splits one residual stream (after a block = before + attention + MLP) and patches it at "
+            "position 0; lifting this needs that split and patch carried through AltUp's predict/correct mixing. "
+            "`sinklab scan`/`diagnose` read the main copy and do support it.")
     blocks = _compat.find_layers(model)
     attn, mlp = [], []
     for index, block in enumerate(blocks):
@@ -214,6 +223,13 @@ class PositionZeroRecorder:
     def _sub_hook(self, key: str, index: int):
         def hook(module: nn.Module, args: tuple, output: object) -> None:
             out = _first_tensor(output).detach().float()  # (B, T, d)
+            b, t = self._mask.shape
+            if out.dim() == 2 and out.shape[0] == b * t:  # tokens flattened ([B·T, d]: Llama 4's MoE block)
+                out = out.reshape(b, t, -1)
+            if out.dim() != 3 or out.shape[0] != b:
+                raise UnsupportedModelError(
+                    f"{type(module).__name__} returns a {tuple(out.shape)} tensor, not one [{b}, T, d] state per "
+                    "token; the circuit reads each sublayer's output at position 0.")
             rows, starts = self._rows(out.device)
             self._rec[key][index] = out[rows, starts].cpu()
 

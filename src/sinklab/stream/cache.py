@@ -18,6 +18,12 @@ Per-layer budgets: a layer of the model's own sliding-window attention (Mistral'
 its native semantics — the last ``w`` tokens, no sinks, no pinned spans (``sliding_sinks=True`` adds them) —
 so the stream equals the model's own forward until the full-attention layers start evicting. Every other
 layer keeps ``S`` sinks, the pinned spans and a window of ``W``.
+
+Hybrid models (Qwen3-Next, Qwen3.5, Jamba, Bamba, LFM2 …): a layer that is not attention — linear attention,
+state-space, short convolution — and that the model's own cache holds as a linear-attention layer keeps its
+convolution and recurrent states in that same transformers cache-layer class (``LinearAttentionLayer``), reached
+through ``Cache.get_conv_state`` / ``update_recurrent_state`` … as usual. Those states are fixed-size and never
+evicted, so the whole model runs in constant memory; only the attention layers keep sinks + a window.
 """
 
 from __future__ import annotations
@@ -146,8 +152,19 @@ class SinkCache(Cache):
         main = StreamState(num_sinks, window, pinned, start_position, rebase_every)
         self.layer_windows = _compat.layer_sliding_windows(model)
         # How each layer rotates its keys, measured on the model (pairing, direction, rotated dimensions, which
-        # cached tensor; none on NoPE layers): _compat.layer_rotations refuses what it cannot reproduce.
+        # cached tensor; none on NoPE layers; a hybrid's recurrent layers: not attention): _compat.layer_rotations
+        # refuses what it cannot reproduce.
         self.layer_rotations = _compat.layer_rotations(model)
+        attention = [r.is_attention for r in self.layer_rotations]
+        if not any(attention):
+            raise UnsupportedModelError(
+                f"{type(model).__name__} has no softmax-attention layer: every layer keeps a fixed-size recurrent state, "
+                "which its own cache already holds in constant memory; sinks and a window have nothing to act on "
+                "(generate with the model's own cache)")
+        #: A hybrid model's layers that are not attention, kept in the model's own cache-layer class: those with a
+        #: recurrent / convolution state (kept whole), and those without state (MLP/MoE blocks).
+        self.recurrent_layers = [i for i, r in enumerate(self.layer_rotations) if r.kind == "recurrent"]
+        self.stateless_layers = [i for i, r in enumerate(self.layer_rotations) if r.kind == "stateless"]
         if len(self.layer_rotations) != len(self.layer_windows):  # blocks with several attention modules
             if any(w is not None for w in self.layer_windows):
                 raise UnsupportedModelError(
@@ -156,8 +173,11 @@ class SinkCache(Cache):
                     "attention layer each window belongs to")
             self.layer_windows = [None] * len(self.layer_rotations)
         groups: dict[tuple, StreamState] = {}
-        self.layer_states: list[StreamState] = []
+        self.layer_states: list[StreamState | None] = []  # None: a recurrent layer (no keys, no budget)
         for rotation, own in zip(self.layer_rotations, self.layer_windows):
+            if not rotation.is_attention:
+                self.layer_states.append(None)
+                continue
             native = own is not None and own <= num_sinks + window
             if native and not sliding_sinks:
                 policy = (0, own, ())
@@ -189,12 +209,26 @@ class SinkCache(Cache):
             raise InputError(f"kv_group_size={kv_group_size!r} sets the groups of a quantized window; it needs kv_bits")
         swapped = [r.rotated == "values" for r in self.layer_rotations]  # latent attention: see SinkWindowLayer
         if kv_bits is None:
-            layers = [SinkWindowLayer(s, s.rope, rotates_values=v) for s, v in zip(self.layer_states, swapped)]
+            def attention_layer(s: StreamState, v: bool):
+                return SinkWindowLayer(s, s.rope, rotates_values=v)
         else:
             from .quantized import QuantizedSinkWindowLayer
 
-            layers = [QuantizedSinkWindowLayer(s, s.rope, kv_bits, kv_group_size, rotates_values=v)
-                      for s, v in zip(self.layer_states, swapped)]
+            def attention_layer(s: StreamState, v: bool):
+                return QuantizedSinkWindowLayer(s, s.rope, kv_bits, kv_group_size, rotates_values=v)
+        # A hybrid's other layers: fresh layers of the class the model's own cache uses for them (transformers'
+        # LinearAttentionLayer, which holds the convolution and recurrent states exactly as that cache would; a
+        # DummyLayer for a block without state).
+        own = _compat.model_cache_layers(model) if not all(attention) else []
+        layers = []
+        for i, (s, v, rotation) in enumerate(zip(self.layer_states, swapped, self.layer_rotations)):
+            if s is not None:
+                layers.append(attention_layer(s, v))
+            elif i < len(own) and _compat.cache_layer_kind(own[i]) == rotation.kind:
+                layers.append(own[i])
+            else:  # the probe measured this very cache; a mismatch means the config changed since
+                raise UnsupportedModelError(f"{type(model).__name__}: layer {i} is a {rotation.kind} layer, but the "
+                                            "model's own cache has no such layer for it; create the SinkCache again")
         super().__init__(layers=layers)
         self._streams = streams_of(model)
         self._streams.add(self)
@@ -300,8 +334,11 @@ class SinkCache(Cache):
         for state in self.states:
             if state.batch is not None:
                 state.select_rows(index)
-        for layer in self.layers:
-            layer.select_rows(index)
+        for i, layer in enumerate(self.layers):
+            if self.layer_states[i] is None:
+                layer.reorder_cache(index)  # transformers' own: every conv / recurrent state follows its row
+            else:
+                layer.select_rows(index)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` continues beam ``beam_idx[i]`` (every per-row tensor of the stream follows)."""
@@ -322,13 +359,24 @@ class SinkCache(Cache):
 
         Exact only while nothing has been evicted: a token that pushed another out of the window cannot be
         taken back (the one it replaced is gone). Past that point this raises; use a DynamicCache for assisted
-        decoding, or a window larger than the whole generation.
+        decoding, or a window larger than the whole generation. A hybrid's recurrent layers are cropped by
+        transformers' own layers, which can take tokens back only while they record their past states
+        (``activate_past_recording``, as ``generate()`` does for assisted decoding).
         """
         if tokens_to_remove > 0:
             raise InputError(f"SinkCache.crop takes minus the number of columns to remove (transformers ≥ 5), "
                              f"got {tokens_to_remove}")
         n = -int(tokens_to_remove)
+        recording = [self.layers[i] for i in self.recurrent_layers if getattr(self.layers[i], "record_past", False)]
+        if n and self.recurrent_layers and len(recording) < len(self.recurrent_layers):
+            raise InputError(
+                f"SinkCache cannot take back the last {n} tokens: the recurrent layers of this hybrid model fold every "
+                "token into their state and keep no history unless they record it (cache.activate_past_recording(), "
+                "which generate() calls for assisted decoding)")
         if n == 0 or self.state.batch is None:
+            if self.state.batch is not None:
+                for layer in recording:  # transformers' own: trims the recorded conv states back to the kernel size
+                    layer.crop(0)
             return
         if n > self.state.columns:
             raise InputError(f"cannot remove {n} columns from a stream of {self.state.columns}")
@@ -339,8 +387,15 @@ class SinkCache(Cache):
                     f"{state.window}-token window, and those are gone (a cropped stream would differ from one that "
                     "never saw the removed tokens). Assisted decoding and prompt lookup need a cache that keeps "
                     "every token (DynamicCache), or a window larger than the whole generation")
+        for layer in recording:
+            layer.crop(-n)
         for state in self.states:
             state.drop_last(n)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns fed so far (padding included), whichever layer is asked: every layer of a stream has seen them
+        all, a hybrid's recurrent layers too (whose own count is a tensor)."""
+        return self.state.columns
 
     # ------------------------------------------------------------------ compile
     def get_query_offset(self, layer_idx: int = 0) -> int:
