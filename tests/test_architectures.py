@@ -57,13 +57,13 @@ MECHANISMS = {
 
 #: Cells that must be refused with a reason (not merely "ok or refused").
 MUST_REFUSE = {
-    ("qwen3_next", "stream"): "a linear-attention layer has no key/value cache to keep sinks in",
     ("bloom", "stream"): "ALiBi streaming is not implemented yet (update this when it lands)",
     ("bloom", "stream_evicted"): "ALiBi streaming is not implemented yet (update this when it lands)",
     ("gpt2", "stream"): "absolute positions cannot be moved to cache slots",
     ("gpt2", "stream_evicted"): "absolute positions cannot be moved to cache slots",
     ("bart", "stream"): "positions it counts itself cannot be moved to cache slots",
     ("llama4_text", "stream"): "chunked attention is not streamed yet",
+    ("gemma3n_text", "circuit"): "AltUp's stacked copies of the hidden state: the circuit splits one residual stream",
 }
 
 #: Cells that do not apply, and why.
@@ -73,20 +73,7 @@ NOT_APPLICABLE = {
 }
 
 #: Cells that crash or are wrong today: (type, cell) → what they showed. Strict: remove the entry when fixed.
-KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    ("llama4_text", "diagnose"): "crash: AttributeError: 'NoneType' object has no attribute 'shape' "
-                                 "[at sinklab/capture/resume.py:76 in stacked]",
-    ("llama4_text", "circuit"): "crash: RuntimeError: The size of tensor a (2) must match the size of tensor b (64) at "
-                                "non-singleton dimension 2 [at sinklab/circuit/analysis.py:159 in _contributions]",
-    ("gemma3n_text", "scan"): "crash: IndexError: The shape of the mask [2, 2] at index 0 does not match the shape of "
-                              "the indexed tensor [4, 2, 32, 64] [at sinklab/capture/hidden.py:23 in check_finite]",
-    ("gemma3n_text", "diagnose"): "crash: IndexError (AltUp's [4, B, T, D] hidden states) "
-                                  "[at sinklab/capture/hidden.py:23 in check_finite]",
-    ("gemma3n_text", "circuit"): "crash: IndexError (AltUp's [4, B, T, D] hidden states) "
-                                 "[at sinklab/capture/hidden.py:23 in check_finite]",
-    ("bigbird_pegasus", "scan"): "wrong: attention maps vs eager output_attentions max abs diff 9.7e-01 — the capture "
-                                 "lets every query see every key (the model itself is causal)",
-}
+KNOWN_FAILURES: dict[tuple[str, str], str] = {}
 
 
 @lru_cache(maxsize=None)

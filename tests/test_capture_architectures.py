@@ -302,3 +302,37 @@ def test_gemma3n_circuit_is_refused_naming_altup(gemma3n):
     message = str(info.value)
     assert "Gemma3nForCausalLM" in message and "AltUp" in message and "4 stacked copies" in message
     assert "lifting this needs" in message
+
+
+# ============================================================================= shared KV without AltUp (Gemma 4)
+def test_shared_kv_layers_make_passes_run_the_whole_model():
+    """Gemma 4 without AltUp: layers 2, 3 reuse the keys and values layers 0, 1 stored in ``shared_kv_states``.
+    A rerun from a block's recorded input would read whatever the last pass stored there (an edited pass, or a batch
+    of another size: it crashed on stacked copies), so edited passes run the whole model: each equals the model's
+    own forward, and an edit before the storing layer does not leak into a later pass."""
+    config = tf.Gemma4TextConfig(
+        vocab_size=V, vocab_size_per_layer_input=V, hidden_size=32, hidden_size_per_layer_input=8, intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=8,
+        max_position_embeddings=128, sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = tf.Gemma4ForCausalLM(config).eval()
+    assert _compat.stacked_streams(model) is None and config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    ids, mask = _ids(), _masks()["padded"]
+    with torch.no_grad():
+        own = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    rows = mask.bool()
+    scale = float(own[rows].abs().max())
+    with AttentionCapture(model, CaptureConfig(map_len=0)) as cap:
+        cap.run(input_ids=ids, attention_mask=mask, keep_inputs=True)
+        kept = cap.last_inputs
+        assert not kept.resumable and "shared_kv_states" in _compat.resume_blocker(model, kept.calls)
+        for start in range(4):
+            cap.edit = ValueEdit(start, 0, torch.tensor([0, 0]), "zero")  # an edited pass first …
+            cap.final_states(kept, start)
+            cap.edit = None  # … then unedited ones, from the next block, one copy and two
+            after = min(start + 1, 3)
+            torch.testing.assert_close(cap.final_states(kept, after)[rows], own[rows], atol=1e-5 * scale, rtol=0)
+            stacked = cap.final_states(kept, after, copies=2)
+            torch.testing.assert_close(stacked[2:][rows], own[rows], atol=1e-5 * scale, rtol=0)

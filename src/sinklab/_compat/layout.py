@@ -372,11 +372,13 @@ def base_model(model: nn.Module) -> nn.Module:
 
     transformers' ``base_model`` reads the attribute named by ``base_model_prefix``; where no attribute has that
     name (``Llama4ForCausalLM``/``MllamaForCausalLM``: prefix ``language_model``, stack under ``model``) it is the
-    head model itself, whose output holds logits, not hidden states. Then the one child that is a
-    ``PreTrainedModel`` is the stack.
+    head model itself, whose output holds logits, not hidden states. Then, for a model with an output head, the
+    one child that is a ``PreTrainedModel`` is the stack (a base model such as DINOv2, whose encoder is one too,
+    stays itself).
     """
     base = getattr(model, "base_model", model)
-    if base is model:
+    get_head = getattr(model, "get_output_embeddings", None)
+    if base is model and callable(get_head) and get_head() is not None:
         from transformers import PreTrainedModel
 
         stacks = [child for child in model.children() if isinstance(child, PreTrainedModel)]

@@ -40,10 +40,11 @@ from torch import Tensor, nn
 from ..errors import UnsupportedModelError
 from ..rope import RopeSpec, rotate
 from .backend import ModelPatch
-from .layout import (block_input, cache_kwarg_name, cache_layer_kind, config_get, embedding_rows, find_layers,
-                     input_device, num_layers, residual_stream)
+from .layout import (block_hidden_states, block_input, cache_kwarg_name, cache_layer_kind, config_get, embedding_rows,
+                     find_layers, input_device, num_layers, residual_stream)
 
-__all__ = ["LayerRotation", "RECURRENT", "STATELESS", "layer_rotations", "PROBE_POSITIONS", "PROBE_TOLERANCE", "ALIBI_TYPES"]
+__all__ = ["LayerRotation", "RECURRENT", "STATELESS", "layer_rotations", "PROBE_POSITIONS", "PROBE_TOLERANCE",
+           "ALIBI_TYPES"]
 
 #: Positions the probe puts its token at (capped below the model's position table).
 PROBE_POSITIONS = (0, 1, 2, 7, 64, 509, 1000)
@@ -154,26 +155,35 @@ def _positions(model: nn.Module) -> list[int]:
     return sorted({min(p, top) for p in PROBE_POSITIONS})
 
 
-def _record(model: nn.Module, positions: list[int] | None, length: int = 1, block_inputs: list | None = None
+def _record(model: nn.Module, positions: list[int] | None, length: int = 1, taps: dict | None = None
             ) -> tuple[dict, dict, torch.dtype, dict[int, str]]:
     """Run the probe forward — one token per row at ``positions``, or (``positions=None``) one row of ``length``
     copies of the token at the model's default positions: ``({layer: (cached keys, cached values)},
-    {layer: (query, key)}, dtype, recurrent)``, each tensor ``[rows, heads, dim]`` (``[length, heads, dim]`` for a
+    {layer: (query, key)}, dtype, kinds)``, each tensor ``[rows, heads, dim]`` (``[length, heads, dim]`` for a
     row of copies) in float64; ``kinds``: what the model's own cache holds for each layer that holds no keys,
-    ``{index: "recurrent" | "stateless"}`` (:func:`~sinklab._compat.layout.cache_layer_kind`). ``block_inputs``: a
-    list that receives the hidden states ``[B, T, d]`` entering the first block."""
+    ``{index: "recurrent" | "stateless"}`` (:func:`~sinklab._compat.layout.cache_layer_kind`). ``taps``: a dict
+    that receives the hidden states ``[B, T, d]`` entering the first block (``"input"``) and leaving the last one
+    (``"output"``)."""
     from transformers import DynamicCache
 
-    first_block = None
-    if block_inputs is not None:
+    blocks = None
+    if taps is not None:
         try:
-            first_block = find_layers(model)[0]
+            blocks = find_layers(model)
         except UnsupportedModelError:
-            first_block = None
+            blocks = None
 
-    def grab(module, args, kwargs):
-        if not block_inputs:
-            block_inputs.append(residual_stream(model, block_input(args, kwargs)).detach())
+    def tap_input(module, args, kwargs):
+        try:
+            taps.setdefault("input", residual_stream(model, block_input(args, kwargs)).detach())
+        except UnsupportedModelError:  # a block layout the taps cannot read: the checks that need them are skipped
+            pass
+
+    def tap_output(module, args, kwargs, output):
+        try:
+            taps["output"] = residual_stream(model, block_hidden_states(output)).detach()
+        except UnsupportedModelError:
+            pass
 
     seen: dict[int, tuple[Tensor, Tensor]] = {}
 
@@ -198,8 +208,9 @@ def _record(model: nn.Module, positions: list[int] | None, length: int = 1, bloc
     try:
         with ModelPatch(model) as patch, torch.no_grad():
             patch.use_attention(_PROBE_BACKEND, attention)
-            if first_block is not None:
-                patch.hook(first_block, grab, pre=True, with_kwargs=True)
+            if blocks is not None:
+                patch.hook(blocks[0], tap_input, pre=True, with_kwargs=True)
+                patch.hook(blocks[-1], tap_output, with_kwargs=True)
             model(input_ids=ids, use_cache=True, **where, **{cache_kwarg_name(model): cache})
     except UnsupportedModelError:
         raise
@@ -260,7 +271,8 @@ def _probe(model: nn.Module) -> list[LayerRotation]:
     config = getattr(model, "config", None)
     n = num_layers(config) or 0
     positions = _positions(model)
-    cached, seen, dtype, kinds = _record(model, positions)
+    taps: dict = {}
+    cached, seen, dtype, kinds = _record(model, positions, taps=taps)
     tol = PROBE_TOLERANCE["half" if torch.finfo(dtype).bits <= 16 else "float"]
     tables = _frequency_tables(model)
     delta = torch.tensor(positions, dtype=torch.float64) - positions[0]
@@ -271,7 +283,7 @@ def _probe(model: nn.Module) -> list[LayerRotation]:
     out: list[LayerRotation] = []
     for idx in range(n):
         if idx not in seen:
-            if idx in kinds:  # the model's own cache holds it as a linear-attention layer (kept whole), or holds nothing
+            if idx in kinds:  # the model's own cache holds it as a linear-attention layer (kept whole), or nothing
                 out.append(RECURRENT if kinds[idx] == "recurrent" else STATELESS)
                 continue
             raise UnsupportedModelError(
@@ -292,12 +304,16 @@ def _probe(model: nn.Module) -> list[LayerRotation]:
             out.append(LayerRotation(None, None))  # no position in this layer (NoPE)
             continue
         where = f"{name} layer {idx}"
+        # A hybrid: a recurrent layer before this one that reads the position (RecurrentGemma's resets) moves its input.
+        behind = [i for i, k in kinds.items() if k == "recurrent" and i < idx]
+        also = (f", or a recurrent layer before it ({', '.join(map(str, behind))}) uses the position — a state a "
+                "stream by cache slot cannot give it") if behind else ""
         if all(moved.values()):
             raise UnsupportedModelError(
                 f"{where}: the keys and the values it caches both change with position, so its input carries the "
-                "position (learned or absolute position embeddings added to the tokens, as in GPT-2 and OPT). A kept "
-                "token cannot be moved to its cache slot that way: positions by cache slot need rotary embeddings, "
-                "whose scores depend only on distances")
+                f"position (learned or absolute position embeddings added to the tokens, as in GPT-2 and OPT{also}). "
+                "A kept token cannot be moved to its cache slot that way: positions by cache slot need rotary "
+                "embeddings, whose scores depend only on distances")
         if not any(moved.values()):
             raise UnsupportedModelError(
                 f"{where}: its keys or queries change with position after the cache (positions applied when the "
@@ -318,6 +334,16 @@ def _probe(model: nn.Module) -> list[LayerRotation]:
                 f"position as its cached {rotated} do (relative error {max(err, q_err):.2g} > {tol:g}); streaming "
                 "by cache slot would score it at the wrong distance")
         out.append(LayerRotation(_scaled(cache_spec, scaling), _scaled(attn_spec, scaling), rotated))
+    if "recurrent" in kinds.values() and isinstance(taps.get("output"), Tensor) and taps["output"].dim() == 3:
+        # One token per row and an attention that returns that token's value: only a layer that is not attention
+        # could still make the final hidden state depend on the position (a recurrent layer reading it).
+        final = taps["output"][:, -1].double().cpu()[:, None, :]  # (P, 1, d)
+        err = _moved(final)
+        if err > tol:
+            raise UnsupportedModelError(
+                f"{name}: its output changes with position where its attention layers see none (relative change "
+                f"{err:.2g} > {tol:g}), so a recurrent or state-space layer reads the position; a stream by cache "
+                "slot cannot give that layer its position")
     attention = [r for r in out if r.is_attention]
     if attention and all(r.cache_rope is None for r in attention):
         _check_positions_reach_the_model(model, tol, {i for i, k in kinds.items() if k == "recurrent"})
@@ -334,13 +360,13 @@ def _check_positions_reach_the_model(model: nn.Module, tol: float, recurrent: se
     entering the first block are compared instead: learned absolute positions added to the embeddings move them.
     (Positions an attention layer behind a recurrent layer counted itself from the cache length would not show
     there; no transformers hybrid does that.)"""
-    inputs: list = []
-    cached, _, _, _ = _record(model, None, length=2, block_inputs=inputs)
+    taps: dict = {}
+    cached, _, _, _ = _record(model, None, length=2, taps=taps)
     first = min(cached) if cached else None  # the first layer that caches keys
     if first is not None and all(first < i for i in recurrent):
         keys = cached[first][0]
-    elif inputs and inputs[0].dim() == 3:
-        keys = inputs[0][0].detach().double().cpu()[:, None, :]  # (T, 1, d): the two copies' embeddings
+    elif isinstance(taps.get("input"), Tensor) and taps["input"].dim() == 3:
+        keys = taps["input"][0].double().cpu()[:, None, :]  # (T, 1, d): the two copies' embeddings
     else:
         keys = None
     if keys is not None and _moved(keys) > tol:

@@ -389,6 +389,8 @@ def _is_plain_causal(mask: Tensor, tq: int, tk: int) -> bool:
     ``i`` sees keys ``0 … i + Tk − Tq`` (no padding, no window)."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-2] != tq or mask.shape[-1] < tk:
         return False
+    if mask.shape[0] > 1 and mask.stride(0) == 0:  # one mask expanded over the batch: check it once
+        mask = mask[:1]
     rows = torch.arange(tq, device=mask.device)[:, None] + (tk - tq)
     causal = torch.arange(tk, device=mask.device)[None, :] <= rows  # (Tq, Tk)
     return bool((mask[..., :tk] == causal).all())

@@ -158,8 +158,8 @@ class SinkCache(Cache):
         attention = [r.is_attention for r in self.layer_rotations]
         if not any(attention):
             raise UnsupportedModelError(
-                f"{type(model).__name__} has no softmax-attention layer: every layer keeps a fixed-size recurrent state, "
-                "which its own cache already holds in constant memory; sinks and a window have nothing to act on "
+                f"{type(model).__name__} has no softmax-attention layer: every layer keeps a fixed-size recurrent "
+                "state, which its own cache already holds in constant memory; sinks and a window have nothing to act on "
                 "(generate with the model's own cache)")
         #: A hybrid model's layers that are not attention, kept in the model's own cache-layer class: those with a
         #: recurrent / convolution state (kept whole), and those without state (MLP/MoE blocks).
