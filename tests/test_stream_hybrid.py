@@ -315,7 +315,7 @@ def test_crop_without_a_recorded_past_is_refused(model):
         cache.crop(0)  # nothing to take back: fine
 
 
-def test_session_and_stream_generate_run_a_hybrid(model64):
+def test_session_and_stream_generate_run_a_hybrid(model64, tmp_path):
     """StreamSession (chunked prefill, then greedy steps) gives the reference's greedy tokens past eviction;
     stream_generate — the path of `sinklab stream` and `chat` — runs on the same model."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -335,6 +335,8 @@ def test_session_and_stream_generate_run_a_hybrid(model64):
             nxt = logits.argmax(-1)
             got.append(int(nxt))
             logits = session.step(nxt)
+        with pytest.raises(sinklab.UnsupportedModelError, match="recurrent layers .* keep their state"):
+            session.save(tmp_path / "stream.safetensors")
     assert got == want
 
     vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + [chr(i) for i in range(32, 32 + V - 4)])}

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from .. import _compat
-from ..errors import InputError, is_int
+from ..errors import InputError, UnsupportedModelError, is_int
 from ..variants import register_count
 from .cache import KV_GROUP_SIZE, SinkCache
 
@@ -225,6 +225,11 @@ class StreamSession:
         self._check_open()
         if self.state.batch is None:
             raise InputError("nothing to save yet: feed the stream first")
+        if self.sink.recurrent_layers:
+            raise UnsupportedModelError(
+                f"saving the stream of {type(self.model).__name__} is not supported yet: its recurrent layers "
+                f"({len(self.sink.recurrent_layers)} of them) keep their state in transformers' own cache layers, "
+                "which StreamSession.save does not write; keep the session open instead")
         path = Path(path)
         if path.is_dir():
             raise InputError(f"{path} is a folder; give a file name (e.g. {path / 'stream.safetensors'})")
