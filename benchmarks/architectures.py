@@ -729,6 +729,32 @@ def stream_error(model: nn.Module, tokens: Tensor) -> float:
     return max(relative_error(a, b) for a, b in zip(ours, refs))
 
 
+def hybrid_stream_error(model: nn.Module, tokens: Tensor) -> tuple[float, float]:
+    """Max relative logit error of a hybrid model (recurrent layers between attention layers) streamed token by
+    token through ``SinkCache(4, 8)`` against the float64 StreamingLLM reference of the test suite
+    (``tests/stream_reference.py``: the model's own cache for the recurrent layers, the kept keys re-rotated to
+    their slot positions by the model's own rotary code). A plain forward over the kept tokens is no reference
+    here: the recurrent layers have seen every token. Also returns how far the dense (nothing evicted) logits
+    are from the reference, so a check where eviction changes nothing shows as such."""
+    import sinklab
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from stream_reference import Reference
+
+    ref = reference("the float64 stream reference", lambda: Reference(model, EVICT_SINKS, EVICT_WINDOW))
+    want = reference("the float64 stream reference", lambda: [ref.step(int(t)) for t in tokens[0]])
+    worst = 0.0
+    with torch.no_grad(), sinklab.SinkCache(model, num_sinks=EVICT_SINKS, window=EVICT_WINDOW) as cache:
+        kw = {cache_kwarg(model): cache, "use_cache": True}
+        for i in range(tokens.shape[1]):
+            ours = model(input_ids=tokens[:, i : i + 1], **kw).logits[0, -1]
+            worst = max(worst, relative_error(ours, want[i]))
+    with torch.no_grad():
+        dense = model(input_ids=tokens).logits[0]  # nothing evicted: how far eviction moves the logits
+    moved = max(relative_error(dense[i], want[i]) for i in range(tokens.shape[1]))
+    return worst, moved
+
+
 def cached_layers(model: nn.Module) -> int:
     """Attention layers the model's own cache holds after a 4-token forward (1 when it cannot tell)."""
     try:
@@ -763,6 +789,15 @@ def cell_stream_evicted(built: Built) -> Cell:
 
     if built.kind != "causal":
         raise NotApplicable("a base model without an LM head: nothing to stream")
+    probe = sinklab.SinkCache(built.model, num_sinks=EVICT_SINKS, window=EVICT_WINDOW)  # a refusal comes first
+    hybrid = bool(probe.recurrent_layers)
+    probe.close()
+    if hybrid:  # recurrent layers have seen every token: the float64 stream reference, on the built model
+        tokens = random_ids(EVICT_PROMPT + EVICT_STEPS, seed=SEED + 1)
+        err64, moved = hybrid_stream_error(_float64(built.model), tokens)
+        return Cell("ok" if err64 <= TOLERANCE_F64 else "wrong",
+                    f"hybrid, against the float64 stream reference (tests/stream_reference.py): {err64:.1e} "
+                    f"(eviction itself moves the logits by {moved:.1e})")
     try:
         one = build(built.name, layers=1, window=EVICT_OWN_WINDOW, prefer_full=True)
     except NotBuilt as exc:

@@ -56,8 +56,9 @@ class Reference:
         self.store: dict[int, list] = {}
         self.t = -1
         modeling = sys.modules[type(model).__module__]
-        self.apply = modeling.apply_rotary_pos_emb
-        self.rotary = next(m for m in self.model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
+        # A model without positions in its attention (NoPE: Nemotron-H) has neither: its keys are never rotated.
+        self.apply = getattr(modeling, "apply_rotary_pos_emb", None)
+        self.rotary = next((m for m in self.model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
         self.types = getattr(model.config, "layer_types", None)
         # A hybrid: its non-attention layers keep their state in the model's own cache, fed token by token.
         self.cache = None
@@ -76,6 +77,8 @@ class Reference:
                 del hooks[key]
 
     def _rope(self, layer: int, x, positions):
+        if self.rotary is None:
+            return None, None, 1.0
         if hasattr(self.rotary, "inv_freq"):
             cos, sin = self.rotary(x, positions)
             scale = float(getattr(self.rotary, "attention_scaling", 1.0))
@@ -104,7 +107,7 @@ class Reference:
         values = torch.stack([e[2] for e in store], dim=1)[None]
         cos, sin, _ = self._rope(layer, keys, torch.arange(n)[None])
         q = (query / mscale).expand(1, -1, n, -1)  # the query sits at the last slot
-        q_rot, k_rot = self.apply(q, keys, cos, sin)
+        q_rot, k_rot = (q, keys) if self.rotary is None else self.apply(q, keys, cos, sin)
         q_rot = q_rot[:, :, -1:]
         rep = q_rot.shape[1] // k_rot.shape[1]
         k_rot, values = k_rot.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
