@@ -1073,7 +1073,12 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
         "key depends only on its token and its position, so the reference is exact: ≤ 1e-4 relative in float32, "
         "and again in float64 ≤ 1e-6 (transformers computes rotary tables in float32 even for a float64 model). "
         "n/a where the one block caches several attention layers (one reads another's output, so the reference is "
-        "no longer exact) or where a one-layer model cannot be built (a lone linear-attention layer).",
+        "no longer exact) or where a one-layer model cannot be built. A hybrid (recurrent layers between attention "
+        "layers: their state has seen every token, so the plain forward is no reference) is checked on its "
+        "two-layer model, token by token, against the float64 stream reference of the test suite "
+        "(`tests/stream_reference.py`: the model's own cache for the recurrent layers, the kept keys re-rotated to "
+        "their slot positions by the model's own rotary code), ≤ 1e-6; the cell also says how far eviction itself "
+        "moves the logits, so a check that eviction does not affect shows as such.",
         "* **diagnose** — `sinklab.diagnose` on the same windows with one edited layer and sample; the diagnosis "
         "serialises and its causal edits are finite (random weights rarely sink, so usually nothing is edited).",
         "* **circuit** — `sinklab.circuit` on the same windows, one causal and one condition sample; it serialises.",

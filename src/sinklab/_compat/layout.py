@@ -131,7 +131,9 @@ def _linear_weight(module: nn.Module) -> Tensor:
     weight = getattr(module, "weight", None)
     if isinstance(weight, Tensor) and weight.dim() == 2:
         return weight
-    raise UnsupportedModelError(f"cannot read a projection weight from {type(module).__name__}")
+    raise UnsupportedModelError(f"cannot read a projection weight from {type(module).__name__}: sinklab reads "
+                                "per-head weights from nn.Linear, transformers' Conv1D or a module with a 2-D "
+                                "`weight`; a projection of another kind needs a reader in sinklab._compat.layout")
 
 
 def child_module(module: nn.Module, names: tuple[str, ...]) -> nn.Module | None:

@@ -332,7 +332,9 @@ class AttentionCapture:
         if self.statistics and index in self._records:
             raise UnsupportedModelError(
                 f"{type(self.model).__name__}: layer {index} ran attention twice in one forward "
-                "(cross-attention?); encoder-decoder models are not supported by the scan."
+                "(cross-attention, or differential attention's two maps per layer); the scan keeps one "
+                "attention map per layer, so encoder-decoder and differential-attention models are not supported "
+                "by it yet."
             )
         cfg = self.config
         b, h, tq, dh = query.shape

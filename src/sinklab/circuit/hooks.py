@@ -64,7 +64,9 @@ def find_sublayers(model: nn.Module) -> Sublayers:
             wanted = ATTN_NAMES if a is None else MLP_NAMES
             raise UnsupportedModelError(
                 f"{name}: block {index} ({type(block).__name__}) has no {missing} child named one of {wanted} "
-                f"(its children: {children}); the circuit hooks each block's own attention and MLP modules.")
+                f"(its children: {children}); the circuit hooks each block's own attention and MLP modules. "
+                "Adding this block's sublayer names to circuit.hooks.ATTN_NAMES / MLP_NAMES would lift it when the "
+                "block is attention then MLP on one residual stream; `sinklab scan`/`diagnose` do not need it.")
         attn.append(a)
         mlp.append(m)
     if any(getattr(a, "is_causal", True) is False for a in attn):
