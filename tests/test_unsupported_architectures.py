@@ -93,14 +93,7 @@ def test_scan_runs_or_refuses_cleanly(model_type, tokenizer):
     result = sinklab.scan(model, tokenizer, TEXT, seq_len=32, samples=2)
     assert result.column_mass.shape == (2, 2, 4, 32)
     # The capture's attention (relative-position bias included) reproduces the model's own forward.
-    ids, mask = _ids()
-    with torch.no_grad():
-        own = model(input_ids=ids, attention_mask=mask).logits
-        with AttentionCapture(model) as cap:
-            cap.run(full_model=True, input_ids=ids, attention_mask=mask)
-            captured = cap.last_output.logits
-    torch.testing.assert_close(captured[0], own[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(captured[1, :8], own[1, :8], rtol=1e-5, atol=1e-5)
+    _capture_reproduces_the_forward(model)
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
@@ -127,11 +120,8 @@ def _doge():
     return model
 
 
-def test_doge_dynamic_mask_captured_but_not_streamed():
-    """Doge adds a learned, value-dependent bias to its scores through the attention mask. The capture applies the
-    mask it is handed (matches the model's own forward); the stream masks by cache metadata and would drop the bias
-    (0.0015 off on a plain forward, a crash under generate()), so SinkCache refuses it."""
-    model = _doge()
+def _capture_reproduces_the_forward(model, padded_row: bool = True) -> None:
+    """Under the capture the model's logits equal its own forward (row 1's real tokens too, when asked)."""
     ids, mask = _ids()
     with torch.no_grad():
         own = model(input_ids=ids, attention_mask=mask).logits
@@ -139,6 +129,16 @@ def test_doge_dynamic_mask_captured_but_not_streamed():
             cap.run(full_model=True, input_ids=ids, attention_mask=mask)
             captured = cap.last_output.logits
     torch.testing.assert_close(captured[0], own[0], rtol=1e-5, atol=1e-5)
+    if padded_row:
+        torch.testing.assert_close(captured[1, :8], own[1, :8], rtol=1e-5, atol=1e-5)
+
+
+def test_doge_dynamic_mask_captured_but_not_streamed():
+    """Doge adds a learned, value-dependent bias to its scores through the attention mask. The capture applies the
+    mask it is handed (matches the model's own forward); the stream masks by cache metadata and would drop the bias
+    (0.0015 off on a plain forward, a crash under generate()), so SinkCache refuses it."""
+    model = _doge()
+    _capture_reproduces_the_forward(model, padded_row=False)
     with pytest.raises(UnsupportedModelError, match=r"\(doge\) cannot be streamed.*dynamic mask attention.*never reads "
                                                     r"the attention mask.*lifting it needs"):
         SinkCache(model, num_sinks=4, window=64)
