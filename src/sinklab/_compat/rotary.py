@@ -242,23 +242,15 @@ def _moved(x: Tensor) -> float:
     return float(((x - x[:1]).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)).max())
 
 
-def _fit(x: Tensor, delta: Tensor, tables: list[Tensor], tol: float, *, like: RopeSpec | None = None,
-         known: tuple[RopeSpec, ...] = ()) -> tuple[RopeSpec | None, float]:
+def _fit(x: Tensor, delta: Tensor, tables: list[Tensor], tol: float, *, like: RopeSpec | None = None
+         ) -> tuple[RopeSpec | None, float]:
     """The rotation that takes row 0 of ``x`` ``[P, h, d]`` to every other row (``delta`` ``[P]`` positions later):
     ``(spec, error)``, spec ``None`` when no candidate is within ``tol`` (error: the best candidate's).
-    ``like``: only rotations with its frequencies and pairing (a query must turn as its keys). ``known``: rotations
-    earlier layers use, tried first (most layers share one; the full search runs when none of them fits)."""
+    ``like``: only rotations with its frequencies and pairing (a query must turn as its keys)."""
     d = x.shape[-1]
+    best: tuple[float, RopeSpec | None] = (float("inf"), None)
     base = x[:1].expand_as(x)
     shift = delta[:, None].double()  # (P, 1): broadcast over heads
-
-    def error(spec: RopeSpec) -> float:
-        return float(((rotate(base, spec, shift) - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)).max())
-
-    for spec in known:
-        if spec.offset + spec.rot_dim <= d and (err := error(spec)) <= tol:
-            return spec, err
-    best: tuple[float, RopeSpec | None] = (float("inf"), None)
     candidates = ([(like.inv_freq, like.interleaved)] if like is not None
                   else [(s * inv, inter) for inv, inter, s in itertools.product(tables, (False, True), (1.0, -1.0))])
     for inv, interleaved in candidates:
@@ -267,7 +259,7 @@ def _fit(x: Tensor, delta: Tensor, tables: list[Tensor], tol: float, *, like: Ro
             continue
         for offset in sorted({0, d - r}):
             spec = RopeSpec(inv_freq=inv, interleaved=interleaved, offset=offset)
-            err = error(spec)
+            err = float(((rotate(base, spec, shift) - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)).max())
             if err < best[0]:
                 best = (err, spec)
     return (best[1] if best[0] <= tol else None), best[0]
@@ -328,8 +320,7 @@ def _probe(model: nn.Module) -> list[LayerRotation]:
                 "cache is read, or a position-dependent query scale); streaming by cache slot would give them the "
                 "wrong positions")
         rotated = "keys" if moved["keys"] else "values"
-        known = tuple({id(r): r.cache_rope for r in _shared(out) if r.cache_rope is not None}.values())
-        cache_spec, err = _fit(keys if rotated == "keys" else values, delta, tables, tol, known=known)
+        cache_spec, err = _fit(keys if rotated == "keys" else values, delta, tables, tol)
         if cache_spec is None:
             raise UnsupportedModelError(
                 f"{where}: the {rotated} it caches change with position in a way no rotary layout reproduces (best "
