@@ -614,7 +614,8 @@ def cell_scan(built: Built, tok) -> Cell:
         n = int(windows.attention_mask[0].sum())
         one = {"input_ids": windows.input_ids[:1, :n], "attention_mask": windows.attention_mask[:1, :n]}
     maps = result.attention_maps.double()  # (L, H, m, m)
-    if not bool(torch.isfinite(result.column_mass[0][:, :, : maps.shape[-1]]).all()):
+    attn = result.attention_layers  # a hybrid's recurrent layers have no map (NaN)
+    if not attn or not bool(torch.isfinite(result.column_mass[0][attn][:, :, : maps.shape[-1]]).all()):
         return Cell("wrong", "non-finite column mass in sample 0")
     try:
         with torch.no_grad():
@@ -630,7 +631,9 @@ def cell_scan(built: Built, tok) -> Cell:
     # over the keys.
     sinks = bool((result.learned_sink_mass[0].abs() > 1e-6).any())
     compared, worst = 0, 0.0
-    for layer, w in enumerate(weights):
+    # Hybrids return weights for their attention layers only, in order.
+    layer_of = attn if len(attn) < maps.shape[0] and len(weights) == len(attn) else range(len(weights))
+    for layer, w in zip(layer_of, weights):
         if not isinstance(w, Tensor) or layer >= maps.shape[0] or w.dim() != 4 or w.shape[-2] < m or w.shape[-1] < m:
             continue
         ours, ref = maps[layer], w[0, :, :m, :m].double()
@@ -641,11 +644,13 @@ def cell_scan(built: Built, tok) -> Cell:
         compared += 1
         worst = max(worst, float((ours - ref).abs().max()) if bool(torch.isfinite(ours).all()) else math.inf)
     if compared:
+        others = maps.shape[0] - len(attn)
         msg = (f"attention maps vs eager output_attentions on {compared}/{maps.shape[0]} layers"
+               f"{f' ({others} recurrent/MLP-only, marked as such)' if others else ''}"
                f"{' (rows normalised over the keys: learned sinks)' if sinks else ''}: max abs diff {worst:.1e}")
         return Cell("ok" if worst <= TOLERANCE else "wrong", msg)
-    rows = maps.sum(-1)  # (L, H, m)
-    sink = result.learned_sink_mass[0].double()[:, :, None]  # (L, H, 1)
+    rows = maps[attn].sum(-1)  # (L, H, m)
+    sink = result.learned_sink_mass[0][attn].double()[:, :, None]  # (L, H, 1)
     err = float((rows + sink - 1).abs().max()) if bool(torch.isfinite(rows).all()) else math.inf
     msg = f"{why}; map rows + learned sink mass − 1: max {err:.1e}"
     return Cell("ok" if err <= TOLERANCE else "wrong", msg)
@@ -1164,6 +1169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per type before its worker is killed")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--docs", type=Path, default=DEFAULT_DOCS)
+    parser.add_argument("--merge", action="store_true",
+                        help="with --types: replace those rows in the existing --json and keep the others")
     args = parser.parse_args(argv)
     names = all_types()
     if args.types:
@@ -1180,6 +1187,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = run_matrix(names, jobs=args.jobs, timeout=args.timeout, progress=progress)
     meta = run_meta(argv, time.perf_counter() - t0)
+    if args.merge and args.json.exists():
+        old = json.loads(args.json.read_text())
+        fresh = {row["type"] for row in rows}
+        rows = sorted([r for r in old["rows"] if r["type"] not in fresh] + rows, key=lambda r: r["type"])
+        meta = {**old["meta"], "merged": meta}
     write_atomic(args.json, json.dumps({"meta": meta, "counts": counts(rows), "rows": rows}, indent=1) + "\n")
     write_atomic(args.docs, render_markdown(rows, meta))
     print()

@@ -47,6 +47,7 @@ MECHANISMS = {
     "exaone4": "global layers without positions (NoPE)",
     "smollm3": "NoPE every fourth layer",
     "qwen3_next": "hybrid linear attention",
+    "nemotron_h": "hybrid: Mamba-2, MLP-only and attention blocks, one sublayer each",
     "bloom": "ALiBi",
     "gpt2": "learned absolute positions",
     "bart": "the decoder of an encoder-decoder family (counts its own learned positions)",
@@ -75,6 +76,10 @@ NOT_APPLICABLE: dict[tuple[str, str], str] = {}
 MUST_PASS = {
     ("qwen3_next", "stream"): "tokens equal",
     ("qwen3_next", "stream_evicted"): "float64 stream reference",
+    ("qwen3_next", "scan"): "recurrent/MLP-only, marked as such",
+    ("qwen3_next", "circuit"): "",
+    ("nemotron_h", "scan"): "3 recurrent/MLP-only, marked as such",
+    ("nemotron_h", "circuit"): "",
 }
 
 #: Cells that crash or are wrong today: (type, cell) → what they showed. Strict: remove the entry when fixed.

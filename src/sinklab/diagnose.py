@@ -185,9 +185,13 @@ class Diagnosis:
         ``top_token`` is the most common token string at that place (for display only).
         """
         s, n_layers, h = self.scan.num_samples, self.scan.num_layers, self.scan.num_heads
+        kinds = self.scan.layer_kinds or ["attention"] * n_layers
+        gates = self.scan.gate_statistics()
         out = []
         for layer in range(n_layers):
             recs = [r for r in self.records if r.layer == layer]
+            gate = {} if gates is None or kinds[layer] != "attention" else \
+                {f"mean_{k}": _mean_or_none(v[layer]) for k, v in gates.items()}
             counts = Counter(r.kind for r in recs)
             places = Counter((r.role, r.token_index) for r in recs)
             roles = Counter(f"{r.role}:{r.kind}" for r in recs)
@@ -195,7 +199,8 @@ class Diagnosis:
             tokens = Counter(r.token for r in recs if (r.role, r.token_index) == (role, pos))
             out.append({
                 "layer": layer,
-                "sink_pct": 100.0 * len(recs) / (s * h),
+                "kind": kinds[layer],
+                "sink_pct": 100.0 * len(recs) / (s * h) if kinds[layer] == "attention" else None,
                 "counts": {k: counts.get(k, 0) for k in metrics.SINK_KINDS},
                 "dominant_kind": counts.most_common(1)[0][0] if recs else None,
                 "top_sink": f"{role}@{pos}" if recs else None,
@@ -206,6 +211,7 @@ class Diagnosis:
                 "roles": dict(roles.most_common()),  # "role:kind" -> count, e.g. "register:nop"
                 "median_value_ratio_out": _median([r.value_norm_ratio_out for r in recs]),
                 "median_stable_rank": _median([r.stable_rank for r in recs]),
+                **gate,
             })
         return out
 
@@ -220,6 +226,11 @@ class Diagnosis:
         for (layer, head), recs in grouped.items():
             table[layer][head] = {"sink_pct": 100.0 * len(recs) / s,
                                   "kind": Counter(r.kind for r in recs).most_common(1)[0][0]}
+        gates = self.scan.gate_statistics()
+        if gates is not None:  # the output gate on sink-routed queries vs elsewhere, sink share without / with it
+            for layer in self.scan.attention_layers:
+                for head in range(self.scan.num_heads):
+                    table[layer][head].update({k: _mean_or_none(v[layer, head]) for k, v in gates.items()})
         return table
 
     def to_json(self) -> dict:
@@ -236,6 +247,12 @@ class Diagnosis:
             **({} if self.recommendation is None else {"recommendation": self.recommendation.to_json()}),
         }
 
+
+
+def _mean_or_none(values: Tensor) -> float | None:
+    """Mean of the finite entries (a number, or None when there are none)."""
+    value = float(values.double().nanmean())
+    return value if value == value else None
 
 
 def _median(values: list[float]) -> float | None:
@@ -278,6 +295,9 @@ def _edit_targets(edits: bool | list[tuple[int, int]], records: list[SinkRecord]
         if not (0 <= layer < scan.num_layers and 0 <= head < scan.num_heads):
             raise InputError(f"edit target layer {layer} head {head} is outside the model "
                              f"({scan.num_layers} layers × {scan.num_heads} heads)")
+        if layer not in scan.attention_layers:
+            raise InputError(f"edit target layer {layer} is a {scan.layer_kinds[layer]} layer: it has no attention "
+                             f"heads to edit (attention layers: {scan.attention_layers})")
         kinds = Counter(r.kind for r in records if r.layer == layer and r.head == head)
         targets.append((layer, head, kinds.most_common(1)[0][0] if kinds else "no sink"))
     return targets

@@ -38,6 +38,7 @@ __all__ = [
     "routed_fraction",
     "sink_rate",
     "sink_rate_per_layer",
+    "gate_statistics",
     "is_eps_sink",
     "is_relaxed_sink",
     "activation_median",
@@ -159,6 +160,41 @@ def sink_rate(column_mass: Tensor, position: int = 0, eps: float = 0.3) -> float
     Always report it with the sequence length that produced ``column_mass`` — it falls as T grows.
     """
     return float(sink_rate_per_layer(column_mass, position, eps).mean())
+
+
+def gate_statistics(gate: Tensor, sink_attention: Tensor, route_threshold: float = 0.5,
+                    first_query: int = 1) -> dict[str, Tensor]:
+    """Whether an output gate has taken the sink's job (Qiu et al. 2025): per layer and head, ``[L, H]`` float64.
+
+    ``gate`` ``[S, L, H, T]`` is each query's mean output gate on its head's output (``σ(x W_g)`` averaged over the
+    head's dimensions); ``sink_attention`` ``[S, L, H, T]`` each query's attention to the sink position. Queries
+    before ``first_query`` (the sink itself, which can only see itself) and NaN entries are left out. Returns
+
+    * ``gate_on_sink`` — mean gate over the queries routed to the sink (``A_i,sink ≥ route_threshold``);
+    * ``gate_elsewhere`` — mean gate over the other queries;
+    * ``sink_share`` — mean attention to the sink (the gate not applied);
+    * ``gated_sink_share`` — mean of ``gate · A_i,sink``: how much of the sink's value reaches the head's output
+      once gated (with a fully open gate it equals ``sink_share``).
+
+    NaN where a head has no such query. A gate that shuts on sink-routed queries (``gate_on_sink`` ≪
+    ``gate_elsewhere``) is doing the "no-op" the sink does in an ungated model.
+    """
+    if gate.shape != sink_attention.shape or gate.dim() != 4:
+        raise ValueError(f"gate and sink_attention must both be [S, L, H, T], got {tuple(gate.shape)} and "
+                         f"{tuple(sink_attention.shape)}")
+    g, a = gate[..., first_query:].double(), sink_attention[..., first_query:].double()
+    real = ~(torch.isnan(g) | torch.isnan(a))
+    g, a = torch.where(real, g, 0.0), torch.where(real, a, 0.0)
+    routed = real & (a >= route_threshold)
+    other = real & ~routed
+
+    def mean(x: Tensor, where: Tensor) -> Tensor:
+        n = where.sum(dim=(0, 3))
+        total = torch.where(where, x, 0.0).sum(dim=(0, 3))
+        return torch.where(n > 0, total / n.clamp_min(1), math.nan)
+
+    return {"gate_on_sink": mean(g, routed), "gate_elsewhere": mean(g, other), "sink_share": mean(a, real),
+            "gated_sink_share": mean(g * a, real)}
 
 
 def is_eps_sink(column_min: Tensor, eps: float) -> Tensor:

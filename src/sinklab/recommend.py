@@ -147,13 +147,14 @@ def edit_signature(edit: EditResult, nop_edit_ratio: float = DEFAULT_THRESHOLDS[
 
 def _evidence(diagnosis: Diagnosis, th: dict) -> dict:
     scan = diagnosis.scan
-    total = scan.num_samples * scan.num_layers * scan.num_heads
+    layers = len(scan.attention_layers)  # a hybrid's recurrent / MLP-only layers have no heads to sink
+    total = scan.num_samples * layers * scan.num_heads
     housed = [r for r in diagnosis.records if r.role == "register"]
     unhoused = [r for r in diagnosis.records if r.role != "register"]
     counts = Counter(r.kind for r in unhoused)
     n = len(unhoused)
     ratios = sorted(r.value_norm_ratio_out for r in unhoused if r.value_norm_ratio_out == r.value_norm_ratio_out)
-    layers = {kind: sorted({r.layer for r in unhoused if r.kind == kind}) for kind in ("nop", "broadcast")}
+    by_class = {kind: sorted({r.layer for r in unhoused if r.kind == kind}) for kind in ("nop", "broadcast")}
     edits = []
     for e in diagnosis.edits:
         sig = edit_signature(e, th["nop_edit_ratio"])
@@ -163,7 +164,7 @@ def _evidence(diagnosis: Diagnosis, th: dict) -> dict:
                       "control": e.hidden.get("control")})
     sink_mass = scan.learned_sink_mass
     return {
-        "samples": scan.num_samples, "layers": scan.num_layers, "heads": scan.num_heads,
+        "samples": scan.num_samples, "layers": layers, "heads": scan.num_heads,
         "seq_len": scan.meta.get("seq_len"), "model": scan.meta.get("model"), "model_type": scan.meta.get("model_type"),
         "sinks": len(diagnosis.records), "housed_on_registers": len(housed), "unhoused": n,
         "share": n / total if total else 0.0,
@@ -172,13 +173,24 @@ def _evidence(diagnosis: Diagnosis, th: dict) -> dict:
         "f_broadcast": counts.get("broadcast", 0) / n if n else 0.0,
         "f_unclassified": counts.get("unclassified", 0) / n if n else 0.0,
         "median_value_ratio_out": ratios[len(ratios) // 2] if ratios else None,
-        "layers_by_class": layers,
+        "layers_by_class": by_class,
         "top_roles": dict(Counter(f"{r.role}:{r.kind}" for r in diagnosis.records).most_common(5)),
         "learned_sink_mass_mean": float(sink_mass.nanmean()) if sink_mass.numel() else 0.0,
         "edits": edits,
         "classification_rules": {k: diagnosis.rules[k] for k in
                                  ("nop_max_ratio", "broadcast_min_ratio", "broadcast_max_srank")},
+        "output_gate": _gate_evidence(scan),
     }
+
+
+def _gate_evidence(scan) -> dict | None:
+    """The model's own output gate (Qwen3-Next, Qwen3.5, sinklab's ``gated``), means over heads of
+    :func:`sinklab.metrics.gate_statistics`; None when it has none."""
+    gates = scan.gate_statistics()
+    if gates is None:
+        return None
+    mean = {k: float(v[scan.attention_layers].nanmean()) for k, v in gates.items()}
+    return {k: (v if v == v else None) for k, v in mean.items()}
 
 
 # ----------------------------------------------------------------------------- the rule
@@ -324,6 +336,8 @@ def recommend(diagnosis: Diagnosis, *, model: nn.Module | None = None, threshold
     fix, reason, fallback = _decide(ev, th)
     confidence = _confidence(fix, ev, th, fallback)
     present = _applied(model)
+    if ev["output_gate"] is not None:  # the architecture gates each head's output itself
+        present.add("gated")
     ev["variant_applied"] = sorted(present)
     if fix != "none" and present:
         wanted = set(fix.split("+"))

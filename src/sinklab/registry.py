@@ -55,6 +55,7 @@ class MetricRow:
     compute: Callable[[ScanStatistics], Tensor]
     fmt: str = "{:.2f}"
     terminal: bool = False  # also shown in the CLI's table (all rows go to JSON and the report)
+    hidden: bool = False  # read off the block outputs (defined for every layer), not off attention
 
 
 def _nanmean(x: Tensor, dims: tuple[int, ...]) -> Tensor:
@@ -151,18 +152,21 @@ REGISTRY: list[MetricRow] = [
     MetricRow("common_mode", "common", "common-mode fraction of the head's update", lambda r: _nanmean(r.common_mode, (0, 2))),
     MetricRow("qk_sigma_ratio", "QK σ₁/σ₂", "mean over heads of σ₁/σ₂ of Wq_hᵀ·Wk_h", _qk_ratio),
     MetricRow("hidden_norm_ratio_0", "‖x₀‖/med", "position 0's hidden norm over the median of the others (block output)",
-              _hidden_norm_ratio0, terminal=True),
-    MetricRow("massive_tokens", "massive", "tokens per sample with a massive activation (|a|>100, ≥1000× median)", _massive),
-    MetricRow("max_activation", "max |a|", "largest |activation| in the block output", _max_act, "{:.1f}", terminal=True),
-    MetricRow("high_norm_tokens", "high-norm", "tokens per sample with norm > median + k·1.4826·MAD", _high_norm),
+              _hidden_norm_ratio0, terminal=True, hidden=True),
+    MetricRow("massive_tokens", "massive", "tokens per sample with a massive activation (|a|>100, ≥1000× median)", _massive, hidden=True),
+    MetricRow("max_activation", "max |a|", "largest |activation| in the block output", _max_act, "{:.1f}", terminal=True, hidden=True),
+    MetricRow("high_norm_tokens", "high-norm", "tokens per sample with norm > median + k·1.4826·MAD", _high_norm, hidden=True),
     MetricRow("learned_sink_mass", "learned sink", "mean 1 − Σ_j A_ij: attention on learned slots, not tokens (sink logit, softmax₁, kv-bias)", _learned_sink, "{:.3f}", terminal=True),
 ]
 
 
 def per_layer_table(result: ScanStatistics) -> dict[str, list[float | None]]:
     """``{metric name: [value per layer]}`` for every registry row (NaN → ``None``)."""
+    kinds = getattr(result, "layer_kinds", None) or []
     table = {}
     for row in REGISTRY:
         values = row.compute(result).double().tolist()
-        table[row.name] = [None if v != v or v in (float("inf"), float("-inf")) else float(v) for v in values]
+        table[row.name] = [None if v != v or v in (float("inf"), float("-inf"))
+                           or (not row.hidden and i < len(kinds) and kinds[i] != "attention") else float(v)
+                           for i, v in enumerate(values)]
     return table

@@ -79,6 +79,8 @@ class ScanResult:
     tokens: list[list[str]]
     candidates: tuple[int, ...]
     meta: dict = field(default_factory=dict)
+    gate: Tensor | None = None  # (S, L, H, T) mean output gate per query and head (None: the model has no gate)
+    layer_kinds: list[str] = field(default_factory=list)  # per layer: attention | recurrent | feedforward
 
     # ------------------------------------------------------------------ shape helpers
     @property
@@ -97,15 +99,36 @@ class ScanResult:
     def seq_len(self) -> int:
         return self.column_mass.shape[3]
 
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers with an attention map (all of them, except a hybrid's recurrent and MLP-only layers)."""
+        kinds = self.layer_kinds or ["attention"] * self.num_layers
+        return [i for i, kind in enumerate(kinds) if kind == "attention"]
+
     # ------------------------------------------------------------------ derived metrics
     def sink_rate(self, position: int = 0, eps: float | None = None) -> float:
-        """Sink^ε at ``position`` in percent (mean over samples; reported with ``meta['seq_len']``)."""
-        return metrics.sink_rate(self.column_mass, position, self.meta["thresholds"]["eps"] if eps is None else eps)
+        """Sink^ε at ``position`` in percent over the attention layers' heads (mean over samples; reported with
+        ``meta['seq_len']``)."""
+        return float(self.sink_rate_per_layer(position, eps)[self.attention_layers].mean())
 
     def sink_rate_per_layer(self, position: int = 0, eps: float | None = None) -> Tensor:
-        """``[L]`` Sink^ε at ``position`` per layer, in percent."""
+        """``[L]`` Sink^ε at ``position`` per layer, in percent (NaN for a layer without attention)."""
         eps = self.meta["thresholds"]["eps"] if eps is None else eps
-        return metrics.sink_rate_per_layer(self.column_mass, position, eps)
+        attn = self.attention_layers
+        out = torch.full((self.num_layers,), math.nan, dtype=torch.float64)
+        out[attn] = metrics.sink_rate_per_layer(self.column_mass[:, attn], position, eps)
+        return out
+
+    def gate_statistics(self, position: int = 0) -> dict[str, Tensor] | None:
+        """:func:`sinklab.metrics.gate_statistics` of the sink at ``position`` (a candidate position), ``[L, H]`` each;
+        None when the model has no output gate."""
+        if self.gate is None:
+            return None
+        if position not in self.candidates:
+            raise InputError(f"position {position} is not a candidate of this scan ({list(self.candidates)})")
+        attention = self.candidate_attention[..., self.candidates.index(position)]
+        return metrics.gate_statistics(self.gate, attention, self.meta["thresholds"]["route_threshold"],
+                                       first_query=position + 1)
 
     def eligible_columns(self) -> Tensor:
         """``[S, L, 1, T]`` keys seen by enough queries to be a head's dominant column (:data:`DOMINANT_RULE`)."""
@@ -125,8 +148,8 @@ class ScanResult:
         return toks[position] if 0 <= position < len(toks) else f"#{position}"
 
     def top_sink(self) -> tuple[int, str]:
-        """The most common dominant position over all samples, layers and heads, and its token in sample 0."""
-        pos = int(self.dominant_columns().flatten().mode().values)
+        """The most common dominant position over all samples, attention layers and heads, and its token in sample 0."""
+        pos = int(self.dominant_columns()[:, self.attention_layers].flatten().mode().values)
         return pos, self.token_label(0, pos)
 
     def per_layer(self) -> dict[str, list[float | None]]:
@@ -152,6 +175,9 @@ class ScanResult:
             "dominant_columns": self.dominant_columns().tolist(),
             "sink_strength": _nested(self.sink_strength()),
             "qk_sigma_ratio": _nested(metrics.sigma_ratio(self.qk_spectrum.double())),
+            "layer_kinds": self.layer_kinds or ["attention"] * self.num_layers,
+            **({"gate": {name: _nested(value) for name, value in gates.items()}}
+               if (gates := self.gate_statistics()) is not None else {}),
         }
 
 
@@ -196,6 +222,8 @@ def _merge(batches: list[CaptureBatch], width: int | None = None) -> dict:
     merged["attention_maps"] = batches[0].attention_maps
     merged["qk_spectrum"] = batches[0].qk_spectrum
     merged["output_space"] = batches[0].output_space
+    merged["layer_kinds"] = batches[0].layer_kinds
+    merged["gate"] = _pad_cat([b.gate for b in batches], 3, width, math.nan) if batches[0].gate is not None else None
     return merged
 
 
@@ -210,7 +238,7 @@ def _merge_ranks(batches: list[CaptureBatch], start: int, total: int) -> dict:
         return _merge(batches)
     width = int(distributed.all_reduce(torch.tensor([max(b.token_mask.shape[-1] for b in batches)]), "max"))
     merged = _merge(batches, width)
-    for name in _PER_SAMPLE:
+    for name in _PER_SAMPLE + (("gate",) if merged["gate"] is not None else ()):
         merged[name] = distributed.gather_rows(merged[name], start, total)
     merged["attention_maps"] = distributed.broadcast_object(merged["attention_maps"] if start == 0 else None)
     return merged
@@ -300,7 +328,7 @@ def scan_result(results: list[CaptureBatch], tokens: list[list[str]], *, candida
     info = {"thresholds": thresholds, "seq_len": seq_len, "num_samples": merged["column_mass"].shape[0],
             "candidates": list(candidates), "hidden_state_index_0": "input of block 0 (embeddings)",
             "output_space": merged["output_space"], "dominant_rule": DOMINANT_RULE, "warnings": notes,
-            **(meta or {})}
+            "layer_kinds": merged["layer_kinds"], **(meta or {})}
     return ScanResult(**merged, tokens=tokens, candidates=tuple(candidates), meta=info)
 
 
@@ -370,6 +398,9 @@ def scan_inputs(
                 results.append(cap.run(**batch))
                 if progress is not None:
                     progress("scan", results[-1].token_mask.shape[0], len(tokens))
+    if results and "recurrent" in results[0].layer_kinds and "input_ids" in batches[0]:
+        meta["recurrent_state_bytes"] = {str(k): v for k, v in
+                                         _compat.recurrent_state_bytes(model, batches[0]["input_ids"]).items()}
     return scan_result(results, tokens, candidates=candidates, thresholds=thresholds, meta=meta, start=start)
 
 

@@ -30,7 +30,9 @@ from .atomic import atomic_dir
 from .errors import InputError
 from .monitor import SinkMonitor
 
-__all__ = ["TrainConfig", "build_model", "train", "bb_metrics"]
+__all__ = ["ARCHS", "TrainConfig", "build_model", "train", "bb_metrics"]
+
+ARCHS = ("llama", "qwen3-next")
 
 
 @dataclass
@@ -50,6 +52,8 @@ class TrainConfig:
     warmup: int = 100
     vocab_size: int = 4096  # BPE size for text data (bb uses its own)
     variant: str | None = None  # e.g. "sink-logit", "gated", "gated+registers" (sinklab.variants)
+    arch: str = "llama"  # llama | qwen3-next (transformers' Qwen3-Next: gated attention, attention layers only)
+    output_gate: bool = True  # qwen3-next: False holds the gate logits at 0 (σ = ½ everywhere: no gate)
     sink_init: float | None = None  # start of the learned sink logit (sink-logit variants; None: 0)
     seed: int = 0
     checkpoint_every: int = 0  # 0: only the final checkpoint
@@ -79,25 +83,63 @@ class TrainConfig:
             raise InputError(f"sink_init must be a finite number, got {self.sink_init!r}")
         if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
             raise InputError(f"kv_heads {self.kv_heads} must be ≥ 1 and divide heads {self.heads}")
+        if self.arch not in ARCHS:
+            raise InputError(f"arch {self.arch!r} is not one of {', '.join(ARCHS)}")
+        if self.arch != "qwen3-next" and not self.output_gate:
+            raise InputError("output_gate=False needs arch='qwen3-next' (the Llama model has no output gate; "
+                             "sinklab's own gate is variant='gated')")
+        if self.arch == "qwen3-next" and self.variant:
+            raise InputError("variants apply to arch='llama'; Qwen3-Next has its own output gate (output_gate)")
 
 
 def build_model(cfg: TrainConfig, vocab: int, bos_id: int | None, eos_id: int | None, pad_id: int | None) -> nn.Module:
-    """A Llama-style causal LM (RoPE, RMSNorm, SwiGLU) of the configured size, seeded."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The configured causal LM, seeded: a Llama-style model (RoPE, RMSNorm, SwiGLU), or transformers' Qwen3-Next with
+    every layer softmax attention, a dense MLP and its query-dependent sigmoid output gate (``arch="qwen3-next"``)."""
+    common = dict(vocab_size=vocab, hidden_size=cfg.width, intermediate_size=4 * cfg.width,
+                  num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                  num_key_value_heads=cfg.kv_heads or cfg.heads, max_position_embeddings=max(2048, cfg.seq_len),
+                  tie_word_embeddings=True, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id)
+    if cfg.arch == "qwen3-next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=cfg.width, intermediate_size=4 * cfg.width,
-                         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-                         num_key_value_heads=cfg.kv_heads or cfg.heads, max_position_embeddings=max(2048, cfg.seq_len),
-                         tie_word_embeddings=True, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id)
+        config = Qwen3NextConfig(**common, head_dim=cfg.width // cfg.heads, layer_types=["full_attention"] * cfg.layers,
+                                 mlp_only_layers=list(range(cfg.layers)), initializer_range=0.02)
+        config.sinklab_output_gate = cfg.output_gate
+        cls = Qwen3NextForCausalLM
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config, cls = LlamaConfig(**common), LlamaForCausalLM
     config.sinklab_trained_positions = cfg.seq_len  # RoPE runs longer than this warn (sinklab.models.max_positions)
     _compat.set_config_attention(config, "sdpa")
     torch.manual_seed(cfg.seed)
-    model = LlamaForCausalLM(config)
+    model = cls(config)
+    if cfg.arch == "qwen3-next" and not cfg.output_gate:
+        hold_output_gate_shut(model, cfg.heads, cfg.width // cfg.heads)
     if cfg.variant:
         from .variants import apply_variant
 
         apply_variant(model, cfg.variant, sink_init=cfg.sink_init)
     return model
+
+
+def hold_output_gate_shut(model: nn.Module, heads: int, head_dim: int) -> None:
+    """Qwen3-Next without its output gate, on the same architecture: the gate half of every ``q_proj`` row block is set
+    to 0 and its gradient masked, so ``σ(gate) = ½`` for every query (a constant the output projection absorbs).
+    AdamW's decoupled weight decay keeps a zero at zero, so the rows stay 0 through training."""
+    for layer in _compat.find_layers(model):
+        weight = layer.self_attn.q_proj.weight  # [heads · 2 · head_dim, width]: per head, query rows then gate rows
+        keep = torch.ones(heads, 2, head_dim, 1, dtype=weight.dtype)
+        keep[:, 1] = 0
+        keep = keep.reshape(-1, 1)
+        with torch.no_grad():
+            weight.mul_(keep)
+        weight.register_hook(lambda grad, keep=keep: grad * keep.to(grad.device, grad.dtype))
+        bias = layer.self_attn.q_proj.bias
+        if bias is not None:
+            with torch.no_grad():
+                bias.mul_(keep[:, 0])
+            bias.register_hook(lambda grad, keep=keep[:, 0]: grad * keep.to(grad.device, grad.dtype))
 
 
 def _text_data(cfg: TrainConfig):

@@ -16,7 +16,7 @@ from ..errors import UnsupportedModelError
 
 _Q_NAMES = ("q_proj", "query", "q", "wq")
 _K_NAMES = ("k_proj", "key", "k", "wk")
-_O_NAMES = ("o_proj", "out_proj", "c_proj", "dense", "wo")
+O_NAMES = _O_NAMES = ("o_proj", "out_proj", "c_proj", "dense", "wo")  # attention output projections
 
 
 def config_get(config: object, *names: str, default: object = None) -> object:
@@ -400,6 +400,30 @@ def cache_kwarg_name(model: nn.Module) -> str:
 def output_cache(output: object) -> object:
     """The cache a forward returned: ``cache`` on transformers ≥ 5.2, ``past_key_values`` on older releases."""
     return output["cache"] if "cache" in output else output.past_key_values  # noqa: SIM401 (lazy)
+
+
+def recurrent_state_bytes(model: nn.Module, input_ids: Tensor) -> dict[int, int]:
+    """Bytes of state each recurrent layer keeps per sequence (conv + recurrent state; the same at any length), read
+    off the model's own cache after one forward of the first token of ``input_ids``: ``{layer: bytes}``."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    try:
+        with torch.no_grad():
+            base_model(model)(input_ids=input_ids[:1, :1], use_cache=True, **{cache_kwarg_name(model): cache})
+    except Exception:  # noqa: BLE001 - a model with a cache class of its own (MiniMax): the size is not known
+        return {}
+    def size(value: object) -> int:  # tensors held directly or in dicts / lists (per-state dicts), not counters
+        if isinstance(value, Tensor):
+            return value.numel() * value.element_size() if value.dim() > 0 else 0
+        if isinstance(value, dict):
+            return sum(size(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return sum(size(v) for v in value)
+        return 0
+
+    return {i: size(vars(layer)) for i, layer in enumerate(getattr(cache, "layers", []))
+            if cache_layer_kind(layer) == "recurrent"}
 
 
 def cache_argument(kwargs: dict) -> tuple[str | None, object]:

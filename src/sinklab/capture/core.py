@@ -85,6 +85,9 @@ class AttentionCapture:
         self._grab: int | None = None  # final_states() on a full pass: the block whose output it returns
         self._grabbed: Tensor | None = None
         self._causal_mask: tuple[Tensor, int, bool] | None = None  # (mask, Tk, is it the plain causal pattern)
+        self._gate_hooked: set[int] = set()  # attention modules whose output projection is hooked (gate_hook)
+        self._pending: dict[int, tuple[int, Tensor]] = {}  # attention module → (layer, the output attend returned)
+        self._kinds: list[str] | None = None  # per layer: attention | recurrent | feedforward (hybrids)
 
     # ------------------------------------------------------------------ set-up / tear-down
     def __enter__(self) -> AttentionCapture:
@@ -137,6 +140,8 @@ class AttentionCapture:
             raise RuntimeError("AttentionCapture.run() must be called inside `with AttentionCapture(model):`")
         self._records.clear()
         self._hidden.clear()
+        self._pending.clear()
+        self._kinds = None
         mask = inputs.get("attention_mask")
         self._token_mask = None if mask is None else mask.bool()
         self._calls = [] if keep_inputs else None
@@ -148,16 +153,38 @@ class AttentionCapture:
         finally:
             self._calls = None
             self._last_block = None
+        self._pending.clear()
         missing = [i for i in range(len(self._layers)) if i not in self._records]
         if missing:
+            self._kinds = self._layer_kinds(missing)
+        return self._collect()
+
+    def _layer_kinds(self, missing: list[int]) -> list[str]:
+        """Per layer: ``attention``, or for the layers whose attention the capture did not see, what the model's own
+        cache holds for them — ``recurrent`` (linear-attention / state-space / convolution state) or
+        ``feedforward`` (nothing: an MLP-only block). Anything else is refused."""
+        cache = _compat.model_cache_layers(self.model)
+        kinds = ["attention"] * len(self._layers)
+        unknown = []
+        for i in missing:
+            kind = _compat.cache_layer_kind(cache[i]) if len(cache) == len(self._layers) else "keys"
+            if kind == "keys":
+                unknown.append(i)
+            kinds[i] = "recurrent" if kind == "recurrent" else "feedforward"
+        if unknown or len(missing) == len(self._layers):
             raise UnsupportedModelError(
-                f"{type(self.model).__name__}: the attention of layer(s) {missing} did not go through "
-                "transformers' attention interface, so sinklab cannot observe it. Usually these are a hybrid "
-                "model's linear-attention, recurrent or state-space layers, which have no attention map; a scan "
-                "that reports the attention layers and marks these as recurrent is not built yet. Supported: "
-                "models whose every block's attention dispatches through the interface (Llama, Qwen2/3, Mistral, "
-                "Gemma, Phi-3, GPT-NeoX, GPT-2, OPT, BERT, ViT, DINOv2, gpt-oss … — docs/architectures.md)."
+                f"{type(self.model).__name__}: the attention of layer(s) {unknown or missing} did not go through "
+                "transformers' attention interface, so sinklab cannot observe it"
+                + (", and the model has no attention layer that it can" if not unknown else
+                   ", and the model's own cache does not hold them as recurrent (linear-attention, state-space or "
+                   "convolution) layers, which the scan would mark as such")
+                + ". Supported: models whose attention dispatches through the interface (Llama, Qwen2/3, Mistral, "
+                "Gemma, Phi-3, GPT-NeoX, GPT-2, OPT, BERT, ViT, DINOv2, gpt-oss …) and hybrids whose other layers "
+                "the model's cache holds as recurrent (Qwen3-Next, Qwen3.5, LFM2, Jamba, Nemotron-H … — "
+                "docs/architectures.md)."
             )
+        return kinds
+
         return self._collect()
 
     @torch.no_grad()
@@ -234,9 +261,12 @@ class AttentionCapture:
 
     def _collect(self) -> CaptureBatch:
         n = len(self._layers)
-        rec = [self._records[i] for i in range(n)]
+        kinds = self._kinds or ["attention"] * n
+        some = next(self._records[i] for i in range(n) if kinds[i] == "attention")
+        rec = [self._records[i] if kinds[i] == "attention" else _no_attention(some) for i in range(n)]
         hidden = [self._hidden[i] for i in range(n + 1)]
         per_layer = {key: torch.stack([r[key] for r in rec], dim=1) if key in rec[0] else None for key in _PER_LAYER}
+        gated = any("gate" in r for r in rec)
         kept = self.config.hidden_stats
         return CaptureBatch(
             **per_layer,
@@ -247,6 +277,8 @@ class AttentionCapture:
             qk_spectrum=torch.stack([r["qk"] for r in rec], dim=0),
             output_space=[bool(r["output_space"]) for r in rec],
             **{key: torch.stack([r[key] for r in rec], dim=1) for key in _PER_QUERY if self.config.row_stats},
+            gate=torch.stack([_layer_gate(r, kind) for r, kind in zip(rec, kinds)], dim=1) if gated else None,
+            layer_kinds=list(kinds),
         )
 
     # ------------------------------------------------------------------ hidden-state hooks
@@ -373,6 +405,9 @@ class AttentionCapture:
             out = out * gate.transpose(1, 2).to(out.dtype)
         if stats is None:  # final_states(): the output is all that is needed
             return out.to(query.dtype).transpose(1, 2).contiguous(), None
+        returned = out.to(query.dtype).transpose(1, 2).contiguous()  # (B, Tq, H, dv)
+        if gate is None:  # a gate the model applies itself, between this output and its output projection
+            self._watch_gate(module, index, returned)
         key_mask = self._positions_mask(b, tk, dev)
         info = self.weights.get(index, self._layers[index], module, h, hkv, dv, dev)
         record = {
@@ -382,8 +417,90 @@ class AttentionCapture:
             "qk": info.qk,
             "output_space": torch.tensor(info.output_space),
         }
+        if gate is not None:  # sinklab's own gate variant: its mean over each head's dimensions, (B, H, Tq)
+            record["gate"] = gate.float().mean(-1).transpose(1, 2).expand(b, h, tq)
         self._records[index] = {name: value.cpu() for name, value in record.items()}
-        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+        return returned, None
+
+    # ------------------------------------------------------------------ output gates
+    def _watch_gate(self, module: nn.Module, index: int, returned: Tensor) -> None:
+        """Keep the attention output ``[B, Tq, H, dv]`` until the module's output projection reads its input: where
+        the model multiplies the two by a gate in between (Qwen3-Next, Qwen3.5: ``o_proj(attn · σ(gate))``), their
+        ratio is that gate (:func:`gate_ratio`)."""
+        key = id(module)
+        if key not in self._gate_hooked:
+            proj = _compat.child_module(module, _compat.O_NAMES)
+            if not isinstance(proj, nn.Linear):
+                return
+            self._gate_hooked.add(key)
+            self._patch.hook(proj, self._make_gate_hook(key), pre=True)
+        self._pending[key] = (index, returned)
+
+    def _make_gate_hook(self, key: int):
+        def hook(proj: nn.Module, args: tuple) -> None:
+            pending = self._pending.pop(key, None)
+            if pending is None or not self.statistics or not args or not isinstance(args[0], Tensor):
+                return
+            index, returned = pending
+            record = self._records.get(index)
+            if record is None or "gate" in record:
+                return
+            gate = gate_ratio(args[0], returned)
+            if gate is not None:
+                record["gate"] = gate.cpu()
+
+        return hook
+
+
+def gate_ratio(projected: Tensor, returned: Tensor, *, tolerance: float = 1e-2) -> Tensor | None:
+    """The output gate a model applied between its attention output and its output projection, per query and head.
+
+    ``returned`` ``[B, Tq, H, dv]`` is what the attention function returned; ``projected`` the output projection's
+    input (``[B, Tq, H·dv]``). Their elementwise ratio, averaged over each head's dimensions, gives ``[B, H, Tq]``:
+    ``x = fl(y · g)`` makes ``x / y`` the gate to the dtype's rounding whatever ``y``'s size, so only entries where
+    the attention output is exactly 0 (or subnormal) are left out. ``None`` when there
+    is no gate (the two are equal) or what lies between is not a gate in [0, 1] (a normalisation, a scale).
+    """
+    if projected.numel() != returned.numel():
+        return None
+    x = projected.reshape(returned.shape).float()
+    y = returned.float()
+    if torch.equal(x, y):
+        return None
+    valid = y.abs() > torch.finfo(torch.float32).tiny
+    ratio = torch.where(valid, x / torch.where(valid, y, 1.0), torch.nan)
+    seen = ratio[valid]
+    if seen.numel() == 0 or bool((seen < -tolerance).any()) or bool((seen > 1 + tolerance).any()):
+        return None
+    return ratio.nanmean(-1).transpose(1, 2)  # (B, H, Tq)
+
+
+def _no_attention(like: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A record for a layer without attention (recurrent, MLP-only), shaped like an attention layer's ``like``: NaN
+    statistics, no query sees any key, the same real-token mask."""
+    out = {}
+    for name, value in like.items():
+        if name == "token_mask":
+            out[name] = value
+        elif name == "column_queries":
+            out[name] = torch.zeros_like(value)
+        elif name == "output_space":
+            out[name] = torch.tensor(False)
+        elif name != "gate":
+            out[name] = torch.full_like(value, torch.nan, dtype=torch.float32)
+    return out
+
+
+def _layer_gate(record: dict[str, Tensor], kind: str) -> Tensor:
+    """One layer's ``[B, H, T]`` gate for :attr:`CaptureBatch.gate`: measured, 1 for an ungated attention layer (its
+    output passes whole), NaN for a layer without attention."""
+    mass = record["learned_sink_mass"]  # (B, H): any per-head field gives the shape
+    t = record["token_mask"].shape[-1]
+    if "gate" in record:
+        gate = record["gate"]
+        return torch.cat([gate.new_full((*gate.shape[:2], t - gate.shape[-1]), torch.nan), gate], -1) \
+            if gate.shape[-1] < t else gate
+    return torch.full((*mass.shape, t), 1.0 if kind == "attention" else torch.nan)
 
 
 def _is_plain_causal(mask: Tensor, tq: int, tk: int) -> bool:

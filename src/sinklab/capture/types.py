@@ -61,6 +61,8 @@ class CaptureBatch:
     row_entropy: Tensor | None = None  # (B, L, H, T) entropy (nats) of each query's attention row (row_stats)
     row_diagonal: Tensor | None = None  # (B, L, H, T) A_ii, the query's attention to its own key (row_stats)
     row_previous: Tensor | None = None  # (B, L, H, T) A_i,i−1, to the key just before it (NaN at i = 0) (row_stats)
+    gate: Tensor | None = None  # (B, L, H, T) mean output gate on each query's head output (None: no layer gated)
+    layer_kinds: list[str] = field(default_factory=list)  # per layer: attention | recurrent | feedforward
 
 
 EDIT_MODES = ("record", "zero", "replace", "remove_column")

@@ -21,16 +21,19 @@ from ..errors import UnsupportedModelError
 __all__ = ["ATTN_NAMES", "MLP_NAMES", "Patch", "PositionZeroRecorder", "Sublayers", "find_sublayers"]
 
 ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")
+#: A hybrid block's token mixer when it is not attention (linear attention, state-space, short convolution).
+MIXER_NAMES = ("linear_attn", "mamba", "mixer", "conv", "linear_attention")
 MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
 
 
 @dataclass
 class Sublayers:
-    """The decoder blocks and, per block, its attention and MLP modules."""
+    """The decoder blocks and, per block, its token mixer (attention, or a hybrid's recurrent mixer) and MLP modules
+    (None where a hybrid's block has no such sublayer: its contribution is 0)."""
 
     blocks: nn.ModuleList
-    attn: list[nn.Module]
-    mlp: list[nn.Module]
+    attn: list[nn.Module | None]
+    mlp: list[nn.Module | None]
 
 
 def find_sublayers(model: nn.Module) -> Sublayers:
@@ -55,13 +58,21 @@ def find_sublayers(model: nn.Module) -> Sublayers:
             "position 0; lifting this needs that split and patch carried through AltUp's predict/correct mixing. "
             "`sinklab scan`/`diagnose` read the main copy and do support it.")
     blocks = _compat.find_layers(model)
+    cache = _compat.model_cache_layers(model)
+    kinds = [_compat.cache_layer_kind(c) for c in cache] if len(cache) == len(blocks) else ["keys"] * len(blocks)
+    hybrid = any(kind != "keys" for kind in kinds)  # blocks may then hold one sublayer (a mixer, or an MLP)
     attn, mlp = [], []
     for index, block in enumerate(blocks):
-        a, m = _compat.child_module(block, ATTN_NAMES), _compat.child_module(block, MLP_NAMES)
-        if a is None or m is None:
+        a = _compat.child_module(block, ATTN_NAMES)
+        if a is None and hybrid:  # a hybrid's recurrent or MLP-only block, or Nemotron-H's `mixer`
+            a = _compat.child_module(block, MIXER_NAMES)
+        m = _compat.child_module(block, MLP_NAMES)
+        if m is None and a is not None and kinds[index] == "stateless" and _compat.child_module(block, ATTN_NAMES) is None:
+            a, m = None, a  # one sublayer that mixes no tokens (Nemotron-H's MLP / MoE blocks): it is the MLP
+        if (a is None and kinds[index] != "stateless") or (m is None and not hybrid):
             children = ", ".join(n for n, _ in block.named_children())
             missing = "attention" if a is None else "MLP"
-            wanted = ATTN_NAMES if a is None else MLP_NAMES
+            wanted = ATTN_NAMES + MIXER_NAMES if a is None else MLP_NAMES
             raise UnsupportedModelError(
                 f"{name}: block {index} ({type(block).__name__}) has no {missing} child named one of {wanted} "
                 f"(its children: {children}); the circuit hooks each block's own attention and MLP modules. "
@@ -69,7 +80,7 @@ def find_sublayers(model: nn.Module) -> Sublayers:
                 "block is attention then MLP on one residual stream; `sinklab scan`/`diagnose` do not need it.")
         attn.append(a)
         mlp.append(m)
-    if any(getattr(a, "is_causal", True) is False for a in attn):
+    if any(a is not None and getattr(a, "is_causal", True) is False for a in attn):
         raise UnsupportedModelError(f"{name}: its attention is not causal (is_causal=False); the P0 sink circuit is "
                                     "a property of causal decoders.")
     return Sublayers(blocks, attn, mlp)
@@ -132,8 +143,9 @@ class PositionZeroRecorder:
             self._handles.append(self.sub.blocks[0].register_forward_pre_hook(self._embed_hook, with_kwargs=True))
             for index, block in enumerate(self.sub.blocks):
                 self._handles.append(block.register_forward_hook(self._block_hook(index)))
-                self._handles.append(self.sub.attn[index].register_forward_hook(self._sub_hook("attn0", index)))
-                self._handles.append(self.sub.mlp[index].register_forward_hook(self._sub_hook("mlp0", index)))
+                for key, sub in (("attn0", self.sub.attn[index]), ("mlp0", self.sub.mlp[index])):
+                    if sub is not None:  # a hybrid block without this sublayer: it adds 0 (filled by collect)
+                        self._handles.append(sub.register_forward_hook(self._sub_hook(key, index)))
         except BaseException:
             self.__exit__()
             raise
@@ -157,6 +169,11 @@ class PositionZeroRecorder:
     def collect(self) -> dict[str, Tensor]:
         """Stack what the last forward recorded (see the class docstring for shapes)."""
         n = len(self.sub.blocks)
+        x0 = self._rec["x0"].get(0)
+        for key, subs in (("attn0", self.sub.attn), ("mlp0", self.sub.mlp)):
+            for index, sub in enumerate(subs):
+                if sub is None and x0 is not None:
+                    self._rec[key][index] = torch.zeros_like(x0)
         out = {}
         for key, per in self._rec.items():
             count = n if key in ("attn0", "mlp0") else n + 1

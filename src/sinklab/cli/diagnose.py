@@ -152,12 +152,20 @@ def _print_diagnosis(d) -> None:
     for col in ("layer", "sink %", "nop", "broadcast", "unclass.", "top sink (role@pos)", "there %", "med r_out",
                 "med srank"):
         table.add_column(col, justify="right")
-    for r in d.per_layer():
-        table.add_row(str(r["layer"]), f"{r['sink_pct']:.0f}", str(r["counts"]["nop"]), str(r["counts"]["broadcast"]),
+    rows = d.per_layer()
+    gated = any("mean_gate_on_sink" in r for r in rows)
+    if gated:
+        table.add_column("gate sink/else", justify="right")
+    for r in rows:
+        gate = [] if not gated else ["–" if r.get("mean_gate_on_sink") is None or r.get("mean_gate_elsewhere") is None
+                                     else f"{r['mean_gate_on_sink']:.2f}/{r['mean_gate_elsewhere']:.2f}"]
+        name = str(r["layer"]) if r["kind"] == "attention" else f"{r['layer']} {'rec' if r['kind'] == 'recurrent' else 'mlp'}"
+        table.add_row(name, "–" if r["sink_pct"] is None else f"{r['sink_pct']:.0f}", str(r["counts"]["nop"]),
+                      str(r["counts"]["broadcast"]),
                       str(r["counts"]["unclassified"]), r["top_sink"] or "–",
                       "–" if r["top_sink_pct"] is None else f"{r['top_sink_pct']:.0f}",
                       "–" if r["median_value_ratio_out"] is None else f"{r['median_value_ratio_out']:.3f}",
-                      "–" if r["median_stable_rank"] is None else f"{r['median_stable_rank']:.2f}")
+                      "–" if r["median_stable_rank"] is None else f"{r['median_stable_rank']:.2f}", *gate)
     console.print(table)
     if d.edits:
         n_edit = d.scan.meta.get("edit_samples", d.scan.num_samples)

@@ -22,6 +22,9 @@ from ._common import (
 from ._progress import print_warnings
 
 
+_SHORT_KIND = {"recurrent": "rec", "feedforward": "mlp"}
+
+
 def _print_table(result) -> None:
     from ..registry import REGISTRY
 
@@ -33,13 +36,26 @@ def _print_table(result) -> None:
     for row in shown:
         table.add_column(row.title, justify="right")
     values = result.per_layer()
+    kinds = result.layer_kinds or ["attention"] * result.num_layers
     for layer in range(result.num_layers):
         cells = ["–" if values[r.name][layer] is None else r.fmt.format(values[r.name][layer]) for r in shown]
-        table.add_row(str(layer), *cells)
+        table.add_row(str(layer) if kinds[layer] == "attention" else f"{layer} {_SHORT_KIND[kinds[layer]]}", *cells)
     console.print(table)
     pos, label = result.top_sink()
-    console.print(f"Sink^ε(0) = [bold]{result.sink_rate(0):.1f} %[/bold] of layer×head pairs; "
+    pairs = "layer×head pairs" if len(result.attention_layers) == result.num_layers else \
+        f"attention layer×head pairs ({len(result.attention_layers)} of {result.num_layers} layers attend)"
+    console.print(f"Sink^ε(0) = [bold]{result.sink_rate(0):.1f} %[/bold] of {pairs}; "
                   f"most common sink: position {pos} ({label!r})", markup=True, highlight=False)
+    state = result.meta.get("recurrent_state_bytes")
+    if state:
+        console.print(f"recurrent layers keep {sum(state.values()) / 1024:.1f} KiB of state per sequence at any length "
+                      f"({', '.join(f'layer {k}: {v / 1024:.1f} KiB' for k, v in state.items())})", highlight=False)
+    gates = result.gate_statistics()
+    if gates is not None:
+        mean = {k: float(v.nanmean()) for k, v in gates.items()}
+        console.print(f"output gate: mean {mean['gate_on_sink']:.3f} on queries routed to position 0 vs "
+                      f"{mean['gate_elsewhere']:.3f} elsewhere; sink share {mean['sink_share']:.3f} without the gate, "
+                      f"{mean['gated_sink_share']:.3f} with it", highlight=False)
 
 
 @app.command()

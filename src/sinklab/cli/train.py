@@ -31,6 +31,10 @@ def train_cmd(
     warmup: Annotated[int, typer.Option("--warmup", help="linear warm-up steps")] = 100,
     vocab_size: Annotated[int, typer.Option("--vocab-size", help="BPE vocabulary for text data")] = 4096,
     variant: Annotated[str | None, typer.Option("--variant", help=_VARIANTS)] = None,
+    arch: Annotated[str, typer.Option("--arch", help="llama, or qwen3-next (transformers' Qwen3-Next: softmax "
+                                      "attention layers with its sigmoid output gate, dense MLP)")] = "llama",
+    output_gate: Annotated[bool, typer.Option("--output-gate/--no-output-gate", help="qwen3-next: train with the "
+                                              "output gate, or hold it at ½ (the same model without a gate)")] = True,
     sink_init: Annotated[float | None, typer.Option(
         "--sink-init", help="start of the learned sink logit (sink-logit variants; default 0). ≈ log(seq-len) "
         "lets it win the race against a first-token sink (docs/sink_logit.md)")] = None,
@@ -59,7 +63,7 @@ def train_cmd(
             batch_size = batch_alias
         cfg = TrainConfig(data=data, layers=layers, width=width, heads=heads, seq_len=seq_len, batch=batch_size,
                           steps=steps, lr=lr, weight_decay=weight_decay, warmup=warmup, vocab_size=vocab_size,
-                          variant=variant, sink_init=sink_init, seed=seed, checkpoint_every=checkpoint_every, monitor_every=monitor_every,
+                          variant=variant, arch=arch, output_gate=output_gate, sink_init=sink_init, seed=seed, checkpoint_every=checkpoint_every, monitor_every=monitor_every,
                           max_chars=max_chars)
         check_out_dir(out)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

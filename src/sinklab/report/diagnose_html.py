@@ -22,17 +22,26 @@ def _f(x: float | None, fmt: str = "{:.3f}") -> str:
     return "–" if x is None or x != x else fmt.format(x)
 
 
+_GATE_KEYS = ("mean_gate_on_sink", "mean_gate_elsewhere", "mean_sink_share", "mean_gated_sink_share")
+_GATE_TITLES = ("gate on sink-routed queries", "gate elsewhere", "sink share (no gate)", "sink share × gate")
+
+
 def render_diagnosis(d: Diagnosis, images: dict[str, bytes], rec: Recommendation | None = None) -> str:
     esc = html.escape
     meta = d.scan.meta
+    rows = d.per_layer()
+    gated = any("mean_gate_on_sink" in r for r in rows)
     layer_rows = "".join(
-        f"<tr><th>{r['layer']}</th><td>{r['sink_pct']:.0f}</td><td>{r['counts']['nop']}</td>"
+        f"<tr><th>{r['layer']}{'' if r['kind'] == 'attention' else ' <small>(' + esc(r['kind']) + ')</small>'}</th>"
+        f"<td>{_f(r['sink_pct'], '{:.0f}')}</td><td>{r['counts']['nop']}</td>"
         f"<td>{r['counts']['broadcast']}</td><td>{r['counts']['unclassified']}</td>"
         f"<td>{esc(r['dominant_kind'] or '–')}</td><td>{esc(r['top_sink'] or '–')}</td>"
         f"<td>{_f(r['top_sink_pct'], '{:.0f}')}</td><td>{esc(r['top_token'] or '–')}</td>"
-        f"<td>{_f(r['median_value_ratio_out'])}</td><td>{_f(r['median_stable_rank'])}</td></tr>"
-        for r in d.per_layer()
+        f"<td>{_f(r['median_value_ratio_out'])}</td><td>{_f(r['median_stable_rank'])}</td>"
+        + ("".join(f"<td>{_f(r.get(k))}</td>" for k in _GATE_KEYS) if gated else "") + "</tr>"
+        for r in rows
     )
+    gate_head = "".join(f"<th>{t}</th>" for t in _GATE_TITLES) if gated else ""
     edit_head = "".join(f"<th>{esc(n)}</th>" for n in (d.edits[0].hidden if d.edits else {}))
     edit_rows = "".join(
         f"<tr><th>L{e.layer} H{e.head}</th><td>{esc(e.kind)}</td>"
@@ -46,7 +55,7 @@ def render_diagnosis(d: Diagnosis, images: dict[str, bytes], rec: Recommendation
 NOP if r_out ≤ {d.rules['nop_max_ratio']}; broadcast if r_out ≥ {d.rules['broadcast_min_ratio']} and stable rank ≤
 {d.rules['broadcast_max_srank']}.</p>
 <h2>Per layer</h2><table><tr><th>layer</th><th>sink %</th><th>nop</th><th>broadcast</th><th>unclassified</th>
-<th>dominant</th><th>top sink (role@position)</th><th>there %</th><th>its usual token</th><th>median r_out</th><th>median srank</th></tr>{layer_rows}</table>
+<th>dominant</th><th>top sink (role@position)</th><th>there %</th><th>its usual token</th><th>median r_out</th><th>median srank</th>{gate_head}</tr>{layer_rows}</table>
 <h2>Causal value edits (relative RMS change of the final hidden states)</h2>
 <table><tr><th>head</th><th>class</th>{edit_head}</tr>{edit_rows}</table>
 {render_recommendation(rec) if rec is not None else ''}

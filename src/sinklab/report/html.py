@@ -40,6 +40,36 @@ def _fmt(value: float | None, fmt: str) -> str:
     return "–" if value is None else fmt.format(value)
 
 
+def _hybrid_html(result: ScanResult) -> str:
+    """A hybrid's layers without attention, and the state its recurrent layers keep."""
+    kinds = result.layer_kinds or []
+    others = [i for i, kind in enumerate(kinds) if kind != "attention"]
+    if not others:
+        return ""
+    state = result.meta.get("recurrent_state_bytes") or {}
+    size = f" They keep {sum(state.values()) / 1024:.1f} KiB of state per sequence, whatever its length." if state else ""
+    return (f"<p>Hybrid model: {len(others)} of {result.num_layers} layers have no attention map "
+            f"({', '.join(f'{i} {html.escape(kinds[i])}' for i in others)}); the sink rate counts the attention layers "
+            f"only.{size}</p>")
+
+
+def _gate_html(result: ScanResult) -> str:
+    """Per attention layer: the output gate on queries routed to position 0 vs elsewhere, sink share without/with it."""
+    gates = result.gate_statistics()
+    if gates is None:
+        return ""
+    rows = []
+    for layer in result.attention_layers:
+        cells = "".join(f"<td>{_fmt(float(gates[k][layer].nanmean()), '{:.3f}')}</td>"
+                        if not bool(gates[k][layer].isnan().all()) else "<td>–</td>"
+                        for k in ("gate_on_sink", "gate_elsewhere", "sink_share", "gated_sink_share"))
+        rows.append(f"<tr><th>{layer}</th>{cells}</tr>")
+    return ("<h2>Output gate</h2><p>Mean over heads. A gate that shuts on the queries routed to the sink does the "
+            "sink's no-op itself (Qiu et al. 2025).</p><table><tr><th>layer</th><th>gate on sink-routed queries</th>"
+            "<th>gate elsewhere</th><th>sink share (no gate)</th><th>sink share × gate</th></tr>"
+            + "".join(rows) + "</table>")
+
+
 def render_html(result: ScanResult, images: dict[str, bytes]) -> str:
     """The report as one HTML string; ``images`` maps figure stems to PNG bytes."""
     esc = html.escape
@@ -48,10 +78,12 @@ def render_html(result: ScanResult, images: dict[str, bytes]) -> str:
     pos, label = result.top_sink()
     head = "".join(f"<th title='{esc(r.description)}'>{esc(r.title)}</th>" for r in REGISTRY)
     rows = []
+    kinds = result.layer_kinds or ["attention"] * result.num_layers
     for layer in range(result.num_layers):
         cells = "".join(f"<td>{_fmt(table[r.name][layer], r.fmt)}</td>" for r in REGISTRY)
-        rows.append(f"<tr><th>{layer}</th>{cells}</tr>")
-    mass0 = result.column_mass[0].nanmean(dim=(0, 1))  # (T,) sample 0, mean over layers and heads
+        name = str(layer) if kinds[layer] == "attention" else f"{layer} <small>({esc(kinds[layer])})</small>"
+        rows.append(f"<tr><th>{name}</th>{cells}</tr>")
+    mass0 = result.column_mass[0, result.attention_layers].nanmean(dim=(0, 1))  # (T,) sample 0, attention layers
     toks = []
     for i, tok in enumerate(result.tokens[0]):
         alpha = 0.0 if mass0[i] != mass0[i] else min(1.0, float(mass0[i]) * 2)
@@ -64,7 +96,7 @@ def render_html(result: ScanResult, images: dict[str, bytes]) -> str:
 <p>{result.num_samples} samples × {result.seq_len} tokens, {result.num_layers} layers × {result.num_heads} heads.
 Sink<sub>0</sub><sup>ε={meta['thresholds']['eps']}</sup> = <b>{result.sink_rate(0):.1f} %</b> of layer×head pairs
 (T = {meta['seq_len']}). Most common sink: position {pos} (<code>{esc(label)}</code>).</p>
-<h2>Per layer</h2><table><tr><th>layer</th>{head}</tr>{''.join(rows)}</table>
+{_hybrid_html(result)}{_gate_html(result)}<h2>Per layer</h2><table><tr><th>layer</th>{head}</tr>{''.join(rows)}</table>
 <h3>What the columns mean</h3><dl>{legend}</dl>
 <h2>Sample 0 tokens (shaded by mean column mass)</h2><p>{''.join(toks)}</p>
 <h2>Figures</h2>{figs}
