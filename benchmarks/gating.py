@@ -21,7 +21,8 @@ Usage::
     python benchmarks/gating.py --out runs/gating [--steps 1500] [--seeds 0 1 2] [--jobs 2]
     python benchmarks/gating.py --out runs/gating --measure-only      # runs already trained
 
-Writes ``benchmarks/results/gating.json`` (one row per run) and prints the table; figures go to ``docs/img/``.
+Writes ``benchmarks/results/gating.json`` (one row per run; ``--results`` for another name) and prints the tables;
+the figure goes to ``docs/img/<results stem>.png``.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--train-only", action="store_true")
     parser.add_argument("--measure-only", action="store_true")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="JSON to write (the figure: docs/img/<stem>.png)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     train_file, held_file = write_data(args.out / "data")
@@ -101,7 +103,7 @@ def main() -> None:
         return
     from gating_measure import measure_all  # noqa: E402  (same folder)
 
-    measure_all(args.out, held_file, args.seeds, RESULTS)
+    measure_all(args.out, held_file, args.seeds, args.results)
 
 
 if __name__ == "__main__":

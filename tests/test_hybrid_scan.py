@@ -145,31 +145,26 @@ def test_capture_gate_equals_the_gate_computed_from_the_weights():
     assert float(want.std()) > 0.02  # the gate varies by query and head: the check is not vacuous
 
 
-def test_capture_gate_of_sinklab_gated_variant():
-    config = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+def _tiny_llama(layers: int) -> nn.Module:
+    config = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-    config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(config).eval()
+    return tf.LlamaForCausalLM(config).eval()
+
+
+def test_capture_gate_of_sinklab_gated_variant():
+    model = _tiny_llama(2)
     sinklab.apply_variant(model, "gated")
     ids = _ids(t=12)
     with AttentionCapture(model) as cap:
         batch = cap.run(input_ids=ids)
-    seen = {}
-    layer = model.model.layers[1]
-    handle = layer.self_attn.register_forward_pre_hook(
-        lambda m, a, k: seen.update(x=k["hidden_states"]), with_kwargs=True)
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=False)
-    handle.remove()
-    want = torch.sigmoid(layer.self_attn.sinklab_gate(seen["x"])).view(2, 12, 2, 16).mean(-1).transpose(1, 2)
+    attn = model.model.layers[1].self_attn
+    want = torch.sigmoid(attn.sinklab_gate(_attention_input(model, 1, ids))).view(2, 12, 2, 16).mean(-1).transpose(1, 2)
     assert float((batch.gate[:, 1] - want).abs().max()) < 1e-5
 
 
 def test_an_ungated_model_has_no_gate():
-    config = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-    model = tf.LlamaForCausalLM(config).eval()
+    model = _tiny_llama(1)
     with AttentionCapture(model) as cap:
         batch = cap.run(input_ids=_ids(t=12))
     assert batch.gate is None and batch.layer_kinds == ["attention"]

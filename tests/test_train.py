@@ -160,3 +160,28 @@ def test_monitor_callback_follows_the_trainer_state():
     mass0, rate = _eager_mass0(model, ids)
     torch.testing.assert_close(torch.tensor(rec["attention_to_0"], dtype=torch.float64), mass0, atol=1e-5, rtol=0)
     torch.testing.assert_close(torch.tensor(rec["sink_rate_0"], dtype=torch.float64), rate)
+
+
+def test_qwen3_next_pair_differs_by_the_output_gate_alone(tmp_path):
+    """``arch="qwen3-next"``: transformers' own Qwen3-Next; ``output_gate=False`` keeps the gate half of every q_proj
+    at 0 through training (σ = ½ everywhere), while the gated twin learns a gate that varies by query."""
+    common = dict(data="bb", arch="qwen3-next", layers=1, heads=2, width=32, seq_len=16, batch=8, steps=20, lr=1e-2,
+                  warmup=2, monitor_every=20)
+    runs = {}
+    for gate in (True, False):
+        train(TrainConfig(**common, output_gate=gate), tmp_path / str(gate))
+        model = sinklab.load_model(str(tmp_path / str(gate) / "final")).model
+        assert isinstance(model, tf.Qwen3NextForCausalLM)
+        runs[gate] = model.model.layers[0].self_attn.q_proj.weight.view(2, 2, 16, 32)  # heads, (query, gate), dh, d
+    assert float(runs[False][:, 1].abs().max()) == 0.0  # held shut through 20 AdamW steps with weight decay
+    assert float(runs[False][:, 0].abs().max()) > 0.0 and float(runs[True][:, 1].abs().max()) > 0.0
+    ids = torch.randint(0, 64, (2, 12))
+    with sinklab.AttentionCapture(model) as cap:  # the ungated twin: a constant ½ gate, seen as such by the capture
+        gate = cap.run(input_ids=ids).gate
+    assert torch.allclose(gate, torch.full_like(gate, 0.5), atol=1e-6)
+    with pytest.raises(InputError, match="needs arch='qwen3-next'"):
+        TrainConfig(output_gate=False)
+    with pytest.raises(InputError, match="arch 'gpt' is not one of"):
+        TrainConfig(arch="gpt")
+    with pytest.raises(InputError, match="variants apply to arch='llama'"):
+        TrainConfig(arch="qwen3-next", variant="gated")
