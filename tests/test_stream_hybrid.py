@@ -316,8 +316,9 @@ def test_crop_without_a_recorded_past_is_refused(model):
 
 
 def test_session_and_stream_generate_run_a_hybrid(model64, tmp_path):
-    """StreamSession (chunked prefill, then greedy steps) gives the reference's greedy tokens past eviction;
-    stream_generate — the path of `sinklab stream` and `chat` — runs on the same model."""
+    """StreamSession (chunked prefill, then greedy steps) gives the reference's greedy tokens past eviction, also when
+    saved half-way (recurrent state included) and resumed in a new session; stream_generate — the path of
+    `sinklab stream` and `chat` — runs on the same model."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     prompt = _tokens(14, seed=5)
@@ -328,16 +329,25 @@ def test_session_and_stream_generate_run_a_hybrid(model64, tmp_path):
     for _ in range(20):
         tok = int(ref.step(tok).argmax())
         want.append(tok)
+    path = tmp_path / "stream.safetensors"
     with StreamSession(model64, num_sinks=S, window=W, chunk_size=6) as session:
         logits = session.feed(prompt)
         got = []
-        for _ in range(20):
+        for i in range(20):
             nxt = logits.argmax(-1)
             got.append(int(nxt))
+            if i == 10:
+                session.save(path)
+                saved_next = nxt
             logits = session.step(nxt)
-        with pytest.raises(sinklab.UnsupportedModelError, match="recurrent layers .* keep their state"):
-            session.save(tmp_path / "stream.safetensors")
     assert got == want
+    with StreamSession.load(model64, path) as resumed:  # the recurrent layers' conv and delta-rule state came back
+        logits, again = resumed.step(saved_next), []
+        for _ in range(9):
+            nxt = logits.argmax(-1)
+            again.append(int(nxt))
+            logits = resumed.step(nxt)
+    assert again == want[11:]
 
     vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + [chr(i) for i in range(32, 32 + V - 4)])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))

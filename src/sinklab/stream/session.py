@@ -138,6 +138,7 @@ class StreamSession:
         self._device = _compat.input_device(model)
         self.tokens_seen = 0
         self._restore: dict[str, Tensor] | None = None
+        self._restore_recurrent: dict[str, dict] = {}  # saved recurrent layers' plain fields (StreamSession.load)
         # Decoding (``step``) through torch.compile; chunks (``feed``) stay eager. Compiled once per model forward.
         self.compile_options = options  # what torch.compile was given for step() (None: eager)
         compiled, options = options is not None, options or {}
@@ -225,11 +226,6 @@ class StreamSession:
         self._check_open()
         if self.state.batch is None:
             raise InputError("nothing to save yet: feed the stream first")
-        if self.sink.recurrent_layers:
-            raise UnsupportedModelError(
-                f"saving the stream of {type(self.model).__name__} is not supported yet: its recurrent layers "
-                f"({len(self.sink.recurrent_layers)} of them) keep their state in transformers' own cache layers, "
-                "which StreamSession.save does not write; keep the session open instead")
         path = Path(path)
         if path.is_dir():
             raise InputError(f"{path} is a folder; give a file name (e.g. {path / 'stream.safetensors'})")
@@ -238,6 +234,8 @@ class StreamSession:
             prefix = "" if g == 0 else f"group{g}."
             tensors.update({prefix + k: v for k, v in state.state_dict().items()})
         for i, layer in enumerate(self.cache.layers):
+            if i in self.sink.recurrent_layers or not hasattr(layer, "is_initialized"):
+                continue  # recurrent layers below; stateless ones hold nothing
             if layer.is_initialized and self.kv_bits is not None:  # the packed ring and the exact anchors
                 tensors.update({f"layer.{i}.{k}": v.contiguous() for k, v in layer.state_tensors().items()})
                 tensors[f"layer.{i}.head_dim"] = torch.tensor(layer.dh)
@@ -245,8 +243,12 @@ class StreamSession:
                 tensors[f"layer.{i}.keys"] = layer.keys.contiguous()
                 tensors[f"layer.{i}.values"] = layer.values.contiguous()
                 tensors[f"layer.{i}.anchor_keys"] = layer.anchor_keys.contiguous()
+        recurrent = {}
+        for i in self.sink.recurrent_layers:  # a hybrid's linear-attention / state-space / conv state, whole
+            kept, recurrent[str(i)] = _recurrent_state(self.cache.layers[i])
+            tensors.update({f"layer.{i}.recurrent.{k}": v.contiguous() for k, v in kept.items()})
         meta = {"format": _FORMAT, "settings": self.sink.states[0].settings() | self._main_settings(),
-                "columns": self.state.columns,
+                "columns": self.state.columns, "recurrent": recurrent,
                 "tokens_seen": self.tokens_seen, "chunk_size": self.chunk_size}
         save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(path), metadata={"sinklab": json.dumps(meta)})
         return path
@@ -279,16 +281,27 @@ class StreamSession:
         # the summation order of vectorised kernels (a resumed stream would differ in the last bit).
         tensors = {k: v.clone() for k, v in load_file(str(path), device=str(_compat.input_device(model))).items()}
         tensors["__columns__"] = torch.tensor(meta["columns"])
+        saved = sorted(int(i) for i in meta.get("recurrent", {}))
+        if saved != sorted(session.sink.recurrent_layers):
+            raise InputError(f"{path} holds the recurrent state of layers {saved}; this model's recurrent layers are "
+                             f"{sorted(session.sink.recurrent_layers)} — load it with the model that wrote it")
+        session._restore_recurrent = meta.get("recurrent", {})
         session._restore = tensors
         session.tokens_seen = meta["tokens_seen"]
         return session
 
     def _load_tensors(self, tensors: dict[str, Tensor]) -> None:
+        for key, fields in self._restore_recurrent.items():
+            prefix = f"layer.{key}.recurrent."
+            _restore_recurrent_state(self.cache.layers[int(key)], fields,
+                                     {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
         for g, state in enumerate(self.sink.states):
             prefix = "state." if g == 0 else f"group{g}.state."
             state.load_state_dict({k[len(prefix) - 6:]: v for k, v in tensors.items() if k.startswith(prefix)},
                                   int(tensors["__columns__"]))
         for i, layer in enumerate(self.cache.layers):
+            if i in self.sink.recurrent_layers:
+                continue
             if f"layer.{i}.ring_packed" in tensors:
                 prefix = f"layer.{i}."
                 layer.load_state_tensors({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
@@ -310,6 +323,46 @@ class StreamSession:
     def cache_tokens(self) -> int:
         """Kept tokens per row (the cache's size in tokens, at most ``S + P + W``)."""
         return int(self.state.s_valid.sum(1).max()) if self.state.batch is not None else 0
+
+
+def _recurrent_state(layer: object) -> tuple[dict[str, Tensor], dict]:
+    """A recurrent cache layer's state (transformers' linear-attention layer: per-state dicts of conv / recurrent
+    tensors and flags, a length counter) as tensors ``{"field" | "field.key": tensor}`` and JSON fields."""
+    tensors, fields = {}, {}
+    for name, value in vars(layer).items():
+        if isinstance(value, Tensor):
+            tensors[name] = value
+        elif isinstance(value, dict):
+            plain = {}
+            for key, item in value.items():
+                if isinstance(item, Tensor):
+                    tensors[f"{name}.{key}"] = item
+                elif item is None or isinstance(item, (bool, int, float, str)):
+                    plain[str(key)] = item
+            fields[name] = {"dict": plain, "int_keys": all(isinstance(k, int) for k in value)}
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            fields[name] = {"value": value}
+    return tensors, fields
+
+
+def _restore_recurrent_state(layer: object, fields: dict, tensors: dict[str, Tensor]) -> None:
+    """Put back what :func:`_recurrent_state` took from a layer of the same class."""
+    for name, field in fields.items():
+        if "value" in field:
+            setattr(layer, name, field["value"])
+            continue
+        cast = int if field["int_keys"] else str
+        restored = {cast(k): v for k, v in field["dict"].items()}
+        prefix = f"{name}."
+        restored.update({cast(k[len(prefix):]): v for k, v in tensors.items() if k.startswith(prefix)})
+        setattr(layer, name, restored)
+    for name, value in tensors.items():
+        if "." not in name:
+            setattr(layer, name, value)
+    first = next((v for k, v in sorted(tensors.items(), key=lambda kv: not kv[0].startswith("conv_states."))
+                  if "." in k), None)  # transformers takes the layer's dtype and device from its conv state
+    if first is not None and hasattr(layer, "device"):
+        layer.device, layer.dtype = first.device, first.dtype
 
 
 def sample_token(logits: Tensor, temperature: float, top_k: int, gen: torch.Generator | None) -> Tensor:
