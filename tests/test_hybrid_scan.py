@@ -194,6 +194,9 @@ def test_scan_counts_the_attention_layers_and_reports_the_recurrent_state():
     want = conv * c.linear_conv_kernel_dim * 8 + c.linear_num_value_heads * c.linear_key_head_dim \
         * c.linear_value_head_dim * 4
     assert result.meta["recurrent_state_bytes"] == {"0": want, "2": want}
+    from sinklab.report.figures import strongest_head
+
+    assert strongest_head(result)[0] == 1  # the report's attention map is never a recurrent layer's (NaN) one
     data = result.to_json()
     assert data["layer_kinds"] == ["recurrent", "attention", "recurrent"]
     assert data["gate"]["gate_on_sink"][0] == [None] * 4

@@ -114,9 +114,13 @@ def _refuse_by_type(model: nn.Module) -> None:
     name = type(model).__name__
     if model_type in ALIBI_TYPES and getattr(config, "alibi", model_type != "falcon"):
         raise UnsupportedModelError(
-            f"{name} uses ALiBi position biases; sinklab's streaming re-positions RoPE keys by cache slot and does "
-            "not yet re-bias ALiBi scores by slot distance. Use a RoPE model (Llama, Qwen, Mistral, Phi-3, Gemma, "
-            "GPT-NeoX, GPT-J).")
+            f"{name} uses ALiBi position biases. Streaming them by cache slot (StreamingLLM's rule for MPT) needs "
+            "the bias applied where sinklab's stream attends, by the slot distance of each kept key; this model "
+            + ("computes its attention in its own module, not through transformers' attention interface, so the "
+               "stream never sees its scores (Bloom and MPT in transformers 5; lifted when transformers routes "
+               "them through the interface with the bias as an argument)" if model_type != "falcon" else
+               "adds the bias inside its attention mask, which the stream rebuilds per slot without it")
+            + ". Use a RoPE model (Llama, Qwen, Mistral, Phi-3, Gemma, GPT-NeoX, GPT-J).")
     if config_get(config, "use_bidirectional_attention"):
         raise UnsupportedModelError(f"{name} uses bidirectional attention; streaming needs a causal LM.")
     for module in model.modules():

@@ -30,7 +30,9 @@ def sink_heatmap(result: ScanResult) -> Figure:
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     ax.set_xticks(range(result.num_heads))
-    ax.set_yticks(range(result.num_layers))
+    kinds = result.layer_kinds or ["attention"] * result.num_layers
+    ax.set_yticks(range(result.num_layers),
+                  [str(i) if k == "attention" else f"{i} ({k[:3]})" for i, k in enumerate(kinds)])
     ax.set_title(f"column mass at position {pos} ({_short(label)!r})")
     fig.colorbar(im, ax=ax, label="mean attention received")
     fig.tight_layout()
@@ -39,7 +41,7 @@ def sink_heatmap(result: ScanResult) -> Figure:
 
 def strongest_head(result: ScanResult) -> tuple[int, int, int]:
     """(layer, head, position) of sample 0's largest column mass."""
-    strength = result.sink_strength()[0]  # (L, H)
+    strength = result.sink_strength()[0].nan_to_num(-1.0)  # (L, H); a hybrid's recurrent layers: NaN, never chosen
     flat = int(strength.flatten().argmax())
     layer, head = divmod(flat, result.num_heads)
     return layer, head, int(result.dominant_columns()[0, layer, head])
