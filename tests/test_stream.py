@@ -197,6 +197,38 @@ def test_save_and_resume_equal_an_uninterrupted_stream(tmp_path):
         torch.testing.assert_close(x, y, atol=0, rtol=0)
 
 
+def test_a_failed_save_leaves_the_previous_file(tmp_path, monkeypatch):
+    """StreamSession.save writes through sinklab's one atomic writer: an error half-way (here: the disk fills after
+    the first bytes) leaves the earlier save whole and no temporary file beside it; a file it writes gets the mode
+    a plain file gets under the umask."""
+    import os
+
+    import sinklab.stream.session as session_module
+
+    model = build("phi3")
+    tokens = _tokens(30)
+    path = tmp_path / "stream.safetensors"
+    with StreamSession(model, num_sinks=4, window=10) as s:
+        s.feed(tokens[None, :20])
+        s.save(path)
+        before = path.read_bytes()
+        s.feed(tokens[None, 20:])
+
+        def full_disk(tensors, name, metadata=None):
+            with open(name, "wb") as f:
+                f.write(b"\0" * 16)
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(session_module, "save_file", full_disk)
+        with pytest.raises(OSError, match="No space"):
+            s.save(path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stream.safetensors"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
 def test_start_position_four_million_stays_float64_accurate():
     model = build("llama-gqa")
     tokens = _tokens(60, seed=7)

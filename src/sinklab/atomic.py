@@ -18,6 +18,13 @@ from pathlib import Path
 __all__ = ["atomic_dir", "atomic_file"]
 
 
+def _public(path: Path, mode: int) -> None:
+    """Give a temporary file (0600) or folder (0700) the mode a plain one gets under the process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(mode & ~umask)
+
+
 @contextmanager
 def atomic_dir(out: Path | str, *, replace: bool = False) -> Iterator[Path]:
     """Yield a temporary folder beside ``out``; its entries move into ``out`` only when the block succeeds.
@@ -31,6 +38,7 @@ def atomic_dir(out: Path | str, *, replace: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         yield tmp
+        _public(tmp, 0o777)
         if replace:
             if out.exists():
                 shutil.rmtree(out)
@@ -55,6 +63,7 @@ def atomic_file(path: Path | str) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        _public(Path(tmp), 0o666)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

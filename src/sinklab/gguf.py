@@ -42,11 +42,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
+from .atomic import atomic_dir, atomic_file
 from .errors import InputError
 
 __all__ = [
@@ -168,26 +167,21 @@ def join_chunks(chunks: list[Path], dest: Path, sha256: str) -> Path:
     the temporary file is deleted, and so are folders this call created, and :class:`InputError` is raised.
     """
     created = [p for p in (dest.parent, *dest.parent.parents) if not p.exists()]
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=".join-", suffix=".gguf", dir=dest.parent)
-    tmp = Path(tmp_name)
     try:
-        digest = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out:
-            for chunk in chunks:
-                with open(chunk, "rb") as fh:
-                    while block := fh.read(1 << 22):
-                        digest.update(block)
-                        out.write(block)
-        if digest.hexdigest() != sha256:
-            sizes = ", ".join(f"{c.name}: {c.stat().st_size} bytes" for c in chunks)
-            raise InputError(f"the {len(chunks)} chunks joined give SHA-256 {digest.hexdigest()[:16]}…, not the "
-                             f"expected {sha256[:16]}…: a chunk is corrupted or truncated ({sizes}); reinstall the "
-                             "chunk packages")
-        tmp.chmod(0o644)
-        tmp.replace(dest)
+        with atomic_file(dest) as tmp:
+            digest = hashlib.sha256()
+            with open(tmp, "wb") as out:
+                for chunk in chunks:
+                    with open(chunk, "rb") as fh:
+                        while block := fh.read(1 << 22):
+                            digest.update(block)
+                            out.write(block)
+            if digest.hexdigest() != sha256:
+                sizes = ", ".join(f"{c.name}: {c.stat().st_size} bytes" for c in chunks)
+                raise InputError(f"the {len(chunks)} chunks joined give SHA-256 {digest.hexdigest()[:16]}…, not the "
+                                 f"expected {sha256[:16]}…: a chunk is corrupted or truncated ({sizes}); reinstall "
+                                 "the chunk packages")
     except BaseException:
-        tmp.unlink(missing_ok=True)
         for folder in created:  # innermost first
             try:
                 folder.rmdir()
@@ -339,18 +333,9 @@ def converted_folder(gguf_path: str | Path, *, status=None) -> Path:
         return folder
     if status is not None:
         status(f"converting {gguf_path.name} to float32 safetensors once (cached in {folder}) …")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=folder.parent))
-    try:
+    # A second process converting the same file at the same time replaces the folder with an identical one.
+    with atomic_dir(folder, replace=True) as tmp:
         _convert(gguf_path, sha, tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is a plain folder like the hub's
-        try:
-            tmp.rename(folder)
-        except OSError:  # another process finished the same conversion first
-            if not (folder / META_FILE).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 

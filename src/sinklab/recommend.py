@@ -33,16 +33,26 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from torch import nn
 
 from . import _compat
 from .errors import InputError
 
-if TYPE_CHECKING:  # pragma: no cover - the diagnosis computes its recommendation (diagnose imports this module)
-    from .diagnose import Diagnosis
+if TYPE_CHECKING:  # pragma: no cover - types only
     from .edits import EditResult
+    from .scan import ScanResult
+
+
+class Diagnosis(Protocol):
+    """What :func:`recommend` reads of a :class:`sinklab.diagnose.Diagnosis` (which computes its recommendation, so
+    this module does not import it)."""
+
+    scan: ScanResult
+    records: list
+    rules: dict
+    edits: list
 
 __all__ = [
     "CONFIDENCE_RULE",

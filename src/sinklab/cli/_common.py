@@ -17,16 +17,14 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import InputError, SinklabError, SinklabWarning
 from ..models import BUILTIN_MODELS
+from ._console import console, err
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Find, explain, use and fix attention sinks.")
-console = Console(stderr=False)
-err = Console(stderr=True)
 
 #: Help text of every command's MODEL argument: each builtin, a local folder or a hub id.
 MODEL_HELP = ", ".join(sorted(BUILTIN_MODELS)) + ", a .gguf file (dequantised once, cached), a local model folder or a hub id"

@@ -7,7 +7,7 @@ import warnings
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..scan import ShortSequenceWarning
-from ._common import console, err
+from ._console import console, err
 
 __all__ = ["PhaseBars", "print_warnings"]
 

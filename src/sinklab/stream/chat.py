@@ -15,7 +15,6 @@ A tokenizer without a chat template gets a plain ``User: … / Assistant:`` layo
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..atomic import atomic_file
 from ..errors import InputError
 from ..variants import register_count
 from .session import StreamSession, TextPieces, check_chunk_size, check_sampling, sample_token
@@ -232,8 +232,7 @@ class ChatStream:
             raise InputError(f"{path} is a folder; give a file name such as chat.safetensors")
         if not path.parent.exists():
             raise InputError(f"cannot save to {path}: folder {path.parent} does not exist")
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
+        with atomic_file(path) as tmp:
             self.session.save(tmp)
             with safe_open(str(tmp), framework="pt") as f:
                 meta = dict(f.metadata() or {})
@@ -241,9 +240,6 @@ class ChatStream:
                                           "system": self.system, "pinned_tokens": self.pinned_tokens,
                                           "template": self.template})
             save_file(load_file(str(tmp)), str(tmp), metadata=meta)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
         return path
 
     def load(self, path: str | Path) -> None:

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from .. import _compat
-from ..errors import InputError, UnsupportedModelError, is_int
+from ..atomic import atomic_file
+from ..errors import InputError, is_int
 from ..variants import register_count
 from .cache import KV_GROUP_SIZE, SinkCache
 
@@ -250,7 +251,8 @@ class StreamSession:
         meta = {"format": _FORMAT, "settings": self.sink.states[0].settings() | self._main_settings(),
                 "columns": self.state.columns, "recurrent": recurrent,
                 "tokens_seen": self.tokens_seen, "chunk_size": self.chunk_size}
-        save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(path), metadata={"sinklab": json.dumps(meta)})
+        with atomic_file(path) as tmp:  # a failed or interrupted save leaves the previous file (or none)
+            save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(tmp), metadata={"sinklab": json.dumps(meta)})
         return path
 
     @classmethod
