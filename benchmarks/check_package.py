@@ -2,7 +2,7 @@
 
 1. ``python -m build`` (in a throwaway venv with ``build``) writes a wheel and an sdist to a temp folder;
 2. the wheel's metadata must carry the licence, classifiers and the ``sinklab`` console
-   script (project URLs are reported: none is declared yet), and the wheel must contain builtin:tiny-lm's data files (config, weights, tokenizer);
+   script (project URLs are reported: none is declared yet), and the wheel must contain builtin:tiny-lm's data files (config, weights, tokenizer) and ``py.typed``;
 3. the sdist must contain the same data files, the licence and the docs;
 4. a second fresh venv installs the wheel (with its dependencies, from the package index) and runs
    ``sinklab --version`` (if the CLI has it) and ``sinklab scan builtin:tiny-lm`` offline.
@@ -77,6 +77,7 @@ def main() -> int:
     check("sinklab = sinklab.cli:main" in entry, "console script sinklab → sinklab.cli:main")
     for f in DATA:
         check(any(n.startswith("sinklab/data/") and n.endswith("/" + f) for n in names), f"wheel has tiny-lm {f}")
+    check("sinklab/py.typed" in names, "wheel has py.typed (PEP 561: the package's type hints are for its users)")
 
     print("sdist contents", flush=True)
     with tarfile.open(sdist) as tf:
