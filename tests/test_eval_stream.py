@@ -211,7 +211,7 @@ def test_cli_rejects_bad_input_before_loading_the_model(cli, tmp_path, no_model)
         (["--methods", "dense,fast"], "unknown"),
         (["--sinks", "-1"], "≥ 0"),
         (["--sinks", "4", "--cache-size", "4"], "leave a window"),
-        (["--window", "0"], "--window must be ≥ 1"),
+        (["--window", "0"], "--window must be an integer ≥ 1"),
         (["--tokens", "100", "--window", "96"], "after the first eviction"),
         (["--quality", "recall,speed"], "--quality: unknown or empty ['speed']"),
         (["--quality", " , "], "--quality: unknown or empty"),

@@ -206,3 +206,20 @@ def test_a_window_too_large_for_memory_is_an_input_error(tiny_lm, monkeypatch):
     with StreamSession(tiny_lm.model, num_sinks=4, window=2 * 10**6) as s, \
             pytest.raises(InputError, match="do not fit in memory; give a smaller window"):
         s.feed(torch.tensor([[5, 6, 7]]))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: sinklab.stream.state.StreamState(num_sinks=True, window=8), "num_sinks must be an integer ≥ 0, got True"),
+    (lambda: sinklab.stream.state.StreamState(num_sinks=4, window=0), "window must be an integer ≥ 1 (it includes"),
+    (lambda: sinklab.variants.VariantConfig(registers=True), "registers must be an integer ≥ 0, got True"),
+    (lambda: sinklab.kvquant.plan.Protection(first=False), "protect must be an integer ≥ 0, got False"),
+    (lambda: SinkCache(build("llama-gqa"), 4, 8, check_every=True), "check_every must be an integer ≥ 1, got True"),
+])
+def test_sizes_are_checked_one_way_and_booleans_are_not_sizes(make, message):
+    import sinklab.kvquant.plan  # noqa: F401
+    import sinklab.stream.state  # noqa: F401
+    import sinklab.variants  # noqa: F401
+
+    with pytest.raises(InputError) as err:
+        make()
+    assert message in str(err.value)

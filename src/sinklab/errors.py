@@ -22,6 +22,14 @@ class InputError(SinklabError, ValueError):
     """Texts, lengths, tokenizer or options that cannot produce a meaningful scan."""
 
 
+def check_int(name: str, value, minimum: int = 0, meaning: str = "") -> int:
+    """The one integer check: ``value`` as an ``int`` when it is an integer ≥ ``minimum`` (``True`` is not one), else
+    :class:`InputError` "``{name} must be an integer ≥ {minimum}{meaning}, got {value!r}``"."""
+    if not is_int(value) or value < minimum:
+        raise InputError(f"{name} must be an integer ≥ {minimum}{meaning}, got {value!r}")
+    return int(value)
+
+
 class ModelWeightsError(SinklabError, ValueError):
     """The model's weights are unusable (NaN/inf) or do not match its tokenizer."""
 

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from . import _compat
 from .attention import Columns, attend, mask_rows
-from .errors import InputError, UnsupportedModelError
+from .errors import InputError, UnsupportedModelError, check_int
 
 __all__ = ["VariantConfig", "Variant", "VARIANTS", "VARIANT_NAMES", "active_variants", "parse_variant", "apply_variant",
            "VariantHandle", "add_attention_parameters", "variant_column_logits", "variant_has_columns", "variant_gate",
@@ -54,8 +54,7 @@ class VariantConfig:
             raise InputError("softmax1 is the sink logit fixed at 0: choose either sink_logit or softmax1, not both")
         if self.gate not in (None, "elementwise", "headwise"):
             raise InputError(f"gate must be None, 'elementwise' or 'headwise', got {self.gate!r}")
-        if not isinstance(self.registers, int) or self.registers < 0:
-            raise InputError(f"registers must be an integer ≥ 0, got {self.registers!r}")
+        check_int("registers", self.registers)
         if not self.any:
             raise InputError("no variant selected; choose at least one of sink_logit, softmax1, kv_bias, gate, registers")
 

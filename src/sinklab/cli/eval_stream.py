@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ..errors import SinklabError
+from ..errors import SinklabError, check_int
 from ..provenance import provenance
 from ._common import (
     MODEL_HELP,
@@ -80,8 +80,7 @@ def eval_stream(
     from ..stream.quality import evaluate_quality
 
     with user_errors():
-        if window < 1:
-            raise SinklabError(f"--window must be ≥ 1, got {window}")
+        check_int("--window", window, 1)
         counts = parse_sinks(sinks)
         c = cache_size if cache_size is not None else max(counts) + window
         plan = EvalPlan(methods=methods, sinks=counts, cache_size=c, stride=stride, chunk_size=chunk_size)

@@ -33,7 +33,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .. import _compat
-from ..errors import InputError, UnsupportedModelError, is_int
+from ..errors import InputError, UnsupportedModelError, check_int, is_int
 from .codec import BITS, QuantizedTensor, dequantize, quantize
 from .plan import Protection
 
@@ -90,8 +90,8 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         if group_size < 1 or residual < 0 or (value_group is not None and value_group < 1):
             raise InputError(f"group_size and value_group must be ≥ 1 and residual ≥ 0, got {group_size}, "
                              f"{value_group} and {residual}")
-        if window is not None and window < 1:
-            raise InputError(f"a sliding window must hold at least one token, got {window}")
+        if window is not None:
+            check_int("a sliding window", window, 1, " (tokens it holds)")
         self.window, self.clip = window, bits in CLIP_BITS if clip is None else bool(clip)
         self.bits, self.group_size, self.residual = bits, group_size, residual
         self.protect = protect or Protection()

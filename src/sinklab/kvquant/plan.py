@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..errors import InputError
+from ..errors import InputError, check_int
 from ..metrics import eligible_columns
 
 __all__ = ["Protection", "sink_positions", "PROTECTIONS", "SINK_EPS", "SINK_SHARE"]
@@ -36,8 +36,7 @@ class Protection:
     positions: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if not isinstance(self.first, int) or self.first < 0:
-            raise InputError(f"the number of first tokens to protect must be an integer ≥ 0, got {self.first!r}")
+        check_int("the number of first tokens to protect", self.first)
         for span in self.spans:
             if len(span) != 2 or not 0 <= span[0] < span[1]:
                 raise InputError(f"protected spans are half-open (start, end) pairs with 0 ≤ start < end, got {span!r}")

@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache
 
 from .. import _compat
 from ..checks import check_model
-from ..errors import InputError, ModelWeightsError, UnsupportedModelError, is_int
+from ..errors import InputError, ModelWeightsError, UnsupportedModelError, check_int, is_int
 from .activation import streams_of
 from .layer import SinkWindowLayer
 from .state import StreamState
@@ -199,9 +199,7 @@ class SinkCache(Cache):
         self.rope = self.state.rope
         self.closed = False
         self._vocab = _compat.embedding_rows(model)
-        if not isinstance(check_every, int) or check_every < 1:
-            raise InputError(f"check_every must be an integer ≥ 1, got {check_every!r}")
-        self.check_every = check_every
+        self.check_every = check_int("check_every", check_every, 1)
         self._pending_ids: torch.Tensor | bool = False
         self._pending_hidden: torch.Tensor | bool = False
         self._checked = 0  # columns checked so far

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..errors import InputError
+from ..errors import InputError, check_int
 from .chat import ChatStream
 from .session import StreamSession, sample_token
 
@@ -407,8 +407,7 @@ class QualityPlan:
             object.__setattr__(self, "distances", parse_distances(self.distances))
         if self.num_sinks < 1:
             raise InputError("--quality compares sinks with window only: the stream needs ≥ 1 sink (--sinks)")
-        if self.window < 1:
-            raise InputError(f"the window must be ≥ 1, got {self.window}")
+        check_int("the window", self.window, 1)
         for name, value, top in (("--recall-facts", self.facts, len(FACTS)), ("--prompts", self.prompts, len(PROMPTS))):
             if not 1 <= value <= top:
                 raise InputError(f"{name} must be between 1 and {top} (the project's list), got {value}")

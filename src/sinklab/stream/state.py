@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from ..errors import InputError, is_int
+from ..errors import InputError, check_int
 from ..rope import angles, pair_factors
 
 __all__ = ["StreamState", "View"]
@@ -165,15 +165,11 @@ class StreamState:
 
     def __init__(self, num_sinks: int, window: int, pinned=None, start_position: int = 0,
                  rebase_every: int | None = None, rope=None, compile_plan: bool = False, attn_rope=None) -> None:
-        if not is_int(window) or window < 1:
-            raise InputError(f"window must be an integer ≥ 1 (it includes the current token), got {window!r}")
-        if not is_int(num_sinks) or num_sinks < 0:
-            raise InputError(f"num_sinks must be an integer ≥ 0, got {num_sinks!r}")
-        if not is_int(start_position) or start_position < 0:
-            raise InputError(f"start_position must be an integer ≥ 0, got {start_position!r}")
-        if rebase_every is not None and (not is_int(rebase_every) or rebase_every < 1):
-            raise InputError(f"rebase_every must be an integer ≥ 1 (tokens between re-bases) or None (automatic), "
-                             f"got {rebase_every!r}")
+        check_int("window", window, 1, " (it includes the current token)")
+        check_int("num_sinks", num_sinks)
+        check_int("start_position", start_position)
+        if rebase_every is not None:
+            check_int("rebase_every", rebase_every, 1, " (tokens between re-bases) or None (automatic)")
         self.num_sinks = int(num_sinks)
         self.window = int(window)
         self.rope = rope  # how the cached (rotated) tensor turns with position; None: no position (NoPE)
