@@ -117,6 +117,24 @@ def test_truncated_checkpoint(bb_run, tmp_path):
     fails(["scan", broken], 2, "corrupt or truncated safetensors file", "model.safetensors")
 
 
+def test_a_config_transformers_rejects_is_one_clear_error(tmp_path):
+    """A folder whose config.json transformers refuses (a field of the wrong type) or whose sizes build no model
+    (hidden_size −5) gives one error naming config.json and the reason — never transformers' traceback."""
+    import json
+
+    import transformers as tf
+
+    folder = tmp_path / "model"
+    config = tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=2)
+    tf.LlamaForCausalLM(config).save_pretrained(folder)
+    good = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**good, "num_attention_heads": "x"}))
+    fails(["scan", folder], 2, "cannot read its config.json", "num_attention_heads", "expected int")
+    (folder / "config.json").write_text(json.dumps({**good, "hidden_size": -5}))
+    fails(["scan", folder], 2, "config.json", "hidden size (-5)")
+
+
 def test_out_must_be_a_writable_folder(tmp_path):
     a_file = tmp_path / "report.txt"
     a_file.write_text("keep me")

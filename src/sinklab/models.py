@@ -105,6 +105,13 @@ def tiny_llama(seed: int = 0, vocab_size: int = 30522, **overrides) -> nn.Module
     return model.eval()
 
 
+def _reason(exc: BaseException) -> str:
+    """An exception as one readable reason: its class when the message does not say what went wrong, the message's
+    lines joined (transformers' validation errors span several)."""
+    text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def load_model(
     name: str,
     *,
@@ -293,9 +300,9 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
     try:
         with _compat.quiet_loading():
             config = AutoConfig.from_pretrained(path, **common)
-    except (OSError, ValueError, KeyError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any rejection of the user's config is one clear error, never a traceback
         if folder is not None:
-            raise InputError(f"{name}: cannot read its config.json: {exc}") from exc
+            raise InputError(f"{name}: cannot read its config.json: {_reason(exc)}") from exc
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InputError(f"{name!r} is not a local path and cannot be loaded from the Hugging Face hub "
                          f"(offline, not in the cache, or no such repository): {first}") from exc
@@ -320,8 +327,10 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
                 except ValueError:
                     kwargs["attn_implementation"] = "eager"
                     model, info = auto.from_pretrained(path, **kwargs)
-        except (OSError, RuntimeError, ValueError) as exc:
-            raise ModelWeightsError(f"{name}: the weights cannot be loaded: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - e.g. a config whose sizes build no model (hidden_size -5)
+            where = f" (from {folder / 'config.json'} and its weights)" if folder is not None else ""
+            raise ModelWeightsError(f"{name}: the model cannot be built or its weights loaded{where}: "
+                                    f"{_reason(exc)}") from exc
         head_class = bool(architectures) and architectures[0] != type(model).__name__ and auto is AutoModel
         missing = set(info.get("missing_keys") or ())
         pooler = {k for k in missing if k.startswith("pooler.")} if getattr(model, "pooler", None) is not None else set()
