@@ -84,7 +84,7 @@ def _mean_sd(values: list[float]) -> str:
 
 
 COLUMNS = (("first_token_share", "first-token share"), ("sink_rate_0", "Sink_1^ε %"),
-           ("max_activation", "max |a|"), ("ppl_heldout_window64", "ppl (64-token windows)"),
+           ("max_activation", r"max \|a\|"), ("ppl_heldout_window64", "ppl (64-token windows)"),
            ("ppl_stream_4_sinks", "stream ppl, 4 sinks"), ("ppl_stream_0_sinks", "stream ppl, 0 sinks"),
            ("gate_on_sink", "gate on sink-routed q"), ("gate_elsewhere", "gate elsewhere"))
 
@@ -94,7 +94,7 @@ def table(rows: list[dict]) -> str:
     for gated in (True, False):
         mine = [r for r in rows if r["output_gate"] == gated]
         if mine:
-            name = f"{'gated' if gated else 'ungated'} ({len(mine)} seeds)"
+            name = f"{'gated' if gated else 'ungated'} ({len(mine)} seed{'s' if len(mine) > 1 else ''})"
             lines.append(f"| {name} | " + " | ".join(_mean_sd([r[k] for r in mine]) for k, _ in COLUMNS) + " |")
     return "\n".join(lines)
 
