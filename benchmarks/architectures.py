@@ -422,6 +422,14 @@ ATTEMPTS = (("explicit per-layer lists", True, "full"), ("derived per-layer list
             ("derived lists, sub-config overrides only", False, "overrides"))
 
 
+#: Types whose default config has no attention layer at all (transformers' own forward then fails): the layer
+#: pattern of the hybrid they are (a recurrent layer, then attention), set on top of the shrunk config.
+HYBRID_PATTERNS = {
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
+}
+
+
 def build(name: str, layers: int = LAYERS, window: int = OWN_WINDOW, *, prefer_full: bool = False) -> Built:
     """A tiny random model of row ``name`` (``llama``, ``bert@base`` …), float32, eval, seeded.
 
@@ -441,6 +449,8 @@ def build(name: str, layers: int = LAYERS, window: int = OWN_WINDOW, *, prefer_f
     tried: set[str] = set()
     for attempt, lists, subs in ATTEMPTS:
         overrides = shrink(d, layers, window, lists=lists, subs=subs, prefer_full=prefer_full)
+        if model_type in HYBRID_PATTERNS and layers == 2:
+            overrides.update(HYBRID_PATTERNS[model_type])
         if kind == "causal" and "is_decoder" in d:
             overrides["is_decoder"] = True  # an encoder family's LM head is causal only as a decoder
         key = repr(sorted(overrides.items(), key=lambda kv: kv[0]))
@@ -1056,7 +1066,9 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
         "plus a few encoder and vision families as their base models (`<type>@base`), built as a **tiny random "
         "model** from the type's own default config with every size shrunk by name (width 64, 2 layers, 4 heads, "
         "2 KV heads, head width 16, vocabulary 128, 4 experts with top-2, small MLA ranks, per-layer lists cut to "
-        "the kept layers — one local and one global layer where the model mixes them; no weights downloaded), "
+        "the kept layers — one local and one global layer where the model mixes them, one recurrent and one "
+        "attention layer for a hybrid, whose pattern is set where the default config has no attention layer "
+        "(Bamba, Granite MoE hybrid); no weights downloaded), "
         "float32, SDPA attention where the model has it (else eager), seeded. Random weights: this checks that "
         "sinklab runs and computes the right numbers on each architecture, not what sinks a trained model has.",
         "",
