@@ -170,3 +170,16 @@ class Reference:
 
     def kept(self, layer: int) -> int:
         return len(self.store.get(layer, []))
+
+
+def assert_beams_equal_default(model, ids: torch.Tensor, num_sinks: int, window: int, **gen) -> None:
+    """Beam search through ``SinkCache(model, num_sinks, window)`` gives the sequences and scores of ``generate`` with
+    the model's default cache (``gen``: ``num_beams``, ``output_scores=True`` … ; nothing evicted)."""
+    from sinklab.stream import SinkCache
+
+    with torch.no_grad():
+        dense = model.generate(ids, **gen)
+        with SinkCache(model, num_sinks=num_sinks, window=window) as cache:
+            ours = model.generate(ids, cache=cache, **gen)
+    assert torch.equal(ours.sequences, dense.sequences)
+    torch.testing.assert_close(ours.sequences_scores, dense.sequences_scores, rtol=1e-5, atol=1e-6)

@@ -256,14 +256,19 @@ def test_gemma3n_hidden_statistics_read_the_main_altup_copy(gemma3n):
         assert bool(norms[:, index][~rows].isnan().all())
 
 
+def _own_final_states(model):
+    """The padded batch, the model's own final hidden states of it, its real-token rows and their largest |value|."""
+    ids, mask = _ids(), _masks()["padded"]
+    with torch.no_grad():
+        own = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    rows = mask.bool()
+    return ids, mask, own, rows, float(own[rows].abs().max())
+
+
 def test_gemma3n_edited_passes_run_the_whole_model(gemma3n):
     """AltUp's stacked copies and the KV a later layer reuses make a rerun from a block's recorded input wrong, so
     no pass resumes: every pass, to any block, is the model's own forward under the edit."""
-    ids, mask = _ids(), _masks()["padded"]
-    with torch.no_grad():
-        own = gemma3n.model(input_ids=ids, attention_mask=mask).last_hidden_state
-    rows = mask.bool()
-    scale = float(own[rows].abs().max())
+    ids, mask, own, rows, scale = _own_final_states(gemma3n)
     with AttentionCapture(gemma3n, CaptureConfig(map_len=0)) as cap:
         cap.run(input_ids=ids, attention_mask=mask, keep_inputs=True)
         kept = cap.last_inputs
@@ -319,11 +324,7 @@ def test_shared_kv_layers_make_passes_run_the_whole_model():
     torch.manual_seed(0)
     model = tf.Gemma4ForCausalLM(config).eval()
     assert _compat.stacked_streams(model) is None and config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
-    ids, mask = _ids(), _masks()["padded"]
-    with torch.no_grad():
-        own = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
-    rows = mask.bool()
-    scale = float(own[rows].abs().max())
+    ids, mask, own, rows, scale = _own_final_states(model)
     with AttentionCapture(model, CaptureConfig(map_len=0)) as cap:
         cap.run(input_ids=ids, attention_mask=mask, keep_inputs=True)
         kept = cap.last_inputs

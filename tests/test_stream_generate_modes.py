@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stream_reference import Reference
+from stream_reference import Reference, assert_beams_equal_default
 from tiny_models import build
 
 from sinklab.errors import InputError
@@ -31,12 +31,7 @@ def model():
 def test_beams_equal_dynamic_cache_while_nothing_is_evicted(model):
     ids = _tokens(6, seed=1)[None]
     gen = dict(num_beams=3, num_return_sequences=3, max_new_tokens=10, output_scores=True, **GREEDY)
-    with torch.no_grad():
-        dense = model.generate(ids, **gen)
-        with SinkCache(model, num_sinks=2, window=40) as cache:
-            ours = model.generate(ids, cache=cache, **gen)
-    assert torch.equal(ours.sequences, dense.sequences)
-    torch.testing.assert_close(ours.sequences_scores, dense.sequences_scores, rtol=1e-5, atol=1e-6)
+    assert_beams_equal_default(model, ids, 2, 40, **gen)
 
 
 def _reference_beams(model, prompt: list[int], num_beams: int, steps: int, num_sinks: int, window: int):

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers as tf
-from stream_reference import Reference
+from stream_reference import Reference, assert_beams_equal_default
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
@@ -287,12 +287,7 @@ def test_beams_and_prompt_lookup_before_eviction_equal_the_default_cache(model, 
     ids = _tokens(8, seed=1)
     beams = dict(num_beams=2, num_return_sequences=2, max_new_tokens=8, eos_token_id=None, pad_token_id=0,
                  return_dict_in_generate=True, output_scores=True)
-    with torch.no_grad():
-        dense = model.generate(ids, **beams)
-        with SinkCache(model, num_sinks=4, window=64) as cache:
-            ours = model.generate(ids, cache=cache, **beams)
-    assert torch.equal(ours.sequences, dense.sequences)
-    torch.testing.assert_close(ours.sequences_scores, dense.sequences_scores, rtol=1e-5, atol=1e-6)
+    assert_beams_equal_default(model, ids, 4, 64, **beams)
 
     crops = []
     original = SinkCache.crop

@@ -182,6 +182,15 @@ class ScanResult:
 
 
 
+def layer_label(layer: int, kind: str) -> str:
+    """How tables and figures name a layer: its number, with ``rec`` / ``mlp`` for a hybrid's layer without
+    attention (``recurrent`` / ``feedforward`` in :attr:`ScanResult.layer_kinds`)."""
+    return str(layer) if kind == "attention" else f"{layer} {_SHORT_KINDS.get(kind, kind)}"
+
+
+_SHORT_KINDS = {"recurrent": "rec", "feedforward": "mlp"}
+
+
 def _finite(x: float) -> float | None:
     return float(x) if x is not None and math.isfinite(x) else None
 

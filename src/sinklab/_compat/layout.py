@@ -369,6 +369,13 @@ def cache_layer_kind(layer: object) -> str:
     return "keys"
 
 
+def cache_layer_kinds(model: nn.Module, n: int) -> list[str]:
+    """:func:`cache_layer_kind` of each of the model's ``n`` decoder layers, from a fresh cache of its own (``keys``
+    for every layer where transformers builds its cache layers lazily or builds another number of them)."""
+    cache = model_cache_layers(model)
+    return [cache_layer_kind(layer) for layer in cache] if len(cache) == n else ["keys"] * n
+
+
 def base_model(model: nn.Module) -> nn.Module:
     """The decoder stack that takes ``position_ids`` (``model.model``, ``gpt_neox``, ``transformer`` …).
 

@@ -85,7 +85,7 @@ class AttentionCapture:
         self._grab: int | None = None  # final_states() on a full pass: the block whose output it returns
         self._grabbed: Tensor | None = None
         self._causal_mask: tuple[Tensor, int, bool] | None = None  # (mask, Tk, is it the plain causal pattern)
-        self._gate_hooked: set[int] = set()  # attention modules whose output projection is hooked (gate_hook)
+        self._gate_hooked: dict[int, bool] = {}  # attention module → its output projection is hooked (a gate is read)
         self._pending: dict[int, tuple[int, Tensor]] = {}  # attention module → (layer, the output attend returned)
         self._kinds: list[str] | None = None  # per layer: attention | recurrent | feedforward (hybrids)
 
@@ -115,8 +115,9 @@ class AttentionCapture:
 
     def _teardown(self) -> None:
         if self._patch is not None:
-            self._patch.restore()
+            self._patch.restore()  # the gate hooks go with it: a re-entered capture hooks the projections again
             self._patch = None
+        self._gate_hooked.clear()
         if self._token is not None:
             _ACTIVE.reset(self._token)
             self._token = None
@@ -163,11 +164,11 @@ class AttentionCapture:
         """Per layer: ``attention``, or for the layers whose attention the capture did not see, what the model's own
         cache holds for them — ``recurrent`` (linear-attention / state-space / convolution state) or
         ``feedforward`` (nothing: an MLP-only block). Anything else is refused."""
-        cache = _compat.model_cache_layers(self.model)
+        held = _compat.cache_layer_kinds(self.model, len(self._layers))
         kinds = ["attention"] * len(self._layers)
         unknown = []
         for i in missing:
-            kind = _compat.cache_layer_kind(cache[i]) if len(cache) == len(self._layers) else "keys"
+            kind = held[i]
             if kind == "keys":
                 unknown.append(i)
             kinds[i] = "recurrent" if kind == "recurrent" else "feedforward"
@@ -428,13 +429,12 @@ class AttentionCapture:
         the model multiplies the two by a gate in between (Qwen3-Next, Qwen3.5: ``o_proj(attn · σ(gate))``), their
         ratio is that gate (:func:`gate_ratio`)."""
         key = id(module)
-        if key not in self._gate_hooked:
-            proj = _compat.child_module(module, _compat.O_NAMES)
-            if not isinstance(proj, nn.Linear):
-                return
-            self._gate_hooked.add(key)
-            self._patch.hook(proj, self._make_gate_hook(key), pre=True)
-        self._pending[key] = (index, returned)
+        if key not in self._gate_hooked:  # looked up once per module, hooked where it is a linear projection
+            self._gate_hooked[key] = isinstance(proj := _compat.child_module(module, _compat.O_NAMES), nn.Linear)
+            if self._gate_hooked[key]:
+                self._patch.hook(proj, self._make_gate_hook(key), pre=True)
+        if self._gate_hooked[key]:
+            self._pending[key] = (index, returned)
 
     def _make_gate_hook(self, key: int):
         def hook(proj: nn.Module, args: tuple) -> None:

@@ -58,8 +58,7 @@ def find_sublayers(model: nn.Module) -> Sublayers:
             "position 0; lifting this needs that split and patch carried through AltUp's predict/correct mixing. "
             "`sinklab scan`/`diagnose` read the main copy and do support it.")
     blocks = _compat.find_layers(model)
-    cache = _compat.model_cache_layers(model)
-    kinds = [_compat.cache_layer_kind(c) for c in cache] if len(cache) == len(blocks) else ["keys"] * len(blocks)
+    kinds = _compat.cache_layer_kinds(model, len(blocks))
     hybrid = any(kind != "keys" for kind in kinds)  # blocks may then hold one sublayer (a mixer, or an MLP)
     attn, mlp = [], []
     for index, block in enumerate(blocks):

@@ -11,6 +11,7 @@ from rich.table import Table
 from ..diagnose import DEFAULT_RULES, EDIT_LAYERS, EDIT_SAMPLES
 from ..errors import SinklabError
 from ..report import save
+from ..scan import layer_label
 from ._common import (
     MODEL_HELP,
     progress_bar,
@@ -159,8 +160,7 @@ def _print_diagnosis(d) -> None:
     for r in rows:
         gate = [] if not gated else ["–" if r.get("mean_gate_on_sink") is None or r.get("mean_gate_elsewhere") is None
                                      else f"{r['mean_gate_on_sink']:.2f}/{r['mean_gate_elsewhere']:.2f}"]
-        name = str(r["layer"]) if r["kind"] == "attention" else f"{r['layer']} {'rec' if r['kind'] == 'recurrent' else 'mlp'}"
-        table.add_row(name, "–" if r["sink_pct"] is None else f"{r['sink_pct']:.0f}", str(r["counts"]["nop"]),
+        table.add_row(layer_label(r["layer"], r["kind"]), "–" if r["sink_pct"] is None else f"{r['sink_pct']:.0f}", str(r["counts"]["nop"]),
                       str(r["counts"]["broadcast"]),
                       str(r["counts"]["unclassified"]), r["top_sink"] or "–",
                       "–" if r["top_sink_pct"] is None else f"{r['top_sink_pct']:.0f}",

@@ -22,11 +22,9 @@ from ._common import (
 from ._progress import print_warnings
 
 
-_SHORT_KIND = {"recurrent": "rec", "feedforward": "mlp"}
-
-
 def _print_table(result) -> None:
     from ..registry import REGISTRY
+    from ..scan import layer_label
 
     table = Table(title=f"{result.meta['model']} — per layer (T={result.meta['seq_len']}, "
                         f"{result.num_samples} samples, ε={result.meta['thresholds']['eps']})")
@@ -39,7 +37,7 @@ def _print_table(result) -> None:
     kinds = result.layer_kinds or ["attention"] * result.num_layers
     for layer in range(result.num_layers):
         cells = ["–" if values[r.name][layer] is None else r.fmt.format(values[r.name][layer]) for r in shown]
-        table.add_row(str(layer) if kinds[layer] == "attention" else f"{layer} {_SHORT_KIND[kinds[layer]]}", *cells)
+        table.add_row(layer_label(layer, kinds[layer]), *cells)
     console.print(table)
     pos, label = result.top_sink()
     pairs = "layer×head pairs" if len(result.attention_layers) == result.num_layers else \

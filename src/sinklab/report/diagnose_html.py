@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..recommend import Recommendation
+from ..scan import layer_label
 from .diagnose_figures import diagnosis_figures
 from .html import images_html, page, write_outputs
 from .recommend_html import render_recommendation
@@ -32,7 +33,7 @@ def render_diagnosis(d: Diagnosis, images: dict[str, bytes], rec: Recommendation
     rows = d.per_layer()
     gated = any("mean_gate_on_sink" in r for r in rows)
     layer_rows = "".join(
-        f"<tr><th>{r['layer']}{'' if r['kind'] == 'attention' else ' <small>(' + esc(r['kind']) + ')</small>'}</th>"
+        f"<tr><th>{esc(layer_label(r['layer'], r['kind']))}</th>"
         f"<td>{_f(r['sink_pct'], '{:.0f}')}</td><td>{r['counts']['nop']}</td>"
         f"<td>{r['counts']['broadcast']}</td><td>{r['counts']['unclassified']}</td>"
         f"<td>{esc(r['dominant_kind'] or '–')}</td><td>{esc(r['top_sink'] or '–')}</td>"

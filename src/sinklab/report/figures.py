@@ -11,6 +11,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from ..scan import layer_label  # noqa: E402
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..scan import ScanResult
 
@@ -32,7 +34,7 @@ def sink_heatmap(result: ScanResult) -> Figure:
     ax.set_xticks(range(result.num_heads))
     kinds = result.layer_kinds or ["attention"] * result.num_layers
     ax.set_yticks(range(result.num_layers),
-                  [str(i) if k == "attention" else f"{i} ({k[:3]})" for i, k in enumerate(kinds)])
+                  [layer_label(i, k) for i, k in enumerate(kinds)])
     ax.set_title(f"column mass at position {pos} ({_short(label)!r})")
     fig.colorbar(im, ax=ax, label="mean attention received")
     fig.tight_layout()

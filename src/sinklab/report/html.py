@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt
 
 from ..atomic import atomic_dir
 from ..registry import REGISTRY
+from ..scan import layer_label
 from .figures import scan_figures
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -81,8 +82,7 @@ def render_html(result: ScanResult, images: dict[str, bytes]) -> str:
     kinds = result.layer_kinds or ["attention"] * result.num_layers
     for layer in range(result.num_layers):
         cells = "".join(f"<td>{_fmt(table[r.name][layer], r.fmt)}</td>" for r in REGISTRY)
-        name = str(layer) if kinds[layer] == "attention" else f"{layer} <small>({esc(kinds[layer])})</small>"
-        rows.append(f"<tr><th>{name}</th>{cells}</tr>")
+        rows.append(f"<tr><th>{esc(layer_label(layer, kinds[layer]))}</th>{cells}</tr>")
     mass0 = result.column_mass[0, result.attention_layers].nanmean(dim=(0, 1))  # (T,) sample 0, attention layers
     toks = []
     for i, tok in enumerate(result.tokens[0]):
