@@ -44,7 +44,7 @@ DEFAULT_THRESHOLDS = {
 _PER_SAMPLE = (
     "column_mass", "column_min", "routed_fraction", "candidate_attention", "value_norm", "value_norm_out",
     "update_norm", "update_spectrum", "common_mode", "learned_sink_mass", "hidden_norm", "hidden_max_abs",
-    "hidden_max_dim", "hidden_median_abs", "token_mask", "column_queries",
+    "hidden_max_dim", "hidden_median_abs", "token_mask", "column_queries", "local_mass",
 )
 
 
@@ -81,6 +81,7 @@ class ScanResult:
     meta: dict = field(default_factory=dict)
     gate: Tensor | None = None  # (S, L, H, T) mean output gate per query and head (None: the model has no gate)
     layer_kinds: list[str] = field(default_factory=list)  # per layer: attention | recurrent | feedforward
+    local_mass: Tensor | None = None  # (S, L, H, T) each query's attention on its last meta["local_window"] keys
 
     # ------------------------------------------------------------------ shape helpers
     @property
@@ -337,7 +338,7 @@ def scan_result(results: list[CaptureBatch], tokens: list[list[str]], *, candida
     info = {"thresholds": thresholds, "seq_len": seq_len, "num_samples": merged["column_mass"].shape[0],
             "candidates": list(candidates), "hidden_state_index_0": "input of block 0 (embeddings)",
             "output_space": merged["output_space"], "dominant_rule": DOMINANT_RULE, "warnings": notes,
-            "layer_kinds": merged["layer_kinds"], **(meta or {})}
+            "layer_kinds": merged["layer_kinds"], "local_window": CaptureConfig.local_window, **(meta or {})}
     return ScanResult(**merged, tokens=tokens, candidates=tuple(candidates), meta=info)
 
 

@@ -33,7 +33,7 @@ __all__ = ["AttentionCapture"]
 _ACTIVE: contextvars.ContextVar[AttentionCapture | None] = contextvars.ContextVar("sinklab_capture", default=None)
 
 _PER_LAYER = ("column_mass", "column_min", "routed_fraction", "candidate_attention", "value_norm", "value_norm_out",
-              "update_norm", "update_spectrum", "common_mode", "learned_sink_mass", "column_queries")
+              "update_norm", "update_spectrum", "common_mode", "learned_sink_mass", "column_queries", "local_mass")
 _PER_QUERY = ("row_entropy", "row_diagonal", "row_previous")  # CaptureConfig(row_stats=True) only
 
 
@@ -396,7 +396,7 @@ class AttentionCapture:
         if self.statistics:
             stats = ColumnStats(b, h, tq, tk, qmask, candidates=cfg.candidates, map_len=cfg.map_len,
                                 route_threshold=cfg.route_threshold, has_sink=has_columns,
-                                row_stats=cfg.row_stats)
+                                row_stats=cfg.row_stats, local_window=cfg.local_window)
         out = chunked_attention(query, k, v, attention_mask, qmask, is_causal=is_causal, scale=scale,
                                 chunk_elements=cfg.chunk_elements, softcap=softcap,
                                 columns=columns if has_columns else None, bias=kwargs.get("position_bias"), drop=drop,

@@ -26,7 +26,8 @@ class ColumnStats:
     """
 
     def __init__(self, b: int, h: int, tq: int, tk: int, qmask: Tensor, *, candidates: tuple[int, ...],
-                 map_len: int, route_threshold: float, has_sink: bool, row_stats: bool = False) -> None:
+                 map_len: int, route_threshold: float, has_sink: bool, row_stats: bool = False,
+                 local_window: int = 64) -> None:
         dev = qmask.device
         self.qmask = qmask
         self.candidates = list(candidates)
@@ -37,6 +38,8 @@ class ColumnStats:
         self.col_min = torch.full((b, h, tk), math.inf, device=dev)
         self.col_hit = torch.zeros(b, h, tk, device=dev)  # queries with A_ij ≥ route_threshold
         self.row_mass = torch.zeros(b, h, tq, device=dev)  # Σ_j A_ij (< 1 with a learned sink)
+        self.local_window = local_window
+        self.local = torch.zeros(b, h, tq, device=dev)  # Σ_j A_ij over the local_window keys up to the query's own
         self.cand = torch.full((b, h, tq, len(self.candidates)), math.nan, device=dev)  # (B, H, Tq, K)
         self.m = min(map_len, tq, tk)
         self.amap = torch.zeros(h, self.m, self.m, device=dev) if map_len > 0 else None  # sample 0
@@ -76,9 +79,20 @@ class ColumnStats:
                 self.cand[:, :, c0:c1, j] = 0.0
         if self.rows is not None:
             self._add_rows(probs, c0, c1, kend)
+        self._add_local(probs, c0, c1, kend)
         if self.amap is not None and c0 < self.m:
             r1 = min(c1, self.m)
             self.amap[:, c0:r1, : min(self.m, kend)] = probs[0, :, : r1 - c0, : self.m]
+
+    def _add_local(self, probs: Tensor, c0: int, c1: int, kend: int) -> None:
+        """Each query's attention on its ``local_window`` most recent keys (its own included): a band sum, read
+        off one cumulative sum over the keys."""
+        own = torch.arange(c0, c1, device=probs.device) + (self.tk - self.local.shape[-1])  # key index of each query
+        cs = probs.cumsum(-1)
+        top = cs.gather(-1, own.clamp(0, kend - 1)[None, None, :, None].expand(*probs.shape[:3], 1))[..., 0]
+        low_idx = own - self.local_window
+        low = cs.gather(-1, low_idx.clamp(0, kend - 1)[None, None, :, None].expand(*probs.shape[:3], 1))[..., 0]
+        self.local[:, :, c0:c1] = top - torch.where(low_idx >= 0, low, torch.zeros_like(low))
 
     def _add_rows(self, probs: Tensor, c0: int, c1: int, kend: int) -> None:
         """Entropy ``−Σ_j A_ij log A_ij`` of rows ``c0:c1`` and their diagonal / previous-key entries."""
@@ -101,6 +115,7 @@ class ColumnStats:
             "column_min": torch.where(seen, self.col_min, nan),
             "routed_fraction": torch.where(seen, self.col_hit / count, nan),
             "candidate_attention": torch.where(self.qmask[:, None, :, None], self.cand, nan),
+            "local_mass": torch.where(self.qmask[:, None], self.local, nan),
             "learned_sink_mass": ((1.0 - self.row_mass) * qmask_f).sum(-1) / qmask_f.sum(-1).clamp_min(1),
             "column_queries": self.col_cnt,  # (B, Tk) real queries that see each key
         }

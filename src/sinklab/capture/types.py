@@ -19,6 +19,7 @@ class CaptureConfig:
     map_len: int = 128  # keep sample 0's attention maps over its first map_len positions (0: none)
     chunk_elements: int = 1 << 21  # score entries per query chunk (bounds the temporaries)
     route_threshold: float = 0.5  # A_ij at or above this counts a query as routed to column j
+    local_window: int = 64  # each query's attention on its last local_window keys: CaptureBatch.local_mass
     row_stats: bool = False  # also keep each query's attention entropy and its share on itself / the previous key
     head_stats: bool = True  # value norms, update spectrum, common mode per head (False: update norms only)
     hidden_stats: bool = True  # block hidden-state norms, max |a| and medians (False: only checked to be finite)
@@ -26,8 +27,8 @@ class CaptureConfig:
     def __post_init__(self) -> None:
         if any(p < 0 for p in self.candidates):
             raise ValueError(f"candidate positions must be ≥ 0, got {self.candidates}")
-        if self.map_len < 0 or self.chunk_elements < 1:
-            raise ValueError("map_len must be ≥ 0 and chunk_elements ≥ 1")
+        if self.map_len < 0 or self.chunk_elements < 1 or self.local_window < 1:
+            raise ValueError("map_len must be ≥ 0, chunk_elements ≥ 1 and local_window ≥ 1")
 
 
 @dataclass
@@ -49,6 +50,7 @@ class CaptureBatch:
     update_spectrum: Tensor | None  # (B, L, H, r) singular values of the head update U over real queries
     common_mode: Tensor | None  # (B, L, H) ||mean u||^2 / mean ||u||^2
     learned_sink_mass: Tensor  # (B, L, H) mean over queries of 1 - sum_j A_ij
+    local_mass: Tensor  # (B, L, H, T) each query's attention on its CaptureConfig.local_window most recent keys
     column_queries: Tensor  # (B, L, T) number of real queries that see each key (0 at padding)
     hidden_norm: Tensor | None  # (B, L+1, T) ||x|| per token, index 0 = block-0 input
     hidden_max_abs: Tensor | None  # (B, L+1, T) max |x| per token

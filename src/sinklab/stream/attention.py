@@ -26,6 +26,8 @@ from ..errors import UnsupportedModelError
 from ..rope import rotate
 from ..variants import variant_column_logits, variant_gate, variant_has_columns
 
+from .scored import scored_attention
+
 __all__ = ["stream_attention", "stream_mask", "active_stream", "ACTIVE_STREAM", "ATTN_NAME", "TRACED_STREAM"]
 
 ATTN_NAME = "sinklab_stream"
@@ -92,13 +94,16 @@ def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         raise UnsupportedModelError(
             f"layer {layer_idx} attends over a window of {kwargs.get('sliding_window')} tokens but its config says "
             f"{stream.layer_windows[layer_idx]}; sinklab cannot tell this layer's own attention span")
-    rope = state.attn_rope  # how the key this function receives turns (its rotary part may sit elsewhere)
-    view = state.view
     b, h, c, dh = query.shape
-    hkv = key.shape[1]
-    rep = h // hkv
     scale = dh**-0.5 if scaling is None else float(scaling)
     softcap = kwargs.get("softcap")
+    if getattr(state, "scored", False):  # a score-based retention policy (sinklab.stream.scored)
+        layer = stream.layers[layer_idx if layer_idx is not None else 0]
+        return scored_attention(module, query, key, value, state, layer, scale, softcap, kwargs.get("s_aux")), None
+    rope = state.attn_rope  # how the key this function receives turns (its rotary part may sit elsewhere)
+    view = state.view
+    hkv = key.shape[1]
+    rep = h // hkv
     gate = variant_gate(module, h)  # (B, C, H, dv | 1) or None
     if view.from_buffer:
         # Decode: anchored slots were re-rotated in place, every visible slot is a plain key.

@@ -40,6 +40,9 @@ from ..checks import check_model
 from ..errors import InputError, ModelWeightsError, UnsupportedModelError, check_int, is_int
 from .activation import streams_of
 from .layer import SinkWindowLayer
+from .plan import RetentionPlan, load_plan
+from .policy import RetentionPolicy, SnapKV, get_policy
+from .scored import ScoredLayer, ScoredState
 from .state import StreamState
 
 __all__ = ["SinkCache"]
@@ -94,6 +97,31 @@ def _real_columns(mask, b: int, c: int, device: torch.device) -> torch.Tensor:
     return torch.ones(b, c, dtype=torch.bool, device=device)
 
 
+def _same_rope(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    return (a.interleaved, a.offset, a.attention_scaling) == (b.interleaved, b.offset, b.attention_scaling) and \
+        torch.equal(a.inv_freq, b.inv_freq)
+
+
+def _policy_and_plan(policy, plan, model) -> tuple[RetentionPolicy, RetentionPlan | None]:
+    """The retention policy and, for ``auto``, its plan (a :class:`RetentionPlan` or the path of a saved one)."""
+    if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
+        plan = load_plan(plan)
+    if plan is not None and not isinstance(plan, RetentionPlan):
+        raise InputError(f"plan is a sinklab.stream.plan.RetentionPlan or the path of a saved one, got {plan!r}")
+    if policy == "auto":
+        if plan is None:
+            raise InputError("policy='auto' needs a plan: sinklab.stream.plan.plan_from_scan(model, scan, budget=…) "
+                             "makes one from a scan (or `sinklab plan`, which saves it for --plan)")
+        plan.check_model(model)
+        return SnapKV(recent=plan.recent), plan
+    if plan is not None:
+        raise InputError(f"a plan sets per-head budgets for policy='auto'; policy={policy!r} keeps one budget for "
+                         "every head")
+    return get_policy(policy), None
+
+
 class SinkCache(Cache):
     """A transformers ``Cache`` that streams ``model`` with attention sinks + a sliding window.
 
@@ -141,12 +169,20 @@ class SinkCache(Cache):
     def __init__(self, model: nn.Module, num_sinks: int = 4, window: int | None = None, pinned=None,
                  start_position: int = 0, rebase_every: int | None = None, *, sliding_sinks: bool = False,
                  check_every: int = 64, window_length: int | None = None, num_sink_tokens: int | None = None,
-                 kv_bits: int | None = None, kv_group_size: int = KV_GROUP_SIZE, compile_plan: bool = False) -> None:
+                 kv_bits: int | None = None, kv_group_size: int = KV_GROUP_SIZE, compile_plan: bool = False,
+                 policy: str | RetentionPolicy | None = None, plan: RetentionPlan | str | None = None,
+                 positions: str = "slot") -> None:
         check_model(model, "SinkCache")
         _compat.check_stream(model)  # features the stream cannot reproduce, refused with what would lift it
         num_sinks, window = _legacy_sizes(num_sinks, window, window_length, num_sink_tokens)
         if not isinstance(compile_plan, bool):
             raise InputError(f"compile_plan is True or False, got {compile_plan!r}")
+        self.policy, self.plan = _policy_and_plan(policy, plan, model)
+        if self.plan is not None:
+            num_sinks, window = self.plan.num_sinks, self.plan.window
+        if self.policy.scored and kv_bits is not None:
+            raise InputError(f"kv_bits packs the recency policy's ring buffer; the {self.policy.name!r} policy keeps "
+                             "its tokens unpacked (use policy='streaming' with kv_bits)")
         self.model = model
         self.sliding_sinks = bool(sliding_sinks)
         main = StreamState(num_sinks, window, pinned, start_position, rebase_every)
@@ -183,18 +219,28 @@ class SinkCache(Cache):
                 policy = (0, own, ())
             else:
                 policy = (num_sinks, own if native else window, tuple(main.pinned))
-            key = (id(rotation), *policy)
-            if key not in groups:
+            scored = self.policy.scored and not (native and not sliding_sinks)
+            key = (id(rotation), scored, *policy)
+            if key not in groups and scored:
+                if rotation.rotated != "keys" or not _same_rope(rotation.cache_rope, rotation.attn_rope):
+                    raise UnsupportedModelError(
+                        f"{type(model).__name__}: the {self.policy.name!r} policy re-rotates the keys it keeps, and this "
+                        "model's cached tensor is not the rotated key the attention reads (latent attention or a "
+                        "rotary part stored apart); stream it with the default policy (streaming)")
+                groups[key] = ScoredState(self.policy, policy[0], policy[1], list(policy[2]), start_position,
+                                          rebase_every, rope=rotation.cache_rope, positions=positions)
+            elif key not in groups:
                 groups[key] = StreamState(policy[0], policy[1], list(policy[2]), start_position, rebase_every,
                                           rope=rotation.cache_rope, attn_rope=rotation.attn_rope,
                                           compile_plan=compile_plan)
             self.layer_states.append(groups[key])
         self.states = list(groups.values())
         # Every group re-bases at the same steps by the same amount, so all layers share one virtual position.
-        keep = max(s.window for s in self.states)
+        keep = max(s.capacity if getattr(s, "scored", False) else s.window for s in self.states)
         for s in self.states:
             s.rebase_every, s.rebase_keep = int(rebase_every or max(4 * keep, 2048)), keep
-        full = [s for s in self.states if (s.num_sinks, s.window) == (num_sinks, window)]
+        full = [s for s in self.states if (s.num_sinks, s.window) == (num_sinks, window) and
+                getattr(s, "scored", False) == self.policy.scored]
         self.state = full[0] if full else self.states[0]  # the sinks + window budget (what cache_tokens reports)
         self.rope = self.state.rope
         self.closed = False
@@ -207,12 +253,14 @@ class SinkCache(Cache):
             raise InputError(f"kv_group_size={kv_group_size!r} sets the groups of a quantized window; it needs kv_bits")
         swapped = [r.rotated == "values" for r in self.layer_rotations]  # latent attention: see SinkWindowLayer
         if kv_bits is None:
-            def attention_layer(s: StreamState, v: bool):
+            def attention_layer(s, v: bool, i: int):
+                if getattr(s, "scored", False):
+                    return ScoredLayer(s, s.rope, self.plan.budgets[i] if self.plan is not None else None)
                 return SinkWindowLayer(s, s.rope, rotates_values=v)
         else:
             from .quantized import QuantizedSinkWindowLayer
 
-            def attention_layer(s: StreamState, v: bool):
+            def attention_layer(s, v: bool, i: int):
                 return QuantizedSinkWindowLayer(s, s.rope, kv_bits, kv_group_size, rotates_values=v)
         # A hybrid's other layers: fresh layers of the class the model's own cache uses for them (transformers'
         # LinearAttentionLayer, which holds the convolution and recurrent states exactly as that cache would; a
@@ -221,7 +269,7 @@ class SinkCache(Cache):
         layers = []
         for i, (s, v, rotation) in enumerate(zip(self.layer_states, swapped, self.layer_rotations)):
             if s is not None:
-                layers.append(attention_layer(s, v))
+                layers.append(attention_layer(s, v, i))
             elif i < len(own) and _compat.cache_layer_kind(own[i]) == rotation.kind:
                 layers.append(own[i])
             else:  # the probe measured this very cache; a mismatch means the config changed since

@@ -1,0 +1,174 @@
+"""Per-head KV budgets from sinklab's own scan: the ``auto`` retention policy's plan.
+
+A head whose queries put nearly all their attention on the sinks and on their last few keys (a *local* head, the
+sink-dominated heads the scan finds) loses nothing by keeping only those; the budget it does not need goes to the
+heads that reach far back. The scan measures both shares per head (:attr:`sinklab.scan.ScanResult.local_mass`,
+the attention on each query's last ``local_window`` keys, and the attention on the first positions); a key-value
+head is local when every query head that reads it covers at least ``threshold`` of its attention that way.
+
+Budgets (tokens kept per key-value head, sinks included): a local head keeps ``S + min(local_window, W)``; the far
+heads share the rest of the total ``layers × heads × (S + W)`` equally, so the whole cache holds exactly as many
+tokens as a uniform budget of ``S + W`` would. Far heads keep their tokens by SnapKV scores
+(:class:`~sinklab.stream.policy.SnapKV`). The plan is JSON (:meth:`RetentionPlan.save` / :func:`load_plan`),
+saved beside the report it came from and reloadable with ``SinkCache(model, policy="auto", plan=path)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import _compat
+from .._version import __version__
+from ..atomic import atomic_file
+from ..errors import InputError, UnsupportedModelError, check_int
+
+__all__ = ["RetentionPlan", "plan_from_scan", "load_plan", "head_coverage"]
+
+FORMAT = "sinklab-retention-plan/1"
+
+
+@dataclass
+class RetentionPlan:
+    """Per-layer, per-key-value-head token budgets (``None`` for a layer the plan does not budget: not attention,
+    or a native sliding-window layer that keeps its own window)."""
+
+    model_type: str
+    num_layers: int
+    kv_heads: int
+    num_sinks: int
+    window: int
+    recent: int
+    local_window: int
+    threshold: float
+    budgets: list[list[int] | None]
+    coverage: list[list[float] | None]  # per key-value head: the least-covered query head's sink + local share
+    local: list[list[bool] | None]
+    source: dict = field(default_factory=dict)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(sum(b) for b in self.budgets if b is not None)
+
+    def summary(self) -> dict:
+        heads = [x for row in self.local if row is not None for x in row]
+        far = [b for row, flags in zip(self.budgets, self.local) if row is not None for b, f in zip(row, flags)
+               if not f]
+        near = [b for row, flags in zip(self.budgets, self.local) if row is not None for b, f in zip(row, flags) if f]
+        return {"heads": len(heads), "local_heads": sum(heads), "local_budget": near[0] if near else None,
+                "far_budget": far[0] if far else None, "total_tokens": self.total_tokens,
+                "uniform_budget": self.num_sinks + self.window}
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, **asdict(self), "summary": self.summary()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> RetentionPlan:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise InputError(f"not a sinklab retention plan (expected format {FORMAT!r})")
+        names = set(cls.__dataclass_fields__)
+        try:
+            return cls(**{k: v for k, v in data.items() if k in names})
+        except TypeError as exc:
+            raise InputError(f"a retention plan with missing fields: {exc}") from exc
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        with atomic_file(path) as tmp:
+            tmp.write_text(json.dumps(self.to_json(), indent=1))
+        return path
+
+    def check_model(self, model: nn.Module) -> None:
+        """The plan was made for a model of this layout (type, layers, key-value heads)."""
+        kind, layers, heads = _layout(model)
+        if (kind, layers, heads) != (self.model_type, self.num_layers, self.kv_heads):
+            raise InputError(f"this plan was made for a {self.model_type} with {self.num_layers} layers of "
+                             f"{self.kv_heads} key-value heads; the model is a {kind} with {layers} layers of {heads}")
+
+
+def load_plan(path: str | Path) -> RetentionPlan:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise InputError(f"no retention plan at {path}") from exc
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"cannot read the retention plan {path}: {exc}") from exc
+    return RetentionPlan.from_json(data)
+
+
+def _layout(model: nn.Module) -> tuple[str, int, int]:
+    cfg = getattr(model.config, "text_config", None) or model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", 0)
+    return str(cfg.model_type), int(cfg.num_hidden_layers), int(heads)
+
+
+def head_coverage(scan, num_sinks: int) -> torch.Tensor:
+    """``[L, H]``: each head's mean share of attention on the first ``num_sinks`` positions plus its last
+    ``local_window`` keys, over the real queries past both (so the two never overlap). NaN for non-attention
+    layers."""
+    if scan.local_mass is None:
+        raise InputError("this scan has no local attention shares (made by an older sinklab); scan again")
+    w = int(scan.meta.get("local_window", 64))
+    first = w + num_sinks
+    if scan.local_mass.shape[-1] <= first:
+        raise InputError(f"the scan's texts ({scan.local_mass.shape[-1]} tokens) are too short to tell local heads: "
+                         f"scan at least {first + 64} tokens per sample")
+    missing = [p for p in range(num_sinks) if p not in scan.candidates]
+    if missing:
+        raise InputError(f"the scan kept the attention on positions {list(scan.candidates)}, not on sinks {missing}")
+    cols = [scan.candidates.index(p) for p in range(num_sinks)]
+    sinks = scan.candidate_attention[..., cols].sum(-1)  # (S, L, H, T)
+    share = (scan.local_mass + sinks)[..., first:]
+    return share.nanmean(dim=(0, 3))
+
+
+def plan_from_scan(model: nn.Module, scan, *, num_sinks: int = 4, window: int = 1020, recent: int = 32,
+                   threshold: float = 0.9, sliding_sinks: bool = False) -> RetentionPlan:
+    """The ``auto`` plan for ``model`` from its :class:`~sinklab.scan.ScanResult` (or a diagnosis holding one in
+    ``.scan``), at the total budget of ``num_sinks + window`` tokens per key-value head."""
+    scan = getattr(scan, "scan", scan)
+    check_int("num_sinks", num_sinks)
+    check_int("window", window, 1)
+    check_int("recent", recent, 1)
+    if not 0.0 < float(threshold) <= 1.0:
+        raise InputError(f"threshold is a share of attention in (0, 1], got {threshold!r}")
+    kind, layers, kv = _layout(model)
+    coverage = head_coverage(scan, num_sinks)
+    if coverage.shape[0] != layers:
+        raise InputError(f"the scan has {coverage.shape[0]} layers; the model {layers}: scan this model")
+    heads = coverage.shape[1]
+    if heads % kv:
+        raise UnsupportedModelError(f"{heads} query heads do not split into {kv} key-value heads")
+    rep = heads // kv
+    w_local = int(scan.meta.get("local_window", 64))
+    if recent > min(w_local, window):
+        raise InputError(f"recent ({recent}) must be at most the local window ({w_local}) and the window ({window})")
+    windows = _compat.layer_sliding_windows(model)
+    kinds = scan.meta.get("layer_kinds") or ["attention"] * layers
+    budgeted = [k == "attention" and not (w is not None and w <= num_sinks + window and not sliding_sinks)
+                for k, w in zip(kinds, windows)]
+    per_kv = coverage.view(layers, kv, rep).amin(-1)  # the least-local query head decides
+    local = (per_kv >= threshold) & torch.tensor(budgeted)[:, None]
+    short = num_sinks + min(w_local, window)
+    n_heads = sum(budgeted) * kv
+    n_local = int(local.sum())
+    pool = n_heads * (num_sinks + window)
+    far = math.floor((pool - n_local * short) / (n_heads - n_local)) if n_heads > n_local else short
+    budgets, cov, flags = [], [], []
+    for i in range(layers):
+        if not budgeted[i]:
+            budgets.append(None), cov.append(None), flags.append(None)
+            continue
+        budgets.append([short if bool(local[i, g]) else far for g in range(kv)])
+        cov.append([round(float(x), 4) for x in per_kv[i]])
+        flags.append([bool(local[i, g]) for g in range(kv)])
+    source = {"sinklab": __version__, "model": scan.meta.get("model"), "samples": scan.num_samples,
+              "seq_len": scan.meta.get("seq_len")}
+    return RetentionPlan(kind, layers, kv, num_sinks, window, recent, w_local, float(threshold), budgets, cov, flags,
+                         source)

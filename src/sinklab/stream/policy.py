@@ -1,0 +1,168 @@
+"""What each attention head of a stream keeps: retention policies behind one contract.
+
+A policy says which of a head's tokens survive once the head holds more than its budget. Two kinds:
+
+* **recency** (StreamingLLM, :class:`Recency`): the ``S`` sinks, the pinned spans and the ``W`` most recent tokens.
+  It needs no score, so it runs on the O(1) ring buffer of :class:`~sinklab.stream.state.StreamState` (and its
+  compiled decode step);
+* **score-based** (:class:`ScoredPolicy`): the sinks and pinned spans are kept exactly, so are the ``recent`` newest
+  tokens; of the others, each head keeps the best-scored up to its budget
+  (:class:`~sinklab.stream.scored.ScoredState`). Scores are computed after every forward from what
+  :class:`Observation` holds: the attention weights of the forward's last queries (for policies with
+  ``needs_weights``), the keys and values.
+
+A new policy: one subclass of :class:`ScoredPolicy` with ``name``, ``needs_weights`` and :meth:`ScoredPolicy.score`,
+and one row in :data:`POLICIES`. ``sinklab.SinkCache(model, policy=NAME_OR_OBJECT)`` and the CLI's ``--policy`` read
+the table. Scores are per key-value head: grouped-query heads sharing one key-value head average their weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..errors import InputError, check_int
+
+__all__ = ["Observation", "RetentionPolicy", "Recency", "ScoredPolicy", "SnapKV", "TOVA", "KeyNorm", "POLICIES",
+           "get_policy", "policy_names"]
+
+
+@dataclass
+class Observation:
+    """What a score-based policy sees after a forward, per layer. ``N`` candidates: the layer's kept tokens, then
+    the forward's new ones, ordered by stream index (``order``).
+
+    * ``weights`` ``[B, Hkv, w, N]`` float32 — the attention of the forward's last ``w`` real queries, averaged over
+      the query heads that share each key-value head (None unless the policy ``needs_weights``); a candidate a query
+      could not see has weight 0;
+    * ``keys`` ``[B, Hkv, N, dh]``, ``values`` ``[B, Hkv, N, dv]`` — the candidates as stored (keys rotated);
+    * ``real`` ``[B, Hkv, N]`` — a real token (False: an empty slot or padding);
+    * ``order`` ``[B, Hkv, N]`` — the candidates' positions sorted by stream index (real ones first): a policy that
+      pools over neighbours pools along it (:func:`along_stream`).
+    """
+
+    weights: Tensor | None
+    keys: Tensor
+    values: Tensor
+    real: Tensor
+    order: Tensor
+
+
+def along_stream(scores: Tensor, obs: Observation, fn) -> Tensor:
+    """Apply ``fn`` (``[B·Hkv, 1, N] → same``) to ``scores`` ``[B, Hkv, N]`` laid out in stream order, and put the
+    result back at each candidate's place."""
+    b, h, n = scores.shape
+    ordered = scores.gather(-1, obs.order)
+    ordered = torch.where(obs.real.gather(-1, obs.order), ordered, torch.zeros_like(ordered))
+    out = fn(ordered.reshape(b * h, 1, n)).reshape(b, h, n)
+    return torch.empty_like(out).scatter_(-1, obs.order, out)
+
+
+class RetentionPolicy:
+    """The contract every policy meets: a ``name`` and whether it scores (``scored``)."""
+
+    name: str = ""
+    scored: bool = False
+    needs_weights: bool = False
+
+    def describe(self) -> str:
+        return self.name
+
+
+class Recency(RetentionPolicy):
+    """StreamingLLM (Xiao et al., 2024): the sinks, the pinned spans and the most recent tokens; no scores."""
+
+    name = "streaming"
+
+
+@dataclass
+class ScoredPolicy(RetentionPolicy):
+    """A policy that keeps the best-scored tokens (higher = kept) besides the sinks, pinned spans and ``recent``.
+
+    ``window`` is the number of last queries whose attention weights :meth:`score` receives (1: the newest query
+    only). ``recent`` newest tokens are always kept (at least 1: the token just written)."""
+
+    recent: int = 8
+    window: int = 1
+    scored: bool = field(default=True, init=False)
+
+    def __post_init__(self) -> None:
+        check_int("recent", self.recent, 1, " (the newest tokens a score-based policy always keeps)")
+        check_int("window", self.window, 1, " (queries whose attention scores the keys)")
+
+    def score(self, obs: Observation) -> Tensor:
+        """``[B, Hkv, N]`` float: how much each candidate is worth keeping."""
+        raise NotImplementedError
+
+
+@dataclass
+class SnapKV(ScoredPolicy):
+    """SnapKV (Li et al., 2024): the attention of an observation window of the last queries, averaged, then pooled
+    over neighbouring tokens so a selected token brings its context. While decoding past the budget the window is
+    the queries of each forward (one per step)."""
+
+    name = "snapkv"
+    needs_weights = True
+    recent: int = 32
+    window: int = 32
+    kernel: int = 7
+
+    def score(self, obs: Observation) -> Tensor:
+        mean = obs.weights.mean(2)  # (B, Hkv, N)
+        k = self.kernel
+        if k <= 1:
+            return mean
+        return along_stream(mean, obs, lambda x: F.avg_pool1d(x, k, stride=1, padding=k // 2, count_include_pad=False))
+
+
+@dataclass
+class TOVA(ScoredPolicy):
+    """TOVA (Oren et al., 2024): evict the token the newest query attends to least (the H2O family without the
+    accumulation)."""
+
+    name = "tova"
+    needs_weights = True
+
+    def score(self, obs: Observation) -> Tensor:
+        return obs.weights[:, :, -1]
+
+
+@dataclass
+class KeyNorm(ScoredPolicy):
+    """Key norm (Devoto et al., 2024): keys of small L2 norm draw the most attention, so keep the smallest norms.
+    Needs no attention weights (runs beside the fused kernel). Rotation keeps a key's norm, so the stored
+    (rotated) keys give the same scores as the model's own."""
+
+    name = "knorm"
+
+    def score(self, obs: Observation) -> Tensor:
+        return -obs.keys.float().norm(dim=-1)
+
+
+#: Every policy by name: ``SinkCache(model, policy=NAME)`` and ``--policy NAME``. ``auto`` is built from a plan
+#: (:mod:`sinklab.stream.plan`): per-head budgets from the scan, scored with SnapKV.
+POLICIES: dict[str, type[RetentionPolicy]] = {
+    "streaming": Recency,
+    "snapkv": SnapKV,
+    "tova": TOVA,
+    "knorm": KeyNorm,
+}
+
+
+def policy_names() -> list[str]:
+    return [*POLICIES, "auto"]
+
+
+def get_policy(policy) -> RetentionPolicy:
+    """A policy object from a name in :data:`POLICIES` or an object (returned as is)."""
+    if isinstance(policy, RetentionPolicy):
+        return policy
+    if policy is None:
+        return Recency()
+    if isinstance(policy, str) and policy in POLICIES:
+        return POLICIES[policy]()
+    raise InputError(f"unknown retention policy {policy!r}; the policies are: {', '.join(policy_names())} "
+                     "(or a sinklab.stream.policy.RetentionPolicy object)")

@@ -1,0 +1,319 @@
+"""Score-based retention: each key-value head keeps its sinks, pinned spans, newest tokens and best-scored others.
+
+Storage per layer (:class:`ScoredLayer`, a transformers cache layer): ``[B, Hkv, cap, dh]`` keys and values with,
+per slot, the token's stream index (``-1``: empty) and the virtual position its key is rotated at. Each head's kept
+tokens sit first, in stream order. A forward attends over ``buffer ⧺ new columns`` (the buffer masked per head by
+what it holds, the new columns causally), then the policy scores every candidate (:class:`~sinklab.stream.policy
+.Observation`) and each head keeps at most its budget (``ScoredLayer.budgets``, one per key-value head: equal for
+a named policy, from a plan for ``auto``).
+
+Positions by cache slot: a kept key is re-rotated so that its distance to any later query is the number of tokens
+its head keeps after it (itself excluded) plus one per later token — the distance it would have if the evicted
+tokens had never been there. Evicting tokens moves every older kept key forward by the number evicted after it
+(one rotation per key and eviction round). ``positions="original"`` keeps each key at its true position instead
+(what kvpress does). Queries sit at the stream's virtual position (``start + t − base``); the base moves forward
+every few thousand tokens like the recency stream's, rotating every stored key once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from transformers.cache_utils import CacheLayerMixin
+
+from ..attention import Columns, attend
+from ..errors import InputError, UnsupportedModelError, check_int
+from ..rope import RopeSpec, rotate
+from ..variants import variant_column_logits, variant_gate
+from .policy import Observation, ScoredPolicy
+from .state import MAX_CAPACITY, _check_pinned, buffers_that_fit
+
+__all__ = ["ScoredState", "ScoredLayer", "scored_attention"]
+
+_LAST = torch.iinfo(torch.long).max
+
+
+class ScoredState:
+    """Counters and the current forward's columns for the score-based layers of one stream (they share it)."""
+
+    scored = True
+
+    def __init__(self, policy: ScoredPolicy, num_sinks: int, window: int, pinned=None, start_position: int = 0,
+                 rebase_every: int | None = None, rope: RopeSpec | None = None, positions: str = "slot") -> None:
+        check_int("window", window, 1, " (the tokens each head keeps besides its sinks and pinned spans)")
+        check_int("num_sinks", num_sinks)
+        check_int("start_position", start_position)
+        if positions not in ("slot", "original"):
+            raise InputError(f"positions is 'slot' (positions by cache slot) or 'original', got {positions!r}")
+        self.policy = policy
+        self.num_sinks = int(num_sinks)
+        self.window = int(window)
+        self.pinned = _check_pinned(pinned)
+        self.anchor_capacity = num_sinks + sum(max(0, e - max(s, num_sinks)) for s, e in self.pinned)
+        self.capacity = self.anchor_capacity + self.window  # the budget per head unless a plan says otherwise
+        if self.capacity > MAX_CAPACITY:
+            raise InputError(f"sinks + pinned tokens + window = {self.capacity:,} slots: give a smaller window")
+        self.anchor_end = max([num_sinks] + [end for _, end in self.pinned])
+        self.start_position = int(start_position)
+        self.rebase_every = int(rebase_every or max(4 * self.capacity, 2048))
+        self.rebase_keep = self.capacity
+        self.rope = self.attn_rope = rope
+        self.positions = positions
+        self.closed = False
+        self.rebases = 0
+        self.columns = 0
+        self.batch: int | None = None
+        self.rows_alike = True
+        self.layers: list[ScoredLayer] = []
+        self.chunk: tuple[Tensor, Tensor] | None = None  # (stream index (B, C), -1 for padding; virtual position)
+        self.view = None
+
+    def _init_rows(self, batch: int, device: torch.device) -> None:
+        self.device = device
+        self.batch = batch
+        self.n_real = torch.zeros(batch, dtype=torch.long, device=device)
+        self.base = torch.zeros(batch, dtype=torch.long, device=device)
+        self.span = self.start_position
+        if self.rope is not None:
+            self.rope = self.attn_rope = RopeSpec(self.rope.inv_freq.to(device), self.rope.interleaved,
+                                                  self.rope.attention_scaling, self.rope.offset)
+
+    def begin(self, valid: Tensor, all_valid: bool = False) -> Tensor:
+        """Plan a forward over ``valid`` ``[B, C]`` new columns; returns their virtual positions ``[B, C]``."""
+        b, c = valid.shape
+        if self.batch is None:
+            self._init_rows(b, valid.device)
+        elif b != self.batch:
+            raise InputError(f"this stream holds {self.batch} rows but the model was given {b}; change the number of "
+                             "rows through the cache (reorder_cache, batch_repeat_interleave, batch_select_indices)")
+        valid = valid.to(self.device).bool()
+        self._maybe_rebase(c)
+        sidx = self.n_real[:, None] + valid.long().cumsum(1) - 1
+        q_v = torch.where(valid, self.start_position + sidx - self.base[:, None], torch.zeros_like(sidx))
+        self.chunk = (torch.where(valid, sidx, torch.full_like(sidx, -1)), q_v)
+        self.n_real += valid.sum(1)
+        self.rows_alike = self.rows_alike and all_valid
+        self.span += c
+        self.columns += c
+        return q_v
+
+    def is_anchored(self, sidx: Tensor) -> Tensor:
+        out = (sidx >= 0) & (sidx < self.num_sinks)
+        for start, end in self.pinned:
+            out = out | ((sidx >= start) & (sidx < end))
+        return out
+
+    def _maybe_rebase(self, incoming: int) -> None:
+        if self.span + incoming - 1 <= self.rebase_every:
+            return
+        target = self.start_position + torch.clamp(self.n_real - self.rebase_keep, min=0)
+        delta = target - self.base
+        for layer in self.layers:
+            layer.shift(-delta[:, None, None])
+        self.base = target
+        self.span = min(self.rebase_keep, self.columns)
+        self.rebases += 1
+
+    def select_rows(self, index: Tensor) -> None:
+        index = index.to(self.device)
+        self.n_real, self.base = self.n_real.index_select(0, index), self.base.index_select(0, index)
+        self.batch = int(index.shape[0])
+
+    def drop_last(self, n: int) -> None:  # pragma: no cover - SinkCache.crop refuses score-based streams first
+        raise InputError("a score-based stream cannot take tokens back")
+
+    def settings(self) -> dict:
+        return {"policy": self.policy.name, "num_sinks": self.num_sinks, "window": self.window, "pinned": self.pinned,
+                "start_position": self.start_position, "positions": self.positions}
+
+
+class ScoredLayer(CacheLayerMixin):
+    """One layer's score-based cache (see the module docstring); all layers of a stream share a :class:`ScoredState`."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, state: ScoredState, rope: RopeSpec | None, budgets: list[int] | None = None) -> None:
+        super().__init__()
+        self.state = state
+        self.rope = rope
+        self.plan_budgets = budgets  # per key-value head (a plan); None: the state's capacity for every head
+        self.pending: tuple | None = None
+        state.layers.append(self)
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        b, hkv, _, dh = key_states.shape
+        budgets = self.plan_budgets or [self.state.capacity] * hkv
+        if len(budgets) != hkv:
+            raise InputError(f"the plan gives {len(budgets)} budgets for a layer with {hkv} key-value heads")
+        least = self.state.anchor_capacity + self.state.policy.recent
+        if min(budgets) < least:
+            raise InputError(f"a head's budget of {min(budgets)} tokens cannot hold its {self.state.anchor_capacity} "
+                             f"sinks and pinned tokens plus the {self.state.policy.recent} newest tokens the "
+                             f"{self.state.policy.name!r} policy always keeps; give a larger window or a smaller recent")
+        self.budgets = torch.tensor(budgets, dtype=torch.long, device=key_states.device)
+        cap = max(budgets)
+        self.device, self.dtype = key_states.device, key_states.dtype
+        with buffers_that_fit(cap):
+            self.keys = key_states.new_zeros(b, hkv, cap, dh)
+            self.values = value_states.new_zeros(b, hkv, cap, value_states.shape[-1])
+        self.sidx = torch.full((b, hkv, cap), -1, dtype=torch.long, device=self.device)
+        self.pos = torch.zeros(b, hkv, cap, dtype=torch.long, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Return ``buffer ⧺ new`` for the attention; :meth:`keep` then cuts it back to the budgets."""
+        if self.state.closed:
+            raise InputError("this SinkCache was closed; create a new one")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        sidx, q_v = self.state.chunk
+        hkv = key_states.shape[1]
+        keys = torch.cat([self.keys, key_states], 2)
+        values = torch.cat([self.values, value_states], 2)
+        c_sidx = torch.cat([self.sidx, sidx[:, None].expand(-1, hkv, -1)], 2)
+        c_pos = torch.cat([self.pos, q_v[:, None].expand(-1, hkv, -1)], 2)
+        self.pending = (keys, values, c_sidx, c_pos)
+        return keys, values
+
+    def keep(self, scores: Tensor | None) -> None:
+        """Cut ``buffer ⧺ new`` back to each head's budget: sinks, pinned spans and the ``recent`` newest always, then
+        the highest ``scores`` ``[B, Hkv, N]`` (None: nothing to choose — every candidate fits)."""
+        keys, values, c_sidx, c_pos = self.pending
+        self.pending = None
+        state, cap = self.state, self.keys.shape[2]
+        real = c_sidx >= 0
+        newest = state.n_real[:, None, None] - 1
+        protected = real & (state.is_anchored(c_sidx) | (c_sidx > newest - state.policy.recent))
+        if scores is None:
+            scores = torch.zeros(c_sidx.shape, device=c_sidx.device)
+        prio = torch.where(protected, torch.full_like(scores, float("inf")), scores.float())
+        prio = torch.where(real, prio, torch.full_like(prio, float("-inf")))
+        # Ties broken towards the newer token (a stable sort over candidates in stream order, newest first).
+        order = torch.argsort(torch.where(real, c_sidx, torch.full_like(c_sidx, -1)), dim=-1, descending=True,
+                              stable=True)
+        ranked = order.gather(-1, torch.argsort(prio.gather(-1, order), dim=-1, descending=True, stable=True))
+        rank = torch.empty_like(ranked).scatter_(-1, ranked, torch.arange(ranked.shape[-1], device=ranked.device)
+                                                 .expand_as(ranked).contiguous())
+        kept = real & (rank < self.budgets[None, :, None])
+        idx = torch.argsort(torch.where(kept, c_sidx, torch.full_like(c_sidx, _LAST)), dim=-1, stable=True)[..., :cap]
+        self.sidx = torch.where(kept.gather(-1, idx), c_sidx.gather(-1, idx), torch.full_like(idx, -1))
+        pos = c_pos.gather(-1, idx)
+        dh, dv = keys.shape[-1], values.shape[-1]
+        self.keys = keys.gather(2, idx[..., None].expand(-1, -1, -1, dh))
+        self.values = values.gather(2, idx[..., None].expand(-1, -1, -1, dv))
+        if state.positions == "slot" and self.rope is not None:
+            evicted = (real & ~kept).long()
+            # Evicted tokens after each candidate (in stream order): how far its key moves forward.
+            later = _later_count(evicted, c_sidx)
+            shift = torch.where(self.sidx >= 0, later.gather(-1, idx), torch.zeros_like(idx))
+            if bool(shift.any()):
+                self.keys = rotate(self.keys, self.rope, shift)
+                pos = pos + shift
+        self.pos = pos
+
+    def shift(self, delta: Tensor) -> None:
+        """Rotate every stored key by ``delta`` ``[B, 1, 1]`` positions (the stream re-basing)."""
+        if self.is_initialized:
+            if self.rope is not None:
+                self.keys = rotate(self.keys, self.rope, delta.expand_as(self.pos))
+            self.pos = self.pos + delta
+
+    def kept_tokens(self) -> Tensor:
+        """``[B, Hkv]``: the tokens each head holds."""
+        return (self.sidx >= 0).sum(-1)
+
+    def select_rows(self, index: Tensor) -> None:
+        if self.is_initialized:
+            index = index.to(self.keys.device)
+            self.keys, self.values, self.sidx, self.pos = (t.index_select(0, index) for t in
+                                                           (self.keys, self.values, self.sidx, self.pos))
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.state.columns
+
+    def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
+        q = query_length if isinstance(query_length, int) else 1
+        past = min(self.state.columns, self.state.capacity)
+        return past + q, self.state.columns - past
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def reset(self) -> None:  # pragma: no cover - streams are started afresh instead
+        raise NotImplementedError("a SinkCache cannot be reset; create a new SinkCache")
+
+    def _per_stream(self, name: str):
+        raise InputError(f"{name} changes state that all layers of a stream share: call it on the SinkCache")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._per_stream("reorder_cache")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._per_stream("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._per_stream("batch_select_indices")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._per_stream("crop")
+
+
+def _later_count(flags: Tensor, sidx: Tensor) -> Tensor:
+    """For each candidate, how many flagged candidates have a larger stream index (``[B, Hkv, N]``)."""
+    order = torch.argsort(torch.where(sidx >= 0, sidx, torch.full_like(sidx, -1)), dim=-1, descending=True,
+                          stable=True)
+    sorted_flags = flags.gather(-1, order)
+    after = sorted_flags.cumsum(-1) - sorted_flags  # flagged ones strictly before in descending order = later
+    return torch.empty_like(after).scatter_(-1, order, after)
+
+
+def _last_rows(col: Columns, w: int) -> Columns:
+    """A column set's entries for the last ``w`` queries only."""
+    def cut(t: Tensor | None) -> Tensor | None:
+        return t[:, :, -w:] if t is not None and t.shape[2] > 1 else t
+
+    return Columns(cut(col.logits), col.values, cut(col.visible))
+
+
+def scored_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, state: ScoredState,
+                     layer: ScoredLayer, scale: float, softcap: float | None, s_aux: Tensor | None) -> Tensor:
+    """Attention of ``query`` ``[B, H, C, dh]`` over a score-based layer's ``buffer ⧺ new`` (``key``/``value`` from
+    :meth:`ScoredLayer.update`), then the layer cut back to its budgets. Output ``[B, C, H, dv]``."""
+    b, h, c, dh = query.shape
+    hkv = key.shape[1]
+    rep = h // hkv
+    sidx = layer.pending[2]  # (B, Hkv, K)
+    q_sidx = state.chunk[0]  # (B, C)
+    # What each query sees: a real candidate at or before it (the buffer holds only what its head kept).
+    visible = (sidx[:, :, None, :] >= 0) & (sidx[:, :, None, :] <= q_sidx[:, None, :, None]) & \
+        (q_sidx[:, None, :, None] >= 0)  # (B, Hkv, C, K)
+    visible = visible.repeat_interleave(rep, 1) if rep > 1 else visible
+    variant = getattr(module, "sinklab_variant", None)
+    if variant is not None and getattr(variant, "kv_bias", False):
+        raise UnsupportedModelError(
+            f"the {state.policy.name!r} policy cannot score a kv-bias slot: its score depends on the query's slot "
+            "position, which differs per head once heads keep different tokens; stream this variant with the "
+            "default policy (streaming)")
+    gate = variant_gate(module, h)
+    q = query.float()
+    columns = variant_column_logits(module, q, scale, slot_query=lambda: q, softcap=softcap, model_sink=s_aux)
+    out = attend(q, key.float(), value.float(), visible, scale=scale, softcap=softcap, gate=gate, columns=columns)
+    policy = state.policy
+    weights = None
+    if policy.needs_weights:
+        w = min(policy.window, c)
+        _, weights = attend(q[:, :, -w:], key.float(), value.float(), visible[:, :, -w:], scale=scale,
+                            softcap=softcap, columns=[_last_rows(col, w) for col in columns], fast=False,
+                            weights=True)
+        weights = weights.view(b, hkv, rep, w, -1).mean(2)  # (B, Hkv, w, K)
+    real = sidx >= 0
+    order = torch.argsort(torch.where(real, sidx, torch.full_like(sidx, _LAST)), dim=-1, stable=True)
+    obs = Observation(weights, key, value, real, order)
+    over = bool((real.sum(-1) > layer.budgets[None]).any())
+    layer.keep(policy.score(obs) if over else None)
+    return out.transpose(1, 2).contiguous().to(query.dtype)

@@ -1,0 +1,197 @@
+"""Score-based retention policies against an independent float64 reference, and the auto plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sinklab.scan import scan_inputs
+from sinklab.errors import InputError, UnsupportedModelError
+from sinklab.models import tiny_llama
+from sinklab.stream import SinkCache
+from sinklab.stream.plan import RetentionPlan, load_plan, plan_from_scan
+from sinklab.stream.policy import POLICIES, KeyNorm, SnapKV, TOVA
+from tests.retention_reference import RetentionReference
+
+
+def _ids(n: int, seed: int = 5) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 30000, (n,), generator=g).tolist()
+
+
+def _model():
+    return tiny_llama(seed=1)
+
+
+CASES = [
+    ("tova", TOVA(recent=3), 2, 9),
+    ("snapkv", SnapKV(recent=3, window=4, kernel=3), 3, 10),
+    ("knorm", KeyNorm(recent=2), 2, 8),
+]
+
+
+@pytest.mark.parametrize("name,policy,sinks,window", CASES)
+def test_policy_matches_float64_reference_token_by_token(name, policy, sinks, window):
+    """Decoding from the first token past the budget: same logits and the very same kept tokens in every head."""
+    model = _model()
+    budget = sinks + window
+    ref = RetentionReference(model, name, sinks, budget, policy.recent, window=1,
+                             kernel=getattr(policy, "kernel", 1))
+    ids = _ids(40)
+    with torch.no_grad(), SinkCache(model, num_sinks=sinks, window=window, policy=policy) as cache:
+        for t, tok in enumerate(ids):
+            ours = model(input_ids=torch.tensor([[tok]]), cache=cache).logits[0, -1]
+            theirs = ref.forward([tok])[-1]
+            torch.testing.assert_close(ours.double(), theirs, rtol=1e-4, atol=1e-4, msg=f"{name} step {t}")
+        for i, layer in enumerate(cache.layers):
+            kept = [sorted(x for x in row if x >= 0) for row in layer.sidx[0].tolist()]
+            assert kept == [sorted(h) for h in ref.kept(i)], f"{name} layer {i}"
+            assert all(set(range(sinks)) <= set(h) for h in kept)  # the sinks, always
+            assert all(len(h) == budget for h in kept)
+
+
+def test_snapkv_prefill_compression_matches_reference():
+    """A 48-token prompt in one forward compressed to 16 per head from the last 8 queries' pooled attention, then
+    decoding past the budget."""
+    model = _model()
+    policy = SnapKV(recent=4, window=8, kernel=5)
+    ref = RetentionReference(model, "snapkv", 4, 16, 4, window=8, kernel=5)
+    ids = _ids(60, seed=9)
+    with torch.no_grad(), SinkCache(model, num_sinks=4, window=12, policy=policy) as cache:
+        ours = model(input_ids=torch.tensor([ids[:48]]), cache=cache).logits[0]
+        torch.testing.assert_close(ours.double(), ref.forward(ids[:48]), rtol=1e-4, atol=1e-4)
+        assert cache.layers[0].kept_tokens().tolist() == [[16, 16]]
+        ref.window = 1  # one query per decode step
+        for tok in ids[48:]:
+            ours = model(input_ids=torch.tensor([[tok]]), cache=cache).logits[0, -1]
+            torch.testing.assert_close(ours.double(), ref.forward([tok])[-1], rtol=1e-4, atol=1e-4)
+        for i, layer in enumerate(cache.layers):
+            kept = [sorted(x for x in row if x >= 0) for row in layer.sidx[0].tolist()]
+            assert kept == [sorted(h) for h in ref.kept(i)]
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_every_policy_equals_the_dense_forward_until_it_evicts(name):
+    model = _model()
+    ids = torch.tensor([_ids(30)])
+    with torch.no_grad():
+        dense = model(ids).logits
+        with SinkCache(model, num_sinks=4, window=40, policy=name) as cache:
+            first = model(input_ids=ids[:, :20], cache=cache).logits
+            rest = [model(input_ids=ids[:, t:t + 1], cache=cache).logits for t in range(20, 30)]
+    torch.testing.assert_close(torch.cat([first, *rest], 1), dense, rtol=1e-5, atol=1e-5)
+
+
+def test_original_positions_keep_true_distances():
+    """``positions="original"`` (kvpress's convention): no re-rotation, so the kept keys sit where they were."""
+    model = _model()
+    ids = torch.tensor([_ids(40)])
+    with torch.no_grad(), SinkCache(model, num_sinks=2, window=8, policy="tova", positions="original") as cache:
+        model(input_ids=ids, cache=cache)
+        layer = cache.layers[0]
+        real = layer.sidx >= 0
+        assert torch.equal(layer.pos[real], layer.sidx[real])
+    with torch.no_grad(), SinkCache(model, num_sinks=2, window=8, policy="tova") as cache:
+        model(input_ids=ids, cache=cache)
+        layer = cache.layers[0]
+        # by slot: the k-th newest kept key sits k − 1 positions before the newest token
+        pos = layer.pos[0, 0][layer.sidx[0, 0] >= 0]
+        assert pos.tolist() == list(range(39 - 9, 40))
+
+
+def test_policy_errors_are_clear():
+    model = _model()
+    with pytest.raises(InputError, match="unknown retention policy 'lru'.*snapkv"):
+        SinkCache(model, policy="lru")
+    with pytest.raises(InputError, match="needs a plan"):
+        SinkCache(model, policy="auto")
+    with pytest.raises(InputError, match="kv_bits"):
+        SinkCache(model, policy="tova", kv_bits=4)
+    with pytest.raises(InputError, match="recent"):
+        TOVA(recent=0)
+    cache = SinkCache(model, num_sinks=4, window=2, policy="snapkv")  # 32 recent tokens do not fit in 6
+    with pytest.raises(InputError, match="cannot hold"), torch.no_grad():
+        model(input_ids=torch.tensor([_ids(10)]), cache=cache)
+    cache.close()
+
+
+def test_generate_and_beams_run_through_a_scored_policy():
+    model = _model()
+    ids = torch.tensor([_ids(24)])
+    with torch.no_grad(), SinkCache(model, num_sinks=2, window=10, policy=TOVA(recent=2)) as cache:
+        out = model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, num_beams=2)
+    assert out.shape == (1, 30)
+    assert int(cache.layers[0].kept_tokens().max()) == 12
+
+
+def _scan_of(model, n: int = 2, t: int = 160):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 30000, (n, t), generator=g)
+    return scan_inputs(model, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}],
+                                    [[str(i) for i in range(t)]] * n, split=False)
+
+
+def test_local_mass_matches_a_naive_band_sum():
+    """The scan's local share equals a float64 sum of each query's attention over its last 64 keys."""
+    model = _model()
+    scan = _scan_of(model, n=1, t=100)
+    ids = torch.randint(0, 30000, (1, 100), generator=torch.Generator().manual_seed(0))
+    eager = tiny_llama(seed=1, attn_implementation="eager").double()
+    with torch.no_grad():
+        att = eager(ids, output_attentions=True).attentions  # L × (1, H, T, T)
+    for layer, a in enumerate(att):
+        band = torch.stack([a[0, :, i, max(0, i - 63):i + 1].sum(-1) for i in range(100)], -1)  # (H, T)
+        torch.testing.assert_close(scan.local_mass[0, layer].double(), band, rtol=1e-4, atol=1e-5)
+
+
+def test_auto_plan_budgets_sum_to_the_uniform_total_and_reload(tmp_path):
+    model = _model()
+    scan = _scan_of(model)
+    plan = plan_from_scan(model, scan, num_sinks=4, window=60, recent=8, threshold=0.5)
+    uniform = 4 * 2 * 64
+    assert plan.total_tokens <= uniform and uniform - plan.total_tokens < 2 * 4
+    summary = plan.summary()
+    assert summary["heads"] == 8
+    for row, flags, cov in zip(plan.budgets, plan.local, plan.coverage):
+        for b, f, c in zip(row, flags, cov):
+            assert f == (c >= 0.5)
+            assert b == (4 + 60 if f else summary["far_budget"])
+    path = plan.save(tmp_path / "plan.json")
+    again = load_plan(path)
+    assert again == plan
+    ids = torch.tensor([_ids(200)])
+    with torch.no_grad():
+        with SinkCache(model, policy="auto", plan=plan) as a:
+            la = model(input_ids=ids, cache=a).logits
+            kept = [layer.kept_tokens()[0].tolist() for layer in a.layers]
+        with SinkCache(model, policy="auto", plan=str(path)) as b:
+            lb = model(input_ids=ids, cache=b).logits
+    torch.testing.assert_close(la, lb)
+    assert kept == plan.budgets
+
+
+def test_auto_plan_refuses_another_model_and_bad_files(tmp_path):
+    model = _model()
+    plan = plan_from_scan(model, _scan_of(model), num_sinks=4, window=60, recent=8)
+    other = tiny_llama(num_hidden_layers=2)
+    with pytest.raises(InputError, match="made for a llama with 4 layers"):
+        SinkCache(other, policy="auto", plan=plan)
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(InputError, match="not a sinklab retention plan"):
+        load_plan(bad)
+    with pytest.raises(InputError, match="no retention plan"):
+        load_plan(tmp_path / "missing.json")
+    with pytest.raises(InputError, match="policy='auto'"):
+        SinkCache(model, policy="tova", plan=plan)
+    assert isinstance(plan, RetentionPlan)
+
+
+def test_latent_attention_refused_for_scored_policies():
+    from tests.test_architectures import arch
+
+    model = arch.build("deepseek_v3").model
+    with pytest.raises(UnsupportedModelError, match="default policy"):
+        SinkCache(model, policy="tova")
