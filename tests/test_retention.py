@@ -195,3 +195,43 @@ def test_latent_attention_refused_for_scored_policies():
     model = arch.build("deepseek_v3").model
     with pytest.raises(UnsupportedModelError, match="default policy"):
         SinkCache(model, policy="tova")
+
+
+def test_plan_from_a_scan_directly_and_rebudgeted():
+    """``plan=scan`` makes the plan at the cache's own budget; a saved plan given another window is re-budgeted."""
+    model = _model()
+    scan = _scan_of(model)
+    direct = SinkCache(model, num_sinks=4, window=60, policy="auto", plan=scan)
+    made = plan_from_scan(model, scan, num_sinks=4, window=60, recent=32)
+    assert direct.plan.budgets == made.budgets
+    direct.close()
+    wider = SinkCache(model, num_sinks=4, window=120, policy="auto", plan=made)
+    assert wider.plan.window == 120 and wider.plan.local == made.local
+    assert wider.plan.total_tokens == plan_from_scan(model, scan, num_sinks=4, window=120, recent=32).total_tokens
+    wider.close()
+
+
+def test_session_reports_kept_tokens_and_refuses_what_a_scored_stream_cannot_do(tmp_path):
+    from sinklab.stream import StreamSession
+
+    model = _model()
+    with StreamSession(model, num_sinks=2, window=10, policy=TOVA(recent=2), chunk_size=8) as s:
+        s.feed(torch.tensor([_ids(30)]))
+        assert s.cache_tokens() == 12
+        with pytest.raises(InputError, match="recency policy"):
+            s.save(tmp_path / "s.safetensors")
+        with pytest.raises(InputError, match="cannot take back"):
+            s.cache.crop(-1)
+    assert not (tmp_path / "s.safetensors").exists()
+
+
+def test_cli_stream_with_a_policy_and_bad_policies():
+    from tests.test_cli_errors import fails, run
+
+    result, text = run("stream", "builtin:tiny-llama", "--prompt", "a b c d e f", "--window", "12",
+                       "--max-new-tokens", "20", "--policy", "tova")
+    assert result.exit_code == 0, text
+    assert "cache 20 / 16 tokens" in text or "/ 16 tokens" in text
+    fails(["stream", "builtin:tiny-llama", "--prompt", "x", "--policy", "lru"], 2, "not a retention policy",
+          "snapkv")
+    fails(["stream", "builtin:tiny-llama", "--prompt", "x", "--plan", "p.json"], 2, "add --policy auto")

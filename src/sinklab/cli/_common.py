@@ -295,3 +295,63 @@ def print_table(title: str, header: tuple[str, ...] | list[str], rows: list[tupl
     for row in rows:
         table.add_row(*row)
     console.print(table)
+
+
+POLICY_HELP = ("what each head keeps: streaming (sinks + the most recent tokens, default), snapkv, tova, knorm "
+               "(sinks + recent + the best-scored tokens), auto (per-head budgets from a scan of the model: --plan, "
+               "or a quick scan now)")
+
+
+def policy_option():
+    return typer.Option("--policy", help=POLICY_HELP)
+
+
+def plan_option():
+    return typer.Option("--plan", help="with --policy auto: a retention_plan.json (`sinklab diagnose` writes one)")
+
+
+def retention(loaded, policy: str, plan: Path | None, sinks: int, window: int) -> dict:
+    """The ``policy``/``plan`` arguments of a stream for ``--policy``/``--plan`` (``auto`` without a plan: a quick
+    scan of the model on the default texts, 16 × 256 tokens, makes it)."""
+    from ..stream.policy import policy_names
+
+    if policy not in policy_names():
+        raise InputError(f"--policy {policy!r} is not a retention policy; choose one of {', '.join(policy_names())}")
+    if plan is not None and policy != "auto":
+        raise InputError("--plan gives the per-head budgets of --policy auto; add --policy auto")
+    if policy != "auto":
+        return {"policy": policy}
+    if plan is not None:
+        from ..stream.plan import load_plan
+
+        return {"policy": "auto", "plan": load_plan(plan).with_budget(sinks, window)}
+    from ..scan import scan
+    from ..stream.plan import plan_from_scan
+
+    err.print("[dim]--policy auto: scanning the model (16 × 256 tokens) for its local heads …[/dim]", highlight=False)
+    result = scan(loaded.model, loaded.tokenizer, seq_len=256, samples=16)
+    made = plan_from_scan(loaded.model, result, num_sinks=sinks, window=window, recent=min(32, window))
+    s = made.summary()
+    err.print(f"[dim]plan: {s['local_heads']} of {s['heads']} key-value heads local ({s['local_budget']} tokens), "
+              f"the others {s['far_budget']} tokens[/dim]", highlight=False)
+    return {"policy": "auto", "plan": made}
+
+
+def save_retention_plan(loaded, scan, out: Path) -> None:
+    """Beside a causal LM's scan or diagnosis report: ``retention_plan.json`` (the ``auto`` policy's per-head budgets
+    at S = 4, W = 1020; ``--policy auto --plan FILE --window W`` re-budgets it) and one line saying what it found."""
+    from ..errors import UnsupportedModelError
+    from ..stream.plan import plan_from_scan
+
+    if getattr(loaded, "kind", "causal-lm") not in ("causal-lm", None) or not hasattr(loaded.model, "generate"):
+        return
+    try:
+        plan = plan_from_scan(loaded.model, scan)
+    except (InputError, UnsupportedModelError) as exc:
+        console.print(f"[dim]no retention plan: {exc}[/dim]", highlight=False)
+        return
+    s = plan.summary()
+    path = plan.save(out / "retention_plan.json")
+    console.print(f"retention: {s['local_heads']} of {s['heads']} key-value heads are local (sinks + last "
+                  f"{plan.local_window} tokens ≥ {plan.threshold:.0%} of their attention); stream with "
+                  f"--policy auto --plan {path}", highlight=False)

@@ -14,7 +14,8 @@ import typer
 from rich.markup import escape
 
 from ..errors import InputError, SinklabError
-from ._common import MODEL_HELP, load_for_command, user_errors, app, device_map_option, err, trust_remote_code_option
+from ._common import (MODEL_HELP, app, device_map_option, err, load_for_command, plan_option, policy_option, retention,
+                      trust_remote_code_option, user_errors)
 
 COMMANDS = {"/reset": "forget the conversation (the system prompt stays)", "/save FILE": "save the chat",
             "/load FILE": "continue a saved chat", "/quit": "leave (so does Ctrl-D)", "/help": "this list"}
@@ -135,6 +136,8 @@ def chat(
     device: Annotated[str | None, typer.Option("--device")] = None,
     trust_remote_code: Annotated[bool, trust_remote_code_option()] = False,
     device_map: Annotated[str | None, device_map_option()] = None,
+    policy: Annotated[str, policy_option()] = "streaming",
+    plan: Annotated[Path | None, plan_option()] = None,
 ) -> None:
     """Chat with a model through one stream in constant memory: /reset, /save FILE, /load FILE, /quit.
 
@@ -148,7 +151,7 @@ def chat(
         loaded = load_for_command(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, device_map=device_map)
         engine = ChatStream(loaded.model, loaded.tokenizer, system=system, num_sinks=sinks, window=window,
                             chunk_size=chunk_size, max_new_tokens=max_new_tokens, temperature=temperature,
-                            top_k=top_k, seed=seed)
+                            top_k=top_k, seed=seed, **retention(loaded, policy, plan, sinks, window))
         if not engine.own_template:
             err.print(f"[yellow]note:[/yellow] {model}'s tokenizer has no chat template; using a plain "
                       "'User: … / Assistant:' layout", highlight=False)

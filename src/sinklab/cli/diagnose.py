@@ -18,6 +18,7 @@ from ._common import (
     user_errors,
     app,
     check_out_dir,
+    save_retention_plan,
     console,
     device_map_option,
     join_ranks,
@@ -87,6 +88,7 @@ def diagnose(
         print_recommendation(d.recommendation)
         report = save(d, out)
         console.print(f"wrote {out / 'diagnosis.json'}, figures and {report}")
+        save_retention_plan(loaded, d.scan, out)
 
 
 @app.command()

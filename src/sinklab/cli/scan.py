@@ -17,6 +17,7 @@ from ._common import (
     join_ranks,
     analysis_run,
     record_run,
+    save_retention_plan,
     trust_remote_code_option,
 )
 from ._progress import print_warnings
@@ -97,3 +98,4 @@ def scan(
         print_warnings(result.meta)
         report = save(result, out)
         console.print(f"wrote {out / 'scan.json'}, figures and {report}")
+        save_retention_plan(loaded, result, out)

@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 
 from ..errors import SinklabError
-from ._common import MODEL_HELP, load_for_command, read_texts, user_errors, app, device_map_option, err, trust_remote_code_option
+from ._common import (MODEL_HELP, app, device_map_option, err, load_for_command, plan_option, policy_option,
+                      read_texts, retention, trust_remote_code_option, user_errors)
 
 
 @app.command()
@@ -36,6 +37,8 @@ def stream(
     freeze: Annotated[bool | None, typer.Option("--freeze/--no-freeze", help="with --compile: inductor's freezing "
                                                 "(faster on a CPU, a second copy of the weights in memory; default: "
                                                 "on a CPU without --compile-mode)")] = None,
+    policy: Annotated[str, policy_option()] = "streaming",
+    plan: Annotated[Path | None, plan_option()] = None,
 ) -> None:
     """Generate with attention sinks + a sliding window in constant memory; tokens print as they come."""
     import sys as _sys
@@ -60,8 +63,9 @@ def stream(
         # --pin-prompt: the prompt's tokens are kept forever (pins are fixed when the stream starts).
         n_prompt = len(loaded.tokenizer(texts[0])["input_ids"]) if texts[0] else 0
         pinned = [(0, n_prompt)] if pin_prompt and n_prompt else None
+        kept = retention(loaded, policy, plan, sinks, window)
         session = StreamSession(loaded.model, num_sinks=sinks, window=window, pinned=pinned, chunk_size=chunk_size,
-                                compile=({"backend": compile_backend} | ({"mode": compile_mode} if compile_mode else {}))
+                                **kept, compile=({"backend": compile_backend} | ({"mode": compile_mode} if compile_mode else {}))
                                 if compile else None, freeze=freeze)
         start = time.perf_counter()
         count = 0

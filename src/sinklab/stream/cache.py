@@ -40,7 +40,7 @@ from ..checks import check_model
 from ..errors import InputError, ModelWeightsError, UnsupportedModelError, check_int, is_int
 from .activation import streams_of
 from .layer import SinkWindowLayer
-from .plan import RetentionPlan, load_plan
+from .plan import RetentionPlan, load_plan, plan_from_scan
 from .policy import RetentionPolicy, SnapKV, get_policy
 from .scored import ScoredLayer, ScoredState
 from .state import StreamState
@@ -104,17 +104,28 @@ def _same_rope(a, b) -> bool:
         torch.equal(a.inv_freq, b.inv_freq)
 
 
-def _policy_and_plan(policy, plan, model) -> tuple[RetentionPolicy, RetentionPlan | None]:
-    """The retention policy and, for ``auto``, its plan (a :class:`RetentionPlan` or the path of a saved one)."""
+def _policy_and_plan(policy, plan, model, num_sinks: int, window: int,
+                     sized: bool) -> tuple[RetentionPolicy, RetentionPlan | None]:
+    """The retention policy and, for ``auto``, its plan: a :class:`RetentionPlan`, the path of a saved one, or a
+    scan / diagnosis to make it from (at ``num_sinks + window`` tokens per head). A saved plan given with an explicit
+    window is re-budgeted to it (the same local heads)."""
     if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
         plan = load_plan(plan)
-    if plan is not None and not isinstance(plan, RetentionPlan):
-        raise InputError(f"plan is a sinklab.stream.plan.RetentionPlan or the path of a saved one, got {plan!r}")
+    elif plan is not None and not isinstance(plan, RetentionPlan) and hasattr(getattr(plan, "scan", plan),
+                                                                               "local_mass"):
+        plan = plan_from_scan(model, plan, num_sinks=num_sinks, window=window,
+                              recent=min(32, window, getattr(getattr(plan, "scan", plan), "meta", {})
+                                         .get("local_window", 64)))
+    elif plan is not None and not isinstance(plan, RetentionPlan):
+        raise InputError(f"plan is a sinklab.stream.plan.RetentionPlan, the path of a saved one, or a scan or "
+                         f"diagnosis to make one from; got {type(plan).__name__}")
     if policy == "auto":
         if plan is None:
-            raise InputError("policy='auto' needs a plan: sinklab.stream.plan.plan_from_scan(model, scan, budget=…) "
-                             "makes one from a scan (or `sinklab plan`, which saves it for --plan)")
+            raise InputError("policy='auto' needs a plan: plan=scan_or_diagnosis (sinklab.scan / sinklab.diagnose of "
+                             "this model), a RetentionPlan, or the retention_plan.json that `sinklab diagnose` saves")
         plan.check_model(model)
+        if sized and (num_sinks, window) != (plan.num_sinks, plan.window):
+            plan = plan.with_budget(num_sinks, window)
         return SnapKV(recent=plan.recent), plan
     if plan is not None:
         raise InputError(f"a plan sets per-head budgets for policy='auto'; policy={policy!r} keeps one budget for "
@@ -174,10 +185,11 @@ class SinkCache(Cache):
                  positions: str = "slot") -> None:
         check_model(model, "SinkCache")
         _compat.check_stream(model)  # features the stream cannot reproduce, refused with what would lift it
+        sized = window is not None or window_length is not None
         num_sinks, window = _legacy_sizes(num_sinks, window, window_length, num_sink_tokens)
         if not isinstance(compile_plan, bool):
             raise InputError(f"compile_plan is True or False, got {compile_plan!r}")
-        self.policy, self.plan = _policy_and_plan(policy, plan, model)
+        self.policy, self.plan = _policy_and_plan(policy, plan, model, num_sinks, window, sized)
         if self.plan is not None:
             num_sinks, window = self.plan.num_sinks, self.plan.window
         if self.policy.scored and kv_bits is not None:
@@ -258,10 +270,13 @@ class SinkCache(Cache):
                     return ScoredLayer(s, s.rope, self.plan.budgets[i] if self.plan is not None else None)
                 return SinkWindowLayer(s, s.rope, rotates_values=v)
         else:
-            from .quantized import QuantizedSinkWindowLayer
+            from .quantized import PackShared, QuantizedSinkWindowLayer
+
+            packs: dict[int, PackShared] = {}  # one per stream state: the layers that pack together
 
             def attention_layer(s, v: bool, i: int):
-                return QuantizedSinkWindowLayer(s, s.rope, kv_bits, kv_group_size, rotates_values=v)
+                return QuantizedSinkWindowLayer(s, s.rope, kv_bits, kv_group_size, rotates_values=v,
+                                                shared=packs.setdefault(id(s), PackShared()))
         # A hybrid's other layers: fresh layers of the class the model's own cache uses for them (transformers'
         # LinearAttentionLayer, which holds the convolution and recurrent states exactly as that cache would; a
         # DummyLayer for a block without state).
@@ -413,6 +428,9 @@ class SinkCache(Cache):
             raise InputError(f"SinkCache.crop takes minus the number of columns to remove (transformers ≥ 5), "
                              f"got {tokens_to_remove}")
         n = -int(tokens_to_remove)
+        if n and self.policy.scored:
+            raise InputError(f"SinkCache cannot take back tokens under the {self.policy.name!r} policy: its evictions "
+                             "depend on every token seen (assisted decoding needs a DynamicCache or policy='streaming')")
         recording = [self.layers[i] for i in self.recurrent_layers if getattr(self.layers[i], "record_past", False)]
         if n and self.recurrent_layers and len(recording) < len(self.recurrent_layers):
             raise InputError(

@@ -97,7 +97,8 @@ class ChatStream:
 
     def __init__(self, model: nn.Module, tokenizer, *, system: str | None = None, num_sinks: int = 4,
                  window: int = 1020, chunk_size: int = 256, rebase_every: int | None = None,
-                 max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, seed: int = 0) -> None:
+                 max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
+                 policy=None, plan=None) -> None:
         check_sampling(max_new_tokens, temperature, top_k, seed)
         if max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
@@ -107,7 +108,8 @@ class ChatStream:
             raise InputError("chat needs a tokenizer (this checkpoint has none)")
         self.model, self.tokenizer = model, tokenizer
         self.system = system or None
-        self.settings = dict(num_sinks=num_sinks, window=window, chunk_size=chunk_size, rebase_every=rebase_every)
+        self.settings = dict(num_sinks=num_sinks, window=window, chunk_size=chunk_size, rebase_every=rebase_every,
+                             policy=policy, plan=plan)
         self.max_new_tokens, self.temperature, self.top_k, self.seed = max_new_tokens, temperature, top_k, seed
         self.template = getattr(tokenizer, "chat_template", None) or PLAIN_TEMPLATE
         self.own_template = self.template is not PLAIN_TEMPLATE

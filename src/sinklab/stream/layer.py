@@ -14,7 +14,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..errors import InputError
 from ..rope import RopeSpec, pair_partner, rotate, rotate_pairs
-from .state import StreamState, buffers_that_fit
+from .state import StepPlan, StreamState, buffers_that_fit
 
 __all__ = ["SinkWindowLayer"]
 
@@ -97,25 +97,25 @@ class SinkWindowLayer(CacheLayerMixin):
             self._partner = (keys, pair_partner(rotated, interleaved))
         return rotate_pairs(keys, c, s, interleaved, partner=self._partner[1], offset=offset)
 
-    def _write(self, key_states: Tensor, value_states: Tensor, plan: dict) -> None:
-        if plan.get("uniform"):  # decode, every row a real free token in the same slot: one copy per buffer
-            self.keys.index_copy_(2, plan["slot1"], key_states)
-            self.values.index_copy_(2, plan["slot1"], value_states)
+    def _write(self, key_states: Tensor, value_states: Tensor, plan: StepPlan) -> None:
+        if plan.uniform:  # decode, every row a real free token in the same slot: one copy per buffer
+            self.keys.index_copy_(2, plan.slot1, key_states)
+            self.values.index_copy_(2, plan.slot1, value_states)
             return
-        if "slot" in plan:  # decode: one column, each row's own slot (fixed shapes: compiled as one graph)
-            rows, slot = plan["rows"], plan["slot"]
-            keep = ~plan["valid"][:, None, None]  # a padding column writes nothing
+        if plan.is_step:  # decode: one column, each row's own slot (fixed shapes: compiled as one graph)
+            rows, slot = plan.rows, plan.slot
+            keep = ~plan.valid[:, None, None]  # a padding column writes nothing
             k, v = key_states[:, :, 0], value_states[:, :, 0]  # (B, Hkv, dh)
             self.keys[rows, :, slot] = torch.where(keep, self.keys[rows, :, slot], k)
             self.values[rows, :, slot] = torch.where(keep, self.values[rows, :, slot], v)
             n = self.state.anchor_capacity
             if n:
                 at = slot.clamp(max=n - 1)
-                anchored = plan["anchored"][:, None, None]
+                anchored = plan.anchored[:, None, None]
                 self.anchor_keys[rows, :, at] = torch.where(anchored, k, self.anchor_keys[rows, :, at])
                 self._partner = None
             return
-        rows, cols, slots = plan["rows"], plan["cols"], plan["slots"]
+        rows, cols, slots = plan.rows, plan.cols, plan.slots
         if rows.numel():
             self.keys[rows, :, slots] = key_states[rows, :, cols]
             self.values[rows, :, slots] = value_states[rows, :, cols]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ from .._version import __version__
 from ..atomic import atomic_file
 from ..errors import InputError, UnsupportedModelError, check_int
 
-__all__ = ["RetentionPlan", "plan_from_scan", "load_plan", "head_coverage"]
+__all__ = ["RetentionPlan", "plan_from_scan", "load_plan", "head_coverage", "allocate"]
 
 FORMAT = "sinklab-retention-plan/1"
 
@@ -64,6 +64,11 @@ class RetentionPlan:
                 "far_budget": far[0] if far else None, "total_tokens": self.total_tokens,
                 "uniform_budget": self.num_sinks + self.window}
 
+    def with_budget(self, num_sinks: int, window: int) -> RetentionPlan:
+        """The same local heads at another uniform budget of ``num_sinks + window`` tokens per head."""
+        budgets = allocate(self.local, num_sinks, window, self.local_window)
+        return replace(self, num_sinks=num_sinks, window=window, budgets=budgets)
+
     def to_json(self) -> dict:
         return {"format": FORMAT, **asdict(self), "summary": self.summary()}
 
@@ -89,6 +94,17 @@ class RetentionPlan:
         if (kind, layers, heads) != (self.model_type, self.num_layers, self.kv_heads):
             raise InputError(f"this plan was made for a {self.model_type} with {self.num_layers} layers of "
                              f"{self.kv_heads} key-value heads; the model is a {kind} with {layers} layers of {heads}")
+
+
+def allocate(local: list[list[bool] | None], num_sinks: int, window: int, local_window: int) -> list[list[int] | None]:
+    """Budgets per layer and key-value head: ``num_sinks + min(local_window, window)`` for a local head, the rest of
+    the uniform total ``heads × (num_sinks + window)`` shared equally by the others (rounded down)."""
+    short = num_sinks + min(local_window, window)
+    flags = [f for row in local if row is not None for f in row]
+    n_local, n_heads = sum(flags), len(flags)
+    pool = n_heads * (num_sinks + window)
+    far = math.floor((pool - n_local * short) / (n_heads - n_local)) if n_heads > n_local else short
+    return [None if row is None else [short if f else far for f in row] for row in local]
 
 
 def load_plan(path: str | Path) -> RetentionPlan:
@@ -155,19 +171,9 @@ def plan_from_scan(model: nn.Module, scan, *, num_sinks: int = 4, window: int = 
                 for k, w in zip(kinds, windows)]
     per_kv = coverage.view(layers, kv, rep).amin(-1)  # the least-local query head decides
     local = (per_kv >= threshold) & torch.tensor(budgeted)[:, None]
-    short = num_sinks + min(w_local, window)
-    n_heads = sum(budgeted) * kv
-    n_local = int(local.sum())
-    pool = n_heads * (num_sinks + window)
-    far = math.floor((pool - n_local * short) / (n_heads - n_local)) if n_heads > n_local else short
-    budgets, cov, flags = [], [], []
-    for i in range(layers):
-        if not budgeted[i]:
-            budgets.append(None), cov.append(None), flags.append(None)
-            continue
-        budgets.append([short if bool(local[i, g]) else far for g in range(kv)])
-        cov.append([round(float(x), 4) for x in per_kv[i]])
-        flags.append([bool(local[i, g]) for g in range(kv)])
+    cov = [[round(float(x), 4) for x in per_kv[i]] if budgeted[i] else None for i in range(layers)]
+    flags = [[bool(x) for x in local[i]] if budgeted[i] else None for i in range(layers)]
+    budgets = allocate(flags, num_sinks, window, w_local)
     source = {"sinklab": __version__, "model": scan.meta.get("model"), "samples": scan.num_samples,
               "seq_len": scan.meta.get("seq_len")}
     return RetentionPlan(kind, layers, kv, num_sinks, window, recent, w_local, float(threshold), budgets, cov, flags,

@@ -33,9 +33,20 @@ from ..errors import InputError, is_int
 from ..kvquant.codec import BITS, QuantizedTensor, dequantize, packed_width, quantize
 from ..rope import rotate
 from .layer import SinkWindowLayer
-from .state import StreamState
+from .state import StepPlan, StreamState
 
 __all__ = ["QuantizedSinkWindowLayer"]
+
+
+class PackShared:
+    """What the quantized layers of one stream share (kept apart from the stream's position state): the one
+    dequantization buffer, keyed by shape, and the decoded columns set aside in a uniform decode step (packed
+    before any ring is read)."""
+
+    def __init__(self) -> None:
+        self.scratch: dict = {}
+        self.pending: list = []
+        self.pending_plan: StepPlan | None = None
 
 
 class QuantizedSinkWindowLayer(SinkWindowLayer):
@@ -44,13 +55,14 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
     is_compileable = False
 
     def __init__(self, state: StreamState, rope, bits: int = 4, group_size: int = 16, *,
-                 rotates_values: bool = False) -> None:
+                 rotates_values: bool = False, shared: PackShared | None = None) -> None:
         if not is_int(bits) or bits not in BITS:
             raise InputError(f"kv_bits must be one of {BITS} (or None for full precision), got {bits!r}")
         if not is_int(group_size) or group_size < 1:
             raise InputError(f"kv_group_size must be an integer ≥ 1, got {group_size!r}")
         super().__init__(state, rope, rotates_values=rotates_values)
         self.bits, self.group_size = bits, group_size
+        self.shared = shared if shared is not None else PackShared()
         self._parts: tuple | None = None  # (ring, its key and value views)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -74,7 +86,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
     def _bind_buffer(self, b: int, hkv: int, dh: int, dv: int) -> None:
         """Point ``keys``/``values`` at the two halves of the stream's shared ``[B, Hkv, S + P + W, dk + dv]``
         buffer (made once)."""
-        shared = self.state.kv_scratch
+        shared = self.shared.scratch
         key = (b, hkv, self.state.capacity, dh, dv, self.dtype, self.device)
         if key not in shared:  # one tensor, a token's key then its value: the ring's layout (one dequantization)
             shared[key] = torch.zeros(b, hkv, self.state.capacity, dh + dv, dtype=self.dtype, device=self.device)
@@ -99,7 +111,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         """Dequantize the ring into the shared buffer, let the parent update it, pack what it wrote."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.state.kv_pending_plan is not self.state.plan:  # the first layer of this forward
+        if self.shared.pending_plan is not self.state.plan:  # the first layer of this forward
             self._flush()
         n = self.state.anchor_capacity
         dequantize(self.ring, out=self.kv[:, :, n:])  # keys and values together (groups never straddle them)
@@ -107,48 +119,47 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
             self.values[:, :, :n] = self.anchor_values
         out = super().store(key_states, value_states)
         plan = self.state.plan
-        if "slot" in plan:
+        if plan.is_step:
             self._pack_step(plan, key_states[:, :, 0], value_states[:, :, 0])
         else:
             self._pack_chunk(plan)
         return out
 
-    def _pack_step(self, plan: dict, k: Tensor, v: Tensor) -> None:
+    def _pack_step(self, plan: StepPlan, k: Tensor, v: Tensor) -> None:
         """One decoded column ``[B, Hkv, d]``: each row's slot (padding and anchored rows keep the ring as it
         was; an anchored row writes its value instead). On the state's uniform decode plan (no padding, past
         every anchor: known on the host) nothing is read back; otherwise whether any row is padding or anchored
         is read once per forward. The usual case — every row a window token in one slot — sets the column aside
-        (``state.kv_pending``); the next ring read or forward packs every layer's pending columns at once."""
+        (``shared.pending``); the next ring read or forward packs every layer's pending columns at once."""
         n = self.state.anchor_capacity
-        if plan.get("uniform"):  # the host already knows: every row a real window token in one slot (no read-back)
-            if "ring_slot1" not in plan:  # shared by every layer of this forward
-                plan["ring_slot1"] = plan["slot1"] - n
-            self.state.kv_pending.append(
-                (self, self.kv.index_select(2, plan["slot1"]), plan["ring_slot1"]))  # (B, Hkv, 1, D)
-            self.state.kv_pending_plan = plan
+        if plan.uniform:  # the host already knows: every row a real window token in one slot (no read-back)
+            if plan.ring_slot1 is None:  # shared by every layer of this forward
+                plan.ring_slot1 = plan.slot1 - n
+            self.shared.pending.append((self, self.kv.index_select(2, plan.slot1), plan.ring_slot1))  # (B, Hkv, 1, D)
+            self.shared.pending_plan = plan
             return
-        if "ring_slot" not in plan:  # shared by every layer of this forward
-            plan["ring_slot"] = (plan["slot"] - n).clamp(min=0)
-            keep = ~plan["valid"] | plan["anchored"]
-            plan["ring_keep"] = keep[:, None, None] if bool(keep.any()) else None  # (B, 1, 1)
-            plan["any_anchored"] = bool(plan["anchored"].any())
-        rows, at, keep = plan["rows"], plan["ring_slot"], plan["ring_keep"]
+        if plan.any_anchored is None:  # shared by every layer of this forward
+            plan.ring_slot = (plan.slot - n).clamp(min=0)
+            keep = ~plan.valid | plan.anchored
+            plan.ring_keep = keep[:, None, None] if bool(keep.any()) else None  # (B, 1, 1)
+            plan.any_anchored = bool(plan.anchored.any())
+        rows, at, keep = plan.rows, plan.ring_slot, plan.ring_keep
         new = quantize(torch.cat([k, v], -1), self.bits, self.group, dim=-1)  # (B, Hkv, dk + dv) per token
         for stored, x in ((self.ring.packed, new.packed), (self.ring.scale, new.scale), (self.ring.zero, new.zero)):
             stored[rows, :, at] = x if keep is None else torch.where(keep, stored[rows, :, at], x)
-        if plan["any_anchored"]:
-            slot = plan["slot"].clamp(max=n - 1)
-            anchored = plan["anchored"][:, None, None]
+        if plan.any_anchored:
+            slot = plan.slot.clamp(max=n - 1)
+            anchored = plan.anchored[:, None, None]
             self.anchor_values[rows, :, slot] = torch.where(anchored, v, self.anchor_values[rows, :, slot])
 
     def _flush(self) -> None:
         """Pack the columns the layers of this stream left pending in their last uniform decode step: one
         quantization for all of them (the same codes as one per layer: groups are per token), then three
         ``index_copy_`` writes into each layer's ring. Runs before anything reads a ring."""
-        pending = self.state.kv_pending
+        pending = self.shared.pending
         if not pending:
             return
-        self.state.kv_pending, self.state.kv_pending_plan = [], None
+        self.shared.pending, self.shared.pending_plan = [], None
         by_shape: dict = {}
         for layer, column, at in pending:
             by_shape.setdefault((column.shape, layer.bits, layer.group), []).append((layer, column, at))
@@ -159,10 +170,10 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
                                   (layer.ring.zero, new.zero)):
                     stored.index_copy_(2, at, x[i])
 
-    def _pack_chunk(self, plan: dict) -> None:
+    def _pack_chunk(self, plan: StepPlan) -> None:
         """A chunk: the buffer slots ``(rows, slots)`` it wrote, anchored ones as values, ring ones packed."""
         n = self.state.anchor_capacity
-        rows, slots = plan["rows"], plan["slots"]
+        rows, slots = plan.rows, plan.slots
         anchored = slots < n
         if bool(anchored.any()):
             r, s = rows[anchored], slots[anchored]

@@ -26,7 +26,7 @@ from ..errors import InputError, UnsupportedModelError, check_int
 from ..rope import RopeSpec, rotate
 from ..variants import variant_column_logits, variant_gate
 from .policy import Observation, ScoredPolicy
-from .state import MAX_CAPACITY, _check_pinned, buffers_that_fit
+from .state import MAX_CAPACITY, buffers_that_fit, check_pinned
 
 __all__ = ["ScoredState", "ScoredLayer", "scored_attention"]
 
@@ -48,7 +48,7 @@ class ScoredState:
         self.policy = policy
         self.num_sinks = int(num_sinks)
         self.window = int(window)
-        self.pinned = _check_pinned(pinned)
+        self.pinned = check_pinned(pinned)
         self.anchor_capacity = num_sinks + sum(max(0, e - max(s, num_sinks)) for s, e in self.pinned)
         self.capacity = self.anchor_capacity + self.window  # the budget per head unless a plan says otherwise
         if self.capacity > MAX_CAPACITY:
@@ -121,6 +121,11 @@ class ScoredState:
 
     def drop_last(self, n: int) -> None:  # pragma: no cover - SinkCache.crop refuses score-based streams first
         raise InputError("a score-based stream cannot take tokens back")
+
+    def kept_tokens(self) -> int:
+        """Tokens kept per head, the mean over this stream's layers and heads (rounded)."""
+        sizes = [layer.kept_tokens().float().mean(-1).max() for layer in self.layers if layer.is_initialized]
+        return int(round(float(torch.stack(sizes).mean()))) if sizes else 0
 
     def settings(self) -> dict:
         return {"policy": self.policy.name, "num_sinks": self.num_sinks, "window": self.window, "pinned": self.pinned,

@@ -119,7 +119,8 @@ class StreamSession:
     def __init__(self, model: nn.Module, num_sinks: int = 4, window: int = 1020, pinned=None,
                  start_position: int = 0, chunk_size: int = 256, rebase_every: int | None = None, *,
                  sliding_sinks: bool = False, compile: bool | dict | None = None, kv_bits: int | None = None,
-                 kv_group_size: int = KV_GROUP_SIZE, compile_plan: bool = False, freeze: bool | None = None) -> None:
+                 kv_group_size: int = KV_GROUP_SIZE, compile_plan: bool = False, freeze: bool | None = None,
+                 policy=None, plan=None, positions: str = "slot") -> None:
         from ..checks import check_model, check_weights
 
         check_model(model, "StreamSession")
@@ -132,7 +133,7 @@ class StreamSession:
         self.chunk_size = chunk_size
         self.sink = SinkCache(model, num_sinks, window, pinned, start_position, rebase_every,
                               sliding_sinks=sliding_sinks, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                              compile_plan=compile_plan)
+                              compile_plan=compile_plan, policy=policy, plan=plan, positions=positions)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.cache = None
         self._cache_kwarg = _compat.cache_kwarg_name(model)
@@ -225,6 +226,9 @@ class StreamSession:
     def save(self, path: str | Path) -> Path:
         """Write the cache and position counters to a safetensors file (resume with :meth:`load`)."""
         self._check_open()
+        if self.sink.policy.scored:
+            raise InputError(f"saving a stream is supported for the recency policy (streaming); the "
+                             f"{self.sink.policy.name!r} policy's per-head token sets are not saved yet")
         if self.state.batch is None:
             raise InputError("nothing to save yet: feed the stream first")
         path = Path(path)
@@ -323,8 +327,9 @@ class StreamSession:
                 "kv_bits": self.kv_bits, "kv_group_size": self.kv_group_size}
 
     def cache_tokens(self) -> int:
-        """Kept tokens per row (the cache's size in tokens, at most ``S + P + W``)."""
-        return int(self.state.s_valid.sum(1).max()) if self.state.batch is not None else 0
+        """Kept tokens per row (the cache's size in tokens, at most ``S + P + W``; a score-based policy: the mean over
+        its layers and heads)."""
+        return self.state.kept_tokens() if self.state.batch is not None else 0
 
 
 def _recurrent_state(layer: object) -> tuple[dict[str, Tensor], dict]:

@@ -30,7 +30,35 @@ from torch import Tensor
 from ..errors import InputError, check_int
 from ..rope import angles, pair_factors
 
-__all__ = ["StreamState", "View"]
+__all__ = ["StreamState", "View", "StepPlan"]
+
+
+@dataclass
+class StepPlan:
+    """Where one forward's new columns go in the buffers, worked out once by :class:`StreamState` for every layer.
+
+    A decode step (``slot`` set): each row's ``slot`` ``[B]``, with ``valid``/``anchored`` ``[B]``; ``uniform`` when
+    the host knows every row writes a real free token into the same slot ``slot1`` ``[1]``. A chunk (``slot`` None):
+    the ``(rows, cols)`` of the chunk that are written, into ``slots`` (all ``[N]``). The ``ring_*`` fields are
+    worked out by the first quantized layer that needs them and shared by the others.
+    """
+
+    rows: Tensor
+    slot: Tensor | None = None
+    slot1: Tensor | None = None
+    valid: Tensor | None = None
+    anchored: Tensor | None = None
+    uniform: bool = False
+    cols: Tensor | None = None
+    slots: Tensor | None = None
+    ring_slot1: Tensor | None = None
+    ring_slot: Tensor | None = None
+    ring_keep: Tensor | None = None
+    any_anchored: bool | None = None
+
+    @property
+    def is_step(self) -> bool:
+        return self.slot is not None
 
 
 @dataclass
@@ -141,7 +169,7 @@ def buffers_that_fit(capacity: int):
         raise
 
 
-def _check_pinned(pinned) -> list[tuple[int, int]]:
+def check_pinned(pinned) -> list[tuple[int, int]]:
     spans = []
     if pinned is not None and (isinstance(pinned, (str, bytes)) or not hasattr(pinned, "__iter__")):
         raise InputError(f"pinned is a list of (start, end) pairs of stream-token indices, got {pinned!r}")
@@ -174,7 +202,7 @@ class StreamState:
         self.window = int(window)
         self.rope = rope  # how the cached (rotated) tensor turns with position; None: no position (NoPE)
         self.attn_rope = rope if attn_rope is None else attn_rope  # how the key the attention receives turns
-        self.pinned = _check_pinned(pinned)
+        self.pinned = check_pinned(pinned)
         # Anchored capacity: sinks plus pinned tokens that are not already sinks.
         self.anchor_capacity = num_sinks + sum(max(0, e - max(s, num_sinks)) for s, e in self.pinned)
         self.capacity = self.anchor_capacity + window
@@ -196,12 +224,7 @@ class StreamState:
         self.rows_alike = True
         self.layers: list = []  # SinkWindowLayer objects, for rebasing
         self.view: View | None = None
-        self.plan: dict | None = None
-        # Quantized layers (sinklab.stream.quantized): the one dequantization buffer they share, keyed by shape,
-        # and the decoded columns they set aside in a uniform decode step (packed before any ring is read).
-        self.kv_scratch: dict = {}
-        self.kv_pending: list = []
-        self.kv_pending_plan: dict | None = None
+        self.plan: StepPlan | None = None
 
     # ------------------------------------------------------------------ per-row storage
     def _init_rows(self, batch: int, device: torch.device) -> None:
@@ -302,8 +325,7 @@ class StreamState:
         rows = self._rows
         for buf, value in ((self.s_valid, valid), (self.s_sidx, t), (self.s_a, q_a), (self.s_f, q_f), (self.s_o, q_v)):
             buf[rows, slot] = torch.where(valid, value, buf[rows, slot])  # a padding column writes nothing
-        self.plan = {"rows": rows, "slot": slot, "slot1": slot[:1], "valid": valid, "anchored": anchored,
-                     "uniform": False}
+        self.plan = StepPlan(rows, slot=slot, slot1=slot[:1], valid=valid, anchored=anchored)
         sidx = torch.where(valid, t, torch.full_like(t, -1))
         self._step_view(valid, sidx, q_a, q_f, q_v)
         self.n_real += valid.long()
@@ -330,8 +352,8 @@ class StreamState:
             out = free_step(*args)
         t, q_v, slot, visible, anchor_c, anchor_s = out
         q_a, q_f = self.n_anchor, self.n_free  # n_free already counts the new token
-        self.plan = {"rows": self._rows, "slot": slot, "slot1": slot[:1], "valid": valid,
-                     "anchored": torch.zeros_like(valid), "uniform": True}
+        self.plan = StepPlan(self._rows, slot=slot, slot1=slot[:1], valid=valid, anchored=torch.zeros_like(valid),
+                             uniform=True)
         self.view = View(self.s_valid, self.s_sidx, self.s_anchored, self.s_a, self.s_f, self.s_o,
                          valid[:, None], t[:, None], q_a[:, None], q_f[:, None], q_v[:, None], from_buffer=True,
                          visible=visible, anchor_c=anchor_c, anchor_s=anchor_s, window=self.window,
@@ -368,7 +390,7 @@ class StreamState:
         last_f = q_f[:, -1:]
         write = anchored | (free & (q_f > last_f - self.window))
         rows, cols = write.nonzero(as_tuple=True)
-        self.plan = {"rows": rows, "cols": cols, "slots": slot[rows, cols]}
+        self.plan = StepPlan(rows, cols=cols, slots=slot[rows, cols])
         view = View(
             torch.cat([self.s_valid, valid], 1), torch.cat([self.s_sidx, sidx], 1),
             torch.cat([self.s_anchored, anchored], 1), torch.cat([self.s_a, q_a], 1),
@@ -379,7 +401,7 @@ class StreamState:
         view.visible = view.k_valid[:, None, :] & valid[:, :, None] & causal & (view.k_anchored[:, None, :] | recent)
         view.anchor_idx = view.k_anchored.any(0).nonzero()[:, 0]
         self.view = view
-        slots = self.plan["slots"]
+        slots = self.plan.slots
         self.s_valid[rows, slots] = True
         self.s_sidx[rows, slots] = sidx[rows, cols]
         self.s_a[rows, slots] = q_a[rows, cols]
@@ -408,6 +430,10 @@ class StreamState:
         self.base = target
         self.span = min(self.rebase_keep, self.columns)
         self.rebases += 1
+
+    def kept_tokens(self) -> int:
+        """The most tokens any row keeps."""
+        return int(self.s_valid.sum(1).max())
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Tensor]:
