@@ -52,6 +52,8 @@ def eval_stream(
     stride: Annotated[int | None, typer.Option("--stride", help="score every k-th position (default: 1, or ≤ 128 "
                                                                "recompute windows when recompute runs)")] = None,
     chunk_size: Annotated[int, typer.Option("--chunk-size", help="tokens per forward in chunked prefill")] = 256,
+    policy: Annotated[str, typer.Option("--policy", help="also stream these score-based retention policies at S = "
+                                        "max(--sinks), comma-separated: snapkv,tova,knorm (docs/retention.md)")] = "",
     out: Annotated[Path, typer.Option("--out")] = Path("sinklab-eval-stream"),
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     device: Annotated[str | None, typer.Option("--device")] = None,
@@ -83,7 +85,8 @@ def eval_stream(
         check_int("--window", window, 1)
         counts = parse_sinks(sinks)
         c = cache_size if cache_size is not None else max(counts) + window
-        plan = EvalPlan(methods=methods, sinks=counts, cache_size=c, stride=stride, chunk_size=chunk_size)
+        plan = EvalPlan(methods=methods, sinks=counts, cache_size=c, stride=stride, chunk_size=chunk_size,
+                        policies=policy)
         if tokens <= plan.first:
             raise SinklabError(f"--tokens {tokens}: scoring starts after the first eviction, at position {plan.first} "
                                f"(cache size {c}); ask for more tokens (several cache lengths, e.g. {4 * c})")

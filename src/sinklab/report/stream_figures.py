@@ -43,10 +43,11 @@ def nll_by_position(data: dict) -> Figure:
     sink_runs = [c for c in data["curves"].values() if c["method"] == "sinks" and c["same_as"] is None]
     shades = plt.cm.Blues([0.45 + 0.55 * i / max(1, len(sink_runs) - 1) for i in range(len(sink_runs))])
     shade = iter(shades)
+    others = iter(plt.cm.Oranges([0.5 + 0.5 * i / 4 for i in range(5)]).tolist() * 8)  # retention policies
     for label, curve in data["curves"].items():
         if curve["same_as"] is not None:
             continue
-        colour = _COLOURS.get(curve["method"]) or next(shade)
+        colour = _COLOURS.get(curve["method"]) or (next(shade) if curve["method"] == "sinks" else next(others))
         b = curve["binned"]
         ax.plot(b["position"], b["mean_nll"], label=f"{label} (PPL {curve['ppl']:.1f})", color=colour, lw=1.4)
     trained = data.get("trained_positions")

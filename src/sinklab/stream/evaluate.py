@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from .. import _compat
 from ..errors import InputError
 from .cache import SinkCache
+from .policy import POLICIES
 
 __all__ = ["METHODS", "METHOD_TABLE", "Curve", "EvalPlan", "Method", "Run", "StreamEval", "binned_nll", "dense_nll",
            "evaluate_stream", "parse_methods", "parse_sinks", "recompute_nll", "stream_nll"]
@@ -51,6 +52,7 @@ class Run:
     num_sinks: int | None = None
     window: int | None = None
     same_as: str | None = None  # label of an identical run whose NLLs are reused (sinks S=0 is the window)
+    policy: str = "streaming"  # the retention policy of a stream (sinklab.stream.policy)
 
 
 @dataclass(frozen=True)
@@ -74,8 +76,13 @@ def _sink_runs(plan: EvalPlan) -> list[Run]:
             for s in plan.sinks]
 
 
+def _policy_runs(plan: EvalPlan) -> list[Run]:
+    s = max(plan.sinks)
+    return [Run(f"{p} S={s}", "policies", s, plan.cache_size - s, policy=p) for p in plan.policies]
+
+
 def _stream(model: nn.Module, ids: Tensor, positions: Tensor, run: Run, plan: EvalPlan, advance: Advance | None) -> Tensor:
-    return stream_nll(model, ids, positions, run.num_sinks, run.window, plan.chunk_size, advance)
+    return stream_nll(model, ids, positions, run.num_sinks, run.window, plan.chunk_size, advance, policy=run.policy)
 
 
 #: method name → :class:`Method`, in table order (the order of ``--methods`` and of the results).
@@ -87,6 +94,7 @@ METHOD_TABLE: dict[str, Method] = {m.name: m for m in (
            lambda model, ids, pos, run, plan, advance: recompute_nll(model, ids, pos, plan.cache_size, advance=advance),
            per_position=True),
     Method("sinks", _sink_runs, _stream),
+    Method("policies", _policy_runs, _stream),
 )}
 METHODS = tuple(METHOD_TABLE)
 
@@ -130,6 +138,9 @@ class EvalPlan:
         First scored position; ``None`` is ``C + 1`` (the first token that lost context to eviction).
     chunk_size:
         Tokens per forward in the chunked prefill of dense and the streams.
+    policies:
+        Score-based retention policies (``snapkv``, ``tova``, ``knorm``) streamed at ``S = max(sinks)``,
+        ``W = cache_size − S`` beside the others (the ``policies`` method, added when any is given).
     """
 
     methods: tuple[str, ...] = METHODS
@@ -138,9 +149,21 @@ class EvalPlan:
     stride: int | None = None
     start: int | None = None
     chunk_size: int = 256
+    policies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "methods", parse_methods(self.methods))
+        policies = tuple(p.strip() for p in (self.policies.split(",") if isinstance(self.policies, str)
+                                             else self.policies) if p.strip())
+        named = [p for p in POLICIES if p != "streaming"]
+        wrong = [p for p in policies if p not in named]
+        if wrong:
+            raise InputError(f"--policy: {', '.join(map(repr, wrong))} cannot be evaluated here; choose from "
+                             f"{', '.join(named)} (streaming is the sinks method; auto needs a plan: sinklab stream)")
+        object.__setattr__(self, "policies", policies)
+        methods = self.methods.split(",") if isinstance(self.methods, str) else list(self.methods)
+        if policies and "policies" not in methods:
+            methods = [*methods, "policies"]
+        object.__setattr__(self, "methods", parse_methods(methods))
         object.__setattr__(self, "sinks", parse_sinks(self.sinks))
         if self.cache_size < 2:
             raise InputError(f"the cache size S + W must be ≥ 2, got {self.cache_size}")
@@ -314,9 +337,10 @@ def dense_nll(model: nn.Module, ids: Tensor, positions: Tensor, chunk_size: int 
 
 @torch.no_grad()
 def stream_nll(model: nn.Module, ids: Tensor, positions: Tensor, num_sinks: int, window: int, chunk_size: int = 256,
-               advance: Callable[[int], None] | None = None) -> Tensor:
-    """NLL ``[P]`` at ``positions`` with a StreamingLLM cache of ``num_sinks`` sinks + ``window`` (chunks are exact)."""
-    with SinkCache(model, num_sinks=num_sinks, window=window) as cache:
+               advance: Callable[[int], None] | None = None, policy: str = "streaming") -> Tensor:
+    """NLL ``[P]`` at ``positions`` with a StreamingLLM cache of ``num_sinks`` sinks + ``window`` (chunks are exact),
+    or another retention ``policy`` at the same budget."""
+    with SinkCache(model, num_sinks=num_sinks, window=window, policy=policy) as cache:
         return _chunked_nll(model, ids, positions, chunk_size, cache, advance)
 
 
