@@ -16,10 +16,43 @@ from ..errors import InputError
 from ..rope import RopeSpec, pair_partner, rotate, rotate_pairs
 from .state import StepPlan, StreamState, buffers_that_fit
 
-__all__ = ["SinkWindowLayer"]
+__all__ = ["SinkWindowLayer", "StreamLayerBase"]
 
 
-class SinkWindowLayer(CacheLayerMixin):
+class StreamLayerBase(CacheLayerMixin):
+    """What every cache layer of a stream shares: the stream's column count, no maximum length, and the row and
+    crop operations that belong to the whole stream (called on the :class:`~sinklab.stream.SinkCache`)."""
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.state.columns
+
+    def get_max_length(self) -> int:
+        return -1  # the stream is unbounded; the memory is bounded by S + P + W
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def reset(self) -> None:  # pragma: no cover - streams are started afresh instead
+        raise NotImplementedError("a SinkCache cannot be reset; create a new SinkCache")
+
+    def _per_stream(self, name: str):
+        raise InputError(f"{name} changes state that all layers of a stream share: call it on the SinkCache "
+                         f"(cache.{name}(...)), not on one of its layers")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._per_stream("reorder_cache")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._per_stream("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._per_stream("batch_select_indices")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._per_stream("crop")
+
+
+class SinkWindowLayer(StreamLayerBase):
     """One layer's StreamingLLM cache; all layers of a stream share one :class:`StreamState`."""
 
     is_compileable = True
@@ -139,8 +172,6 @@ class SinkWindowLayer(CacheLayerMixin):
             shift = delta.to(self.keys.device)[:, None, None]  # (B, 1, 1) broadcast over heads and slots
             self.keys[:, :, ring] = rotate(self.keys[:, :, ring], self.rope, shift)
 
-    def get_seq_length(self, *args, **kwargs) -> int:
-        return self.state.columns
 
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of the mask transformers builds for the next forward (queries at
@@ -157,27 +188,3 @@ class SinkWindowLayer(CacheLayerMixin):
         past = min(self.state.columns, self.state.capacity)
         return past + q, self.state.columns - past
 
-    def get_max_length(self) -> int:
-        return -1  # the stream is unbounded; the memory is bounded by S + P + W
-
-    def get_max_cache_shape(self) -> int:
-        return -1
-
-    def reset(self) -> None:  # pragma: no cover - streams are started afresh instead
-        raise NotImplementedError("a SinkCache cannot be reset; create a new SinkCache")
-
-    def _per_stream(self, name: str):
-        raise InputError(f"{name} changes state that all layers of a stream share: call it on the SinkCache "
-                         f"(cache.{name}(...)), not on one of its layers")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._per_stream("reorder_cache")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._per_stream("batch_repeat_interleave")
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        self._per_stream("batch_select_indices")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self._per_stream("crop")

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import CacheLayerMixin
 
 from ..attention import Columns, attend
 from ..errors import InputError, UnsupportedModelError, check_int
 from ..rope import RopeSpec, rotate
 from ..variants import variant_column_logits, variant_gate
+from .layer import StreamLayerBase
 from .policy import Observation, ScoredPolicy
 from .state import MAX_CAPACITY, buffers_that_fit, check_pinned
 
@@ -132,7 +132,7 @@ class ScoredState:
                 "start_position": self.start_position, "positions": self.positions}
 
 
-class ScoredLayer(CacheLayerMixin):
+class ScoredLayer(StreamLayerBase):
     """One layer's score-based cache (see the module docstring); all layers of a stream share a :class:`ScoredState`."""
 
     is_compileable = False
@@ -235,37 +235,10 @@ class ScoredLayer(CacheLayerMixin):
             self.keys, self.values, self.sidx, self.pos = (t.index_select(0, index) for t in
                                                            (self.keys, self.values, self.sidx, self.pos))
 
-    def get_seq_length(self, *args, **kwargs) -> int:
-        return self.state.columns
-
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
         q = query_length if isinstance(query_length, int) else 1
         past = min(self.state.columns, self.state.capacity)
         return past + q, self.state.columns - past
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def get_max_cache_shape(self) -> int:
-        return -1
-
-    def reset(self) -> None:  # pragma: no cover - streams are started afresh instead
-        raise NotImplementedError("a SinkCache cannot be reset; create a new SinkCache")
-
-    def _per_stream(self, name: str):
-        raise InputError(f"{name} changes state that all layers of a stream share: call it on the SinkCache")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._per_stream("reorder_cache")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._per_stream("batch_repeat_interleave")
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        self._per_stream("batch_select_indices")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self._per_stream("crop")
 
 
 def _later_count(flags: Tensor, sidx: Tensor) -> Tensor:
