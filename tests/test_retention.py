@@ -250,3 +250,24 @@ def test_eval_stream_scores_policies_beside_the_sinks():
         torch.testing.assert_close(result.curve(label).nll, dense, rtol=1e-4, atol=1e-4)
     with pytest.raises(InputError, match="auto needs a plan"):
         EvalPlan(policies="auto")
+
+
+def test_a_sliding_window_layer_keeps_its_own_window_under_a_scored_policy():
+    """A layer of the model's own sliding window (24) wider than the budget (20, no sinks): the prompt's forward
+    equals the model's own (no query sees past its window), and what stays is inside the window."""
+    import transformers as tf
+
+    cfg = tf.MistralConfig(vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=24,
+                           max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = tf.MistralForCausalLM(cfg).eval()
+    ids = torch.tensor([_ids(40)])
+    with torch.no_grad():
+        dense = model(ids).logits
+        with SinkCache(model, num_sinks=0, window=20, policy=TOVA(recent=4)) as cache:
+            ours = model(input_ids=ids, cache=cache).logits
+            kept = cache.layers[0].sidx[0]
+    torch.testing.assert_close(ours, dense, rtol=1e-4, atol=1e-4)
+    kept = kept[kept >= 0]
+    assert kept.numel() == 2 * 20 and bool((kept > 39 - 24).all())  # inside the window of the next query

@@ -267,7 +267,8 @@ class SinkCache(Cache):
         if kv_bits is None:
             def attention_layer(s, v: bool, i: int):
                 if getattr(s, "scored", False):
-                    return ScoredLayer(s, s.rope, self.plan.budgets[i] if self.plan is not None else None)
+                    return ScoredLayer(s, s.rope, self.plan.budgets[i] if self.plan is not None else None,
+                                       sliding=self.layer_windows[i])
                 return SinkWindowLayer(s, s.rope, rotates_values=v)
         else:
             from .quantized import PackShared, QuantizedSinkWindowLayer

@@ -139,10 +139,14 @@ class ScoredLayer(StreamLayerBase):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, state: ScoredState, rope: RopeSpec | None, budgets: list[int] | None = None) -> None:
+    def __init__(self, state: ScoredState, rope: RopeSpec | None, budgets: list[int] | None = None,
+                 sliding: int | None = None) -> None:
         super().__init__()
         self.state = state
         self.rope = rope
+        # The model's own sliding window on this layer (None: full attention): a query never sees a token that far
+        # back (sinks and pinned spans excepted, as in the recency stream), so such tokens are evicted first.
+        self.sliding = sliding
         self.plan_budgets = budgets  # per key-value head (a plan); None: the state's capacity for every head
         self.pending: tuple | None = None
         state.layers.append(self)
@@ -190,7 +194,10 @@ class ScoredLayer(StreamLayerBase):
         state, cap = self.state, self.keys.shape[2]
         real = c_sidx >= 0
         newest = state.n_real[:, None, None] - 1
-        protected = real & (state.is_anchored(c_sidx) | (c_sidx > newest - state.policy.recent))
+        anchored = state.is_anchored(c_sidx)
+        protected = real & (anchored | (c_sidx > newest - state.policy.recent))
+        if self.sliding is not None:  # out of this layer's own window for every later query: gone
+            real = real & (anchored | (c_sidx > newest - self.sliding))
         if scores is None:
             scores = torch.zeros(c_sidx.shape, device=c_sidx.device)
         prio = torch.where(protected, torch.full_like(scores, float("inf")), scores.float())
@@ -270,6 +277,9 @@ def scored_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     # What each query sees: a real candidate at or before it (the buffer holds only what its head kept).
     visible = (sidx[:, :, None, :] >= 0) & (sidx[:, :, None, :] <= q_sidx[:, None, :, None]) & \
         (q_sidx[:, None, :, None] >= 0)  # (B, Hkv, C, K)
+    if layer.sliding is not None:  # the model's own sliding window (the sinks and pinned spans stay in sight)
+        near = (q_sidx[:, None, :, None] - sidx[:, :, None, :]) < layer.sliding
+        visible = visible & (near | state.is_anchored(sidx)[:, :, None, :])
     visible = visible.repeat_interleave(rep, 1) if rep > 1 else visible
     variant = getattr(module, "sinklab_variant", None)
     if variant is not None and getattr(variant, "kv_bias", False):
