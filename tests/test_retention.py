@@ -253,8 +253,9 @@ def test_eval_stream_scores_policies_beside_the_sinks():
 
 
 def test_a_sliding_window_layer_keeps_its_own_window_under_a_scored_policy():
-    """A layer of the model's own sliding window (24) wider than the budget (20, no sinks): the prompt's forward
-    equals the model's own (no query sees past its window), and what stays is inside the window."""
+    """A layer of the model's own sliding window (24) wider than the budget (20): the prompt's forward equals the
+    model's own (no query sees past its window, sinks included: a sliding layer keeps them only with
+    sliding_sinks=True), and what stays is inside the window."""
     import transformers as tf
 
     cfg = tf.MistralConfig(vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -265,9 +266,13 @@ def test_a_sliding_window_layer_keeps_its_own_window_under_a_scored_policy():
     ids = torch.tensor([_ids(40)])
     with torch.no_grad():
         dense = model(ids).logits
-        with SinkCache(model, num_sinks=0, window=20, policy=TOVA(recent=4)) as cache:
+        with SinkCache(model, num_sinks=4, window=16, policy=TOVA(recent=4)) as cache:
             ours = model(input_ids=ids, cache=cache).logits
             kept = cache.layers[0].sidx[0]
     torch.testing.assert_close(ours, dense, rtol=1e-4, atol=1e-4)
     kept = kept[kept >= 0]
     assert kept.numel() == 2 * 20 and bool((kept > 39 - 24).all())  # inside the window of the next query
+    with torch.no_grad(), SinkCache(model, num_sinks=4, window=16, policy=TOVA(recent=4), sliding_sinks=True) as cache:
+        model(input_ids=ids, cache=cache)
+        kept = cache.layers[0].sidx[0]
+    assert set(range(4)) <= set(kept[0].tolist())  # with sliding_sinks the sinks stay

@@ -268,7 +268,7 @@ class SinkCache(Cache):
             def attention_layer(s, v: bool, i: int):
                 if getattr(s, "scored", False):
                     return ScoredLayer(s, s.rope, self.plan.budgets[i] if self.plan is not None else None,
-                                       sliding=self.layer_windows[i])
+                                       sliding=self.layer_windows[i], sliding_sinks=self.sliding_sinks)
                 return SinkWindowLayer(s, s.rope, rotates_values=v)
         else:
             from .quantized import PackShared, QuantizedSinkWindowLayer
