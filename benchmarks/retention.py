@@ -183,6 +183,13 @@ def _load_rows() -> list[dict]:
     return []
 
 
+def _load_meta() -> dict:
+    """The results file's meta (a resumed run adds to it: the kvpress note of an earlier run stays)."""
+    if OUT.exists():
+        return json.loads(OUT.read_text()).get("meta", {})
+    return {}
+
+
 def _save(rows: list[dict], meta: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
     tmp = OUT.with_suffix(".tmp")
@@ -236,7 +243,8 @@ def main() -> None:
 
     rows = _load_rows() if args.resume else []
     done = {(r["model"], r["method"], r["source"], r["kv_fraction"], r["task"], r["context"]) for r in rows}
-    meta = {"machine": f"{platform.node()}: {os.cpu_count()} CPUs, {args.threads} threads", "torch": torch.__version__,
+    meta = _load_meta() if args.resume else {}
+    meta |= {"machine": f"{platform.node()}: {os.cpu_count()} CPUs, {args.threads} threads", "torch": torch.__version__,
             "python": platform.python_version(), "samples": args.samples, "answer_tokens": ANSWER_TOKENS,
             "ppl_tokens": PPL_TOKENS, "num_sinks": NUM_SINKS}
     import transformers
