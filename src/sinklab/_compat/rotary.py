@@ -81,6 +81,12 @@ class LayerRotation:
     def is_attention(self) -> bool:
         return self.kind == "attention"
 
+    @property
+    def caches_attended_keys(self) -> bool:
+        """The cached tensor is the key the attention reads, turned by the same rotation: a kept key can be re-rotated
+        where it is stored (not so for latent attention, or a rotary part stored apart)."""
+        return self.rotated == "keys" and _spec_key(self.cache_rope) == _spec_key(self.attn_rope)
+
 
 #: A layer that is not attention: its recurrent/convolution state is kept whole, nothing to re-rotate.
 RECURRENT = LayerRotation(None, None, kind="recurrent")
@@ -398,8 +404,10 @@ def _scaled(spec: RopeSpec, scaling: float) -> RopeSpec:
 def _shared(rotations: list[LayerRotation]) -> list[LayerRotation]:
     """Identical layers share one object (the stream groups layers by their rotation)."""
     unique: dict[tuple, LayerRotation] = {}
+    return [unique.setdefault((_spec_key(r.cache_rope), _spec_key(r.attn_rope), r.rotated, r.kind), r)
+            for r in rotations]
 
-    def key(spec: RopeSpec | None) -> tuple:
-        return () if spec is None else (tuple(spec.inv_freq.tolist()), spec.interleaved, spec.offset)
 
-    return [unique.setdefault((key(r.cache_rope), key(r.attn_rope), r.rotated, r.kind), r) for r in rotations]
+def _spec_key(spec: RopeSpec | None) -> tuple:
+    """What identifies a rotation (frequencies, pairing, first rotated dimension); () for none."""
+    return () if spec is None else (tuple(spec.inv_freq.tolist()), spec.interleaved, spec.offset)

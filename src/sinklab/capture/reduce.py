@@ -26,8 +26,8 @@ class ColumnStats:
     """
 
     def __init__(self, b: int, h: int, tq: int, tk: int, qmask: Tensor, *, candidates: tuple[int, ...],
-                 map_len: int, route_threshold: float, has_sink: bool, row_stats: bool = False,
-                 local_window: int = 64) -> None:
+                 map_len: int, route_threshold: float, has_sink: bool, local_window: int,
+                 row_stats: bool = False) -> None:
         dev = qmask.device
         self.qmask = qmask
         self.candidates = list(candidates)

@@ -330,7 +330,7 @@ def retention(loaded, policy: str, plan: Path | None, sinks: int, window: int) -
 
     err.print("[dim]--policy auto: scanning the model (16 × 256 tokens) for its local heads …[/dim]", highlight=False)
     result = scan(loaded.model, loaded.tokenizer, seq_len=256, samples=16)
-    made = plan_from_scan(loaded.model, result, num_sinks=sinks, window=window, recent=min(32, window))
+    made = plan_from_scan(loaded.model, result, num_sinks=sinks, window=window)
     s = made.summary()
     err.print(f"[dim]plan: {s['local_heads']} of {s['heads']} key-value heads local ({s['local_budget']} tokens), "
               f"the others {s['far_budget']} tokens[/dim]", highlight=False)

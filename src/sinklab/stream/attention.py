@@ -25,7 +25,6 @@ from ..attention import Columns, attend, soft_cap
 from ..errors import UnsupportedModelError
 from ..rope import rotate
 from ..variants import variant_column_logits, variant_gate, variant_has_columns
-
 from .scored import scored_attention
 
 __all__ = ["stream_attention", "stream_mask", "active_stream", "ACTIVE_STREAM", "ATTN_NAME", "TRACED_STREAM"]
@@ -97,7 +96,7 @@ def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     b, h, c, dh = query.shape
     scale = dh**-0.5 if scaling is None else float(scaling)
     softcap = kwargs.get("softcap")
-    if getattr(state, "scored", False):  # a score-based retention policy (sinklab.stream.scored)
+    if state.scored:  # a score-based retention policy (sinklab.stream.scored)
         layer = stream.layers[layer_idx if layer_idx is not None else 0]
         return scored_attention(module, query, key, value, state, layer, scale, softcap, kwargs.get("s_aux")), None
     rope = state.attn_rope  # how the key this function receives turns (its rotary part may sit elsewhere)

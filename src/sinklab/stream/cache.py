@@ -97,25 +97,16 @@ def _real_columns(mask, b: int, c: int, device: torch.device) -> torch.Tensor:
     return torch.ones(b, c, dtype=torch.bool, device=device)
 
 
-def _same_rope(a, b) -> bool:
-    if a is None or b is None:
-        return a is b
-    return (a.interleaved, a.offset, a.attention_scaling) == (b.interleaved, b.offset, b.attention_scaling) and \
-        torch.equal(a.inv_freq, b.inv_freq)
-
-
 def _policy_and_plan(policy, plan, model, num_sinks: int, window: int,
                      sized: bool) -> tuple[RetentionPolicy, RetentionPlan | None]:
     """The retention policy and, for ``auto``, its plan: a :class:`RetentionPlan`, the path of a saved one, or a
     scan / diagnosis to make it from (at ``num_sinks + window`` tokens per head). A saved plan given with an explicit
     window is re-budgeted to it (the same local heads)."""
+    scan = getattr(plan, "scan", plan)  # a Diagnosis holds its scan
     if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
         plan = load_plan(plan)
-    elif plan is not None and not isinstance(plan, RetentionPlan) and hasattr(getattr(plan, "scan", plan),
-                                                                               "local_mass"):
-        plan = plan_from_scan(model, plan, num_sinks=num_sinks, window=window,
-                              recent=min(32, window, getattr(getattr(plan, "scan", plan), "meta", {})
-                                         .get("local_window", 64)))
+    elif hasattr(scan, "local_mass"):
+        plan = plan_from_scan(model, scan, num_sinks=num_sinks, window=window)
     elif plan is not None and not isinstance(plan, RetentionPlan):
         raise InputError(f"plan is a sinklab.stream.plan.RetentionPlan, the path of a saved one, or a scan or "
                          f"diagnosis to make one from; got {type(plan).__name__}")
@@ -234,7 +225,7 @@ class SinkCache(Cache):
             scored = self.policy.scored and not (native and not sliding_sinks)
             key = (id(rotation), scored, *policy)
             if key not in groups and scored:
-                if rotation.rotated != "keys" or not _same_rope(rotation.cache_rope, rotation.attn_rope):
+                if not rotation.caches_attended_keys:
                     raise UnsupportedModelError(
                         f"{type(model).__name__}: the {self.policy.name!r} policy re-rotates the keys it keeps, and this "
                         "model's cached tensor is not the rotated key the attention reads (latent attention or a "
@@ -248,11 +239,10 @@ class SinkCache(Cache):
             self.layer_states.append(groups[key])
         self.states = list(groups.values())
         # Every group re-bases at the same steps by the same amount, so all layers share one virtual position.
-        keep = max(s.capacity if getattr(s, "scored", False) else s.window for s in self.states)
+        keep = max(s.capacity if s.scored else s.window for s in self.states)
         for s in self.states:
             s.rebase_every, s.rebase_keep = int(rebase_every or max(4 * keep, 2048)), keep
-        full = [s for s in self.states if (s.num_sinks, s.window) == (num_sinks, window) and
-                getattr(s, "scored", False) == self.policy.scored]
+        full = [s for s in self.states if (s.num_sinks, s.window) == (num_sinks, window) and s.scored == self.policy.scored]
         self.state = full[0] if full else self.states[0]  # the sinks + window budget (what cache_tokens reports)
         self.rope = self.state.rope
         self.closed = False
@@ -266,7 +256,7 @@ class SinkCache(Cache):
         swapped = [r.rotated == "values" for r in self.layer_rotations]  # latent attention: see SinkWindowLayer
         if kv_bits is None:
             def attention_layer(s, v: bool, i: int):
-                if getattr(s, "scored", False):
+                if s.scored:
                     return ScoredLayer(s, s.rope, self.plan.budgets[i] if self.plan is not None else None,
                                        sliding=self.layer_windows[i], sliding_sinks=self.sliding_sinks)
                 return SinkWindowLayer(s, s.rope, rotates_values=v)

@@ -26,6 +26,21 @@ class StreamLayerBase(CacheLayerMixin):
     def get_seq_length(self, *args, **kwargs) -> int:
         return self.state.columns
 
+    def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the mask transformers builds for the next forward (queries at
+        :meth:`SinkCache.get_query_offset` on).
+
+        The stream's own mask function ignores it. A mask built by the model's own mask function — ``generate()``
+        prepares the first forward's before the stream is switched on — then spans the stream columns up to the
+        new ones: its last ``q`` keys are the new tokens, each on its own query's diagonal, where
+        ``SinkCache.plan_forward`` reads which are real. At most ``S + P + W`` earlier columns are spanned; inside a
+        compiled forward the size is fixed (reading the host counter there would specialise the graph on it)."""
+        q = query_length if isinstance(query_length, int) else 1
+        if torch.compiler.is_compiling():
+            return self.state.capacity + q, 0
+        past = min(self.state.columns, self.state.capacity)
+        return past + q, self.state.columns - past
+
     def get_max_length(self) -> int:
         return -1  # the stream is unbounded; the memory is bounded by S + P + W
 
@@ -171,20 +186,4 @@ class SinkWindowLayer(StreamLayerBase):
         if self.is_initialized and self.rope is not None:
             shift = delta.to(self.keys.device)[:, None, None]  # (B, 1, 1) broadcast over heads and slots
             self.keys[:, :, ring] = rotate(self.keys[:, :, ring], self.rope, shift)
-
-
-    def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
-        """``(kv_length, kv_offset)`` of the mask transformers builds for the next forward (queries at
-        :meth:`SinkCache.get_query_offset` on).
-
-        The stream's own mask function ignores it. A mask built by the model's own mask function — ``generate()``
-        prepares the first forward's before the stream is switched on — then spans the stream columns up to the
-        new ones: its last ``q`` keys are the new tokens, each on its own query's diagonal, where
-        ``SinkCache.plan_forward`` reads which are real. At most ``S + P + W`` earlier columns are spanned; inside a
-        compiled forward the size is fixed (reading the host counter there would specialise the graph on it)."""
-        q = query_length if isinstance(query_length, int) else 1
-        if torch.compiler.is_compiling():
-            return self.state.capacity + q, 0
-        past = min(self.state.columns, self.state.capacity)
-        return past + q, self.state.columns - past
 

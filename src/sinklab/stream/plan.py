@@ -144,13 +144,16 @@ def head_coverage(scan, num_sinks: int) -> torch.Tensor:
     return share.nanmean(dim=(0, 3))
 
 
-def plan_from_scan(model: nn.Module, scan, *, num_sinks: int = 4, window: int = 1020, recent: int = 32,
+def plan_from_scan(model: nn.Module, scan, *, num_sinks: int = 4, window: int = 1020, recent: int | None = None,
                    threshold: float = 0.9, sliding_sinks: bool = False) -> RetentionPlan:
     """The ``auto`` plan for ``model`` from its :class:`~sinklab.scan.ScanResult` (or a diagnosis holding one in
-    ``.scan``), at the total budget of ``num_sinks + window`` tokens per key-value head."""
+    ``.scan``), at the total budget of ``num_sinks + window`` tokens per key-value head. ``recent``: the newest tokens
+    every head keeps (default: 32, or less where the window or the scan's local window is shorter)."""
     scan = getattr(scan, "scan", scan)
     check_int("num_sinks", num_sinks)
     check_int("window", window, 1)
+    w_local = int(scan.meta.get("local_window", 64))
+    recent = min(32, w_local, window) if recent is None else recent
     check_int("recent", recent, 1)
     if not 0.0 < float(threshold) <= 1.0:
         raise InputError(f"threshold is a share of attention in (0, 1], got {threshold!r}")
@@ -162,7 +165,6 @@ def plan_from_scan(model: nn.Module, scan, *, num_sinks: int = 4, window: int = 
     if heads % kv:
         raise UnsupportedModelError(f"{heads} query heads do not split into {kv} key-value heads")
     rep = heads // kv
-    w_local = int(scan.meta.get("local_window", 64))
     if recent > min(w_local, window):
         raise InputError(f"recent ({recent}) must be at most the local window ({w_local}) and the window ({window})")
     windows = _compat.layer_sliding_windows(model)

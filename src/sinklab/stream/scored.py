@@ -21,52 +21,34 @@ import torch
 from torch import Tensor, nn
 
 from ..attention import Columns, attend
-from ..errors import InputError, UnsupportedModelError, check_int
+from ..errors import InputError, UnsupportedModelError
 from ..rope import RopeSpec, rotate
 from ..variants import variant_column_logits, variant_gate
 from .layer import StreamLayerBase
 from .policy import Observation, ScoredPolicy
-from .state import MAX_CAPACITY, buffers_that_fit, check_pinned
+from .state import StreamBudget, buffers_that_fit
 
 __all__ = ["ScoredState", "ScoredLayer", "scored_attention"]
 
 _LAST = torch.iinfo(torch.long).max
 
 
-class ScoredState:
+class ScoredState(StreamBudget):
     """Counters and the current forward's columns for the score-based layers of one stream (they share it)."""
 
     scored = True
 
     def __init__(self, policy: ScoredPolicy, num_sinks: int, window: int, pinned=None, start_position: int = 0,
                  rebase_every: int | None = None, rope: RopeSpec | None = None, positions: str = "slot") -> None:
-        check_int("window", window, 1, " (the tokens each head keeps besides its sinks and pinned spans)")
-        check_int("num_sinks", num_sinks)
-        check_int("start_position", start_position)
+        super().__init__(num_sinks, window, pinned, start_position, rebase_every, rope,
+                         window_meaning=" (the tokens each head keeps besides its sinks and pinned spans)")
         if positions not in ("slot", "original"):
             raise InputError(f"positions is 'slot' (positions by cache slot) or 'original', got {positions!r}")
         self.policy = policy
-        self.num_sinks = int(num_sinks)
-        self.window = int(window)
-        self.pinned = check_pinned(pinned)
-        self.anchor_capacity = num_sinks + sum(max(0, e - max(s, num_sinks)) for s, e in self.pinned)
-        self.capacity = self.anchor_capacity + self.window  # the budget per head unless a plan says otherwise
-        if self.capacity > MAX_CAPACITY:
-            raise InputError(f"sinks + pinned tokens + window = {self.capacity:,} slots: give a smaller window")
-        self.anchor_end = max([num_sinks] + [end for _, end in self.pinned])
-        self.start_position = int(start_position)
-        self.rebase_every = int(rebase_every or max(4 * self.capacity, 2048))
-        self.rebase_keep = self.capacity
-        self.rope = self.attn_rope = rope
         self.positions = positions
-        self.closed = False
-        self.rebases = 0
-        self.columns = 0
-        self.batch: int | None = None
-        self.rows_alike = True
-        self.layers: list[ScoredLayer] = []
+        self.rebase_every = int(rebase_every or max(4 * self.capacity, 2048))
+        self.rebase_keep = self.capacity  # kept keys reach back a whole budget
         self.chunk: tuple[Tensor, Tensor] | None = None  # (stream index (B, C), -1 for padding; virtual position)
-        self.view = None
 
     def _init_rows(self, batch: int, device: torch.device) -> None:
         self.device = device
@@ -74,18 +56,12 @@ class ScoredState:
         self.n_real = torch.zeros(batch, dtype=torch.long, device=device)
         self.base = torch.zeros(batch, dtype=torch.long, device=device)
         self.span = self.start_position
-        if self.rope is not None:
-            self.rope = self.attn_rope = RopeSpec(self.rope.inv_freq.to(device), self.rope.interleaved,
-                                                  self.rope.attention_scaling, self.rope.offset)
+        self._rope_to(device)
 
     def begin(self, valid: Tensor, all_valid: bool = False) -> Tensor:
         """Plan a forward over ``valid`` ``[B, C]`` new columns; returns their virtual positions ``[B, C]``."""
         b, c = valid.shape
-        if self.batch is None:
-            self._init_rows(b, valid.device)
-        elif b != self.batch:
-            raise InputError(f"this stream holds {self.batch} rows but the model was given {b}; change the number of "
-                             "rows through the cache (reorder_cache, batch_repeat_interleave, batch_select_indices)")
+        self._rows_for(b, valid.device)
         valid = valid.to(self.device).bool()
         self._maybe_rebase(c)
         sidx = self.n_real[:, None] + valid.long().cumsum(1) - 1
@@ -97,30 +73,14 @@ class ScoredState:
         self.columns += c
         return q_v
 
-    def is_anchored(self, sidx: Tensor) -> Tensor:
-        out = (sidx >= 0) & (sidx < self.num_sinks)
-        for start, end in self.pinned:
-            out = out | ((sidx >= start) & (sidx < end))
-        return out
-
-    def _maybe_rebase(self, incoming: int) -> None:
-        if self.span + incoming - 1 <= self.rebase_every:
-            return
-        target = self.start_position + torch.clamp(self.n_real - self.rebase_keep, min=0)
-        delta = target - self.base
+    def _rotate_stored(self, delta: Tensor) -> None:
         for layer in self.layers:
             layer.shift(-delta[:, None, None])
-        self.base = target
-        self.span = min(self.rebase_keep, self.columns)
-        self.rebases += 1
 
     def select_rows(self, index: Tensor) -> None:
         index = index.to(self.device)
         self.n_real, self.base = self.n_real.index_select(0, index), self.base.index_select(0, index)
         self.batch = int(index.shape[0])
-
-    def drop_last(self, n: int) -> None:  # pragma: no cover - SinkCache.crop refuses score-based streams first
-        raise InputError("a score-based stream cannot take tokens back")
 
     def kept_tokens(self) -> int:
         """Tokens kept per head, the mean over this stream's layers and heads (rounded)."""
@@ -189,9 +149,12 @@ class ScoredLayer(StreamLayerBase):
         self.pending = (keys, values, c_sidx, c_pos)
         return keys, values
 
-    def keep(self, scores: Tensor | None) -> None:
+    def keep(self, scores: Tensor, order: Tensor) -> None:
         """Cut ``buffer ⧺ new`` back to each head's budget: sinks, pinned spans and the ``recent`` newest always, then
-        the highest ``scores`` ``[B, Hkv, N]`` (None: nothing to choose — every candidate fits)."""
+        the highest ``scores`` ``[B, Hkv, N]``. ``order``: the candidates in stream order, empty slots last.
+
+        Reads one boolean back to the host per layer and forward (whether any kept key moves): the rotation is skipped
+        while nothing is evicted."""
         keys, values, c_sidx, c_pos = self.pending
         self.pending = None
         state, cap = self.state, self.keys.shape[2]
@@ -201,14 +164,12 @@ class ScoredLayer(StreamLayerBase):
         protected = real & (anchored | (c_sidx > newest - state.policy.recent))
         if self.sliding is not None:  # out of this layer's own window for every later query: gone
             real = real & (anchored | (c_sidx > newest - self.sliding))
-        if scores is None:
-            scores = torch.zeros(c_sidx.shape, device=c_sidx.device)
         prio = torch.where(protected, torch.full_like(scores, float("inf")), scores.float())
         prio = torch.where(real, prio, torch.full_like(prio, float("-inf")))
-        # Ties broken towards the newer token (a stable sort over candidates in stream order, newest first).
-        order = torch.argsort(torch.where(real, c_sidx, torch.full_like(c_sidx, -1)), dim=-1, descending=True,
-                              stable=True)
-        ranked = order.gather(-1, torch.argsort(prio.gather(-1, order), dim=-1, descending=True, stable=True))
+        # Ties broken towards the newer token: a stable sort over the candidates newest first.
+        newest_first = order.flip(-1)
+        ranked = newest_first.gather(-1, torch.argsort(prio.gather(-1, newest_first), dim=-1, descending=True,
+                                                       stable=True))
         rank = torch.empty_like(ranked).scatter_(-1, ranked, torch.arange(ranked.shape[-1], device=ranked.device)
                                                  .expand_as(ranked).contiguous())
         kept = real & (rank < self.budgets[None, :, None])
@@ -219,10 +180,9 @@ class ScoredLayer(StreamLayerBase):
         self.keys = keys.gather(2, idx[..., None].expand(-1, -1, -1, dh))
         self.values = values.gather(2, idx[..., None].expand(-1, -1, -1, dv))
         if state.positions == "slot" and self.rope is not None:
-            evicted = (present & ~kept).long()  # those that left a sliding window included
-            # Evicted tokens after each candidate (in stream order): how far its key moves forward.
-            later = _later_count(evicted, c_sidx)
-            shift = torch.where(self.sidx >= 0, later.gather(-1, idx), torch.zeros_like(idx))
+            # Each kept key moves forward by the evicted tokens after it (those that left a sliding window included).
+            shift = torch.where(self.sidx >= 0, _later_count((present & ~kept).long(), order).gather(-1, idx),
+                                torch.zeros_like(idx))
             if bool(shift.any()):
                 self.keys = rotate(self.keys, self.rope, shift)
                 pos = pos + shift
@@ -252,18 +212,11 @@ class ScoredLayer(StreamLayerBase):
             self.keys, self.values, self.sidx, self.pos = (t.index_select(0, index) for t in
                                                            (self.keys, self.values, self.sidx, self.pos))
 
-    def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
-        q = query_length if isinstance(query_length, int) else 1
-        past = min(self.state.columns, self.state.capacity)
-        return past + q, self.state.columns - past
 
-
-def _later_count(flags: Tensor, sidx: Tensor) -> Tensor:
-    """For each candidate, how many flagged candidates have a larger stream index (``[B, Hkv, N]``)."""
-    order = torch.argsort(torch.where(sidx >= 0, sidx, torch.full_like(sidx, -1)), dim=-1, descending=True,
-                          stable=True)
-    sorted_flags = flags.gather(-1, order)
-    after = sorted_flags.cumsum(-1) - sorted_flags  # flagged ones strictly before in descending order = later
+def _later_count(flags: Tensor, order: Tensor) -> Tensor:
+    """For each candidate, how many flagged candidates come after it in stream ``order`` (``[B, Hkv, N]``)."""
+    ordered = flags.gather(-1, order)
+    after = ordered.flip(-1).cumsum(-1).flip(-1) - ordered
     return torch.empty_like(after).scatter_(-1, order, after)
 
 
@@ -311,7 +264,5 @@ def scored_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         weights = weights.view(b, hkv, rep, w, -1).mean(2)  # (B, Hkv, w, K)
     real = sidx >= 0
     order = torch.argsort(torch.where(real, sidx, torch.full_like(sidx, _LAST)), dim=-1, stable=True)
-    obs = Observation(weights, key, value, real, order)
-    over = bool((real.sum(-1) > layer.budgets[None]).any())
-    layer.keep(policy.score(obs) if over else None)
+    layer.keep(policy.score(Observation(weights, key, value, real, order)), order)
     return out.transpose(1, 2).contiguous().to(query.dtype)

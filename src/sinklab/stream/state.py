@@ -30,7 +30,7 @@ from torch import Tensor
 from ..errors import InputError, check_int
 from ..rope import angles, pair_factors
 
-__all__ = ["StreamState", "View", "StepPlan"]
+__all__ = ["StreamBudget", "StreamState", "View", "StepPlan"]
 
 
 @dataclass
@@ -188,12 +188,19 @@ def check_pinned(pinned) -> list[tuple[int, int]]:
     return spans
 
 
-class StreamState:
-    """Counters, buffer metadata and position plan for one stream (all layers share it)."""
+class StreamBudget:
+    """What every stream state shares, whatever its retention policy: the sizes (sinks, pinned spans, window), the
+    host-side counters, which stream indices are anchored, and the re-base that keeps virtual positions small.
+
+    A subclass holds its own per-row tensors (``n_real`` and ``base`` at least, made by ``_init_rows``) and turns what
+    its layers store when the base moves (:meth:`_rotate_stored`)."""
+
+    scored = False  # a score-based retention policy (sinklab.stream.scored) rather than recency
 
     def __init__(self, num_sinks: int, window: int, pinned=None, start_position: int = 0,
-                 rebase_every: int | None = None, rope=None, compile_plan: bool = False, attn_rope=None) -> None:
-        check_int("window", window, 1, " (it includes the current token)")
+                 rebase_every: int | None = None, rope=None, attn_rope=None, *,
+                 window_meaning: str = " (it includes the current token)") -> None:
+        check_int("window", window, 1, window_meaning)
         check_int("num_sinks", num_sinks)
         check_int("start_position", start_position)
         if rebase_every is not None:
@@ -213,25 +220,73 @@ class StreamState:
         self.start_position = int(start_position)
         self.rebase_every = int(rebase_every or max(4 * window, 2048))
         self.rebase_keep = window  # re-base so the newest `rebase_keep` tokens keep virtual positions ≥ 0
-        # Decode-step bookkeeping through torch.compile (:func:`compiled_free_step`).
-        self.compile_plan = bool(compile_plan)
         self.closed = False
-        self.rebases = 0  # times the base was moved (ring rotated)
+        self.rebases = 0  # times the base was moved (stored keys rotated)
         self.columns = 0  # columns (incl. padding) fed so far: what generate() calls the past length
         self.batch: int | None = None
         # Host-side: every forward so far had no padding (so each row's n_real == columns and all rows write the
         # same slot); with ``columns ≥ anchor_end`` a decoded token then needs no per-row masking (the fast path).
         self.rows_alike = True
-        self.layers: list = []  # SinkWindowLayer objects, for rebasing
+        self.layers: list = []  # the cache layers of this state, for rebasing
         self.view: View | None = None
+
+    def _rope_to(self, device: torch.device) -> None:
+        """The frequencies on the stream's device once, not copied there every token."""
+        if self.rope is not None:
+            self.rope = replace(self.rope, inv_freq=self.rope.inv_freq.to(device))
+            self.attn_rope = replace(self.attn_rope, inv_freq=self.rope.inv_freq)
+
+    def _rows_for(self, b: int, device: torch.device) -> None:
+        """Make the per-row state on the first forward; refuse a forward with another number of rows."""
+        if self.batch is None:
+            self._init_rows(b, device)
+        elif b != self.batch:
+            raise InputError(
+                f"this stream holds {self.batch} rows but the model was given {b}; change the number of rows "
+                "through the cache (reorder_cache, batch_repeat_interleave, batch_select_indices — generate() "
+                "does this for beams and num_return_sequences), or start a new SinkCache")
+
+    def is_anchored(self, sidx: Tensor) -> Tensor:
+        """Which stream indices (``-1``: none) are kept whatever happens: the sinks and the pinned spans."""
+        out = (sidx >= 0) & (sidx < self.num_sinks)
+        for start, end in self.pinned:
+            out = out | ((sidx >= start) & (sidx < end))
+        return out
+
+    def _maybe_rebase(self, incoming: int) -> None:
+        """Move the base so virtual positions stay at most ``rebase_every`` (the stored keys rotated once).
+
+        Decided on the host from :attr:`span` (no tensor is read): when the newest column of this forward
+        could pass ``rebase_every``, every row moves its base so that its newest ``rebase_keep`` tokens keep
+        virtual positions ``≥ 0`` (a row with nothing to move rotates by 0, exactly).
+        """
+        if self.span + incoming - 1 <= self.rebase_every:
+            return
+        target = self.start_position + torch.clamp(self.n_real - self.rebase_keep, min=0)
+        self._rotate_stored(target - self.base)
+        self.base = target
+        self.span = min(self.rebase_keep, self.columns)
+        self.rebases += 1
+
+    def _rotate_stored(self, delta: Tensor) -> None:
+        """Turn what the layers store back by ``delta`` ``[B]`` positions (the base moves forward by it)."""
+        raise NotImplementedError
+
+
+class StreamState(StreamBudget):
+    """Counters, buffer metadata and position plan for one stream (all layers share it)."""
+
+    def __init__(self, num_sinks: int, window: int, pinned=None, start_position: int = 0,
+                 rebase_every: int | None = None, rope=None, compile_plan: bool = False, attn_rope=None) -> None:
+        super().__init__(num_sinks, window, pinned, start_position, rebase_every, rope, attn_rope)
+        # Decode-step bookkeeping through torch.compile (:func:`compiled_free_step`).
+        self.compile_plan = bool(compile_plan)
         self.plan: StepPlan | None = None
 
     # ------------------------------------------------------------------ per-row storage
     def _init_rows(self, batch: int, device: torch.device) -> None:
         self.device = device
-        if self.rope is not None:  # the frequencies on the stream's device once, not copied there every token
-            self.rope = replace(self.rope, inv_freq=self.rope.inv_freq.to(device))
-            self.attn_rope = replace(self.attn_rope, inv_freq=self.rope.inv_freq)
+        self._rope_to(device)
         with buffers_that_fit(self.capacity):
             self._allocate_rows(batch, device)
 
@@ -280,12 +335,6 @@ class StreamState:
         self.n_real -= gone.sum(1)
         self.columns -= n
 
-    def _is_anchored(self, sidx: Tensor) -> Tensor:
-        out = sidx < self.num_sinks
-        for start, end in self.pinned:
-            out = out | ((sidx >= start) & (sidx < end))
-        return out
-
     # ------------------------------------------------------------------ one forward
     def begin(self, valid: Tensor, all_valid: bool = False) -> Tensor:
         """Plan a forward over ``valid`` ``[B, C]`` new columns; returns the virtual positions ``[B, C]``.
@@ -295,13 +344,7 @@ class StreamState:
         ``all_valid`` says the caller knows on the host that every column is real (no padding mask).
         """
         b, c = valid.shape
-        if self.batch is None:
-            self._init_rows(b, valid.device)
-        elif b != self.batch:
-            raise InputError(
-                f"this stream holds {self.batch} rows but the model was given {b}; change the number of rows "
-                "through the cache (reorder_cache, batch_repeat_interleave, batch_select_indices — generate() "
-                "does this for beams and num_return_sequences), or start a new SinkCache")
+        self._rows_for(b, valid.device)
         valid = valid.to(self.device).bool()
         self._maybe_rebase(c)
         if c == 1 and all_valid and self.rows_alike and self.columns >= self.anchor_end:
@@ -316,7 +359,7 @@ class StreamState:
     def _begin_step(self, valid: Tensor) -> Tensor:
         """Decode one column (``valid`` ``[B]``): fixed-shape tensor maths, no host read, no value branch."""
         t = self.n_real  # stream index of the new token, per row
-        anchored = valid & self._is_anchored(t)
+        anchored = valid & self.is_anchored(t)
         free = valid & ~anchored
         q_a = self.n_anchor + anchored.long()
         q_f = self.n_free + free.long()
@@ -376,7 +419,7 @@ class StreamState:
     def _begin_chunk(self, valid: Tensor) -> Tensor:
         """Plan a multi-column forward (prefill; eager): keys are the buffer as it was, then the chunk."""
         sidx = self.n_real[:, None] + valid.long().cumsum(1) - 1  # (B, C)
-        anchored = valid & self._is_anchored(sidx)
+        anchored = valid & self.is_anchored(sidx)
         free = valid & ~anchored
         q_a = self.n_anchor[:, None] + anchored.long().cumsum(1)
         q_f = self.n_free[:, None] + free.long().cumsum(1)
@@ -412,24 +455,11 @@ class StreamState:
         self.n_free += free.sum(1)
         return q_v
 
-    def _maybe_rebase(self, incoming: int) -> None:
-        """Move the base so virtual positions stay at most ``rebase_every`` (the ring's keys rotated once).
-
-        Decided on the host from :attr:`span` (no tensor is read): when the newest column of this forward
-        could pass ``rebase_every``, every row moves its base so that its newest ``rebase_keep`` tokens keep
-        virtual positions ``≥ 0`` (a row with nothing to move rotates by 0, exactly).
-        """
-        if self.span + incoming - 1 <= self.rebase_every:
-            return
-        target = self.start_position + torch.clamp(self.n_real - self.rebase_keep, min=0)
-        delta = target - self.base
+    def _rotate_stored(self, delta: Tensor) -> None:
         ring = slice(self.anchor_capacity, self.capacity)
         for layer in self.layers:
             layer.rotate_ring(ring, -delta)
         self.s_o[:, ring] -= delta[:, None]
-        self.base = target
-        self.span = min(self.rebase_keep, self.columns)
-        self.rebases += 1
 
     def kept_tokens(self) -> int:
         """The most tokens any row keeps."""
