@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= sinklab-demo
 
-.PHONY: venv demo test bench check-package clean
+.PHONY: venv demo test test-compat bench check-package clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,8 +38,14 @@ demo: venv
 	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab diagnose builtin:minilm --out $(DEMO_OUT)/minilm-diagnose
 	@echo "reports: $(DEMO_OUT)/{smollm2,smollm2-eval-stream,gemma3,gemma3-circuit,minilm,tiny-lm,minilm-diagnose}/report.html"
 
+# Test files are spread over one worker per core (at most 4; each worker's torch gets its share of the cores).
 test: venv
-	HF_HUB_OFFLINE=1 $(PY) -m pytest
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -n auto --maxprocesses=4 --dist loadfile
+
+# The suite on the declared transformers floor and the newest release, each in a throwaway venv under
+# benchmarks/.peer-venvs/ (slow; not part of `make test`); docs/compatibility.md has the results.
+test-compat: venv
+	$(PY) benchmarks/compat.py
 
 # Release check: build wheel + sdist, inspect their metadata and data files, install in a fresh venv, run the CLI.
 check-package: venv

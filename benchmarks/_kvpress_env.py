@@ -35,7 +35,7 @@ def _tail(text: str, lines: int = 15) -> str:
 
 
 def _run(cmd: list[str], timeout: float = PIP_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def _probe(python: Path) -> dict | None:

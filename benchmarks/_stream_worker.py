@@ -42,7 +42,7 @@ def build_model(weights: str):
     config = transformers.LlamaConfig(**(folder_config(folder) if folder else CONFIG))
     try:
         config._attn_implementation = "sdpa"
-    except Exception:  # pragma: no cover - old versions
+    except Exception:  # noqa: BLE001  # pragma: no cover - old versions
         pass
     model = transformers.LlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(load_file(f"{folder}/model.safetensors" if folder else weights),

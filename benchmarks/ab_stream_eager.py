@@ -32,7 +32,7 @@ def run(method: str, src: str, window: int, tokens: int) -> list[float]:
 
 def commit_of(src: str) -> str | None:
     """The git commit a source tree is checked out at (None outside a git checkout)."""
-    done = subprocess.run(["git", "-C", src, "rev-parse", "HEAD"], capture_output=True, text=True)
+    done = subprocess.run(["git", "-C", src, "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
     return done.stdout.strip() or None if done.returncode == 0 else None
 
 

@@ -776,7 +776,7 @@ def cached_layers(model: nn.Module) -> int:
         with torch.no_grad():
             out = model(input_ids=random_ids(4), use_cache=True)
         cache = out.get("past_key_values", out.get("cache"))
-        return max(1, sum(isinstance(getattr(layer, "keys", None), Tensor) and getattr(layer, "keys").numel() > 0
+        return max(1, sum(isinstance(getattr(layer, "keys", None), Tensor) and layer.keys.numel() > 0
                           for layer in getattr(cache, "layers", [])))
     except Exception:  # noqa: BLE001 - the stream cell itself will show what fails
         return 1
@@ -1012,7 +1012,7 @@ def run_matrix(names: list[str], jobs: int = 2, timeout: float = 120.0,
                     _apply(running[conn][3], conn.recv())
             except (EOFError, OSError):
                 close(conn, None if "seconds" in running[conn][3] else "died")
-        for conn, (name, proc, start, row) in list(running.items()):
+        for conn, (_name, _proc, start, _row) in list(running.items()):
             if time.perf_counter() - start > timeout:
                 close(conn, f"was killed after the {timeout:.0f} s timeout")
     return [rows[n] for n in names]

@@ -42,7 +42,8 @@ def _venv(path: Path) -> tuple[Path | None, str]:
         site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                               check=True, capture_output=True, text=True).stdout.strip()
         Path(site, "main-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    r = subprocess.run([str(python), "-m", "pip", "install", "-q", *BACKENDS], capture_output=True, text=True)
+    r = subprocess.run([str(python), "-m", "pip", "install", "-q", *BACKENDS], capture_output=True, text=True,
+                       check=False)
     if r.returncode:
         return None, "pip install failed: " + (r.stderr.strip().splitlines() or ["?"])[-1]
     return python, "installed " + ", ".join(BACKENDS) + f" into {path}"

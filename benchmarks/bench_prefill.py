@@ -36,13 +36,13 @@ def one_round(model, prompt: torch.Tensor, args) -> dict:
         cache = DynamicCache(config=model.config) if name == "dynamic" else sinklab.SinkCache(
             model, num_sinks=args.sinks, window=args.window)
         with torch.no_grad():
-            out, wall, cpu = timed(lambda: model(prompt, cache=cache, use_cache=True))
+            out, wall, cpu = timed(lambda: model(prompt, cache=cache, use_cache=True))  # noqa: B023 - called at once
             row[f"{name}_prefill_wall_s"], row[f"{name}_prefill_cpu_s"] = wall, cpu
             row[f"{name}_logits"] = out.logits[0, -1].double()
             token = out.logits[:, -1:].argmax(-1)
             walls, cpus = [], []
             for _ in range(args.decode):
-                step, wall, cpu = timed(lambda: model(token, cache=cache, use_cache=True))
+                step, wall, cpu = timed(lambda: model(token, cache=cache, use_cache=True))  # noqa: B023 - called at once
                 token = step.logits[:, -1:].argmax(-1)
                 walls.append(wall)
                 cpus.append(cpu)

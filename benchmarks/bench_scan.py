@@ -163,7 +163,7 @@ def model_worker(name: str, repeats: int, samples: int, seq_len: int, resident: 
 
 
 def _child(args: list[str]) -> dict:
-    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -80,7 +80,7 @@ def run_worker(py: Path, method: str, files: dict, window: int, tokens: int, log
     if src is None and py == Path(sys.executable):
         src = HERE.parent / "src"
     env = dict(os.environ, PYTHONPATH=str(src)) if src is not None else None
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if res.returncode != 0:
         print(f"  {method} W={window} failed: {res.stderr.strip().splitlines()[-1] if res.stderr else res.returncode}")
         return None

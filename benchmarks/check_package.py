@@ -29,7 +29,8 @@ DATA = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.
 
 def run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
     print("  $", " ".join(str(c) for c in cmd), flush=True)
-    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kwargs)
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=kwargs.pop("check", False),
+                          **kwargs)
 
 
 def venv(path: Path) -> Path:

@@ -28,8 +28,6 @@ the figure goes to ``docs/img/<results stem>.png``.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import subprocess
 import sys

@@ -284,7 +284,7 @@ def main() -> None:
                     for it in items:
                         try:
                             outcomes.append(run_sinklab(model, it, method, budget, plan))
-                        except Exception as exc:  # a method that cannot run is a row with its error
+                        except Exception as exc:  # noqa: BLE001 - a method that cannot run is a row with its error
                             outcomes.append({"error": f"{type(exc).__name__}: {exc}"})
                     row = _cell_row(name, method, key[2], key[3], task, context, outcomes, answers, tok,
                                     time.time() - t0)

@@ -10,7 +10,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+# One process: two intra-op threads. Under pytest-xdist (`make test`): the cores shared out between the workers.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(2 if _WORKERS == 1 else max(1, (os.cpu_count() or 1) // _WORKERS))
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from importlinter.cli import lint_imports
@@ -9,12 +10,42 @@ from importlinter.cli import lint_imports
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 
-def test_layers_only_import_downwards(capsys):
+def _lint(config: Path, capsys) -> tuple[int, str]:
     # In-process (no subprocess start-up); the import graph is small, no cache is written.
-    code = lint_imports(config_filename=str(PYPROJECT), no_cache=True, no_logo=True)
-    out = capsys.readouterr().out
+    code = lint_imports(config_filename=str(config), no_cache=True, no_logo=True)
+    return code, capsys.readouterr().out
+
+
+def _summary(out: str) -> tuple[int, int]:
+    m = re.search(r"Contracts: (\d+) kept, (\d+) broken\.", out)
+    assert m, out
+    return int(m.group(1)), int(m.group(2))
+
+
+def test_layers_only_import_downwards(capsys):
+    import tomllib
+
+    contracts = tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]["contracts"]
+    code, out = _lint(PYPROJECT, capsys)
     assert code == 0, out
-    assert "1 kept, 0 broken" in out or "0 broken" in out
+    # Every contract of pyproject was checked and kept (not "some number ending in 0 broken").
+    assert _summary(out) == (len(contracts), 0), out
+    assert all(f"{c['name']} KEPT" in out for c in contracts), out
+
+
+def test_the_linter_would_catch_an_upward_import(tmp_path, capsys):
+    """The same contract with its layers upside down must break: the check above is not vacuous."""
+    import tomllib
+
+    config = tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]
+    contract = config["contracts"][0]
+    flipped = "\n".join(
+        ["[tool.importlinter]", f'root_package = "{config["root_package"]}"', "exclude_type_checking_imports = true",
+         "[[tool.importlinter.contracts]]", 'name = "flipped"', 'type = "layers"',
+         "layers = [" + ", ".join(f'"{layer}"' for layer in reversed(contract["layers"])) + "]"])
+    (tmp_path / "pyproject.toml").write_text(flipped)
+    code, out = _lint(tmp_path / "pyproject.toml", capsys)
+    assert code != 0 and _summary(out) == (0, 1), out
 
 
 def test_the_contract_covers_every_module():

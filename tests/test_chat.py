@@ -11,7 +11,6 @@ import pty
 import select
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch

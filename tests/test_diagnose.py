@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import sinklab.report
 from sinklab import metrics
 from sinklab.capture import ValueEdit
 from sinklab.cli import app
-from sinklab.diagnose import ROLES, diagnose, diagnose_inputs, token_roles
+from sinklab.diagnose import DEFAULT_RULES, ROLES, diagnose, diagnose_inputs, token_roles
 from sinklab.edits import EDITS, run_edit
 from sinklab.errors import InputError
 from sinklab.synth import BroadcastTask, NopTask, run_broadcast, run_nop
@@ -199,3 +200,125 @@ def test_cli_diagnose_and_synth(tmp_path):
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "s" / "synth.json").read_text())["task"] == "nop"
     assert runner.invoke(app, ["synth", "nope"]).exit_code == 2
+
+
+# ----------------------------------------------------------------------------- decision boundaries
+# Each rule of diagnose.DEFAULT_RULES (and a non-default value of it) tested on both sides: synthetic scans whose
+# statistic sits DELTA below / at / above the threshold, expected verdicts written from the definitions
+# (SCIENCE §1–2): sink when column mass > sink_mass, min_i A_is ≥ 1 − eps_event, routed share ≥ relaxed_share;
+# NOP when r_out ≤ nop_max_ratio; broadcast when r_out ≥ broadcast_min_ratio and srank ≤ broadcast_max_srank.
+DELTA = 1e-6  # far above float32 resolution near these thresholds (~3e-8), far below any gap between them
+
+
+def _synthetic_scan(cases: list[dict], t: int = 16):
+    """One sample per case, one layer, one head; position 0 is the dominant column, the other columns hold 0.01.
+
+    A case sets ``mass`` (column mass at 0), ``low`` (column minimum), ``routed`` (routed share), ``r_out`` /
+    ``r_head`` (value norm at 0, the others' norms are 1, so these are the ratios) and ``srank`` (update spectrum
+    σ = (1, √(srank − 1)), whose stable rank Σσ²/σ₁² is srank)."""
+    from sinklab.scan import ScanResult, check_thresholds
+
+    s = len(cases)
+    f64 = dict(dtype=torch.float64)
+
+    def column(key, default, rest):
+        x = torch.full((s, 1, 1, t), rest, **f64)
+        x[:, 0, 0, 0] = torch.tensor([c.get(key, default) for c in cases], **f64)
+        return x
+
+    spectrum = torch.zeros(s, 1, 1, 2, **f64)
+    spectrum[..., 0] = 1.0
+    spectrum[:, 0, 0, 1] = torch.tensor([math.sqrt(c.get("srank", 1.2) - 1.0) for c in cases], **f64)
+    zeros = torch.zeros(s, 1, 1, t, **f64)
+    return ScanResult(
+        column_mass=column("mass", 0.5, 0.01), column_min=column("low", 0.0, 0.0),
+        routed_fraction=column("routed", 0.0, 0.0), candidate_attention=zeros[..., None], value_norm=column("r_head", 1.0, 1.0),
+        value_norm_out=column("r_out", 1.0, 1.0), update_norm=zeros, update_spectrum=spectrum,
+        common_mode=torch.zeros(s, 1, 1, **f64), learned_sink_mass=torch.zeros(s, 1, 1, **f64),
+        column_queries=torch.full((s, 1, t), float(t), **f64), hidden_norm=torch.ones(s, 2, t, **f64),
+        hidden_max_abs=torch.ones(s, 2, t, **f64), hidden_max_dim=torch.zeros(s, 2, t, dtype=torch.long),
+        hidden_median_abs=torch.ones(s, 2, **f64), token_mask=torch.ones(s, t, dtype=torch.bool), attention_maps=None,
+        qk_spectrum=torch.tensor([[[2.0, 1.0]]], **f64), output_space=[True], tokens=[["<s>"] + ["w"] * (t - 1)] * s,
+        candidates=(0,), meta={"thresholds": check_thresholds({})},
+    )
+
+
+def _verdicts(cases, rules):
+    """Per case: None (no sink) or the class diagnose gives the sink at position 0."""
+    from sinklab.diagnose import _check_rules, sink_records
+
+    records = {r.sample: r for r in sink_records(_synthetic_scan(cases), _check_rules(rules), {"bos": "<s>"})}
+    assert all(r.token_index == 0 for r in records.values())
+    return [records[i].kind if i in records else None for i in range(len(cases))]
+
+
+@pytest.mark.parametrize("threshold", [None, 0.45])
+def test_sink_mass_rule_flips_at_its_threshold(threshold):
+    th = DEFAULT_RULES["sink_mass"] if threshold is None else threshold
+    rules = {} if threshold is None else {"sink_mass": threshold}
+    got = _verdicts([{"mass": th - DELTA, "r_out": 0.1}, {"mass": th, "r_out": 0.1}, {"mass": th + DELTA, "r_out": 0.1}],
+                    rules)
+    assert got == [None, None, "nop"]  # strictly above ε (Gu et al.: α > ε)
+
+
+@pytest.mark.parametrize("threshold", [None, 0.05])
+def test_strict_rule_flips_at_one_minus_eps(threshold):
+    eps = DEFAULT_RULES["eps_event"] if threshold is None else threshold
+    rules = {"rule": "strict", **({} if threshold is None else {"eps_event": threshold})}
+    low = 1.0 - eps
+    # The column mass is high on every case: only the column minimum decides.
+    got = _verdicts([{"mass": 0.95, "low": low - DELTA, "r_out": 0.1}, {"mass": 0.95, "low": low + DELTA, "r_out": 0.1}],
+                    rules)
+    assert got == [None, "nop"]
+
+
+@pytest.mark.parametrize("threshold", [None, 0.6])
+def test_relaxed_rule_flips_at_its_share(threshold):
+    share = DEFAULT_RULES["relaxed_share"] if threshold is None else threshold
+    rules = {"rule": "relaxed", **({} if threshold is None else {"relaxed_share": threshold})}
+    got = _verdicts([{"mass": 0.95, "routed": share - DELTA, "r_out": 0.1}, {"mass": 0.95, "routed": share, "r_out": 0.1},
+                     {"mass": 0.95, "routed": share + DELTA, "r_out": 0.1}], rules)
+    assert got == [None, "nop", "nop"]
+
+
+@pytest.mark.parametrize("threshold", [None, 0.3])
+def test_nop_flips_at_nop_max_ratio(threshold):
+    th = DEFAULT_RULES["nop_max_ratio"] if threshold is None else threshold
+    rules = {} if threshold is None else {"nop_max_ratio": threshold}
+    # The head-space ratio says the opposite every time: only r_out decides (SCIENCE §2).
+    got = _verdicts([{"r_out": th - DELTA, "r_head": 1.0}, {"r_out": th, "r_head": 1.0},
+                     {"r_out": th + DELTA, "r_head": 0.01}], rules)
+    assert got == ["nop", "nop", "unclassified"]
+
+
+@pytest.mark.parametrize("threshold", [None, 0.7])
+def test_broadcast_flips_at_broadcast_min_ratio(threshold):
+    th = DEFAULT_RULES["broadcast_min_ratio"] if threshold is None else threshold
+    rules = {} if threshold is None else {"broadcast_min_ratio": threshold}
+    got = _verdicts([{"r_out": th - DELTA, "srank": 1.2}, {"r_out": th, "srank": 1.2},
+                     {"r_out": th + DELTA, "srank": 1.2}], rules)
+    assert got == ["unclassified", "broadcast", "broadcast"]
+
+
+@pytest.mark.parametrize("threshold", [None, 1.1])
+def test_broadcast_flips_at_broadcast_max_srank(threshold):
+    th = DEFAULT_RULES["broadcast_max_srank"] if threshold is None else threshold
+    rules = {} if threshold is None else {"broadcast_max_srank": threshold}
+    got = _verdicts([{"r_out": 1.0, "srank": th - DELTA}, {"r_out": 1.0, "srank": th + DELTA}], rules)
+    assert got == ["broadcast", "unclassified"]
+    # and with r_out in the NOP range the rank does not matter: NOP on both sides
+    assert _verdicts([{"r_out": 0.01, "srank": th - DELTA}, {"r_out": 0.01, "srank": th + DELTA}], rules) == ["nop"] * 2
+
+
+def test_boundary_verdicts_reach_the_diagnosis_tables():
+    """The same verdicts through Diagnosis.per_layer / per_head: counts and dominant class follow the records."""
+    from sinklab.diagnose import Diagnosis, _check_rules, sink_records
+
+    cases = [{"r_out": 0.2 - DELTA}] * 3 + [{"r_out": 0.5 + DELTA}] * 2 + [{"mass": 0.3 - DELTA}]
+    scan = _synthetic_scan(cases)
+    rules = _check_rules({})
+    d = Diagnosis(scan=scan, records=sink_records(scan, rules, {"bos": "<s>"}), rules=rules)
+    row = d.per_layer()[0]
+    assert row["counts"] == {"unclassified": 0, "nop": 3, "broadcast": 2} and row["dominant_kind"] == "nop"
+    assert row["sink_pct"] == pytest.approx(100 * 5 / 6) and row["top_sink"] == "bos@0"
+    assert d.per_head()[0][0] == {"sink_pct": pytest.approx(100 * 5 / 6), "kind": "nop"}

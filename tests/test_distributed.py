@@ -38,7 +38,7 @@ def job(tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(HERE / "distributed_worker.py"), str(out)]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_LIMIT_S)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_LIMIT_S, check=False)
     crashes = {p.name: p.read_text() for p in out.glob("crash-*")}
     assert not crashes, crashes
     assert (out / "failure-0.txt").exists(), proc.stderr[-4000:]  # the job got through every check
@@ -66,13 +66,30 @@ def _close(a, b, rel: float, path: str = "") -> None:
         assert a == b, (path, a, b)
 
 
+def _expected_split(samples: int, batch_size: int, world: int) -> dict:
+    """The documented split, written out here: batches of ``batch_size`` in order; rank r takes the whole batches
+    whose first sample falls in the r-th 1/world of the samples (docs/distributed.md)."""
+    firsts = list(range(0, samples, batch_size))
+    owner = [min(world - 1, first * world // samples) for first in firsts]
+    batches = [[owner.index(r), len(owner) - owner[::-1].index(r)] for r in range(world)]
+    ends = [min(samples, f + batch_size) for f in firsts]
+    return {"batches_per_rank": batches,
+            "samples_per_rank": [[firsts[a], ends[b - 1]] for a, b in batches]}
+
+
+def test_expected_split_helper():
+    assert _expected_split(6, 2, 2) == {"batches_per_rank": [[0, 2], [2, 3]], "samples_per_rank": [[0, 4], [4, 6]]}
+    assert _expected_split(7, 2, 2) == {"batches_per_rank": [[0, 2], [2, 4]], "samples_per_rank": [[0, 4], [4, 7]]}
+
+
 def test_scan_split_over_two_ranks_equals_one_process(job, tiny_lm):
     out, _, _ = job
     single = scan(tiny_lm.model, tiny_lm.tokenizer, **SCAN_ARGS)
     for rank in (0, 1):  # every rank returns the whole result
         got = torch.load(out / f"scan-{rank}.pt")
-        assert got["meta"] == {"world_size": 2, "split": got["meta"]["split"], "batches_per_rank": [[0, 2], [2, 3]],
-                               "samples_per_rank": [[0, 4], [4, 6]]}
+        meta = dict(got["meta"])
+        assert isinstance(meta.pop("split"), str)  # a description of the rule
+        assert meta == {"world_size": 2, **_expected_split(SCAN_ARGS["samples"], SCAN_ARGS["batch_size"], 2)}
         for name in (*_PER_SAMPLE, "attention_maps"):
             torch.testing.assert_close(got[name], getattr(single, name), rtol=1e-6, atol=0, equal_nan=True, msg=name)
     # `sinklab scan` under torchrun wrote one scan.json equal to one process's, number by number.
@@ -93,15 +110,25 @@ def test_diagnose_split_over_two_ranks_equals_one_process(job, tiny_lm):
     _close(json.loads(json.dumps(single)), split, 1e-6)
 
 
-def _check_monitor(folder: Path, steps: list[int], tokens: list[int]) -> None:
-    """One JSONL (main process), records equal to a single-process monitor on the same weights and probe."""
+def _check_monitor(folder: Path, steps: list[int], tokens: list[int], reference: dict | None = None) -> None:
+    """One JSONL (main process), records equal to a single-process monitor on the same weights and probe.
+
+    ``reference`` maps a step to the state dict a single process reaches by itself (then the job's weights must
+    equal it, and the monitor runs on it); without it, on the weights the job saved."""
     records = json.loads((folder / "records-0.json").read_text())
     assert json.loads((folder / "records-1.json").read_text()) == []  # rank 1 keeps none, writes none
     assert [json.loads(line) for line in (folder / "monitor.jsonl").read_text().splitlines()] == records
     assert [(r["step"], r["tokens"]) for r in records] == list(zip(steps, tokens, strict=True))
     for record in records:
         model = tiny_llama()
-        missing, unexpected = model.load_state_dict(torch.load(folder / f"weights-{record['step']}.pt"), strict=False)
+        saved = torch.load(folder / f"weights-{record['step']}.pt")
+        if reference is not None:
+            want = reference[record["step"]]
+            assert set(saved) <= set(want)
+            for name, value in saved.items():  # the sharded run's weights are the single process's
+                torch.testing.assert_close(value, want[name], atol=5e-5, rtol=1e-4, msg=name)
+            saved = want
+        missing, unexpected = model.load_state_dict(saved, strict=False)
         assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
         expected = SinkMonitor(model, PROBE).measure()
         _close(expected, {k: record[k] for k in expected}, 1e-5)
@@ -113,8 +140,25 @@ def test_monitor_under_ddp_trainer_with_gradient_accumulation(job):
     _check_monitor(job[0] / "ddp", [2, 4], [2 * 256, 4 * 256])
 
 
+def _fsdp_loop_in_one_process() -> dict[int, dict]:
+    """tests/distributed_worker.py's FSDP2 loop in one process: each step on both ranks' batches at once (FSDP
+    averages the two ranks' gradients of equal-size batches = the gradient of the mean loss on their union)."""
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gens = [torch.Generator().manual_seed(11 + rank) for rank in (0, 1)]
+    states = {}
+    for step in range(1, 5):
+        batch = torch.cat([torch.randint(0, 64, (2, 32), generator=g) for g in gens])
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 2 == 0:
+            states[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return states
+
+
 def test_monitor_under_fsdp2_plain_loop(job):
-    _check_monitor(job[0] / "fsdp", [2, 4], [2 * 128, 4 * 128])
+    _check_monitor(job[0] / "fsdp", [2, 4], [2 * 128, 4 * 128], reference=_fsdp_loop_in_one_process())
 
 
 @pytest.mark.filterwarnings("ignore::sinklab.scan.ShortSequenceWarning")  # 16-token Bigram-Backcopy probes

@@ -6,6 +6,9 @@ import os
 import re
 from pathlib import Path
 
+import pytest
+import torch
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -22,7 +25,25 @@ def test_readme_python_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
     exec(compile(code, str(README), "exec"), scope)  # noqa: S102 - the README's own example
-    assert isinstance(scope["result"], sinklab.ScanResult) and scope["result"].num_samples == 4
+    result = scope["result"]
+    assert isinstance(result, sinklab.ScanResult) and result.num_samples == 4
+    # The numbers, not only the types: the column mass and Sink_1^ε recomputed from transformers' own eager
+    # attention of the same windows (float64, SCIENCE §1), no sinklab metric on the path.
+    from test_scan import eager_attentions, reference_column_mass, reference_sink_rate
+
+    from sinklab.texts import tokenize_windows
+
+    loaded = scope["loaded"]
+    windows = tokenize_windows(loaded.tokenizer, scope["texts"], 64, 4)
+    assert [[loaded.tokenizer.decode([i]) for i in row[: len(t)]] for row, t in
+            zip(windows.input_ids.tolist(), result.tokens, strict=True)] == result.tokens  # the scan's own inputs
+    attn = eager_attentions(loaded.model, windows.input_ids, windows.attention_mask)
+    mass = reference_column_mass(attn, windows.attention_mask.bool(), causal=True)
+    torch.testing.assert_close(result.column_mass.double(), mass, atol=2e-5, rtol=0, equal_nan=True)
+    assert float((mass[..., 0] - 0.3).abs().min()) > 1e-3  # no head so close to ε that rounding could flip it
+    want = reference_sink_rate(mass)
+    assert 0 < want < 100 and result.sink_rate(0) == pytest.approx(want, abs=1e-9)
+    assert scope["d"].scan.sink_rate(0) == pytest.approx(want, abs=1e-9)  # diagnose's statistics pass: same inputs
     assert scope["d"].records and isinstance(scope["c"].amplification_layer, int)
     for folder in ("out", "diag", "circuit"):
         assert (tmp_path / folder / "report.html").is_file(), os.listdir(tmp_path)
@@ -50,3 +71,163 @@ def test_readme_gating_numbers_are_the_committed_benchmarks():
     digits = [3, 3, 3, 3, 1, 1]
     assert [round(w, d) for w, d in zip(want, digits)] == quoted, (want, quoted)
     assert len(rows) == 6 and "3 seeds" in text
+
+
+# ----------------------------------------------------------------------------- README's numbers vs committed JSON
+RESULTS = README.parent / "benchmarks" / "results"
+
+
+def _text() -> str:
+    return " ".join(README.read_text(encoding="utf-8").split())
+
+
+def _json(name: str):
+    import json
+
+    return json.loads((RESULTS / name).read_text())
+
+
+def _find(pattern: str) -> list[float]:
+    import re
+
+    m = re.search(pattern, _text())
+    assert m, f"README no longer says {pattern!r}: update this test with it"
+    return [float(x.replace(",", "")) for x in m.groups()]
+
+
+def _in_range(value: float, low: float, high: float, digits: int) -> bool:
+    return low <= round(value, digits) <= high
+
+
+def test_readme_eval_stream_numbers_are_the_committed_benchmarks():
+    """`sinklab eval-stream` on SmolLM2 (cache 256): benchmarks/results/compare_smollm2.json; the long run past the
+    trained positions: long_smollm2.json (benchmarks/long_stream_smollm2.py long --tokens 12288)."""
+    import statistics
+
+    quoted = _find(r"On SmolLM2 \(cache (\d+)\): window only PPL ([\d.]+), one sink ([\d.]+), four sinks ([\d.]+), "
+                   r"recompute ([\d.]+), dense ([\d.]+); past its ([\d,]+) trained positions dense attention degrades "
+                   r"\(NLL ([\d.]+) in the last ([\d,]+) of ([\d,]+) tokens\) while sinks \+ window stays level \(([\d.]+)\)")
+    short, long = _json("compare_smollm2.json"), _json("long_smollm2.json")
+    curves = short["curves"]
+    ppl = [curves[k]["ppl"] for k in ("window", "sinks S=1", "sinks S=4", "recompute", "dense")]
+    assert curves["window"]["num_sinks"] == 0 and curves["sinks S=1"]["window"] + 1 == short["cache_size"]
+    last = quoted[8]
+    tail = {name: statistics.mean(n for p, n in zip(long["scored_positions"], c["nll"], strict=True)
+                                  if p >= long["num_tokens"] - last)
+            for name, c in long["curves"].items()}
+    want = [short["cache_size"], round(ppl[0], 1), round(ppl[1], 2), round(ppl[2], 2), round(ppl[3], 1), round(ppl[4], 1),
+            long["trained_positions"], round(tail["dense"], 2), last, long["num_tokens"], round(tail["sinks S=4"], 2)]
+    assert quoted == want
+
+
+def test_readme_recall_numbers_are_the_committed_benchmark():
+    """Recall 100 % inside the window, 0 % once evicted, 100 % pinned: quality_recall.json
+    (benchmarks/stream_quality.py recall)."""
+    quoted = _find(r"a fact is recalled (\d+) % while inside the window, (\d+) % once evicted, (\d+) % when pinned")
+    d = _json("quality_recall.json")
+    window = d["window"]
+    inside = [a for dist, a in zip(d["distances"], d["accuracy"]["sinks"], strict=True) if dist < window]
+    evicted = [a for dist, a in zip(d["distances"], d["accuracy"]["sinks"], strict=True) if dist > window]
+    assert inside and evicted
+    assert quoted == [100 * min(inside), 100 * max(evicted), 100 * min(d["accuracy"]["pinned"])]
+    assert max(inside) == min(inside) and min(evicted) == max(evicted)  # a single figure is honest for each
+
+
+def test_readme_compile_numbers_are_the_committed_benchmarks():
+    """CPU: bench_stream_compile_freezing.json (the README's ranges hold every committed run); one H200:
+    bench_stream_compile_cuda_bfloat16.json and …_profile.json (benchmarks/gpu_stream_compile.sh)."""
+    cpu = _find(r"decodes SmolLM2 at ([\d.]+)–([\d.]+)× and Gemma 3 270M at ([\d.]+)–([\d.]+)× the eager DynamicCache's "
+                r"time per token \(four runs\), within ([\d.]+)× of transformers' compiled StaticCache")
+    models = {m["model"]: m["threads"] for m in _json("bench_stream_compile_freezing.json")["models"]}
+    assert _json("bench_stream_compile_freezing.json")["compile"] == {"freezing": True}
+    for name, (low, high) in (("builtin:smollm2", cpu[0:2]), ("builtin:gemma3", cpu[2:4])):
+        for run in models[name].values():
+            assert _in_range(run["ratios"]["sinklab compiled / dynamic eager"], low, high, 2), (name, run["ratios"])
+            assert round(run["ratios"]["sinklab compiled / static compiled"], 2) <= cpu[4]
+    gpu = _find(r"On one H200 \(bfloat16, CUDA graphs\) a compiled SmolLM2 stream decodes in ([\d.]+)–([\d.]+) ms per "
+                r"token, ([\d.]+)× the eager DynamicCache but ([\d.]+)–([\d.]+)× transformers' compiled StaticCache: the "
+                r"stream's eager bookkeeping between the graphs \(([\d.]+)–([\d.]+) ms per token there\)")
+    runs = []
+    for name in ("bench_stream_compile_cuda_bfloat16.json", "bench_stream_compile_cuda_bfloat16_profile.json"):
+        d = _json(name)
+        assert d["device"] == "cuda" and d["dtype"] == "bfloat16" and "H200" in d["machine"]["gpu"]
+        runs += [(m["model"], m["threads"]["1"]) for m in d["models"]]
+    smol = [r for model, r in runs if model.startswith("smollm2")]
+    assert len(smol) == 2
+    assert sorted(round(r["median_ms"]["sinklab compiled"], 1) for r in smol) == gpu[0:2]
+    assert all(round(r["ratios"]["sinklab compiled / dynamic eager"], 2) == gpu[2] for r in smol)
+    assert sorted(round(r["ratios"]["sinklab compiled / static compiled"], 2) for r in smol) == gpu[3:5]
+    plans = [r["plan_us_per_token"] / 1000 for _, r in runs if r.get("plan_us_per_token")]  # the profiled run
+    assert plans and all(_in_range(p, gpu[5], gpu[6], 1) for p in plans)
+    assert {round(p, 1) for p in plans} == set(gpu[5:7])
+
+
+def test_readme_vit_numbers_are_the_committed_benchmark():
+    """`sinklab vit-experiment --minutes 45 --seeds 3` (docs/vit.md): benchmarks/results/vit_experiment.json."""
+    quoted = _find(r"in a (\d+)-seed CPU run of ([\d,]+) steps per model, gating lifts the patch-probe mIoU from ([\d.]+) ± ([\d.]+) "
+                   r"to ([\d.]+) ± ([\d.]+) and gating \+ registers to ([\d.]+) ± ([\d.]+) while \[CLS\] accuracy stays "
+                   r"within ([\d.]+) points")
+    d = _json("vit_experiment.json")
+    rows, plan = d["rows"], d["plan"]
+    cls = [row["cls acc [CLS]"][0] for row in rows.values()]
+    want = [plan["config"]["seeds"], plan["steps"],
+            *(round(x, 1) for v in ("baseline", "gated", "gated+registers") for x in rows[v]["mIoU"]),
+            round(max(cls) - min(cls), 1)]
+    assert quoted == want, (quoted, want)
+
+
+#: scan's per-layer table: (registry row, digits printed) per column after "layer" (sinklab.cli's scan table).
+SCAN_COLUMNS = [("sink_rate_0", 1), ("sink_strength", 2), ("top_position", 0), ("top_position_pct", 0),
+                ("value_norm_ratio_out", 2), ("update_stable_rank", 2), ("hidden_norm_ratio_0", 2), ("max_activation", 1)]
+
+
+def _block_after(marker: str) -> str:
+    import re
+
+    text = README.read_text(encoding="utf-8")
+    assert marker in text, f"README no longer has {marker!r}: update this test with it"
+    return re.search(r"```text\n(.*?)```", text[text.index(marker):], re.S).group(1)
+
+
+def _check_scan_table(marker: str, committed: str) -> None:
+    import re
+
+    block, data = _block_after(marker), _json(committed)
+    table = data["per_layer"]
+    rows = [[float(c) for c in line.strip("│ ").split("│")] for line in block.splitlines() if line.startswith("│")]
+    assert len(rows) >= 6
+    for row in rows:
+        layer = int(row[0])
+        want = [round(table[name][layer], digits) for name, digits in SCAN_COLUMNS]
+        assert row[1:] == want, (layer, row[1:], want)
+    m = re.search(r"Sink\^ε\(0\) = ([\d.]+) % of layer×head pairs; most common sink: position (\d+) \('(.*)'\)", block)
+    assert m and float(m.group(1)) == round(data["sink_rate"]["by_position"]["0"], 1)
+    assert (int(m.group(2)), m.group(3)) == (data["top_sink"]["position"], data["top_sink"]["token"])
+    assert (data["meta"]["num_samples"], data["meta"]["seq_len"]) == (16, 64)  # the defaults README states
+
+
+def test_readme_minilm_scan_table_is_the_committed_scan():
+    """`sinklab scan builtin:minilm` → benchmarks/results/scan_minilm.json (its scan.json, per-sample arrays dropped)."""
+    _check_scan_table("Output of `sinklab scan builtin:minilm`", "scan_minilm.json")
+    # the sentence under the table: [CLS]'s output-space value norm is 4–10 % of the others' in layers 1–4
+    low, high = _find(r"its output-space value norm is (\d+)–(\d+) % of the other tokens'")
+    ratios = [100 * _json("scan_minilm.json")["per_layer"]["value_norm_ratio_out"][layer] for layer in (1, 2, 3, 4)]
+    assert round(min(ratios)) == low and round(max(ratios)) == high, ratios
+
+
+def test_readme_smollm2_scan_table_is_the_committed_scan():
+    """`sinklab scan builtin:smollm2` → benchmarks/results/scan_smollm2.json (its scan.json, per-sample arrays
+    dropped); the abridged rows and the massive activation quoted in the prose."""
+    _check_scan_table("`sinklab scan builtin:smollm2` (16 pydoc windows", "scan_smollm2.json")
+    table = _json("scan_smollm2.json")["per_layer"]
+    (peak,) = _find(r"where a massive activation of \|a\| ≈ ([\d,]+) appears in one channel")
+    assert round(table["max_activation"][11], -3) == peak and max(table["max_activation"]) < 1.01 * table["max_activation"][11]
+    # "the sink of nearly every head from layer 3 on": position 0 is the top position of every layer from 3 but 11
+    assert [layer for layer in range(3, 30) if table["top_position"][layer] != 0] == [11]
+    # "(before that rule, positions 62–63 were often "sinks"; now none)": no (sample, layer, head) sinks there
+    dominant = [p for sample in _json("scan_smollm2.json")["dominant_columns"] for layer in sample for p in layer]
+    assert len(dominant) == 16 * 30 * 9 and not {62, 63} & set(dominant)
+    # "its norm is built up twice by MLPs (blocks 1–2, then 16× more in block 11 …)": ‖x₀‖/median after each block
+    ratio = table["hidden_norm_ratio_0"]
+    (more,) = _find(r"built up twice by MLPs \(blocks 1–2, then (\d+)× more in block 11")
+    assert round(ratio[11] / ratio[2]) == more and ratio[2] > 3 * ratio[0] and ratio[10] < 2 < ratio[11] / ratio[2]

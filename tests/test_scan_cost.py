@@ -12,7 +12,7 @@ import transformers as tf
 from tiny_models import build
 
 from sinklab import metrics
-from sinklab.capture import AttentionCapture, weights as weight_stats
+from sinklab.capture import weights as weight_stats
 from sinklab.capture.heads import update_spectrum
 from sinklab.capture.loss import head_matches, token_losses
 from sinklab.errors import ModelWeightsError

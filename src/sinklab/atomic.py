@@ -3,11 +3,13 @@
 :func:`atomic_dir` yields a temporary folder beside the output folder; its files move into place only when
 the block succeeds. :func:`atomic_file` does the same for one file (written to a temporary sibling, then
 renamed over the target). Every report, CLI output folder and checkpoint file sinklab writes goes through
-one of them.
+one of them; a lone JSON or text file goes through :func:`write_json` / :func:`write_text`, built on
+:func:`atomic_file`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -15,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_dir", "atomic_file"]
+__all__ = ["atomic_dir", "atomic_file", "write_json", "write_text"]
 
 
 def _public(path: Path, mode: int) -> None:
@@ -68,3 +70,19 @@ def atomic_file(path: Path | str) -> Iterator[Path]:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def write_text(path: Path | str, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically: a crash leaves the previous file or none. Returns the path."""
+    path = Path(path)
+    with atomic_file(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return path
+
+
+def write_json(path: Path | str, obj: object, *, indent: int | None = 1) -> Path:
+    """Write ``obj`` as JSON to ``path`` atomically (values JSON cannot hold are written with ``str``).
+
+    The object is serialised before anything is written, so an unserialisable value leaves the previous file.
+    """
+    return write_text(path, json.dumps(obj, indent=indent, default=str))

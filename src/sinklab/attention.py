@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
@@ -143,6 +144,27 @@ def _causal(c: int, k: int, device: torch.device) -> Tensor:
     return mask_rows(None, True, 0, c, c, k, device)[0]
 
 
+@overload
+def attend(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None = ..., *, causal: bool = ...,
+           scale: float | None = ..., bias: Tensor | None = ..., columns: Sequence[Columns] = ...,
+           softcap: float | None = ..., gate: Tensor | None = ..., dropout: float = ..., fast: bool | None = ...,
+           mask_from: int = ..., weights: Literal[False] = ...) -> Tensor: ...
+
+
+@overload
+def attend(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None = ..., *, causal: bool = ...,
+           scale: float | None = ..., bias: Tensor | None = ..., columns: Sequence[Columns] = ...,
+           softcap: float | None = ..., gate: Tensor | None = ..., dropout: float = ..., fast: bool | None = ...,
+           mask_from: int = ..., weights: Literal[True]) -> tuple[Tensor, Tensor]: ...
+
+
+@overload
+def attend(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None = ..., *, causal: bool = ...,
+           scale: float | None = ..., bias: Tensor | None = ..., columns: Sequence[Columns] = ...,
+           softcap: float | None = ..., gate: Tensor | None = ..., dropout: float = ..., fast: bool | None = ...,
+           mask_from: int = ..., weights: bool = ...) -> Tensor | tuple[Tensor, Tensor]: ...
+
+
 def attend(
     query: Tensor,
     key: Tensor,
@@ -187,7 +209,7 @@ def attend(
     True
     """
     b, h, c, dh = query.shape
-    hkv, k_len, dv = key.shape[1], key.shape[2], value.shape[-1]
+    hkv, k_len = key.shape[1], key.shape[2]
     if h % hkv:
         raise ValueError(f"{h} query heads do not split into groups over {hkv} key/value heads")
     rep = h // hkv

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Set as AbstractSet
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,7 +30,7 @@ def save(model: nn.Module, path: str | Path) -> Path:
     handle = getattr(model, "sinklab_variant_handle", None)
     path = Path(path)
     with _compat.quiet_loading():
-        model.save_pretrained(str(path), safe_serialization=True)
+        model.save_pretrained(str(path), safe_serialization=True)  # type: ignore[operator]  # a PreTrainedModel
     if handle is not None:
         (path / CONFIG_FILE).write_text(json.dumps({"format": "sinklab.variant/1", "variant": asdict(handle.config)}))
     return path
@@ -55,7 +56,7 @@ def check_safetensors(path: str | Path) -> list[Path]:
 
 
 def strict_load_report(source: str | Path, info: dict, *, allow_unexpected: bool = False,
-                       consumed: set[str] = frozenset()) -> None:
+                       consumed: AbstractSet[str] = frozenset()) -> None:
     """Raise :class:`ModelWeightsError` if ``from_pretrained``'s loading info lists missing, unexpected or
     mismatched weights (``consumed``: keys sinklab loads itself; ``allow_unexpected``: the checkpoint has a
     task head that the base model leaves out on purpose)."""

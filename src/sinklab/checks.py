@@ -50,7 +50,7 @@ def check_weights(model: nn.Module, token_ids: torch.Tensor | None = None) -> No
     (Gemma 3) is not read — and, memory-mapped, not paged into memory — for the few hundred rows a scan uses.
     """
     table = _token_table(model) if token_ids is not None else None
-    if table is None:
+    if table is None or token_ids is None:  # (no ids: no table)
         _CHECKED.get(model, "finite", model.parameters(), lambda: _check_finite(model))
         return
     rest = [p for p in model.parameters() if p is not table]

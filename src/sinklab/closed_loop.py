@@ -72,11 +72,12 @@ def bb_closed_loop(cfg: TrainConfig, out: str | Path, samples: int = 16, progres
     out = Path(out)
     task = BigramBackcopy(vocab=cfg.bb_vocab, triggers=cfg.bb_triggers, seq_len=cfg.seq_len, seed=cfg.seed)
     probe = task.sample(16, torch.Generator().manual_seed(cfg.seed + 7))
-    runs = {}
+    runs: dict[str, dict] = {}
     base_summary = _train_or_reuse(cfg, out / "baseline", reuse, progress)
     base = checkpoint.load(out / "baseline" / "final")
     base_diag = bb_diagnose(base, task, samples)
     rec = base_diag.recommendation  # computed by the diagnosis, with the model
+    assert rec is not None  # diagnose_inputs always sets it
     runs["baseline"] = {"train": _train_numbers(base_summary), "bb": bb_metrics(base, task, probe),
                         "sinks": sink_summary(base_diag)}
     result = {"config": asdict(cfg), "recommendation": rec.to_json(), "runs": runs, "fix": rec.fix}
@@ -87,7 +88,7 @@ def bb_closed_loop(cfg: TrainConfig, out: str | Path, samples: int = 16, progres
         fixed_diag = bb_diagnose(fixed, task, samples)
         runs["fixed"] = {"variant": rec.variant, "train": _train_numbers(fixed_summary),
                          "bb": bb_metrics(fixed, task, probe), "sinks": sink_summary(fixed_diag),
-                         "recommendation_after": fixed_diag.recommendation.to_json()}
+                         "recommendation_after": fixed_diag.recommendation.to_json()}  # type: ignore[union-attr]
         result["diagnoses"] = (base_diag, fixed_diag)
     else:
         result["diagnoses"] = (base_diag,)

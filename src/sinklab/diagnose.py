@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from . import distributed, metrics
 from .capture import AttentionCapture
 from .checks import check_weights, used_token_ids
-from .edits import EDITS, EditResult, causal_edits
+from .edits import EDITS, EditResult, KeptBatch, causal_edits
 from .errors import InputError
 from .recommend import Recommendation, recommend
 from .scan import Progress, ScanResult, capture_config, check_thresholds, scan_result, split_batches, text_batches
@@ -218,7 +218,7 @@ class Diagnosis:
     def per_head(self) -> list[list[dict]]:
         """``[layer][head]``: share of samples where the head sinks and its most common class."""
         s = self.scan.num_samples
-        table = [[{"sink_pct": 0.0, "kind": None} for _ in range(self.scan.num_heads)]
+        table: list[list[dict]] = [[{"sink_pct": 0.0, "kind": None} for _ in range(self.scan.num_heads)]
                  for _ in range(self.scan.num_layers)]
         grouped: dict[tuple[int, int], list[SinkRecord]] = {}
         for r in self.records:
@@ -345,7 +345,8 @@ def diagnose_inputs(
     batches, mine, start, info = split_batches(batches)
     sizes = [int(next(iter(b.values())).shape[0]) for b in batches]
     todo = sum(sizes[i] for i in mine)
-    results, kept, first = [], [], 0
+    results, first = [], 0
+    kept: list[KeptBatch] = []
     with AttentionCapture(model, capture_config(candidates, map_len, thresholds)) as cap:
         with distributed.together("diagnose (statistics pass)"):
             check_weights(model, used_token_ids(batches))  # no LM head: the embedding only at the rows looked up
@@ -354,13 +355,13 @@ def diagnose_inputs(
             for i, (batch, size) in enumerate(zip(batches, sizes, strict=True)):
                 keep = bool(edits) and first < n_edit
                 if i in mine or keep:
-                    stats = cap.run(keep_inputs=keep, **batch)
+                    stats = cap.run(keep_inputs=keep, **batch)  # type: ignore[arg-type]  # model inputs only
                     if i in mine:
                         results.append(stats)
                         if progress is not None:
                             progress("scan", size, todo)
                     if keep:
-                        kept.append((slice(first, first + size), cap.last_inputs))
+                        kept.append((slice(first, first + size), cap.last_inputs))  # type: ignore[arg-type]  # kept
                 first += size
         scan = scan_result(results, tokens, candidates=candidates, thresholds=thresholds, start=start,
                            meta={**(meta or {}), **info, "edit_samples": n_edit if edits else 0,

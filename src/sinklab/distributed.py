@@ -24,6 +24,7 @@ import datetime
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -190,7 +191,7 @@ def gather_rows(local: Tensor, start: int, total: int) -> Tensor:
     return out.bool() if local.dtype == torch.bool else out
 
 
-def gather_objects(obj: object) -> list[object]:
+def gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj`` (picklable), in rank order. One process: ``[obj]``."""
     if not active():
         return [obj]
@@ -310,11 +311,11 @@ def probe_ranks(model: nn.Module) -> Iterator[bool]:
     if root is None:
         yield is_main()
         return
-    root.unshard()
+    root.unshard()  # type: ignore[operator]  # an FSDPModule method (nn.Module's typing sees a tensor or module)
     try:
         yield True
     finally:
-        root.reshard()
+        root.reshard()  # type: ignore[operator]
 
 
 def data_parallel(model: nn.Module) -> nn.Module:

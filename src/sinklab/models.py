@@ -24,6 +24,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -86,7 +87,7 @@ def tiny_llama(seed: int = 0, vocab_size: int = 30522, **overrides) -> nn.Module
     """A small Llama-style causal LM from a config in code, initialised with ``seed``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    settings = dict(
+    settings: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=128,
         intermediate_size=256,
@@ -146,11 +147,11 @@ def load_model(
     if name == "builtin:tiny-lm":
         from .checkpoint import load
 
-        path = tiny_lm_path()
-        if not (path / "model.safetensors").exists():
-            raise InputError(f"the shipped model is missing from {path}; reinstall sinklab")
-        model = load(path, dtype=torch_dtype)
-        tokenizer = load_tokenizer(path)
+        shipped = tiny_lm_path()
+        if not (shipped / "model.safetensors").exists():
+            raise InputError(f"the shipped model is missing from {shipped}; reinstall sinklab")
+        model = load(shipped, dtype=torch_dtype)
+        tokenizer = load_tokenizer(shipped)
         loaded = LoadedModel(model, tokenizer, name, notes={"weights": "trained by sinklab train (see model card)"})
     elif name == "builtin:tiny-llama":
         model = tiny_llama()
@@ -314,7 +315,7 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
     else:
         architectures = getattr(config, "architectures", None) or []
         auto = AutoModelForCausalLM if any("CausalLM" in a for a in architectures) else AutoModel
-        kwargs = dict(common, attn_implementation="sdpa", output_loading_info=True)
+        kwargs: dict[str, Any] = dict(common, attn_implementation="sdpa", output_loading_info=True)
         if torch_dtype is not None:
             kwargs["dtype"] = torch_dtype
         if device_map is not None:
@@ -323,10 +324,11 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
         try:
             with _compat.quiet_loading():
                 try:
-                    model, info = auto.from_pretrained(path, **kwargs)
+                    # output_loading_info: a (model, info) pair, which the stubs do not say
+                    model, info = auto.from_pretrained(path, **kwargs)  # type: ignore[misc]
                 except ValueError:
                     kwargs["attn_implementation"] = "eager"
-                    model, info = auto.from_pretrained(path, **kwargs)
+                    model, info = auto.from_pretrained(path, **kwargs)  # type: ignore[misc]
         except Exception as exc:  # noqa: BLE001 - e.g. a config whose sizes build no model (hidden_size -5)
             where = f" (from {folder / 'config.json'} and its weights)" if folder is not None else ""
             raise ModelWeightsError(f"{name}: the model cannot be built or its weights loaded{where}: "

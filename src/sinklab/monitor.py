@@ -122,4 +122,4 @@ try:  # pragma: no cover - exercised only where transformers' Trainer is used
             self.monitor.step(state.global_step, loss=loss, tokens=tokens)
             return control
 except ImportError:  # pragma: no cover
-    SinkMonitorCallback = None  # type: ignore[assignment]
+    SinkMonitorCallback = None  # type: ignore[misc]

@@ -54,8 +54,8 @@ def _describe_model(model: object) -> dict:
     config = getattr(inner, "config", None)
     out = {"name": source or getattr(config, "_name_or_path", None) or type(inner).__name__,
            "class": type(inner).__name__}
-    if getattr(model, "revision", None):
-        out["revision"] = model.revision
+    if revision := getattr(model, "revision", None):
+        out["revision"] = revision
     variant = getattr(config, "sinklab_variant", None)
     if variant:
         out["variant"] = variant

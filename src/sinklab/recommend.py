@@ -150,7 +150,7 @@ def edit_signature(edit: EditResult, nop_edit_ratio: float = DEFAULT_THRESHOLDS[
     ordinary token's value at the sink. Broadcast-like when both edits move them at least that much.
     """
     zero, mean, ordinary = (edit.hidden.get(k) for k in ("zero", "mean_sink", "ordinary"))
-    if any(v is None or v != v for v in (zero, mean, ordinary)) or ordinary <= 0:
+    if zero is None or mean is None or ordinary is None or any(v != v for v in (zero, mean, ordinary)) or ordinary <= 0:
         return None
     return "nop" if min(zero, mean) < nop_edit_ratio * ordinary else "broadcast"
 

@@ -7,6 +7,7 @@ import platform
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -198,7 +199,7 @@ def _finite(x: float) -> float | None:
 
 def _nested(t: Tensor) -> list:
     """Tensor → nested lists with NaN/inf as ``None`` (valid JSON), 4 significant digits."""
-    flat = [None if not math.isfinite(v) else float(f"{v:.4g}") for v in t.double().flatten().tolist()]
+    flat: list = [None if not math.isfinite(v) else float(f"{v:.4g}") for v in t.double().flatten().tolist()]
     for size in reversed(t.shape[1:]):
         flat = [flat[i : i + size] for i in range(0, len(flat), size)]
     return flat
@@ -220,7 +221,7 @@ def _merge(batches: list[CaptureBatch], width: int | None = None) -> dict:
     width = max(b.token_mask.shape[-1] for b in batches) if width is None else width
     position_dim = {"candidate_attention": 3, "hidden_norm": 2, "hidden_max_abs": 2, "hidden_max_dim": 2, "token_mask": 1,
                     "column_queries": 2}
-    merged = {}
+    merged: dict[str, Any] = {}
     for name in _PER_SAMPLE:
         parts = [getattr(b, name) for b in batches]
         if name in ("update_spectrum", "common_mode", "learned_sink_mass", "hidden_median_abs"):
@@ -233,7 +234,8 @@ def _merge(batches: list[CaptureBatch], width: int | None = None) -> dict:
     merged["qk_spectrum"] = batches[0].qk_spectrum
     merged["output_space"] = batches[0].output_space
     merged["layer_kinds"] = batches[0].layer_kinds
-    merged["gate"] = _pad_cat([b.gate for b in batches], 3, width, math.nan) if batches[0].gate is not None else None
+    gates = [b.gate for b in batches]  # one model: all batches have a gate or none has
+    merged["gate"] = _pad_cat(gates, 3, width, math.nan) if gates[0] is not None else None  # type: ignore[arg-type]
     return merged
 
 
@@ -405,7 +407,7 @@ def scan_inputs(
         check_weights(model, used_token_ids(batches))  # no LM head: the embedding only at the rows looked up
         with AttentionCapture(model, capture_config(candidates, map_len, thresholds)) as cap:
             for batch in batches:
-                results.append(cap.run(**batch))
+                results.append(cap.run(**batch))  # type: ignore[arg-type]  # model inputs, not run's flags
                 if progress is not None:
                     progress("scan", results[-1].token_mask.shape[0], len(tokens))
     if results and "recurrent" in results[0].layer_kinds and "input_ids" in batches[0]:

@@ -15,20 +15,23 @@ writes every output.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from . import _compat, distributed
-from .atomic import atomic_dir
+from .atomic import atomic_dir, write_json
 from .errors import InputError
 from .monitor import SinkMonitor
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel
 
 __all__ = ["ARCHS", "TrainConfig", "build_model", "train", "bb_metrics"]
 
@@ -95,10 +98,13 @@ class TrainConfig:
 def build_model(cfg: TrainConfig, vocab: int, bos_id: int | None, eos_id: int | None, pad_id: int | None) -> nn.Module:
     """The configured causal LM, seeded: a Llama-style model (RoPE, RMSNorm, SwiGLU), or transformers' Qwen3-Next with
     every layer softmax attention, a dense MLP and its query-dependent sigmoid output gate (``arch="qwen3-next"``)."""
+    common: dict[str, Any]
     common = dict(vocab_size=vocab, hidden_size=cfg.width, intermediate_size=4 * cfg.width,
                   num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
                   num_key_value_heads=cfg.kv_heads or cfg.heads, max_position_embeddings=max(2048, cfg.seq_len),
                   tie_word_embeddings=True, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id)
+    config: PreTrainedConfig
+    cls: type[PreTrainedModel]
     if cfg.arch == "qwen3-next":
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -113,7 +119,7 @@ def build_model(cfg: TrainConfig, vocab: int, bos_id: int | None, eos_id: int | 
     config.sinklab_trained_positions = cfg.seq_len  # RoPE runs longer than this warn (sinklab.models.max_positions)
     _compat.set_config_attention(config, "sdpa")
     torch.manual_seed(cfg.seed)
-    model = cls(config)
+    model = cls(config)  # type: ignore[arg-type]  # each class gets its own config class
     if cfg.arch == "qwen3-next" and not cfg.output_gate:
         hold_output_gate_shut(model, cfg.heads, cfg.width // cfg.heads)
     if cfg.variant:
@@ -128,14 +134,15 @@ def hold_output_gate_shut(model: nn.Module, heads: int, head_dim: int) -> None:
     to 0 and its gradient masked, so ``σ(gate) = ½`` for every query (a constant the output projection absorbs).
     AdamW's decoupled weight decay keeps a zero at zero, so the rows stay 0 through training."""
     for layer in _compat.find_layers(model):
-        weight = layer.self_attn.q_proj.weight  # [heads · 2 · head_dim, width]: per head, query rows then gate rows
+        q_proj = cast(nn.Linear, layer.get_submodule("self_attn.q_proj"))
+        weight = q_proj.weight  # [heads · 2 · head_dim, width]: per head, query rows then gate rows
         keep = torch.ones(heads, 2, head_dim, 1, dtype=weight.dtype)
         keep[:, 1] = 0
         keep = keep.reshape(-1, 1)
         with torch.no_grad():
             weight.mul_(keep)
         weight.register_hook(lambda grad, keep=keep: grad * keep.to(grad.device, grad.dtype))
-        bias = layer.self_attn.q_proj.bias
+        bias = q_proj.bias
         if bias is not None:
             with torch.no_grad():
                 bias.mul_(keep[:, 0])
@@ -174,7 +181,7 @@ def bb_metrics(model: nn.Module, task, probe: Tensor) -> dict:
         rows = []
         for i in range(probe.shape[0]):  # sample by sample: the attention map of each (seq_len ≤ map_len)
             b = cap.run(input_ids=probe[i : i + 1])
-            rows.append((b.attention_maps[0, 0], b.value_norm_out[0, 0, 0]))  # layer 0, head 0
+            rows.append((b.attention_maps[0, 0], b.value_norm_out[0, 0, 0]))  # type: ignore[index]  # map_len > 0
     trig = task.is_trigger(probe)
     to_bos, copy_att, non_trig_bos, ratio = [], [], [], []
     for i, (amap, vnorm) in enumerate(rows):
@@ -219,8 +226,7 @@ def train(cfg: TrainConfig, out: str | Path, progress: Callable[[int, float], No
         tokenizer, sample, vocab, corpus_tokens = _text_data(cfg)
         model = build_model(cfg, vocab, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
     if main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=1))
+        write_json(out / "train_config.json", asdict(cfg))
     probe = sample(8, torch.Generator().manual_seed(cfg.seed + 99))
     monitor = SinkMonitor(model, {"input_ids": probe}, every=cfg.monitor_every, path=out / "monitor.jsonl")
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "sinklab_" not in n]
@@ -264,7 +270,7 @@ def train(cfg: TrainConfig, out: str | Path, progress: Callable[[int, float], No
     summary.update(last=monitor.records[-1], checkpoint=str(final))
     if task is not None:
         summary["bb"] = bb_metrics(model, task, sample(16, torch.Generator().manual_seed(cfg.seed + 7)))
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_json(out / "summary.json", summary)
     return summary
 
 

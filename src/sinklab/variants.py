@@ -52,8 +52,9 @@ class VariantConfig:
     def __post_init__(self) -> None:
         if self.sink_logit and self.softmax1:
             raise InputError("softmax1 is the sink logit fixed at 0: choose either sink_logit or softmax1, not both")
-        if self.gate not in (None, "elementwise", "headwise"):
-            raise InputError(f"gate must be None, 'elementwise' or 'headwise', got {self.gate!r}")
+        gates = [v.fields["gate"] for v in VARIANTS if "gate" in v.fields]  # the gate kinds the table knows
+        if self.gate is not None and self.gate not in gates:
+            raise InputError(f"gate must be None or one of {', '.join(map(repr, gates))}, got {self.gate!r}")
         check_int("registers", self.registers)
         if not self.any:
             raise InputError("no variant selected; choose at least one of sink_logit, softmax1, kv_bias, gate, registers")

@@ -8,6 +8,7 @@ import copy
 import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
+from typing import Any
 
 from torch import nn
 
@@ -55,7 +56,7 @@ def register_attention(name: str, fn: Callable, mask: Callable | None = None) ->
     AttentionMaskInterface.register(name, sdpa_mask if mask is None else mask)
 
 
-def explicit_mask(*args: object, **kwargs: object):
+def explicit_mask(*args: Any, **kwargs: Any):
     """The boolean SDPA mask, always built for a causal (sliding, chunked …) pattern — the mask eager attention gets.
 
     SDPA's mask function returns ``None`` for a causal mask without padding and leaves causality to each attention
@@ -76,7 +77,7 @@ def get_attn_implementation(model: nn.Module) -> str | None:
     return getattr(config, "_attn_implementation", None)
 
 
-def set_config_attention(config: object, name: str) -> None:
+def set_config_attention(config: Any, name: str) -> None:
     """Choose attention backend ``name`` on a config a model is about to be built from."""
     config._attn_implementation = name
 
@@ -164,7 +165,7 @@ class ModelPatch:
         self._private_configs()
         setattr((self.model if module is None else module).config, name, value)
 
-    def hook(self, module: nn.Module, fn: Callable, *, pre: bool = False, **kwargs: object):
+    def hook(self, module: nn.Module, fn: Callable, *, pre: bool = False, **kwargs: Any):
         """Register a forward (``pre``: pre-) hook on ``module``; removed on restore. Returns its handle."""
         register = module.register_forward_pre_hook if pre else module.register_forward_hook
         handle = register(fn, **kwargs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +20,7 @@ _K_NAMES = ("k_proj", "key", "k", "wk")
 O_NAMES = _O_NAMES = ("o_proj", "out_proj", "c_proj", "dense", "wo")  # attention output projections
 
 
-def config_get(config: object, *names: str, default: object = None) -> object:
+def config_get(config: object, *names: str, default: Any = None) -> Any:
     """First attribute of ``config`` (or its ``text_config``) among ``names`` that is set."""
     for cfg in (config, getattr(config, "text_config", None), getattr(config, "get_text_config", lambda: None)()):
         if cfg is None:
@@ -127,7 +128,7 @@ def _linear_weight(module: nn.Module) -> Tensor:
     if isinstance(module, nn.Linear):
         return module.weight
     if type(module).__name__ == "Conv1D":
-        return module.weight.t()
+        return module.weight.t()  # type: ignore[operator]  # Conv1D.weight is a tensor
     weight = getattr(module, "weight", None)
     if isinstance(weight, Tensor) and weight.dim() == 2:
         return weight
@@ -176,16 +177,16 @@ def _split_qk(attn: nn.Module, n_heads: int, n_kv: int, head_dim: int) -> tuple[
         wq = _linear_weight(q_mod)[: n_heads * head_dim]
         wk = _linear_weight(k_mod)[: n_kv * head_dim]
         return wq.reshape(n_heads, head_dim, -1), wk.reshape(n_kv, head_dim, -1)
-    if isinstance(getattr(attn, "qkv_proj", None), nn.Module):  # Phi-3: [q | k | v] rows
-        w = _linear_weight(attn.qkv_proj)
+    if isinstance(qkv := getattr(attn, "qkv_proj", None), nn.Module):  # Phi-3: [q | k | v] rows
+        w = _linear_weight(qkv)
         wq = w[: n_heads * head_dim]
         wk = w[n_heads * head_dim : (n_heads + n_kv) * head_dim]
         return wq.reshape(n_heads, head_dim, -1), wk.reshape(n_kv, head_dim, -1)
-    if isinstance(getattr(attn, "query_key_value", None), nn.Module):  # GPT-NeoX: per head [q | k | v]
-        w = _linear_weight(attn.query_key_value).reshape(n_heads, 3 * head_dim, -1)
+    if isinstance(qkv := getattr(attn, "query_key_value", None), nn.Module):  # GPT-NeoX: per head [q | k | v]
+        w = _linear_weight(qkv).reshape(n_heads, 3 * head_dim, -1)
         return w[:, :head_dim], w[:, head_dim : 2 * head_dim]
-    if isinstance(getattr(attn, "c_attn", None), nn.Module):  # GPT-2: [q | k | v] columns of Conv1D
-        w = _linear_weight(attn.c_attn)
+    if isinstance(qkv := getattr(attn, "c_attn", None), nn.Module):  # GPT-2: [q | k | v] columns of Conv1D
+        w = _linear_weight(qkv)
         width = n_heads * head_dim
         return w[:width].reshape(n_heads, head_dim, -1), w[width : 2 * width].reshape(n_heads, head_dim, -1)
     return None
@@ -198,8 +199,8 @@ def _output_weight(layer: nn.Module, attn: nn.Module) -> Tensor | None:
         if direct is not None and module is attn:
             return _linear_weight(direct)
         output = getattr(module, "output", None)
-        if isinstance(output, nn.Module) and isinstance(getattr(output, "dense", None), nn.Module):
-            return _linear_weight(output.dense)
+        if isinstance(output, nn.Module) and isinstance(dense := getattr(output, "dense", None), nn.Module):
+            return _linear_weight(dense)
     return None
 
 
@@ -344,7 +345,7 @@ def model_cache_layers(model: nn.Module) -> list:
     builds when it is given no cache — one per decoder layer (``[]`` where transformers builds its layers lazily)."""
     from transformers import DynamicCache
 
-    return list(getattr(DynamicCache(config=model.config), "layers", []))
+    return list(getattr(DynamicCache(config=model.config), "layers", []))  # type: ignore[arg-type]
 
 
 def cache_layer_kind(layer: object) -> str:
@@ -404,7 +405,7 @@ def cache_kwarg_name(model: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def output_cache(output: object) -> object:
+def output_cache(output: Any) -> Any:
     """The cache a forward returned: ``cache`` on transformers ≥ 5.2, ``past_key_values`` on older releases."""
     return output["cache"] if "cache" in output else output.past_key_values  # noqa: SIM401 (lazy)
 
@@ -414,7 +415,7 @@ def recurrent_state_bytes(model: nn.Module, input_ids: Tensor) -> dict[int, int]
     off the model's own cache after one forward of the first token of ``input_ids``: ``{layer: bytes}``."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config)  # type: ignore[arg-type]  # a PreTrainedConfig
     try:
         with torch.no_grad():
             base_model(model)(input_ids=input_ids[:1, :1], use_cache=True, **{cache_kwarg_name(model): cache})

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -137,8 +139,8 @@ def _refuse_by_type(model: nn.Module) -> None:
                                         "length; streaming needs fixed frequencies.")
 
 
-def _frequency_tables(model: nn.Module) -> list[tuple[Tensor, bool]]:
-    """Candidate ``(inv_freq, interleaved_hint)``: every 1-D ``*inv_freq`` tensor of the model (deduplicated),
+def _frequency_tables(model: nn.Module) -> list[Tensor]:
+    """Candidate ``inv_freq`` tables: every 1-D ``*inv_freq`` tensor of the model (deduplicated),
     and GPT-J/CodeGen's interleaved sinusoid table rebuilt from ``rotary_dim``."""
     found: dict[tuple, Tensor] = {}
     for module in model.modules():
@@ -150,7 +152,7 @@ def _frequency_tables(model: nn.Module) -> list[tuple[Tensor, bool]]:
                     continue
                 inv = value.detach().double().cpu()
                 found.setdefault(tuple(inv.tolist()), inv)
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     if getattr(config, "model_type", "") in ("gptj", "codegen"):
         dim = int(config.rotary_dim or config.n_embd // config.n_head)
         inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
@@ -212,7 +214,7 @@ def _record(model: nn.Module, positions: list[int] | None, length: int = 1, taps
     shape = (len(positions), 1) if positions is not None else (1, length)
     ids = torch.full(shape, min(5, rows - 1), dtype=torch.long, device=device)
     where = {} if positions is None else {"position_ids": torch.tensor(positions, device=device)[:, None]}
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config)  # type: ignore[arg-type]  # a PreTrainedConfig
     training = model.training
     model.eval()
     try:
@@ -360,7 +362,7 @@ def _probe(model: nn.Module) -> list[LayerRotation]:
     return _shared(out)
 
 
-def _check_positions_reach_the_model(model: nn.Module, tol: float, recurrent: set[int] = frozenset()) -> None:
+def _check_positions_reach_the_model(model: nn.Module, tol: float, recurrent: AbstractSet[int] = frozenset()) -> None:
     """No layer moved with ``position_ids``: either the model has no positions at all, or it takes them from
     somewhere else (a cache length, learned tables indexed by its own counter). A row of two copies of the token at
     the model's own positions tells them apart: without positions their first layer's keys are equal.

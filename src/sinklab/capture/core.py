@@ -14,6 +14,7 @@ spectra) whatever the model dtype.
 from __future__ import annotations
 
 import contextvars
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -70,7 +71,7 @@ class AttentionCapture:
         self.config = config or CaptureConfig()
         self.edit = edit
         self.weights = weights if weights is not None else SHARED
-        self.last_output: object = None
+        self.last_output: Any = None
         self.last_inputs: BlockInputs | None = None  # set by run(keep_inputs=True)
         self.statistics = True  # False while final_states() runs: attention output only
         self._layers: nn.ModuleList | None = None
@@ -124,13 +125,17 @@ class AttentionCapture:
 
     @property
     def num_layers(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def _blocks(self) -> nn.ModuleList:
         if self._layers is None:
             raise RuntimeError("AttentionCapture is not active; use it as a context manager")
-        return len(self._layers)
+        return self._layers
 
     # ------------------------------------------------------------------ running
     @torch.no_grad()
-    def run(self, *, full_model: bool = False, keep_inputs: bool = False, **inputs: Tensor) -> CaptureBatch:
+    def run(self, *, full_model: bool = False, keep_inputs: bool = False, **inputs: Any) -> CaptureBatch:
         """Run one forward pass (no cache) and return its statistics.
 
         The base model runs by default (no LM head); ``full_model=True`` runs the whole model and keeps
@@ -164,15 +169,15 @@ class AttentionCapture:
         """Per layer: ``attention``, or for the layers whose attention the capture did not see, what the model's own
         cache holds for them — ``recurrent`` (linear-attention / state-space / convolution state) or
         ``feedforward`` (nothing: an MLP-only block). Anything else is refused."""
-        held = _compat.cache_layer_kinds(self.model, len(self._layers))
-        kinds = ["attention"] * len(self._layers)
+        held = _compat.cache_layer_kinds(self.model, self.num_layers)
+        kinds = ["attention"] * self.num_layers
         unknown = []
         for i in missing:
             kind = held[i]
             if kind == "keys":
                 unknown.append(i)
             kinds[i] = "recurrent" if kind == "recurrent" else "feedforward"
-        if unknown or len(missing) == len(self._layers):
+        if unknown or len(missing) == self.num_layers:
             raise UnsupportedModelError(
                 f"{type(self.model).__name__}: the attention of layer(s) {unknown or missing} did not go through "
                 "transformers' attention interface, so sinklab cannot observe it"
@@ -189,7 +194,7 @@ class AttentionCapture:
         return self._collect()
 
     @torch.no_grad()
-    def forward(self, *, full_model: bool = False, **inputs: Tensor) -> object:
+    def forward(self, *, full_model: bool = False, **inputs: Any) -> Any:
         """One forward pass under ``self.edit`` without statistics; returns the model's output."""
         if self._layers is None:
             raise RuntimeError("AttentionCapture.forward() must be called inside `with AttentionCapture(model):`")
@@ -201,7 +206,7 @@ class AttentionCapture:
         finally:
             self.statistics, self._token_mask = True, token_mask
 
-    def _forward(self, full_model: bool, inputs: dict) -> object:
+    def _forward(self, full_model: bool, inputs: dict) -> Any:
         was_training = self.model.training
         self.model.eval()
         try:
@@ -216,13 +221,17 @@ class AttentionCapture:
 
     def _block_inputs(self, batch: dict) -> BlockInputs:
         final = getattr(self.last_output, "last_hidden_state", None)
-        if final is None or self._calls is None or len(self._calls) != len(self._layers):
+        final_map: nn.Module | str | None
+        if final is None or self._calls is None or len(self._calls) != self.num_layers:
             final_map = UNKNOWN_MAP
         elif _compat.resume_blocker(self.model, self._calls) is not None:
             final_map = NOT_RESUMABLE
         else:
-            final_map = find_final_map(self.model, self._layers, self._last_block, final, self._token_mask)
-        return BlockInputs(calls=self._calls, token_mask=self._token_mask, final=final, final_map=final_map,
+            final_map = find_final_map(self.model, self._blocks, self._last_block, final,  # type: ignore[arg-type]
+                                       self._token_mask)  # (the last block's output is kept with the calls)
+        # calls/final are None only with final_map UNKNOWN_MAP, where a pass never restarts from them
+        return BlockInputs(calls=self._calls, token_mask=self._token_mask, final=final,  # type: ignore[arg-type]
+                           final_map=final_map,
                            batch=dict(batch))
 
     @torch.no_grad()
@@ -254,24 +263,24 @@ class AttentionCapture:
             hidden = run_blocks(self._layers, inputs, start, stop)
             if stop < n or inputs.final_map is None:
                 return hidden
-            return inputs.final_map(hidden)
+            return inputs.final_map(hidden)  # type: ignore[operator]  # resumable here: a module
         finally:
             self.statistics, self._token_mask = True, token_mask
             self._grab, self._grabbed = None, None
             self.model.train(was_training)
 
     def _collect(self) -> CaptureBatch:
-        n = len(self._layers)
+        n = self.num_layers
         kinds = self._kinds or ["attention"] * n
         some = next(self._records[i] for i in range(n) if kinds[i] == "attention")
         rec = [self._records[i] if kinds[i] == "attention" else _no_attention(some) for i in range(n)]
         hidden = [self._hidden[i] for i in range(n + 1)]
-        per_layer = {key: torch.stack([r[key] for r in rec], dim=1) if key in rec[0] else None for key in _PER_LAYER}
+        per_layer: dict[str, Any] = {key: torch.stack([r[key] for r in rec], dim=1) if key in rec[0] else None for key in _PER_LAYER}
         gated = any("gate" in r for r in rec)
         kept = self.config.hidden_stats
         return CaptureBatch(
             **per_layer,
-            **{name: torch.stack([h[i] for h in hidden], dim=1) if kept else None
+            **{name: torch.stack([h[i] for h in hidden], dim=1) if kept else None  # type: ignore[index, arg-type]
                for i, name in enumerate(HIDDEN_FIELDS)},
             token_mask=rec[0]["token_mask"],
             attention_maps=torch.stack([r["map"] for r in rec], dim=0) if self.config.map_len > 0 else None,
@@ -313,7 +322,7 @@ class AttentionCapture:
                 return
             hidden = _compat.residual_stream(self.model, _compat.block_hidden_states(output))  # AltUp: main copy
             self._hidden_stats(index + 1, hidden)
-            if self._calls is not None and index == len(self._layers) - 1:
+            if self._calls is not None and index == self.num_layers - 1:
                 self._last_block = hidden.detach()
 
         return hook
@@ -351,7 +360,7 @@ class AttentionCapture:
         attention_mask: Tensor | None,
         scaling: float | None = None,
         dropout: float = 0.0,
-        **kwargs: object,
+        **kwargs: Any,
     ) -> tuple[Tensor, None]:
         """Attention forward (same maths as transformers' eager path) plus on-the-fly statistics.
 
@@ -410,7 +419,7 @@ class AttentionCapture:
         if gate is None:  # a gate the model applies itself, between this output and its output projection
             self._watch_gate(module, index, returned)
         key_mask = self._positions_mask(b, tk, dev)
-        info = self.weights.get(index, self._layers[index], module, h, hkv, dv, dev)
+        info = self.weights.get(index, self._blocks[index], module, h, hkv, dv, dev)
         record = {
             **stats.finish(),
             **head_statistics(v, out, info.r, qmask, key_mask[:, None], index, full=cfg.head_stats),
@@ -432,7 +441,7 @@ class AttentionCapture:
         if key not in self._gate_hooked:  # looked up once per module, hooked where it is a linear projection
             self._gate_hooked[key] = isinstance(proj := _compat.child_module(module, _compat.O_NAMES), nn.Linear)
             if self._gate_hooked[key]:
-                self._patch.hook(proj, self._make_gate_hook(key), pre=True)
+                self._patch.hook(proj, self._make_gate_hook(key), pre=True)  # type: ignore[union-attr, arg-type]
         if self._gate_hooked[key]:
             self._pending[key] = (index, returned)
 

@@ -11,6 +11,8 @@ model instead.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -36,14 +38,14 @@ def _head(model: nn.Module) -> nn.Module | None:
 
 def _final_softcap(model: nn.Module) -> float | None:
     """The model's final-logit soft-capping (Gemma 2), None without one."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(config, "final_logit_softcapping", None)
 
 
 def head_logits(model: nn.Module, hidden: Tensor) -> Tensor:
     """The LM head of ``model`` on final hidden states ``[..., d]`` → logits ``[..., V]`` (as the model's forward)."""
-    return soft_cap(_head(model)(hidden), _final_softcap(model))
+    return soft_cap(_head(model)(hidden), _final_softcap(model))  # type: ignore[misc]  # a model with a head
 
 
 @torch.no_grad()
@@ -57,7 +59,7 @@ def head_matches(model: nn.Module) -> bool:
 
     def probe() -> bool:
         device = _compat.input_device(model)
-        ids = torch.arange(1, 4, device=device)[None] % _compat.embedding_rows(model)  # not 0: often padding
+        ids = torch.arange(1, 4, device=device)[None] % _compat.embedding_rows(model)  # type: ignore[operator]  # not 0: often padding; rows checked above
         was_training = model.training
         model.eval()
         try:
@@ -142,7 +144,7 @@ def token_losses(model: nn.Module, hidden: Tensor, ids: Tensor, mask: Tensor,
         if isinstance(head, nn.Linear):
             ce = _vocab_chunked_ce(model, head, h, targets, chunk_elements)
         else:  # a head sinklab cannot slice by vocabulary: whole rows, a few at a time
-            vocab = int(getattr(head, "out_features", 0) or head.weight.shape[0])
+            vocab = int(getattr(head, "out_features", 0) or head.weight.shape[0])  # type: ignore[union-attr, index]
             step = max(1, chunk_elements // max(vocab, 1))
             ce = torch.cat([torch.nn.functional.cross_entropy(head_logits(model, h[a : a + step]).float(),
                                                               targets[a : a + step], reduction="none")

@@ -13,6 +13,7 @@ inputs ``n`` times along the batch axis, so ``n`` differently edited passes run 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -51,7 +52,7 @@ def _with_hidden(args: tuple, kwargs: dict, hidden: Tensor) -> tuple[tuple, dict
     return args, {**kwargs, "hidden_states": hidden}
 
 
-def _repeat(value: object, batch: int, copies: int, memo: dict[int, Tensor]) -> object:
+def _repeat(value: Any, batch: int, copies: int, memo: dict[int, Tensor]) -> Any:
     """``value`` with every batch-leading tensor (``[B, …]``, two or more dims) repeated ``copies`` times; a tensor
     met again (the mask and position embeddings every block call shares) is repeated once (``memo``, by ``id``)."""
     if isinstance(value, Tensor):
@@ -76,7 +77,8 @@ def stacked(inputs: BlockInputs, copies: int) -> BlockInputs:
     """
     if copies == 1:
         return inputs
-    b, memo = inputs.final.shape[0], {}
+    memo: dict[int, Tensor] = {}
+    b = inputs.final.shape[0]
     calls = [] if inputs.final_map == NOT_RESUMABLE else inputs.calls  # never rerun: not worth repeating
     return BlockInputs(calls=[(_repeat(args, b, copies, memo), _repeat(kwargs, b, copies, memo))
                               for args, kwargs in calls],

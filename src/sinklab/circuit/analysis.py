@@ -24,6 +24,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -221,7 +222,7 @@ def _ablation(conditions: dict[str, dict], threshold: float) -> dict:
         text = (f"Structural: the sink re-forms on whatever token comes first ({reform}; "
                 f"{REFERENCE}: from block {first[REFERENCE]}).")
     else:
-        keep = max(counts, key=counts.get)
+        keep = max(counts, key=counts.__getitem__)
         lost = [n for n in conditions if counts[n] < 0.5 * most]
         verdict = "token-tied"
         text = (f"Tied to the first token: the sink lives in {counts[keep]} layers under {keep} but in fewer than half "
@@ -342,7 +343,7 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
             "diagnose it instead (sinks on registers are reported with role 'register').")
     check_weights(model)
     with MeasureSession(model) as session:
-        common = {"pad_id": inputs.pad_id, "batch_size": batch_size, "padding_side": padding_side,
+        common: dict[str, Any] = {"pad_id": inputs.pad_id, "batch_size": batch_size, "padding_side": padding_side,
                   "progress": progress, "session": session, "loss_stride": loss_stride}
         n_all = len(inputs.conditions[REFERENCE])
         n_cond = n_all if condition_samples is None else min(condition_samples, n_all)

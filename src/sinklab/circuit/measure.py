@@ -12,7 +12,7 @@ import inspect
 import math
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Self
+from typing import Any, Self
 
 import torch
 from torch import Tensor, nn
@@ -115,7 +115,7 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
             if loss_rows is not None and loss_rows < sl.stop:
                 scored = mask.clone()
                 scored[max(0, loss_rows - sl.start):] = 0
-            kwargs = {"input_ids": ids.to(session.device), "attention_mask": mask.to(session.device)}
+            kwargs: dict[str, Any] = {"input_ids": ids.to(session.device), "attention_mask": mask.to(session.device)}
             if session.takes_positions:  # left padding: positions count real tokens only
                 kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp_min(0).to(session.device)
             batch = cap.run(full_model=not session.chunked_loss, **kwargs)
@@ -123,8 +123,9 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
             starts = mask.argmax(-1)
             part["column_mass"] = align_to_start(batch.column_mass, starts, EARLY)
             if destinations:
+                # (the capture keeps the row statistics when destinations are asked for)
                 part.update(head_destinations(batch.column_mass, batch.column_queries, batch.token_mask,
-                                              batch.row_entropy, batch.row_diagonal, batch.row_previous,
+                                              batch.row_entropy, batch.row_diagonal, batch.row_previous,  # type: ignore[arg-type]
                                               batch.update_norm, starts))
             if session.chunked_loss:
                 hidden = cap.last_output.last_hidden_state

@@ -110,10 +110,10 @@ def sink_location(early: Sequence[Sequence[float]], threshold: float = LAYER_SIN
     """
     n_pos = len(early)
     n_layers = len(early[0]) if n_pos else 0
-    layers = [l for l in range(n_layers) if any(_finite(early[p][l]) >= threshold for p in range(n_pos))]
+    layers = [i for i in range(n_layers) if any(_finite(early[p][i]) >= threshold for p in range(n_pos))]
     if not layers:
         return "none"
-    means = [sum(max(0.0, _finite(early[p][l])) if math.isfinite(_finite(early[p][l])) else 0.0 for l in layers)
+    means = [sum(max(0.0, _finite(early[p][i])) if math.isfinite(_finite(early[p][i])) else 0.0 for i in layers)
              / len(layers) for p in range(n_pos)]
     for p in range(n_pos):
         others = [m for q, m in enumerate(means) if q != p]

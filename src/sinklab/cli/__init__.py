@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 from . import chat, circuit, diagnose, eval_stream, kv_quant, scan, stream, train, vit  # noqa: F401  (each module registers its commands on ``app``)
 from ._common import app, console, err
 
@@ -15,4 +13,4 @@ def main() -> None:  # pragma: no cover - console-script entry point
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()  # typer's app() exits with the command's status itself

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from ..scan import ShortSequenceWarning
 from ._console import console, err
@@ -29,7 +30,7 @@ class PhaseBars:
         self.labels = labels or {}
         self._bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                               console=err, transient=True, disable=console.quiet)  # quiet: not the main rank
-        self._tasks: dict[str, int] = {}
+        self._tasks: dict[str, TaskID] = {}
 
     def __enter__(self) -> PhaseBars:
         self._quiet = warnings.catch_warnings()
@@ -38,7 +39,7 @@ class PhaseBars:
         self._bars.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self._bars.__exit__(*exc)
         self._quiet.__exit__(*exc)
 

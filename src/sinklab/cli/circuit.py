@@ -28,7 +28,10 @@ def _print_result(result) -> None:
     table = Table(title=f"P0 sink circuit — T={result.seq_len}, {result.num_samples} samples, ε={result.eps}")
     for col in ["block", "r", "c_attn", "c_mlp", "cos x₀", *[f"Sink_0 {n}" for n in names]]:
         table.add_column(col, justify="right")
-    f = lambda x, fmt="{:.2f}": "–" if x is None else fmt.format(x)
+
+    def f(x, fmt="{:.2f}"):
+        return "–" if x is None else fmt.format(x)
+
     table.add_row("emb", f(result.ratio[0]), "", "", f(result.direction_cosine[0], "{:.3f}"), *[""] * len(names))
     for layer in range(result.num_layers):
         mark = "★" if layer in result.amplification_blocks else ""

@@ -73,7 +73,7 @@ def stream(
             for piece in stream_generate(loaded.model, loaded.tokenizer, texts[0], num_sinks=sinks, window=window,
                                          pin_prompt=pin_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                                          top_k=top_k, seed=seed, session=session):
-                _sys.stdout.write(piece)
+                _sys.stdout.write(piece)  # type: ignore[arg-type]  # one prompt: each piece is a str
                 _sys.stdout.flush()
                 count += 1
                 if count % 16 == 0 or count == max_new_tokens:

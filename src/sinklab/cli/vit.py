@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from ._common import user_errors, app, console, err
 
@@ -35,7 +35,7 @@ def vit_experiment(
         cfg = VitExperimentConfig(variants=[v.strip() for v in variants.split(",") if v.strip()], seeds=seeds,
                                   minutes=minutes, image_size=image_size, patch_size=patch_size, width=width, layers=layers, heads=heads, registers=registers,
                                   batch=batch, lr=lr)
-        tasks: dict[str, int] = {}
+        tasks: dict[str, TaskID] = {}
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True) as progress:
             def update(name: str, done: int, total: int) -> None:

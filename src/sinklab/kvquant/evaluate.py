@@ -311,9 +311,9 @@ def kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *, 
                 if kind == "full":
                     fresh = lambda: DynamicCache(config=model.config)  # noqa: E731
                 elif kind == "hf":
-                    fresh = lambda: _hf_cache(model, protect[3:], bits, plan)  # noqa: E731
+                    fresh = lambda: _hf_cache(model, protect[3:], bits, plan)  # noqa: E731, B023 - called in this iteration
                 else:
-                    fresh = lambda: _sinklab_cache(model, bits, protect, sinks, plan)[0]  # noqa: E731
+                    fresh = lambda: _sinklab_cache(model, bits, protect, sinks, plan)[0]  # noqa: E731, B023 - called in this iteration
                 at_length[config] = {n: _filled_bytes_per_token(model, fresh(), n) for n in plan.bytes_lengths}
         if s == 0:
             first_run = run

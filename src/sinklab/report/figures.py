@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import matplotlib
@@ -11,12 +13,35 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from ..atomic import atomic_file  # noqa: E402
 from ..scan import layer_label  # noqa: E402
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..scan import ScanResult
 
-__all__ = ["scan_figures", "sink_heatmap", "attention_map", "hidden_norm_curve", "sink_rate_bars"]
+__all__ = ["scan_figures", "sink_heatmap", "attention_map", "hidden_norm_curve", "sink_rate_bars", "png_bytes",
+           "save_png"]
+
+DPI = 110
+
+
+def png_bytes(fig: Figure, **kwargs) -> bytes:
+    """``fig`` as PNG bytes (for embedding in a report); the figure is closed."""
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=DPI, **kwargs)
+    finally:
+        plt.close(fig)
+    return buf.getvalue()
+
+
+def save_png(fig: Figure, path: str | Path, **kwargs) -> Path:
+    """Write ``fig`` as a PNG file at ``path`` atomically (a failure leaves the previous file or none); the figure
+    is closed. The one way a figure reaches a file outside a report folder."""
+    data = png_bytes(fig, **kwargs)
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
 
 
 def _short(token: str, width: int = 12) -> str:

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 from pathlib import Path
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import matplotlib.pyplot as plt
 
 from ..atomic import atomic_dir
 from ..registry import REGISTRY
 from ..scan import layer_label
-from .figures import scan_figures
+from .figures import png_bytes, scan_figures
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..scan import ScanResult
@@ -28,13 +26,6 @@ table{border-collapse:collapse;font-size:.85rem}td,th{border:1px solid #ccc;padd
 th{background:#f3f3f7}code{background:#f3f3f7;padding:0 .2rem}img{max-width:100%;margin:.5rem 0}
 .tok{display:inline-block;border:1px solid #ddd;border-radius:3px;margin:1px;padding:0 .2rem;font-family:monospace}
 """
-
-
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
 
 
 def _fmt(value: float | None, fmt: str) -> str:
@@ -113,7 +104,7 @@ def write_outputs(out_dir: Path, data: dict, figures: dict, render: Callable[[di
     """
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
-        images = {name: _png(fig) for name, fig in figures.items()}
+        images = {name: png_bytes(fig) for name, fig in figures.items()}
         for name, png in images.items():
             (tmp / f"{name}.png").write_bytes(png)
         (tmp / json_name).write_text(json.dumps(data, indent=1, default=str))

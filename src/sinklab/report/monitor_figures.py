@@ -10,7 +10,7 @@ matplotlib.use("Agg")  # headless; figures are saved, never shown
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from ..atomic import atomic_file  # noqa: E402
+from .figures import save_png  # noqa: E402
 
 __all__ = ["emergence_figure", "write_emergence"]
 
@@ -26,9 +26,9 @@ def emergence_figure(records: list[dict]) -> Figure:
     x = [r["tokens"] if r["tokens"] is not None else r["step"] for r in records]
     n_layers = len(records[0]["sink_rate_0"])
     panels = [
-        (axes[0, 0], "sink_rate_0", "Sink^ε(0) % of heads", lambda r, l: r["sink_rate_0"][l]),
-        (axes[0, 1], "attention_to_0", "mean attention to position 0", lambda r, l: sum(r["attention_to_0"][l]) / len(r["attention_to_0"][l])),
-        (axes[1, 0], "hidden_norm_ratio_0", "‖x₀‖ / median ‖x‖", lambda r, l: r["hidden_norm_ratio_0"][l]),
+        (axes[0, 0], "sink_rate_0", "Sink^ε(0) % of heads", lambda r, i: r["sink_rate_0"][i]),
+        (axes[0, 1], "attention_to_0", "mean attention to position 0", lambda r, i: sum(r["attention_to_0"][i]) / len(r["attention_to_0"][i])),
+        (axes[1, 0], "hidden_norm_ratio_0", "‖x₀‖ / median ‖x‖", lambda r, i: r["hidden_norm_ratio_0"][i]),
     ]
     for ax, _, title, get in panels:
         for layer in range(n_layers):
@@ -45,10 +45,4 @@ def emergence_figure(records: list[dict]) -> Figure:
 
 def write_emergence(records: list[dict], path: str | Path) -> Path:
     """Save :func:`emergence_figure` of ``records`` as a PNG at ``path`` (atomically); return the path."""
-    fig = emergence_figure(records)
-    try:
-        with atomic_file(path) as tmp:
-            fig.savefig(tmp, dpi=110, format="png")
-    finally:
-        plt.close(fig)
-    return Path(path)
+    return save_png(emergence_figure(records), path)

@@ -92,7 +92,8 @@ def eval_stream_figures(data: dict) -> dict[str, Figure]:
 
 def markdown_html(text: str) -> str:
     """Markdown tables (``| a | b |`` rows, a ``|---|`` rule after the header) and plain lines as escaped HTML."""
-    out, rows = [], []
+    out: list[str] = []
+    rows: list[str] = []
 
     def flush() -> None:
         if rows:
@@ -117,7 +118,7 @@ def markdown_html(text: str) -> str:
 
 def table_rows(data: dict) -> list[tuple[str, ...]]:
     """``(method, S, W, scored, mean NLL, PPL, ms / scored token)`` for each run, as printed."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for label, c in data["curves"].items():
         sw = ("–", "–") if c["num_sinks"] is None else (str(c["num_sinks"]), str(c["window"]))
         speed = f"= {c['same_as']}" if c["same_as"] else f"{c['seconds_per_scored_token'] * 1e3:.1f}"

@@ -10,6 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from .figures import save_png
+
 __all__ = ["experiment_figures", "write_experiment_figures"]
 
 _KINDS = (("nop", "tab:blue"), ("broadcast", "tab:orange"), ("unclassified", "tab:gray"))
@@ -88,12 +90,5 @@ def experiment_figures(summary: dict, results: list[dict], cfg) -> dict:
 
 def write_experiment_figures(summary: dict, results: list[dict], cfg, out: str | Path) -> list[Path]:
     """Save :func:`experiment_figures` as ``<name>.png`` in ``out`` (``results``: ``experiment_runs(cfg, out)``)."""
-    paths = []
-    for stem, fig in experiment_figures(summary, results, cfg).items():
-        path = Path(out) / f"{stem}.png"
-        try:
-            fig.savefig(path, dpi=110, bbox_inches="tight")
-        finally:
-            plt.close(fig)
-        paths.append(path)
-    return paths
+    return [save_png(fig, Path(out) / f"{stem}.png", bbox_inches="tight")
+            for stem, fig in experiment_figures(summary, results, cfg).items()]

@@ -19,13 +19,14 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from .. import _compat
 from .._version import __version__
-from ..atomic import atomic_file
+from ..atomic import write_json
 from ..errors import InputError, UnsupportedModelError, check_int
 
 __all__ = ["RetentionPlan", "plan_from_scan", "load_plan", "head_coverage", "allocate"]
@@ -51,15 +52,38 @@ class RetentionPlan:
     local: list[list[bool] | None]
     source: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """A plan is user input too (a JSON file): every count an integer, every row the right length."""
+        check_int("num_layers", self.num_layers, 1)
+        check_int("kv_heads", self.kv_heads, 1)
+        check_int("num_sinks", self.num_sinks, 0)
+        check_int("window", self.window, 1)
+        check_int("recent", self.recent, 0)
+        check_int("local_window", self.local_window, 1)
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
+                or not 0.0 <= self.threshold <= 1.0:
+            raise InputError(f"threshold must be a number in [0, 1], got {self.threshold!r}")
+        for name in ("budgets", "coverage", "local"):
+            rows = getattr(self, name)
+            if not isinstance(rows, list) or len(rows) != self.num_layers \
+                    or any(r is not None and (not isinstance(r, list) or len(r) != self.kv_heads) for r in rows):
+                raise InputError(f"a retention plan's {name} must hold {self.num_layers} layers of {self.kv_heads} "
+                                 f"key-value heads (or null)")
+        for row in self.budgets:
+            for b in row or ():
+                check_int("a retention plan's budget", b, 1)
+
     @property
     def total_tokens(self) -> int:
         return sum(sum(b) for b in self.budgets if b is not None)
 
     def summary(self) -> dict:
         heads = [x for row in self.local if row is not None for x in row]
-        far = [b for row, flags in zip(self.budgets, self.local) if row is not None for b, f in zip(row, flags)
+        # (a layer with budgets has its locality flags: the plans sinklab writes hold both or neither)
+        far = [b for row, flags in zip(self.budgets, self.local) if row is not None for b, f in zip(row, flags)  # type: ignore[arg-type]
                if not f]
-        near = [b for row, flags in zip(self.budgets, self.local) if row is not None for b, f in zip(row, flags) if f]
+        near = [b for row, flags in zip(self.budgets, self.local) if row is not None  # type: ignore[arg-type]
+                for b, f in zip(row, flags) if f]
         return {"heads": len(heads), "local_heads": sum(heads), "local_budget": near[0] if near else None,
                 "far_budget": far[0] if far else None, "total_tokens": self.total_tokens,
                 "uniform_budget": self.num_sinks + self.window}
@@ -83,10 +107,8 @@ class RetentionPlan:
             raise InputError(f"a retention plan with missing fields: {exc}") from exc
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        with atomic_file(path) as tmp:
-            tmp.write_text(json.dumps(self.to_json(), indent=1))
-        return path
+        """Write the plan as JSON to ``path`` atomically; return the path."""
+        return write_json(path, self.to_json())
 
     def check_model(self, model: nn.Module) -> None:
         """The plan was made for a model of this layout (type, layers, key-value heads)."""
@@ -119,7 +141,7 @@ def load_plan(path: str | Path) -> RetentionPlan:
 
 
 def _layout(model: nn.Module) -> tuple[str, int, int]:
-    cfg = getattr(model.config, "text_config", None) or model.config
+    cfg: Any = getattr(model.config, "text_config", None) or model.config
     heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", 0)
     return str(cfg.model_type), int(cfg.num_hidden_layers), int(heads)
 

@@ -168,7 +168,7 @@ def fact_recall(model: nn.Module, tokenizer, filler_ids: Tensor, distances: Sequ
     head = list(tokenizer(_PREAMBLE)["input_ids"])  # the tokenizer's own BOS, if any, starts the stream
     if len(head) <= num_sinks:
         raise InputError("the preamble must be longer than the sinks")
-    acc = {m: [] for m in methods}
+    acc: dict[str, list] = {m: [] for m in methods}
     answers = []
     for d in distances:
         hits = {m: 0 for m in methods}

@@ -206,6 +206,12 @@ class ScoredLayer(StreamLayerBase):
         """``[B, Hkv]``: the tokens each head holds."""
         return (self.sidx >= 0).sum(-1)
 
+    def kept_indices(self, row: int = 0) -> list[list[int]]:
+        """Per key-value head, the stream indices (0 = the first token streamed) batch row ``row`` holds, sorted."""
+        if not self.is_initialized:
+            return []
+        return [sorted(i for i in head if i >= 0) for head in self.sidx[row].tolist()]
+
     def select_rows(self, index: Tensor) -> None:
         if self.is_initialized:
             index = index.to(self.keys.device)

@@ -102,7 +102,10 @@ class ShapesDataset:
     def scene(self, index: int) -> tuple[Scene, torch.Generator]:
         """The parameters of image ``index`` (and the generator, positioned for the background noise)."""
         cfg, g = self.config, self._generator(index)
-        u = lambda *shape: torch.rand(*shape, generator=g)
+
+        def u(*shape):
+            return torch.rand(*shape, generator=g)
+
         background = tuple((0.1 + 0.6 * u(3)).tolist())
         fx, fy, phase = (u(3) * torch.tensor([4.0, 4.0, 2 * math.pi])).tolist()
         objects = []

@@ -28,8 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import metrics
-from ..atomic import atomic_dir, atomic_file
-from ..diagnose import diagnose_inputs
+from ..atomic import atomic_dir, write_json, write_text
+from ..diagnose import Diagnosis, diagnose_inputs
 from ..errors import InputError
 from .data import ShapesConfig, ShapesDataset
 from .model import SinklabViT, small_vit_config, token_labels
@@ -157,11 +157,6 @@ def measure_throughput(cfg: VitExperimentConfig, warmup: int = 1, timed: int = 3
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def _atomic_json(path: Path, obj: dict) -> None:
-    with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=1))
-
-
 def _save_checkpoint(run_dir: Path, model: nn.Module, opt: torch.optim.Optimizer, step: int, losses: list) -> None:
     with atomic_dir(run_dir / "checkpoint", replace=True) as tmp:
         save_vit(model, tmp)
@@ -181,7 +176,7 @@ def _load_checkpoint(run_dir: Path, model: nn.Module, opt: torch.optim.Optimizer
 
 
 # ----------------------------------------------------------------------------- evaluation
-def _diagnose(cfg: VitExperimentConfig, model: SinklabViT, variant: str) -> tuple[dict, object]:
+def _diagnose(cfg: VitExperimentConfig, model: SinklabViT, variant: str) -> tuple[dict, Diagnosis]:
     regs = cfg.registers if "registers" in variant else 0
     test = ShapesDataset(shapes_config(cfg, 0), "test")
     x, _, _ = test.batch(0, cfg.diag_samples)
@@ -248,8 +243,8 @@ def run_one(cfg: VitExperimentConfig, variant: str, seed: int, steps: int, run_d
     tail = losses[-max(1, len(losses) // 10):]
     result = {"variant": variant, "seed": seed, "steps": steps, "resumed_from": start, "train_seconds": seconds,
               "final_loss": sum(tail) / len(tail), "probes": probes, "diagnosis": diag,
-              "recommendation": diagnosis.recommendation.to_json()}
-    _atomic_json(run_dir / "result.json", result)
+              "recommendation": diagnosis.recommendation.to_json()}  # type: ignore[union-attr]  # always set
+    write_json(run_dir / "result.json", result)
     return result
 
 
@@ -268,7 +263,7 @@ def _plan(cfg: VitExperimentConfig, out: Path) -> dict:
     steps = max(5, int(cfg.minutes * 60 * cfg.train_fraction / (runs * sec)))
     plan = {"config": asdict(cfg), "seconds_per_step": sec, "steps": steps, "runs": runs,
             "torch_threads": torch.get_num_threads()}
-    _atomic_json(path, plan)
+    write_json(path, plan)
     return plan
 
 
@@ -296,8 +291,8 @@ def run_experiment(cfg: VitExperimentConfig, out: str | Path,
             cb = (lambda s, name=name: progress(name, s, steps)) if progress else None
             results.append(run_one(cfg, variant, seed, steps, run_dir, cb))
     summary = summarise(cfg, plan, results)
-    _atomic_json(out / "results.json", summary)
-    (out / "table.md").write_text(summary["table_md"])
+    write_json(out / "results.json", summary)
+    write_text(out / "table.md", summary["table_md"])
     return summary
 
 

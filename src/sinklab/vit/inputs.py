@@ -22,7 +22,7 @@ def is_vision_model(model: nn.Module) -> bool:
     """True for a model whose base has patch embeddings (ViT, DINOv2, a :class:`sinklab.vit.SinklabViT`)."""
     try:
         base = vit_base(model)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a probe: a model that vit_base cannot read is not a ViT
         return False
     return hasattr(base.embeddings, "patch_embeddings")
 
