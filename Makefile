@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= sinklab-demo
 
-.PHONY: venv demo test test-compat bench check-package clean
+.PHONY: venv demo test test-compat lint bench check-package clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ demo: venv
 # Test files are spread over one worker per core (at most 4; each worker's torch gets its share of the cores).
 test: venv
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -n auto --maxprocesses=4 --dist loadfile
+
+# Static checks: ruff (the rules in pyproject.toml's [tool.ruff.lint]) and mypy on the package ([tool.mypy]).
+lint: venv
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy src/sinklab
 
 # The suite on the declared transformers floor and the newest release, each in a throwaway venv under
 # benchmarks/.peer-venvs/ (slow; not part of `make test`); docs/compatibility.md has the results.

@@ -175,20 +175,55 @@ def parse_summary(output: str) -> dict:
     return counts
 
 
+def parse_progress(output: str) -> dict:
+    """Counts from pytest's progress characters (``..F.E.s  [ 12%]`` lines): the last resort when neither the
+    summary line nor the JUnit XML is there (a run killed by the timeout)."""
+    marks = "".join(re.sub(r"\s*\[\s*\d+%\]$", "", line.strip()) for line in output.splitlines()
+                    if re.fullmatch(r"[.FEsxX]+(\s*\[\s*\d+%\])?", line.strip()))
+    return {"passed": marks.count(".") + marks.count("X"), "failed": marks.count("F"), "errors": marks.count("E"),
+            "skipped": marks.count("s") + marks.count("x")}
+
+
+def parse_junit(path: Path) -> dict | None:
+    """Counts from pytest's JUnit XML (``passed`` = tests − failures − errors − skipped); None if unreadable."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    return {"passed": total["tests"] - total["failures"] - total["errors"] - total["skipped"],
+            "failed": total["failures"], "errors": total["errors"], "skipped": total["skipped"]}
+
+
 def run_suite(python: Path, tests: list[str], timeout: float) -> tuple[dict, str]:
+    """Run pytest with ``python``; counts from its JUnit XML (pyproject's addopts already has ``-q``, so ``-q``
+    here makes ``-qq``, which drops pytest's summary line), else from the summary line."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     env.setdefault("SINKLAB_CACHE", str(Path.home() / ".cache" / "sinklab"))
-    cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
-    log("  $ HF_HUB_OFFLINE=1 " + " ".join(cmd))
-    start = time.perf_counter()
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env, check=False)
-        output, returncode = res.stdout + res.stderr, res.returncode
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        output, returncode = out + f"\n(timed out after {timeout:.0f}s)", None
-    seconds = time.perf_counter() - start
-    row = parse_summary(output)
+    with tempfile.TemporaryDirectory(prefix="sinklab-compat-") as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *tests]
+        log("  $ HF_HUB_OFFLINE=1 " + " ".join(cmd))
+        start = time.perf_counter()
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
+                                 check=False)
+            output, returncode = res.stdout + res.stderr, res.returncode
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            output, returncode = out + f"\n(timed out after {timeout:.0f}s)", None
+        seconds = time.perf_counter() - start
+        row = parse_summary(output)
+        counts = parse_junit(junit)
+    if counts is None and row.get("summary") is None:
+        counts = parse_progress(output)
+    if counts is not None:
+        row.update(counts)
+        if row.get("summary") is None:
+            row["summary"] = ", ".join(f"{row[k]} {k}" for k in ("passed", "failed", "errors", "skipped") if row[k])
     row.update(seconds=round(seconds, 1), returncode=returncode)
     return row, output
 

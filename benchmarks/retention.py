@@ -40,10 +40,12 @@ from pathlib import Path
 
 import torch
 
+from sinklab.stream.policy import policy_names
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 OUT = RESULTS / "retention.json"
-SINKLAB_METHODS = ("streaming", "snapkv", "tova", "knorm", "auto")
+SINKLAB_METHODS = tuple(policy_names())  # every policy in sinklab.stream.policy.POLICIES, then "auto"
 KVPRESS_METHODS = ("streaming", "snapkv", "tova", "knorm", "expected_attention")
 TASKS = ("needle", "multikey", "vartrack", "ppl")
 ANSWER_TOKENS = 10

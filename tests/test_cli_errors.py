@@ -155,19 +155,20 @@ def test_counts_and_options_out_of_range(tmp_path):
     fails(["synth", "nop", "--seq-len", "1", "--out", out], 2, "--seq-len must be ≥ 2")
     fails(["synth", "nop", "--lr", "0", "--out", out], 2, "--lr must be > 0")
     fails(["synth", "bogus", "--out", out], 2, "unknown synthetic task 'bogus'")
-    fails(["train", "--data", "bb", "--out", out, "--steps", "-1"], 2, "steps must be ≥ 1")
-    fails(["train", "--data", "bb", "--out", out, "--warmup", "-5"], 2, "warmup must be ≥ 0")
-    fails(["train", "--data", "bb", "--out", out, "--checkpoint-every", "-1"], 2, "checkpoint_every must be ≥ 0")
+    fails(["train", "--data", "bb", "--out", out, "--steps", "-1"], 2, "steps must be an integer ≥ 1")
+    fails(["train", "--data", "bb", "--out", out, "--warmup", "-5"], 2, "warmup must be an integer ≥ 0")
+    fails(["train", "--data", "bb", "--out", out, "--checkpoint-every", "-1"], 2,
+          "checkpoint_every must be an integer ≥ 0")
     fails(["train", "--data", tmp_path / "missing.txt", "--out", out, "--steps", "1"], 2, "neither 'pydoc'")
     fails(["train", "--data", "bb", "--out", out, "--variant", "sinky", "--steps", "1"], 2, "unknown variant")
     fails(["diagnose", "builtin:tiny-lm", "--edit-layers", "-2", "--out", out], 2,
-          "--edit-layers) must be ≥ 1, or None (--edit-layers 0)", "got -2")
+          "--edit-layers) must be an integer ≥ 1, or None (--edit-layers 0)", "got -2")
     fails(["circuit", "builtin:tiny-lm", "--causal-samples", "-1", "--out", out], 2,
-          "--causal-samples) must be ≥ 1, or None (--causal-samples 0)", "got -1")
+          "--causal-samples) must be an integer ≥ 1, or None (--causal-samples 0)", "got -1")
     fails(["circuit", "builtin:tiny-lm", "--condition-samples", "-3", "--out", out], 2,
-          "--condition-samples) must be ≥ 1, or None (--condition-samples 0)", "got -3")
+          "--condition-samples) must be an integer ≥ 1, or None (--condition-samples 0)", "got -3")
     fails(["circuit", "builtin:tiny-lm", "--loss-stride", "0", "--out", out], 2,
-          "--loss-stride) must be ≥ 1 (1: every next-token target)", "got 0")
+          "--loss-stride) must be an integer ≥ 1 (1: every next-token target)", "got 0")
     for size in ("0", "-1"):  # circuit used to crash here (range step 0, an empty batch list)
         fails(["circuit", "builtin:tiny-lm", "--batch-size", size, "--out", out], 2,
               f"batch_size (--batch-size) must be an integer ≥ 1, got {size}")

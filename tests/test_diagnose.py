@@ -18,6 +18,7 @@ from sinklab.edits import EDITS, run_edit
 from sinklab.errors import InputError
 from sinklab.synth import BroadcastTask, NopTask, run_broadcast, run_nop
 
+from test_scan import minilm_reference, reference_records  # noqa: F401 - the float64 MiniLM reference (a fixture)
 from tiny_models import build, inputs_for
 
 
@@ -91,41 +92,91 @@ def minilm_diagnosis(minilm):
     return diagnose(minilm.model, minilm.tokenizer, seq_len=64, samples=16, source="builtin:minilm")
 
 
-def test_minilm_cls_sinks_are_nop_and_edits_confirm_it(minilm_diagnosis):
-    d = minilm_diagnosis
+def test_minilm_cls_sinks_are_nop_and_edits_confirm_it(minilm_diagnosis, minilm_reference, minilm):  # noqa: F811 - fixture
+    """Every record, class, per-layer count and the causal edits against minilm_reference (transformers' eager BERT
+    attention and the weights, float64; tests/test_scan.py) and a float64 edited forward (test_diagnose_reference)."""
+    d, ref = minilm_diagnosis, minilm_reference
+    dom = ref["mass"].nan_to_num(-1.0).argmax(-1)  # (S, L, H): every key is seen by all 64 queries
+    kind = reference_records(ref, DEFAULT_RULES["sink_mass"])
+    got = {(r.sample, r.layer, r.head): (r.kind, r.token_index, r.value_norm_ratio_out, r.stable_rank) for r in d.records}
+    assert got.keys() == kind.keys()
+    for key, (k, pos, r, sr) in kind.items():
+        assert got[key][:2] == (k, pos), key
+        assert got[key][2] == pytest.approx(r, rel=1e-4) and got[key][3] == pytest.approx(sr, rel=1e-4), key
     layers = d.per_layer()
-    # Measured (16 pydoc samples, T = 64): layers 1–4 sink on [CLS] in 55–85 % of (sample, head), all NOP,
-    # median r_out 0.023–0.031; layer 0 has no sink.
-    assert layers[0]["sink_pct"] == 0
-    for layer in (1, 2, 3, 4):
-        row = layers[layer]
-        assert row["top_token"] == "[CLS]" and row["dominant_kind"] == "nop"
-        assert row["sink_pct"] > 40 and row["median_value_ratio_out"] < 0.1
-        assert row["counts"]["nop"] >= 0.9 * sum(row["counts"].values())
+    for row in layers:
+        mine = [v for key, v in kind.items() if key[1] == row["layer"]]
+        assert row["sink_pct"] == pytest.approx(100 * len(mine) / (16 * 12))
+        assert row["counts"] == {c: sum(v[0] == c for v in mine) for c in ("unclassified", "nop", "broadcast")}
+        if mine:  # the median r_out of the layer's sinks: between the two middle reference values
+            vals = sorted(v[2] for v in mine)
+            assert vals[(len(vals) - 1) // 2] * (1 - 1e-4) <= row["median_value_ratio_out"] <= vals[len(vals) // 2] * (1 + 1e-4)
     assert {r.role for r in d.records if r.token_index == 0} == {"cls"}
-    # Causal edits on the most-sinking head of layers 1–4: zeroing the [CLS] value moves the final hidden
-    # states by < 2 % (measured 0.5–1 %, like the control), an ordinary value at the sink by > 10 % (measured 20–24 %).
+    # The finding, on the reference: layers 1–4 sink on [CLS], NOP; layer 0 does not sink.
+    assert layers[0]["sink_pct"] == 0 and all(layers[n]["top_token"] == "[CLS]" for n in (1, 2, 3, 4))
+    assert all(v[0] == "nop" for key, v in kind.items() if key[1] in (1, 2, 3, 4) and v[1] == 0)
+    # Causal edits (first 4 samples, the most-sinking head of each edited layer): zero and ordinary recomputed by a
+    # separately written float64 attention on the real model; the NOP signature holds on those references.
+    from test_diagnose_reference import _edited_final
+
+    inputs = {"input_ids": ref["windows"].input_ids[:4], "attention_mask": ref["windows"].attention_mask[:4]}
+    base = _edited_final(minilm.model, inputs, 0, 0, {})
+    assert d.edits and set(d.edits[0].hidden) == set(EDITS)
     for e in d.edits:
+        positions = dom[:4, e.layer, e.head].tolist()
+        assert e.positions == positions
+        v = ref["values"][:, e.layer, e.head]  # (S, T, dh)
+        ordinary = []
+        for b, p in enumerate(positions):
+            others = [j for j in range(64) if j != p]
+            ordinary.append(others[int(v[b, others].norm(dim=-1).argsort()[len(others) // 2])])
+        want = {}
+        for name, changes in (("zero", {b: (p, None) for b, p in enumerate(positions)}),
+                              ("ordinary", {b: (p, v[b, ordinary[b]]) for b, p in enumerate(positions)})):
+            edited = _edited_final(minilm.model, inputs, e.layer, e.head, changes)
+            want[name] = float((edited - base).pow(2).sum().sqrt() / base.pow(2).sum().sqrt())
+            assert e.hidden[name] == pytest.approx(want[name], rel=2e-3, abs=2e-5), (e.layer, name)
         if e.layer in (1, 2, 3, 4):
-            assert e.kind == "nop"
-            assert e.hidden["zero"] < 0.02 and e.hidden["ordinary"] > 0.1
-            assert e.hidden["ordinary"] > 8 * e.hidden["zero"]
-    assert set(d.edits[0].hidden) == set(EDITS)
+            assert e.kind == "nop" and want["zero"] < 0.5 * want["ordinary"]  # recommend's NOP edit signature
 
 
 def test_minilm_layer3_head11_broadcasts_from_the_final_period(minilm):
+    from test_diagnose_reference import _edited_final
+    from test_scan import bert_reference
+
+    from sinklab.texts import tokenize_windows
+
     texts = ["The cat sat on the mat.", "Attention sinks soak up attention in many heads.",
              "A small model can still show the effect clearly.", "We measure every head in every layer of the encoder."]
     d = diagnose(minilm.model, minilm.tokenizer, texts, samples=4, edits=[(3, 11)])
-    recs = [r for r in d.records if (r.layer, r.head) == (3, 11)]
-    # Measured: on samples 1 and 2 the head sinks on the final "." (mass 0.31–0.33), r_out 1.02–1.08,
-    # stable rank 1.05–1.08 → broadcast; zeroing that value moves the output ~7× more than the control.
-    assert len(recs) >= 2
-    for r in recs:
-        assert r.token == "." and r.role == "punct" and r.kind == "broadcast"
-        assert 0.7 < r.value_norm_ratio_out < 1.6 and r.stable_rank < 1.2
+    windows = tokenize_windows(minilm.tokenizer, texts, 64, 4)
+    assert [w[: len(t)] for w, t in zip(windows.tokens, d.scan.tokens, strict=True)] == d.scan.tokens
+    ref = bert_reference(minilm.model, windows.input_ids, windows.attention_mask)
+    kind = reference_records(ref)  # every sink of every head, classified from the float64 reference
+    got = {(r.sample, r.layer, r.head): (r.kind, r.token_index, r.value_norm_ratio_out, r.stable_rank) for r in d.records}
+    assert got.keys() == kind.keys()
+    for key, (k, pos, r, sr) in kind.items():
+        assert got[key][:2] == (k, pos) and got[key][2:] == pytest.approx((r, sr), rel=1e-4), key
+    # The finding, on the reference: head 11 of layer 3 sinks on the final "." of at least two samples, broadcast.
+    mine = {key[0]: v for key, v in kind.items() if key[1:] == (3, 11)}
+    assert len(mine) >= 2 and all(v[0] == "broadcast" and d.scan.tokens[s][v[1]] == "." for s, v in mine.items())
+    assert {r.role for r in d.records if (r.layer, r.head) == (3, 11)} == {"punct"}
+    # The edit on (3, 11): zeroing the sink value and the control (a random other real token, the generator seeded
+    # with the diagnosis seed 0 as documented), recomputed with a float64 attention on the real model.
     edit = d.edits[0]
-    assert edit.hidden["zero"] > 3 * edit.hidden["control"]
+    dom = ref["mass"].nan_to_num(-1.0).argmax(-1)[:, 3, 11].tolist()
+    assert edit.positions == dom
+    gen = torch.Generator().manual_seed(0)
+    real = [[j for j in range(ref["mask"].shape[1]) if ref["mask"][b, j]] for b in range(4)]
+    others = [[j for j in real[b] if j != dom[b]] for b in range(4)]
+    control = [others[b][int(torch.randint(len(others[b]), (1,), generator=gen))] for b in range(4)]
+    inputs = {"input_ids": windows.input_ids, "attention_mask": windows.attention_mask}
+    base = _edited_final(minilm.model, inputs, 0, 0, {})
+    keep = ref["mask"][..., None].expand(base.shape)
+    for name, positions in (("zero", dom), ("control", control)):
+        edited = _edited_final(minilm.model, inputs, 3, 11, {b: (p, None) for b, p in enumerate(positions)})
+        want = float(((edited - base)[keep] ** 2).sum().sqrt() / (base[keep] ** 2).sum().sqrt())
+        assert edit.hidden[name] == pytest.approx(want, rel=2e-3, abs=2e-5), name
     plain = diagnose(minilm.model, minilm.tokenizer, ["attention sinks soak up attention in many heads"],
                      samples=1, edits=False)
     assert [r.token for r in plain.records if (r.layer, r.head) == (3, 11)] == ["[SEP]"]
@@ -166,12 +217,41 @@ def test_vision_diagnosis_reports_register_roles():
 
 @pytest.mark.usefixtures("one_thread")  # a tiny training run
 def test_synthetic_nop_task_forms_a_nop_sink():
-    r = run_nop(NopTask(d=32, n=16), steps=400, batch=128, eval_samples=32)
+    task = NopTask(d=32, n=16)
+    r = run_nop(task, steps=400, batch=128, eval_samples=32)
     m = r.metrics
-    # Measured (this reduced run): 0.965 vs 0.045 attention to BOS, r_out 0.032, zero 0.031 / ordinary 0.96.
-    assert m["attention_to_bos_damped"] > 0.9 and m["attention_to_bos_active"] < 0.1
-    assert m["bos_value_norm_ratio_out"] < 0.1 and m["bos_kind"] == "nop"
-    assert m["edit_zero_rms_damped"] < 0.1 and m["edit_ordinary_rms_damped"] > 0.5
+    # Reference, float64 from the trained weights (one pre-LN head: O = h + W_O·A·V, SCIENCE §2): the same 32
+    # evaluation samples (generator seed + 1), the attention of every query to the BOS slot, the output-space value
+    # norm ratio of BOS and the relative RMS change of the damped rows when BOS's value is zeroed.
+    x, _, _ = task.sample(32, torch.Generator().manual_seed(1))
+    active = task.active(x)
+    model = r.model
+    block = model.layers[0]
+    assert model.config.num_hidden_layers == 1 and block.attn.num_heads == 1 and block.mlp is None
+    with torch.no_grad():
+        h = torch.cat([model.bos.expand(32, 1, -1), x], dim=1).double()
+        z = torch.nn.functional.layer_norm(h + model.pos.double(), (32,), block.ln1.weight.double(), block.ln1.bias.double(),
+                                           block.ln1.eps)
+        q = z @ block.attn.q_proj.weight.double().T + block.attn.q_proj.bias.double()
+        k = z @ block.attn.k_proj.weight.double().T + block.attn.k_proj.bias.double()
+        u = z @ block.attn.v_proj.weight.double().T @ block.attn.o_proj.weight.double().T  # W_O v_j, (S, 1 + N, d)
+    a = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(32), dim=-1)  # (S, 1 + N, 1 + N)
+    out = h + a @ u
+    to_bos = a[:, 1:, 0]
+    norms = u.norm(dim=-1)
+    ratio = float((norms[:, 0] / norms[:, 1:].mean(-1)).mean())
+    change = a[:, 1:, :1] * u[:, :1]  # zeroing v_BOS removes A_i0 · W_O v_0 from every row
+    damped = ~active
+    zero_rms = float(change[damped].pow(2).sum().sqrt() / out[:, 1:][damped].pow(2).sum().sqrt())
+    assert m["attention_to_bos_damped"] == pytest.approx(float(to_bos[damped].mean()), rel=1e-5)
+    assert m["attention_to_bos_active"] == pytest.approx(float(to_bos[active].mean()), rel=1e-5)
+    assert m["bos_value_norm_ratio_out"] == pytest.approx(ratio, rel=1e-4)
+    assert m["edit_zero_rms_damped"] == pytest.approx(zero_rms, rel=1e-3, abs=1e-6)
+    # The task's NOP sink (SCIENCE §2 check values 0.993 vs 0.012, r_out ≈ 0.008), on the reference numbers: damped
+    # queries park on BOS, active ones do not, BOS's value is small next to the others' — NOP by the rule (≤ 0.2).
+    assert float(to_bos[damped].mean()) > 0.9 and float(to_bos[active].mean()) < 0.1
+    assert ratio <= 0.2 and m["bos_kind"] == "nop"
+    assert zero_rms < 0.1 and m["edit_ordinary_rms_damped"] > 5 * zero_rms
 
 
 @pytest.mark.usefixtures("one_thread")  # a tiny training run

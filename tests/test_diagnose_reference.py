@@ -251,14 +251,18 @@ def _edited_final(model, inputs, layer, head, changes, removed=None):
 
     ``changes`` maps sample -> (position, new value or None for zero); ``removed`` sample -> position.
     """
-    target = model.model.layers[layer].self_attn
+    encoder = hasattr(model, "encoder")  # a BERT encoder (bidirectional) or a Llama-style decoder (causal)
+    target = model.encoder.layer[layer].attention.self if encoder else model.model.layers[layer].self_attn
+    before = model.config._attn_implementation
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         hq, hkv = query.shape[1], key.shape[1]
         k = key.double().repeat_interleave(hq // hkv, dim=1)
         v = value.double().repeat_interleave(hq // hkv, dim=1).clone()
         t = query.shape[2]
-        allowed = torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(query.shape[0], hq, t, t).clone()
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        allowed = torch.ones(t, t, dtype=torch.bool) if encoder else torch.tril(torch.ones(t, t, dtype=torch.bool))
+        allowed = allowed.expand(query.shape[0], hq, t, t).clone()
         if attention_mask is not None:
             allowed &= attention_mask
         if module is target:
@@ -274,9 +278,9 @@ def _edited_final(model, inputs, layer, head, changes, removed=None):
     model.set_attn_implementation("sinklab_test_edit_ref")
     try:
         with torch.no_grad():
-            return model.model(**inputs).last_hidden_state.double()
+            return (model if encoder else model.model)(**inputs).last_hidden_state.double()
     finally:
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(before)
 
 
 def test_every_causal_edit_equals_an_independent_reference(ref):

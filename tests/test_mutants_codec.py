@@ -13,6 +13,8 @@ from sinklab.errors import InputError
 from sinklab.kvquant import codec
 from sinklab.kvquant.codec import dequantize, pack_bits, packed_width, quantize, unpack_bits
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _pack_reference(codes: list[int], bits: int) -> list[int]:
     """Little-endian bit string of the codes, cut into bytes (padded with zero bits to whole words)."""
@@ -128,3 +130,23 @@ def test_dequantize_into_a_strided_buffer_equals_the_returned_tensor(dim, dtype)
     assert got.data_ptr() == out.data_ptr() and got.dtype == dtype
     torch.testing.assert_close(big[..., 4:16].double(), want.to(dtype).double(), atol=1e-2, rtol=1e-3)
     assert big[..., :4].isnan().all() and big[..., 16:].isnan().all()
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_unpacking_a_column_major_buffer_equals_unpacking_a_contiguous_one(bits):
+    """Packed bytes held with a non-unit last stride (a transposed buffer) unpack to the same codes."""
+    codes = torch.randint(0, 1 << bits, (6, 16), generator=torch.Generator().manual_seed(bits))
+    packed = pack_bits(codes, bits)
+    column_major = packed.t().contiguous().t()
+    assert column_major.stride()[-1] != 1 and torch.equal(column_major, packed)
+    assert torch.equal(unpack_bits(column_major, bits, 16).long(), codes)
+
+
+def test_quantize_defaults_to_min_max_groups_along_the_last_axis():
+    """Default ``dim=-1``, ``clip=False``: each row group's zero is its minimum and its scale (max − min) / 3."""
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(5))
+    q = quantize(x, 2, 16)
+    g = x.double().unflatten(-1, (2, 16))
+    lo, hi = g.amin(-1), g.amax(-1)
+    assert q.dim == 1 and torch.equal(q.zero, lo.half()) and torch.equal(q.scale, ((hi - lo) / 3).half())
+    assert not torch.equal(quantize(x, 2, 16, clip=True).scale, q.scale)  # clipping would shrink some range

@@ -231,3 +231,90 @@ def test_readme_smollm2_scan_table_is_the_committed_scan():
     ratio = table["hidden_norm_ratio_0"]
     (more,) = _find(r"built up twice by MLPs \(blocks 1–2, then (\d+)× more in block 11")
     assert round(ratio[11] / ratio[2]) == more and ratio[2] > 3 * ratio[0] and ratio[10] < 2 < ratio[11] / ratio[2]
+
+
+def test_readme_minilm_diagnosis_table_is_the_committed_diagnosis():
+    """`sinklab diagnose builtin:minilm` → benchmarks/results/diagnose_minilm.json (its diagnosis.json, records
+    dropped): every cell of README's worked example, to the digits printed."""
+    block = README.read_text(encoding="utf-8")
+    block = block[block.index("| layer | sink % | nop | broadcast | top token |"):]
+    rows = [line.strip("|").split("|") for line in block.split("\n\n")[0].splitlines()[2:]]
+    d = _json("diagnose_minilm.json")
+    assert (d["meta"]["num_samples"], d["meta"]["seq_len"]) == (16, 64)
+    edits = {e["layer"]: e["hidden"] for e in d["edits"]}
+    assert len(rows) == len(d["per_layer"])
+    for cells, layer in zip(rows, d["per_layer"], strict=True):
+        cells = [c.strip() for c in cells]
+        n = layer["layer"]
+        want = [str(n), f"{layer['sink_pct']:.0f}", str(layer["counts"]["nop"]), str(layer["counts"]["broadcast"])]
+        if layer["top_token"] is None:
+            want += ["–"] * 5
+            assert n not in edits
+        else:
+            e = edits[n]
+            want += [layer["top_token"], f"{layer['median_value_ratio_out']:.3f}", f"{e['zero']:.4f}",
+                     f"{e['ordinary']:.3f}", f"{e['control']:.4f}"]
+        assert cells == want, (cells, want)
+
+
+def test_readme_smollm2_circuit_numbers_are_the_committed_circuit():
+    """`sinklab circuit builtin:smollm2` (defaults: the causal check on the first 4 samples, the loss on every 8th
+    target) → benchmarks/results/circuit_smollm2.json (its circuit.json, tokens dropped)."""
+    d = _json("circuit_smollm2.json")
+    more, first, last, nats = _find(r"its norm is built by MLPs in blocks 1–2 and again, (\d+)× larger, in block 11, and "
+                                    r"scaling x₀ down at block 11 removes the sinks of layers (\d+)–(\d+) \(\+([\d.]+) nats of loss\)")
+    ratio = d["ratio"]  # r after the embeddings, then after each block
+    assert d["amplification_layer"] == 11 and d["amplification_blocks"] == [1, 2, 11]
+    assert "On SmolLM2 the sink is structural" in _text() and d["ablation"]["verdict"] == "structural"
+    assert round(ratio[1 + 11] / ratio[1 + 2]) == more
+    scale = d["causal"]["scale"]
+    assert d["causal"]["layer"] == 11 and round(scale["delta_loss"], 2) == nats
+    sinks = set(d["sink_layers"])
+    removed = [layer for layer in range(d["num_layers"]) if layer in sinks and scale["delta"][layer] < -50]
+    assert removed == list(range(int(first), int(last) + 1)), removed  # every sink layer there loses > 50 points
+    assert all(scale["delta"][layer] >= 0 for layer in (12, 13, 14))  # … and only those: 12–14 keep theirs
+
+
+def test_readme_small_facts_are_the_committed_runs():
+    """The 1 M-token stream (long_run_tiny-lm.json, benchmarks/long_run.py tiny-lm), the Qwen3-Next pair's tokens
+    (gating.json), the KV plan's sink rule (kv_quant_smollm2.json) and tiny-lm's parameter count (the shipped model)."""
+    import sinklab
+
+    run = _json("long_run_tiny-lm.json")
+    assert "a 1 M-token run keeps RSS flat" in _text() and run["finished"] and run["tokens_done"] == 1_000_000
+    rss = [seg["rss_mb"] for seg in run["segments"]]
+    half = len(rss) // 2
+    assert len(rss) >= 10 and max(rss[half:]) <= 1.02 * max(rss[:half])  # flat: no growth over the second half
+    (tokens,) = _find(r"3 seeds, (\d+) M tokens each")
+    assert {round(r["tokens"] / 1e6) for r in _json("gating.json")["rows"]} == {tokens}
+    share, pct = _find(r"receives more than ([\d.]+) of the attention in at least (\d+) % of the layer×head pairs")
+    plan = _json("kv_quant_smollm2.json")["plan"]
+    assert (plan["eps"], 100 * plan["share"]) == (share, pct)
+    # The Qwen3-Next pair's size: the model `sinklab train --arch qwen3-next` builds with benchmarks/gating.py's TRAIN
+    import ast
+
+    from sinklab.train import TrainConfig, build_model
+
+    tree = ast.parse((README.parent / "benchmarks" / "gating.py").read_text(encoding="utf-8"))
+    train = next(ast.literal_eval(node.value) if isinstance(node.value, ast.Dict) else
+                 {k.arg: ast.literal_eval(k.value) for k in node.value.keywords}
+                 for node in tree.body if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "TRAIN")
+    (pair,) = _find(r"A gated / ungated Qwen3-Next pair trained this way \(([\d.]+) M parameters")
+    qwen = build_model(TrainConfig(arch="qwen3-next", layers=train["layers"], width=train["width"], heads=train["heads"],
+                                   seq_len=train["seq_len"]), train["vocab_size"], 1, 2, 0)
+    assert round(qwen.num_parameters() / 1e6, 2) == pair
+    (millions,) = _find(r"a 4-layer Llama-style causal LM \(([\d.]+) M parameters\)")
+    model = sinklab.load_model("builtin:tiny-lm").model
+    assert model.config.num_hidden_layers == 4 and round(model.num_parameters() / 1e6, 1) == millions
+
+
+def test_readme_gemma3_circuit_numbers_are_the_committed_circuit():
+    """`sinklab circuit builtin:gemma3` → benchmarks/results/circuit_gemma3.json (its circuit.json, tokens dropped)."""
+    d = _json("circuit_gemma3.json")
+    found, layers, nats = _find(r"finds a position-0 sink in (\d+) of (\d+) layers as tokenized and in none with `<bos>` "
+                                r"removed \(the loss rises by ([\d.]+) nats\)")
+    sinks = d["ablation"]["sink_layers"]
+    assert (len(sinks["as_tokenized"]), d["num_layers"]) == (found, layers) and sinks["bos_removed"] == []
+    assert d["ablation"]["verdict"] == "token-tied"
+    loss = {k: c["loss"] for k, c in d["conditions"].items()}
+    assert round(loss["bos_removed"] - loss["as_tokenized"], 1) == nats

@@ -57,29 +57,63 @@ def minilm_scan(minilm):
     return sinklab.scan(minilm.model, minilm.tokenizer, seq_len=64, samples=16, source="builtin:minilm")
 
 
+def bert_reference(model, input_ids, attention_mask):
+    """A BERT encoder's sink statistics from transformers' eager attention and the weights, float64, no sinklab
+    capture on the path: column mass ``[S, L, H, T]``, output-space value norms ``‖W_O^h v_j‖`` ``[S, L, H, T]``
+    (NaN at padding), the stable rank of each head's update U = A·u over the real queries ``[S, L, H]`` and the
+    head-space values ``[S, L, H, T, dh]``."""
+    mask = attention_mask.bool()
+    attn = eager_attentions(model, input_ids, attention_mask)
+    with torch.no_grad():
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
+    heads = model.config.num_attention_heads
+    dh = model.config.hidden_size // heads
+    norms_out, sranks, values = [], [], []
+    for layer, block in enumerate(model.encoder.layer):
+        with torch.no_grad():  # the block's input is hidden[layer]
+            v = block.attention.self.value(hidden[layer]).double()  # (S, T, H·dh)
+        s, t, _ = v.shape
+        v = v.view(s, t, heads, dh).permute(0, 2, 1, 3)  # (S, H, T, dh)
+        values.append(v)
+        wo = block.attention.output.dense.weight.detach().double().view(-1, heads, dh).permute(1, 0, 2)  # (H, d, dh)
+        u = torch.einsum("hed,bhtd->bhte", wo, v)  # (S, H, T, d) output-space values
+        norms_out.append(torch.where(mask[:, None], u.norm(dim=-1), math.nan))  # (S, H, T)
+        update = (attn[:, layer] @ u) * mask[:, None, :, None]  # U = A·u; padding rows zeroed (no singular value)
+        sv = torch.linalg.svdvals(update)
+        sranks.append((sv**2).sum(-1) / sv[..., 0] ** 2)  # (S, H) ‖U‖_F² / σ₁²
+    return {"mask": mask, "attn": attn, "mass": reference_column_mass(attn, mask, causal=False),
+            "norms_out": torch.stack(norms_out, dim=1), "srank": torch.stack(sranks, dim=1),
+            "values": torch.stack(values, dim=1)}
+
+
+def reference_records(ref, sink_mass=0.3):
+    """``{(sample, layer, head): (kind, position, r_out, srank)}`` for every head whose dominant column (largest
+    reference column mass; every real key of an encoder is seen by all real queries) holds more than ``sink_mass``,
+    classified by SCIENCE §2: NOP if r_out ≤ 0.2, broadcast if r_out ≥ 0.5 and srank ≤ 1.5."""
+    mass, norms = ref["mass"], ref["norms_out"]
+    dom = mass.nan_to_num(-1.0).argmax(-1)
+    strength = mass.gather(-1, dom[..., None])[..., 0]
+    at = norms.gather(-1, dom[..., None])[..., 0]
+    real = ref["mask"].sum(-1).double()[:, None, None]
+    r_out = at / ((norms.nansum(-1) - at) / (real - 1))
+    for value, th in ((strength, sink_mass), (r_out, 0.2), (r_out, 0.5), (ref["srank"], 1.5)):
+        assert float((value - th).abs().min()) > 1e-4  # no value so near a threshold that float rounding decides
+    out = {}
+    for s, layer, head in (strength > sink_mass).nonzero().tolist():
+        r, k = float(r_out[s, layer, head]), float(ref["srank"][s, layer, head])
+        kind = "nop" if r <= 0.2 else "broadcast" if r >= 0.5 and k <= 1.5 else "unclassified"
+        out[(s, layer, head)] = (kind, int(dom[s, layer, head]), r, k)
+    return out
+
+
 @pytest.fixture(scope="module")
 def minilm_reference(minilm):
-    """The same 16 × 64 pydoc windows through transformers' eager BERT attention, and every head's
-    output-space value norms ‖W_O^h v_j‖ from the weights: float64, no sinklab capture on the path."""
+    """bert_reference of the 16 × 64 default pydoc windows (the scan's and diagnose's defaults)."""
     from sinklab.texts import default_texts, tokenize_windows
 
     windows = tokenize_windows(minilm.tokenizer, default_texts(), 64, 16)
-    mask = windows.attention_mask.bool()
-    model = minilm.model
-    attn = eager_attentions(model, windows.input_ids, windows.attention_mask)
-    with torch.no_grad():
-        hidden = model(input_ids=windows.input_ids, attention_mask=windows.attention_mask,
-                       output_hidden_states=True).hidden_states
-    norms_out = []
-    for layer, block in enumerate(model.encoder.layer):
-        with torch.no_grad():  # the block's input is hidden[layer]
-            v = block.attention.self.value(hidden[layer]).double()  # (S, T, 12·32)
-        s, t, _ = v.shape
-        v = v.view(s, t, 12, 32).permute(0, 2, 1, 3)  # (S, H, T, dh)
-        wo = block.attention.output.dense.weight.detach().double().view(-1, 12, 32).permute(1, 0, 2)  # (H, d, dh)
-        norms_out.append(torch.einsum("hed,bhtd->bhte", wo, v).norm(dim=-1))  # (S, H, T)
-    return {"windows": windows, "mask": mask, "mass": reference_column_mass(attn, mask, causal=False),
-            "norms_out": torch.stack(norms_out, dim=1)}  # (S, L, H, T)
+    assert bool(windows.attention_mask.bool().all())  # 16 full windows
+    return {"windows": windows, **bert_reference(minilm.model, windows.input_ids, windows.attention_mask)}
 
 
 def test_minilm_cls_is_the_dominant_sink_in_middle_layers(minilm_scan, minilm_reference):

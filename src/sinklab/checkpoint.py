@@ -17,6 +17,7 @@ from pathlib import Path
 from torch import Tensor, nn
 
 from . import _compat
+from .atomic import atomic_dir
 from .errors import InputError, ModelWeightsError
 from .variants import VariantConfig, apply_variant
 
@@ -26,13 +27,15 @@ CONFIG_FILE = "sinklab_variant.json"
 
 
 def save(model: nn.Module, path: str | Path) -> Path:
-    """Save a model with its variant: safetensors weights (extra parameters included) + ``sinklab_variant.json``."""
+    """Save a model with its variant: safetensors weights (extra parameters included) + ``sinklab_variant.json``,
+    atomically (the files move into ``path`` only once all are written; other files in ``path`` are kept)."""
     handle = getattr(model, "sinklab_variant_handle", None)
     path = Path(path)
-    with _compat.quiet_loading():
-        model.save_pretrained(str(path), safe_serialization=True)  # type: ignore[operator]  # a PreTrainedModel
-    if handle is not None:
-        (path / CONFIG_FILE).write_text(json.dumps({"format": "sinklab.variant/1", "variant": asdict(handle.config)}))
+    with atomic_dir(path) as tmp:  # a failed save leaves the folder as it was
+        with _compat.quiet_loading():
+            model.save_pretrained(str(tmp), safe_serialization=True)  # type: ignore[operator]  # a PreTrainedModel
+        if handle is not None:
+            (tmp / CONFIG_FILE).write_text(json.dumps({"format": "sinklab.variant/1", "variant": asdict(handle.config)}))
     return path
 
 

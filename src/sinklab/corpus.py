@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .errors import InputError
+from .errors import check_int
 
 __all__ = ["stdlib_corpus", "train_tokenizer", "token_stream", "BOS", "EOS", "PAD"]
 
@@ -66,8 +66,7 @@ def train_tokenizer(texts: list[str], vocab_size: int = 4096):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    if vocab_size < 300:
-        raise InputError(f"vocab_size must be ≥ 300 (256 bytes + specials + merges), got {vocab_size}")
+    check_int("vocab_size", vocab_size, 300, " (256 bytes + specials + merges)")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -23,7 +23,7 @@ from . import distributed, metrics
 from .capture import AttentionCapture
 from .checks import check_weights, used_token_ids
 from .edits import EDITS, EditResult, KeptBatch, causal_edits
-from .errors import InputError
+from .errors import InputError, check_int
 from .recommend import Recommendation, recommend
 from .scan import Progress, ScanResult, capture_config, check_thresholds, scan_result, split_batches, text_batches
 
@@ -334,11 +334,10 @@ def diagnose_inputs(
     (so it knows which fixes the model already has).
     """
     rules = _check_rules(rules or {})
-    if edit_samples is not None and edit_samples < 1:
-        raise InputError(f"edit_samples must be ≥ 1, got {edit_samples}")
-    if edit_layers is not None and edit_layers < 1:
-        raise InputError(f"edit_layers (--edit-layers) must be ≥ 1, or None (--edit-layers 0) to edit every sinking "
-                         f"layer; got {edit_layers}")
+    if edit_samples is not None:
+        check_int("edit_samples", edit_samples, 1)
+    if edit_layers is not None:
+        check_int("edit_layers (--edit-layers)", edit_layers, 1, ", or None (--edit-layers 0) to edit every sinking layer")
     thresholds = check_thresholds({"eps": rules["sink_mass"], "eps_event": rules["eps_event"],
                                    "relaxed_share": rules["relaxed_share"]})
     n_edit = len(tokens) if edit_samples is None else min(edit_samples, len(tokens))
@@ -420,8 +419,7 @@ def diagnose(
     Returns a :class:`Diagnosis`; ``Diagnosis.found`` is False (not an error) when nothing sinks.
     """
     rules = _check_rules(rules or {})
-    if edit_samples < 1:
-        raise InputError(f"edit_samples must be ≥ 1, got {edit_samples}")
+    check_int("edit_samples", edit_samples, 1)
     batches, tokens, meta = text_batches(model, tokenizer, texts, seq_len=seq_len, samples=samples,
                                          batch_size=batch_size, seed=seed, source=source, revision=revision,
                                          first_batch=edit_samples if edits else None)

@@ -139,11 +139,11 @@ def causal_edits(
             ordinary_values.append(record.edits[1].recorded)
     finally:
         cap.edit = None
-    sink_all = torch.cat(sink_values)  # (m, dv)
+    sink_all = torch.cat(sink_values)  # type: ignore[arg-type]  # (m, dv); "record" edits recorded them
     donor_all = sink_all.clone()
     donor_all[:n] = sink_all[:n].roll(1, dims=0)  # sample s gets sample s−1's sink value
     mean_sink = sink_all[:n].mean(0)
-    ordinary_all = torch.cat(ordinary_values)
+    ordinary_all = torch.cat(ordinary_values)  # type: ignore[arg-type]
     hidden = {name: _RMS() for name in EDITS}
     try:
         for sl, inputs in kept:
@@ -162,14 +162,14 @@ def causal_edits(
             if not stack:
                 for name, edit in edits.items():
                     cap.edit = edit
-                    hidden[name].add(cap.final_states(inputs, layer), base, r)
+                    hidden[name].add(cap.final_states(inputs, layer), base, r)  # type: ignore[arg-type]
                     if progress is not None:
                         progress("edits", 1, total)
                 continue
             cap.edit = StackedEdits(list(edits.values()))  # every edit in one forward: copy i under edit i
             out = cap.final_states(inputs, layer, copies=len(edits))  # (len(EDITS)·B, T, d)
             for i, name in enumerate(edits):
-                hidden[name].add(out[i * b : (i + 1) * b], base, r)
+                hidden[name].add(out[i * b : (i + 1) * b], base, r)  # type: ignore[index]  # stop None: a tensor
             if progress is not None:
                 progress("edits", len(edits), total)
     finally:

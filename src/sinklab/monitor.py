@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from . import distributed, metrics
 from .circuit.stage import amplification_layer, classify_stage, stage_amplification
+from .errors import check_int
 
 __all__ = ["SinkMonitor", "SinkMonitorCallback", "read_records"]
 
@@ -33,8 +34,7 @@ class SinkMonitor:
 
     def __init__(self, model: nn.Module, probe: dict[str, Tensor], *, every: int = 100,
                  path: str | Path | None = None, eps: float = 0.3) -> None:
-        if every < 1:
-            raise ValueError(f"every must be ≥ 1, got {every}")
+        check_int("every", every, 1, " (optimiser steps between measurements)")
         self.model = model
         self.probe = probe
         self.every = every
@@ -122,4 +122,4 @@ try:  # pragma: no cover - exercised only where transformers' Trainer is used
             self.monitor.step(state.global_step, loss=loss, tokens=tokens)
             return control
 except ImportError:  # pragma: no cover
-    SinkMonitorCallback = None  # type: ignore[misc]
+    SinkMonitorCallback = None  # type: ignore[misc, assignment]

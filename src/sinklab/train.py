@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from . import _compat, distributed
 from .atomic import atomic_dir, write_json
-from .errors import InputError
+from .errors import InputError, check_int
 from .monitor import SinkMonitor
 
 if TYPE_CHECKING:
@@ -67,8 +67,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("layers", "width", "heads", "seq_len", "batch", "steps", "monitor_every"):
-            if getattr(self, name) < 1:
-                raise InputError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+            check_int(name, getattr(self, name), 1)
         if self.width % self.heads:
             raise InputError(f"width {self.width} is not a multiple of heads {self.heads}")
         if self.seq_len < 3:
@@ -76,15 +75,14 @@ class TrainConfig:
         if not (self.lr > 0 and self.weight_decay >= 0):
             raise InputError("lr must be > 0 and weight_decay ≥ 0")
         for name in ("warmup", "checkpoint_every"):
-            if getattr(self, name) < 0:
-                raise InputError(f"{name} must be ≥ 0, got {getattr(self, name)}")
-        if self.max_chars is not None and self.max_chars < 1:
-            raise InputError(f"max_chars must be ≥ 1 (or None for the whole corpus), got {self.max_chars}")
+            check_int(name, getattr(self, name), 0)
+        if self.max_chars is not None:
+            check_int("max_chars", self.max_chars, 1, " (or None for the whole corpus)")
         if self.sink_init is not None and (not self.variant or "sink-logit" not in self.variant.split("+")):
             raise InputError("sink_init needs a sink-logit variant (e.g. variant='sink-logit')")
         if self.sink_init is not None and not math.isfinite(self.sink_init):
             raise InputError(f"sink_init must be a finite number, got {self.sink_init!r}")
-        if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
+        if self.kv_heads is not None and (check_int("kv_heads", self.kv_heads, 1) and self.heads % self.kv_heads):
             raise InputError(f"kv_heads {self.kv_heads} must be ≥ 1 and divide heads {self.heads}")
         if self.arch not in ARCHS:
             raise InputError(f"arch {self.arch!r} is not one of {', '.join(ARCHS)}")

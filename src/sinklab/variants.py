@@ -33,7 +33,7 @@ from .errors import InputError, UnsupportedModelError, check_int
 
 __all__ = ["VariantConfig", "Variant", "VARIANTS", "VARIANT_NAMES", "active_variants", "parse_variant", "apply_variant",
            "VariantHandle", "add_attention_parameters", "variant_column_logits", "variant_has_columns", "variant_gate",
-           "register_count", "register_labels"]
+           "register_count", "register_labels", "add_register_parameter"]
 
 ATTN_NAME = "sinklab_variant"
 _OFF_GATE_BIAS = 30.0  # σ(30) == 1.0 in float32: a gate initialised "off" passes everything
@@ -382,7 +382,7 @@ def apply_variant(model: nn.Module, variant: str | VariantConfig | dict, *, init
     h = _compat.config_get(config, "num_attention_heads")
     hkv = _compat.config_get(config, "num_key_value_heads", default=h)
     dh = getattr(mods[0], "head_dim", d // h)
-    ref = mods[0].q_proj.weight
+    ref: Tensor = mods[0].q_proj.weight  # type: ignore[union-attr, assignment]  # (a tensor or module to nn.Module's typing)
     handle = VariantHandle(model, cfg)
     for attn in mods:
         add_attention_parameters(handle, attn, heads=h, kv_heads=hkv, head_dim=dh, width=d, init=init,
@@ -391,6 +391,14 @@ def apply_variant(model: nn.Module, variant: str | VariantConfig | dict, *, init
         _add_registers(handle.patch, model, cfg.registers, d, ref)
     handle.install()
     return handle
+
+
+def add_register_parameter(patch: _compat.ModelPatch, base: nn.Module, n: int, d: int, ref: Tensor,
+                           generator: torch.Generator) -> None:
+    """The registers' one parameter, ``base.sinklab_registers`` ``[n, d]`` (N(0, 0.02²), ``ref``'s device and dtype),
+    for the causal-LM and the ViT side alike; where they enter the sequence is each side's own hook."""
+    init = torch.randn(n, d, generator=generator) * 0.02
+    patch.add(base, "sinklab_registers", nn.Parameter(init.to(ref.device, ref.dtype)))
 
 
 def _add_registers(patch: _compat.ModelPatch, model: nn.Module, n: int, d: int, ref: Tensor) -> None:
@@ -403,8 +411,7 @@ def _add_registers(patch: _compat.ModelPatch, model: nn.Module, n: int, d: int, 
     ``cache_position`` shifted by ``n``. Outputs lose the ``n`` register positions only when they were fed.
     """
     base = _compat.base_model(model)
-    gen = torch.Generator().manual_seed(0)
-    patch.add(base, "sinklab_registers", nn.Parameter((torch.randn(n, d, generator=gen) * 0.02).to(ref.device, ref.dtype)))
+    add_register_parameter(patch, base, n, d, ref, torch.Generator().manual_seed(0))
     fed: list[bool] = []  # per forward in flight: were the registers prepended (so the output must drop them)?
 
     def before(module, args, kwargs):

@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Mutation testing of one module with mutmut 3 (docs/testing.md). Usage: tests/mutation/run.sh MODULE
-# MODULE: codec | rope | attention | diagnose | state. The run happens in a copy of src/, tests/ and
+# [MUTANT_NAME...]  MODULE: codec | rope | attention | diagnose | state. Mutant names (or globs) given after
+# it run only those mutants (e.g. the survivors of an earlier run, after tests were added). The run happens in a copy of src/, tests/ and
 # pyproject.toml under ${MUTATION_DIR:-/tmp/sinklab-mutation}/MODULE, whose pyproject gets a [tool.mutmut]
 # section that mutates the one module and selects only the fast test files that exercise it.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 case "${1:-}" in
   codec)     src=src/sinklab/kvquant/codec.py; tests='"tests/test_kvquant.py", "tests/test_mutants_codec.py"' ;;
-  rope)      src=src/sinklab/rope.py;          tests='"tests/test_stream.py", "tests/test_mutants_rope.py"' ;;
+  rope)      src=src/sinklab/rope.py;          tests='"tests/test_stream.py::test_rotate_matches_the_models_own_rope",
+    "tests/test_stream.py::test_rotate_pairs_equals_a_complex_rotation",
+    "tests/test_stream.py::test_start_position_four_million_stays_float64_accurate",
+    "tests/test_stream.py::test_matches_float64_reference_past_eviction[gpt-neox-partial-rotary-4]",
+    "tests/test_stream.py::test_matches_float64_reference_past_eviction[llama-yarn-2]",
+    "tests/test_stream.py::test_gptj_interleaved_rope_streams_consistently", "tests/test_mutants_rope.py"' ;;
   attention) src=src/sinklab/attention.py;     tests='"tests/test_attention.py", "tests/test_mutants_attention.py"' ;;
   diagnose)  src=src/sinklab/diagnose.py;      tests='"tests/test_diagnose.py", "tests/test_diagnose_reference.py", "tests/test_mutants_diagnose.py"' ;;
   state)     src=src/sinklab/stream/state.py;  tests='"tests/test_stream.py", "tests/test_stream_checks.py", "tests/test_mutants_state.py"' ;;
@@ -24,7 +30,7 @@ text = open(sys.argv[1]).read()
 open(sys.argv[2], "w").write(re.sub(r"(?ms)^\[tool\.mutmut\].*?(?=^\[|\Z)", "", text))
 PY
 # test files that do not exist yet (before the module's test_mutants_*.py) are dropped from the selection
-sel=$(cd "$work" && for t in $(echo "$tests" | tr -d '",'); do if [ -e "$t" ]; then printf '"%s", ' "$t"; fi; done)
+sel=$(cd "$work" && for t in $(echo "$tests" | tr -d '",'); do if [ -e "${t%%::*}" ]; then printf '"%s", ' "$t"; fi; done)
 cat >> "$work/pyproject.toml" <<TOML
 
 [tool.mutmut]
@@ -33,8 +39,11 @@ only_mutate = ["$src"]
 pytest_add_cli_args_test_selection = [${sel%, }]
 pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:randomly", "-o", "addopts=-q"]
 use_git_change_detection = false
+# a shared, loaded machine: wall-clock limit (estimated test time + 1 s) × 60 instead of × 15
+timeout_multiplier = 60.0
 TOML
 cd "$work"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-nice -n 15 "$root/.venv/bin/mutmut" run --max-children "${MUTATION_JOBS:-2}"
+shift
+nice -n 15 "$root/.venv/bin/mutmut" run --max-children "${MUTATION_JOBS:-2}" "$@"
 "$root/.venv/bin/mutmut" results --all true > results.txt || true

@@ -434,7 +434,7 @@ def recurrent_state_bytes(model: nn.Module, input_ids: Tensor) -> dict[int, int]
             if cache_layer_kind(layer) == "recurrent"}
 
 
-def cache_argument(kwargs: dict) -> tuple[str | None, object]:
+def cache_argument(kwargs: dict) -> tuple[str | None, Any]:
     """The cache a forward call received, under transformers' new (``cache``) or old (``past_key_values``) name."""
     for key in ("cache", "past_key_values"):
         if kwargs.get(key) is not None:

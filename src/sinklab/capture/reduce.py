@@ -96,13 +96,13 @@ class ColumnStats:
 
     def _add_rows(self, probs: Tensor, c0: int, c1: int, kend: int) -> None:
         """Entropy ``−Σ_j A_ij log A_ij`` of rows ``c0:c1`` and their diagonal / previous-key entries."""
-        self.rows[0, :, :, c0:c1] = -torch.special.xlogy(probs, probs).sum(-1)
-        offset = self.tk - self.rows.shape[-1]
+        self.rows[0, :, :, c0:c1] = -torch.special.xlogy(probs, probs).sum(-1)  # type: ignore[index]  # (called with row_stats on)
+        offset = self.tk - self.rows.shape[-1]  # type: ignore[union-attr]
         own = torch.arange(c0, c1, device=probs.device) + offset  # (C,) key index of each query
         for slot, keys in ((1, own), (2, own - 1)):
             ok = (keys >= 0) & (keys < kend)
             picked = probs.gather(-1, keys.clamp(0, kend - 1)[None, None, :, None].expand(*probs.shape[:3], 1))[..., 0]
-            self.rows[slot, :, :, c0:c1] = torch.where(ok, picked, math.nan)
+            self.rows[slot, :, :, c0:c1] = torch.where(ok, picked, math.nan)  # type: ignore[index]
 
     def finish(self) -> dict[str, Tensor]:
         """The per-column and per-query statistics, NaN where no real query sees a key / for padding queries."""

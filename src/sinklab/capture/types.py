@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..errors import check_int
+
 __all__ = ["CaptureConfig", "CaptureBatch", "ValueEdit", "StackedEdits", "EDIT_MODES"]
 
 
@@ -25,10 +27,11 @@ class CaptureConfig:
     hidden_stats: bool = True  # block hidden-state norms, max |a| and medians (False: only checked to be finite)
 
     def __post_init__(self) -> None:
-        if any(p < 0 for p in self.candidates):
-            raise ValueError(f"candidate positions must be ≥ 0, got {self.candidates}")
-        if self.map_len < 0 or self.chunk_elements < 1 or self.local_window < 1:
-            raise ValueError("map_len must be ≥ 0, chunk_elements ≥ 1 and local_window ≥ 1")
+        for p in self.candidates:
+            check_int("a candidate position", p, 0)
+        check_int("map_len", self.map_len, 0)
+        check_int("chunk_elements", self.chunk_elements, 1)
+        check_int("local_window", self.local_window, 1)
 
 
 @dataclass
@@ -105,7 +108,8 @@ class ValueEdit:
         elif self.mode == "zero":
             v[rows, self.head, pos] = 0.0
         elif self.mode == "replace":
-            v[rows, self.head, pos] = self.replacement.to(v.device, v.dtype).expand(v.shape[0], v.shape[-1])
+            v[rows, self.head, pos] = self.replacement.to(v.device, v.dtype).expand(  # type: ignore[union-attr]
+                v.shape[0], v.shape[-1])  # (a "replace" edit has its replacement)
         elif self.mode == "remove_column":
             return self.head, pos
         return None

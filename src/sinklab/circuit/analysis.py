@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import metrics
-from ..errors import InputError, UnsupportedModelError, is_int
+from ..errors import InputError, UnsupportedModelError, check_int
 from ..checks import check_batch_size, check_model, check_weights
 from ..variants import register_count
 from . import stage as rules
@@ -326,16 +326,13 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
         raise InputError(f"layer_threshold (percent of a layer's heads) must be in [0, 100], got {layer_threshold!r}")
     if not isinstance(causal, bool):
         raise InputError(f"causal is True or False, got {causal!r}")
-    if not is_int(loss_stride):
-        raise InputError(f"loss_stride (--loss-stride) must be an integer ≥ 1, got {loss_stride!r}")
-    if causal_samples is not None and causal_samples < 1:
-        raise InputError(f"causal_samples (--causal-samples) must be ≥ 1, or None (--causal-samples 0) to patch every "
-                         f"sample; got {causal_samples}")
-    if condition_samples is not None and condition_samples < 1:
-        raise InputError(f"condition_samples (--condition-samples) must be ≥ 1, or None (--condition-samples 0) to "
-                         f"run every condition on every sample; got {condition_samples}")
-    if loss_stride < 1:
-        raise InputError(f"loss_stride (--loss-stride) must be ≥ 1 (1: every next-token target), got {loss_stride}")
+    if causal_samples is not None:
+        check_int("causal_samples (--causal-samples)", causal_samples, 1,
+                  ", or None (--causal-samples 0) to patch every sample")
+    if condition_samples is not None:
+        check_int("condition_samples (--condition-samples)", condition_samples, 1,
+                  ", or None (--condition-samples 0) to run every condition on every sample")
+    check_int("loss_stride (--loss-stride)", loss_stride, 1, " (1: every next-token target)")
     if register_count(model):
         raise UnsupportedModelError(
             f"the model puts {register_count(model)} register tokens in front of every sequence, so position 0 is "

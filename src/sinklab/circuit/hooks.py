@@ -132,28 +132,29 @@ class PositionZeroRecorder:
     def __init__(self, sub: Sublayers) -> None:
         self.sub = sub
         self.patch: Patch | None = None
-        self._handles: list = []
+        self._hooks: _compat.ModelPatch | None = None
         self._starts: Tensor | None = None
         self._mask: Tensor | None = None
         self._rec: dict[str, dict[int, Tensor]] = {}
 
     def __enter__(self) -> Self:
+        patch = self._hooks = _compat.ModelPatch(self.sub.blocks[0])  # the one way sinklab changes a model
         try:
-            self._handles.append(self.sub.blocks[0].register_forward_pre_hook(self._embed_hook, with_kwargs=True))
+            patch.hook(self.sub.blocks[0], self._embed_hook, pre=True, with_kwargs=True)
             for index, block in enumerate(self.sub.blocks):
-                self._handles.append(block.register_forward_hook(self._block_hook(index)))
+                patch.hook(block, self._block_hook(index))
                 for key, sub in (("attn0", self.sub.attn[index]), ("mlp0", self.sub.mlp[index])):
                     if sub is not None:  # a hybrid block without this sublayer: it adds 0 (filled by collect)
-                        self._handles.append(sub.register_forward_hook(self._sub_hook(key, index)))
+                        patch.hook(sub, self._sub_hook(key, index))
         except BaseException:
             self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        if self._hooks is not None:
+            self._hooks.restore()
+            self._hooks = None
 
     def start(self, attention_mask: Tensor, patch: Patch | None = None, massive: bool = True) -> None:
         """Prepare for one forward pass over a batch with ``attention_mask`` ``[B, T]`` (1 = real token);
@@ -184,14 +185,14 @@ class PositionZeroRecorder:
 
     # ------------------------------------------------------------------ hooks
     def _rows(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        starts = self._starts.to(device)
+        starts = self._starts.to(device)  # type: ignore[union-attr]  # set by start()
         return torch.arange(starts.shape[0], device=device), starts
 
     def _aligned(self, values: Tensor, fill: float) -> Tensor:
         """``[B, T]`` per-position values → column ``j`` = the row's ``j``-th real token (``fill`` beyond)."""
         t = values.shape[1]
-        mask = self._mask.to(values.device)
-        idx = self._starts.to(values.device)[:, None] + torch.arange(t, device=values.device)  # (B, T)
+        mask = self._mask.to(values.device)  # type: ignore[union-attr]  # set by start()
+        idx = self._starts.to(values.device)[:, None] + torch.arange(t, device=values.device)  # type: ignore[union-attr]  # (B, T)
         valid = idx < t
         idx = idx.clamp_max(t - 1)
         valid = valid & mask.gather(1, idx)
@@ -199,7 +200,7 @@ class PositionZeroRecorder:
 
     def _record(self, index: int, hidden: Tensor) -> None:
         x = hidden.detach().float()  # (B, T, d)
-        mask = self._mask.to(x.device)
+        mask = self._mask.to(x.device)  # type: ignore[union-attr]  # set by start()
         rows, starts = self._rows(x.device)
         self._rec["hidden_norm"][index] = self._aligned(x.norm(dim=-1), math.nan).cpu()
         self._rec["x0"][index] = x[rows, starts].cpu()
@@ -229,7 +230,7 @@ class PositionZeroRecorder:
         rows, starts = self._rows(hidden.device)
         hidden = hidden.clone()
         if patch.mode == "replace":
-            hidden[rows, starts] = patch.replacement.to(hidden.device, hidden.dtype)
+            hidden[rows, starts] = patch.replacement.to(hidden.device, hidden.dtype)  # type: ignore[union-attr]
             return hidden
         norms = self._aligned(hidden.detach().float().norm(dim=-1), math.nan)  # (B, T)
         median = norms[:, 1:].nanmedian(dim=-1).values  # (B,)
@@ -241,7 +242,7 @@ class PositionZeroRecorder:
     def _sub_hook(self, key: str, index: int):
         def hook(module: nn.Module, args: tuple, output: object) -> None:
             out = _first_tensor(output).detach().float()  # (B, T, d)
-            b, t = self._mask.shape
+            b, t = self._mask.shape  # type: ignore[union-attr]  # set by start()
             if out.dim() == 2 and out.shape[0] == b * t:  # tokens flattened ([B·T, d]: Llama 4's MoE block)
                 out = out.reshape(b, t, -1)
             if out.dim() != 3 or out.shape[0] != b:

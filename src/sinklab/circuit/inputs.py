@@ -112,12 +112,11 @@ def bb_inputs(train_config: dict | str | Path, *, samples: int = 16, seed: int =
     """Bigram-Backcopy inputs rebuilt from a ``sinklab train --data bb`` run's ``train_config.json``."""
     from ..synth.bigram_backcopy import BigramBackcopy
 
-    if not isinstance(train_config, dict):
-        train_config = json.loads(Path(train_config).read_text())
-    if train_config.get("data") != "bb":
+    config = train_config if isinstance(train_config, dict) else json.loads(Path(train_config).read_text())
+    if config.get("data") != "bb":
         raise InputError("train_config.json is not a Bigram-Backcopy run (data != 'bb')")
-    task = BigramBackcopy(vocab=train_config["bb_vocab"], triggers=train_config["bb_triggers"],
-                          seq_len=train_config["seq_len"], seed=train_config["seed"])
+    task = BigramBackcopy(vocab=config["bb_vocab"], triggers=config["bb_triggers"],
+                          seq_len=config["seq_len"], seed=config["seed"])
     ids = task.sample(samples, torch.Generator().manual_seed(seed))
     swap = (task.triggers, task.triggers + 1)  # the most popular non-trigger tokens
     inputs = id_inputs(ids, bos_id=task.bos, swap_ids=swap)

@@ -98,7 +98,7 @@ def load_source(ck: Checkpoint, device_map: str | None = None):
         loaded = load_model(ck.source, revision=ck.revision, device_map=device_map)
         return loaded.model, loaded.tokenizer, None
     if ck.kind == "init":
-        return _init_model(Path(ck.run_dir), cfg)
+        return _init_model(Path(ck.run_dir), cfg)  # type: ignore[arg-type]  # an init checkpoint is in a run folder
     from ..models import load_model
 
     loaded = load_model(ck.source, device_map=device_map)  # strict loading; a bb checkpoint (no tokenizer files) gives tokenizer=None

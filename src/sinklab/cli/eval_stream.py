@@ -33,7 +33,7 @@ def read_long_text(file: Path | None) -> tuple[str, str]:
 
     if file is None:
         return "\n\n".join(default_texts()), _DEFAULT_TEXT
-    (text,) = read_texts(None, file)
+    (text,) = read_texts(None, file)  # type: ignore[misc]  # a file: one text
     if "\x00" in text:
         raise SinklabError(f"--file {file} looks binary (it contains NUL bytes); give a UTF-8 text file")
     return text, str(file)
@@ -85,8 +85,9 @@ def eval_stream(
         check_int("--window", window, 1)
         counts = parse_sinks(sinks)
         c = cache_size if cache_size is not None else max(counts) + window
-        plan = EvalPlan(methods=methods, sinks=counts, cache_size=c, stride=stride, chunk_size=chunk_size,
-                        policies=policy)
+        # (EvalPlan and QualityPlan parse the comma lists of the command line themselves)
+        plan = EvalPlan(methods=methods, sinks=counts, cache_size=c, stride=stride,  # type: ignore[arg-type]
+                        chunk_size=chunk_size, policies=policy)  # type: ignore[arg-type]
         if tokens <= plan.first:
             raise SinklabError(f"--tokens {tokens}: scoring starts after the first eviction, at position {plan.first} "
                                f"(cache size {c}); ask for more tokens (several cache lengths, e.g. {4 * c})")
@@ -165,7 +166,8 @@ def _quality_plan(measures: str | None, num_sinks: int, window: int, chunk_size:
             raise SinklabError(f"{flag(key)} sets the {_OWNER[key]} measure, which --quality {measures} does not run")
     if "recall_distances" in given:
         given["distances"] = given.pop("recall_distances")
-    return QualityPlan(measures=measures, num_sinks=num_sinks, window=window, chunk_size=chunk_size, **given)
+    return QualityPlan(measures=measures, num_sinks=num_sinks, window=window,  # type: ignore[arg-type]
+                       chunk_size=chunk_size, **given)
 
 
 def _print_table(data: dict, model: str) -> None:

@@ -152,7 +152,7 @@ def _cache_nbytes(cache: Cache) -> int:
         if hasattr(layer, "nbytes"):
             total += layer.nbytes()
             continue
-        tensors = [layer.keys, layer.values]
+        tensors = [layer.keys, layer.values]  # type: ignore[union-attr]  # (no linear-attention layer here)
         for q in (getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)):
             if isinstance(q, tuple):  # HQQ: (packed, meta)
                 tensors += [q[0], q[1]["scale"], q[1]["zero"]]
@@ -174,7 +174,8 @@ def _hf_cache(model: nn.Module, backend: str, bits: int, plan: KvQuantPlan):
     try:
         from transformers import QuantizedCache
 
-        return QuantizedCache(backend, model.config, nbits=bits, q_group_size=plan.group_for(bits),
+        return QuantizedCache(backend, model.config, nbits=bits,  # type: ignore[arg-type]  # a PreTrainedConfig
+                              q_group_size=plan.group_for(bits),
                               residual_length=plan.residual)
     except ImportError as exc:
         raise InputError(f"transformers' QuantizedCache needs the {backend!r} backend: {exc}") from exc
@@ -256,6 +257,15 @@ def kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *, 
     token over a 16-bit unquantized cache's — and ``protected_tokens``). The ``full`` row is the unquantized
     ``DynamicCache`` in the model's dtype; ``hf-<backend>`` rows are transformers' ``QuantizedCache``.
     """
+    was_training = model.training  # the model comes back in the mode it came in
+    try:
+        return _kv_quant(model, ids, plan, prefix=prefix, progress=progress)
+    finally:
+        model.train(was_training)
+
+
+def _kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *, prefix: Sequence[int] = (),
+              progress: Progress | None = None) -> KvQuantResult:
     plan = plan or KvQuantPlan()
     windows = sample_windows(ids, plan, prefix)
     skipped = {}
@@ -290,8 +300,9 @@ def kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *, 
         ref = None
         for config in configs:
             kind, bits, protect = config
+            cache: Cache
             if kind == "full":
-                cache = DynamicCache(config=model.config)
+                cache = DynamicCache(config=model.config)  # type: ignore[arg-type]  # a PreTrainedConfig
                 guard = Protection()
             elif kind == "hf":
                 cache, guard = _hf_cache(model, protect[3:], bits, plan), Protection()
@@ -309,7 +320,7 @@ def kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *, 
                 nbytes[config] = _cache_nbytes(cache) / span
                 timed[config] = (cache, logp[-1].argmax())
                 if kind == "full":
-                    fresh = lambda: DynamicCache(config=model.config)  # noqa: E731
+                    fresh: Callable[[], Cache] = lambda: DynamicCache(config=model.config)  # type: ignore[arg-type]  # noqa: E731
                 elif kind == "hf":
                     fresh = lambda: _hf_cache(model, protect[3:], bits, plan)  # noqa: E731, B023 - called in this iteration
                 else:
@@ -317,7 +328,7 @@ def kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *, 
                 at_length[config] = {n: _filled_bytes_per_token(model, fresh(), n) for n in plan.bytes_lengths}
         if s == 0:
             first_run = run
-    ms = first_run.decode_ms(timed, plan.decode_steps, tick)
+    ms = first_run.decode_ms(timed, plan.decode_steps, tick)  # type: ignore[union-attr]  # (at least one sample)
     del timed
     dense16 = dense_bytes_per_token(model, 2)
     rows = []

@@ -27,6 +27,8 @@ per layer (``O(T·d)`` per layer and step; no fused kernel).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from torch import nn
@@ -104,8 +106,13 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
     def _empty(self) -> None:
         self.qk: QuantizedTensor | None = None  # packed keys (B, Hkv, N, ·) of positions 0 … N − 1, N a multiple of G
         self.qv: QuantizedTensor | None = None
-        self.pk = self.pv = self.p_pos = None  # exact copies of the protected tokens inside the packed blocks
-        self.rk = self.rv = None  # the residual: positions N … seen − 1, 16-bit
+        # exact copies of the protected tokens inside the packed blocks
+        self.pk: Tensor | None = None
+        self.pv: Tensor | None = None
+        self.p_pos: Tensor | None = None
+        # the residual: positions N … seen − 1, 16-bit
+        self.rk: Tensor | None = None
+        self.rv: Tensor | None = None
 
     # ------------------------------------------------------------------ transformers' layer contract
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -156,7 +163,7 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
 
         self.pk, self.pv, self.rk, self.rv = (pick(t) for t in (self.pk, self.pv, self.rk, self.rv))
         self.qk, self.qv = (None if q is None else QuantizedTensor(
-            pick(q.packed), pick(q.scale), pick(q.zero), q.bits, q.group_size, q.dim, (index.numel(), *q.shape[1:]),
+            pick(q.packed), pick(q.scale), pick(q.zero), q.bits, q.group_size, q.dim, (index.numel(), *q.shape[1:]),  # type: ignore[arg-type]
             q.dtype) for q in (self.qk, self.qv))
 
     def crop(self, max_length: int) -> None:
@@ -188,9 +195,9 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         n = (self.seen - start - self.residual) // self.group_size * self.group_size
         if n <= 0:
             return
-        pos = torch.arange(start, start + n, device=self.rk.device)
+        pos = torch.arange(start, start + n, device=self.rk.device)  # type: ignore[union-attr]  # (the residual holds them)
         keep = self.protect.mask(pos)  # (n,) protected positions among those packed now
-        k, v = self.rk[:, :, :n], self.rv[:, :, :n]
+        k, v = self.rk[:, :, :n], self.rv[:, :, :n]  # type: ignore[index]
         if bool(keep.any()):
             self.pk, self.pv = _cat(self.pk, k[:, :, keep]), _cat(self.pv, v[:, :, keep])
             self.p_pos = _cat(self.p_pos, pos[keep], 0)
@@ -200,16 +207,16 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         qk = quantize(k, self.bits, self.group_size, dim=-2, clip=self.clip)  # per channel over G tokens
         qv = quantize(v, self.bits, self.value_group, dim=-1, clip=self.clip)  # per token
         self.qk, self.qv = self._append(self.qk, qk), self._append(self.qv, qv)
-        self.rk, self.rv = self.rk[:, :, n:], self.rv[:, :, n:]
+        self.rk, self.rv = self.rk[:, :, n:], self.rv[:, :, n:]  # type: ignore[index]
 
     def _release_unseen(self) -> None:
         """Drop the exact copies of protected tokens that have left the layer's sliding window."""
         if self.p_pos is None:
             return
-        stay = self.p_pos > self.seen - self.window
+        stay = self.p_pos > self.seen - self.window  # type: ignore[operator]  # (a sliding-window layer)
         if bool(stay.all()):
             return
-        self.pk, self.pv, self.p_pos = self.pk[:, :, stay], self.pv[:, :, stay], self.p_pos[stay]
+        self.pk, self.pv, self.p_pos = self.pk[:, :, stay], self.pv[:, :, stay], self.p_pos[stay]  # type: ignore[index]
         if not self.p_pos.numel():
             self.pk = self.pv = self.p_pos = None
 
@@ -238,15 +245,15 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         """Everything stored, in position order: keys and values ``[B, Hkv, seen, d]`` (``None`` when empty)."""
         parts_k, parts_v = [], []
         if self.qk is not None:
-            keys, values = dequantize(self.qk, self.dtype), dequantize(self.qv, self.dtype)  # (B, Hkv, N, d)
+            keys, values = dequantize(self.qk, self.dtype), dequantize(self.qv, self.dtype)  # type: ignore[arg-type]  # (B, Hkv, N, d)
             if self.p_pos is not None:  # the holes: their exact copies
-                keys[:, :, self.p_pos] = self.pk.to(self.dtype)
-                values[:, :, self.p_pos] = self.pv.to(self.dtype)
+                keys[:, :, self.p_pos] = self.pk.to(self.dtype)  # type: ignore[union-attr]  # (kept with p_pos)
+                values[:, :, self.p_pos] = self.pv.to(self.dtype)  # type: ignore[union-attr]
             parts_k.append(keys)
             parts_v.append(values)
         if self.rk is not None and self.rk.shape[-2]:
             parts_k.append(self.rk.to(self.dtype))
-            parts_v.append(self.rv.to(self.dtype))
+            parts_v.append(self.rv.to(self.dtype))  # type: ignore[union-attr]  # (kept with rk)
         if not parts_k:
             return None, None
         return torch.cat(parts_k, -2), torch.cat(parts_v, -2)
@@ -303,7 +310,7 @@ def quantized_sink_cache(model: nn.Module, bits: int = 4, protect: Protection | 
 
 def kv_shape(model: nn.Module) -> tuple[int, int, int]:
     """``(layers, kv_heads, head_dim)`` of ``model``'s KV cache."""
-    cfg = _compat.config_get(model.config, "text_config", default=None) or model.config
+    cfg: Any = _compat.config_get(model.config, "text_config", default=None) or model.config
     heads = _compat.config_get(cfg, "num_attention_heads")
     kv = _compat.config_get(cfg, "num_key_value_heads", default=heads) or heads
     dh = _compat.config_get(cfg, "head_dim", default=None) or cfg.hidden_size // heads

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..errors import InputError, check_int
+from ..errors import InputError, check_int, check_spans
 from ..metrics import eligible_columns
 
 __all__ = ["Protection", "sink_positions", "PROTECTIONS", "SINK_EPS", "SINK_SHARE"]
@@ -37,12 +37,9 @@ class Protection:
 
     def __post_init__(self) -> None:
         check_int("the number of first tokens to protect", self.first)
-        for span in self.spans:
-            if len(span) != 2 or not 0 <= span[0] < span[1]:
-                raise InputError(f"protected spans are half-open (start, end) pairs with 0 ≤ start < end, got {span!r}")
         if any(p < 0 for p in self.positions):
             raise InputError(f"protected positions must be ≥ 0, got {sorted(self.positions)}")
-        object.__setattr__(self, "spans", tuple((int(a), int(b)) for a, b in self.spans))
+        object.__setattr__(self, "spans", tuple(check_spans(self.spans, "protected", overlapping=True)))
         object.__setattr__(self, "positions", tuple(sorted({int(p) for p in self.positions})))
 
     def mask(self, positions: Tensor) -> Tensor:

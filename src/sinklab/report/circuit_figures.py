@@ -90,7 +90,7 @@ def sink_map_figure(result: CircuitResult) -> Figure:
         ax.set_title(title, fontsize=7)
         ax.set_xlabel("head", fontsize=7)
         ax.set_ylabel("layer", fontsize=7)
-    fig.colorbar(im, ax=list(axes[0]), label="mean attention to position 0", fraction=0.05)
+    fig.colorbar(im, ax=list(axes[0]), label="mean attention to position 0", fraction=0.05)  # type: ignore[arg-type]
     return fig
 
 

@@ -58,7 +58,7 @@ def _destinations_html(result: CircuitResult) -> str:
     if not name:
         return ""
     ref, cond = result.ablation["attention"]["as_tokenized"], result.ablation["attention"][name]
-    pair = lambda key, fmt="{:.3f}": f"{_f(cond[key][i], fmt)} ({_f(ref[key][i], fmt)})"  # noqa: E731
+    pair = lambda key, fmt="{:.3f}": f"{_f(cond[key][i], fmt)} ({_f(ref[key][i], fmt)})"  # type: ignore[has-type]  # noqa: E731
     rows = []
     for i in range(result.num_layers):
         tok = cond["other_sink_token"][i]

@@ -60,8 +60,9 @@ class ModelStreams:
     def __deepcopy__(self, memo: dict) -> ModelStreams:
         """A copied model (``copy.deepcopy``) gets inert hooks: its streams are its own, not the original's."""
         inert = object.__new__(ModelStreams)
-        inert._model, inert._caches, inert.active, inert.explicit = (lambda: None), set(), None, False
-        inert._backend, inert._local, inert._hooks = None, threading.local(), None
+        # (a dead reference and no hooks: an inert copy)
+        inert._model, inert._caches, inert.active, inert.explicit = (lambda: None), set(), None, False  # type: ignore[assignment]
+        inert._backend, inert._local, inert._hooks = None, threading.local(), None  # type: ignore[assignment]
         return inert
 
     # ------------------------------------------------------------------ lifetime
@@ -90,7 +91,7 @@ class ModelStreams:
                 raise InputError("another SinkCache is open on this model in a `with` block; close it first "
                                  "(one stream per model at a time)")
             self.release()
-        backend = _compat.ModelPatch(self._model())
+        backend = _compat.ModelPatch(self._model())  # type: ignore[arg-type]  # alive: it is running a forward
         # The stream's own mask function (the real new columns only; the attention masks by metadata).
         backend.use_attention(ATTN_NAME, stream_attention, mask=stream_mask)
         self._backend, self.active, self.explicit = backend, id(cache), explicit

@@ -48,7 +48,8 @@ from .state import StreamState
 __all__ = ["SinkCache"]
 
 
-#: Channels per scale and zero point of a quantized window (``SinkCache(kv_bits=...)``) unless given.
+#: Channels per scale and zero point of a quantized window (``SinkCache(kv_bits=...)``) unless given; the one place
+#: this default is written.
 KV_GROUP_SIZE = 16
 
 
@@ -218,30 +219,33 @@ class SinkCache(Cache):
                 self.layer_states.append(None)
                 continue
             native = own is not None and own <= num_sinks + window
+            sizes: tuple[int, int, tuple[tuple[int, int], ...]]  # (sinks, window, pinned); native: own is set
             if native and not sliding_sinks:
-                policy = (0, own, ())
+                sizes = (0, own, ())  # type: ignore[assignment]
             else:
-                policy = (num_sinks, own if native else window, tuple(main.pinned))
+                sizes = (num_sinks, own if native else window, tuple(main.pinned))  # type: ignore[assignment]
             scored = self.policy.scored and not (native and not sliding_sinks)
-            key = (id(rotation), scored, *policy)
+            key = (id(rotation), scored, *sizes)
             if key not in groups and scored:
                 if not rotation.caches_attended_keys:
                     raise UnsupportedModelError(
                         f"{type(model).__name__}: the {self.policy.name!r} policy re-rotates the keys it keeps, and this "
                         "model's cached tensor is not the rotated key the attention reads (latent attention or a "
                         "rotary part stored apart); stream it with the default policy (streaming)")
-                groups[key] = ScoredState(self.policy, policy[0], policy[1], list(policy[2]), start_position,
+                # (a ScoredState stands in for a StreamState: the layers use what both have; a scored policy)
+                groups[key] = ScoredState(self.policy, sizes[0], sizes[1], list(sizes[2]),  # type: ignore[assignment, arg-type]
+                                          start_position,
                                           rebase_every, rope=rotation.cache_rope, positions=positions)
             elif key not in groups:
-                groups[key] = StreamState(policy[0], policy[1], list(policy[2]), start_position, rebase_every,
+                groups[key] = StreamState(sizes[0], sizes[1], list(sizes[2]), start_position, rebase_every,
                                           rope=rotation.cache_rope, attn_rope=rotation.attn_rope,
                                           compile_plan=compile_plan)
             self.layer_states.append(groups[key])
         self.states = list(groups.values())
         # Every group re-bases at the same steps by the same amount, so all layers share one virtual position.
         keep = max(s.capacity if s.scored else s.window for s in self.states)
-        for s in self.states:
-            s.rebase_every, s.rebase_keep = int(rebase_every or max(4 * keep, 2048)), keep
+        for st in self.states:
+            st.rebase_every, st.rebase_keep = int(rebase_every or max(4 * keep, 2048)), keep
         full = [s for s in self.states if (s.num_sinks, s.window) == (num_sinks, window) and s.scored == self.policy.scored]
         self.state = full[0] if full else self.states[0]  # the sinks + window budget (what cache_tokens reports)
         self.rope = self.state.rope
@@ -271,13 +275,13 @@ class SinkCache(Cache):
         # A hybrid's other layers: fresh layers of the class the model's own cache uses for them (transformers'
         # LinearAttentionLayer, which holds the convolution and recurrent states exactly as that cache would; a
         # DummyLayer for a block without state).
-        own = _compat.model_cache_layers(model) if not all(attention) else []
+        own_layers = _compat.model_cache_layers(model) if not all(attention) else []
         layers = []
         for i, (s, v, rotation) in enumerate(zip(self.layer_states, swapped, self.layer_rotations)):
             if s is not None:
                 layers.append(attention_layer(s, v, i))
-            elif i < len(own) and _compat.cache_layer_kind(own[i]) == rotation.kind:
-                layers.append(own[i])
+            elif i < len(own_layers) and _compat.cache_layer_kind(own_layers[i]) == rotation.kind:
+                layers.append(own_layers[i])
             else:  # the probe measured this very cache; a mismatch means the config changed since
                 raise UnsupportedModelError(f"{type(model).__name__}: layer {i} is a {rotation.kind} layer, but the "
                                             "model's own cache has no such layer for it; create the SinkCache again")
@@ -313,13 +317,13 @@ class SinkCache(Cache):
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         ref = ids if ids is not None else embeds
-        b, c = ref.shape[0], ref.shape[1]
+        b, c = ref.shape[0], ref.shape[1]  # type: ignore[union-attr]  # (the model takes ids or embeddings)
         if ids is not None:
             self.check_ids(ids)
         mask = kwargs.get("attention_mask")
         if isinstance(mask, dict):  # generate() on a hybrid model: one prepared mask per layer type, same padding
             mask = next((m for m in mask.values() if isinstance(m, torch.Tensor)), None)
-        valid = _real_columns(mask, b, c, ref.device)
+        valid = _real_columns(mask, b, c, ref.device)  # type: ignore[union-attr]
         # Every column real, known on the host: no mask, or a CPU mask (read where it already is; on an
         # accelerator that read would be a synchronisation, so the per-row masked write is used instead).
         all_valid = not isinstance(mask, torch.Tensor) or (valid.device.type == "cpu" and bool(valid.all()))
@@ -378,7 +382,7 @@ class SinkCache(Cache):
                 "check its weights with sinklab.checks.check_weights, or run in float32 if it overflows in half "
                 "precision")
         if isinstance(pending_ids, torch.Tensor) and bool(pending_ids):
-            raise InputError(f"a token id outside the model's vocabulary (0 … {self._vocab - 1}) was fed in columns "
+            raise InputError(f"a token id outside the model's vocabulary (0 … {self._vocab - 1}) was fed in columns "  # type: ignore[operator]
                              f"{lo}–{hi}; the ids come from a different tokenizer or were corrupted")
 
     # ------------------------------------------------------------------ generate modes (rows, crop)
@@ -388,9 +392,9 @@ class SinkCache(Cache):
                 state.select_rows(index)
         for i, layer in enumerate(self.layers):
             if self.layer_states[i] is None:
-                layer.reorder_cache(index)  # transformers' own: every conv / recurrent state follows its row
+                layer.reorder_cache(index)  # type: ignore[arg-type]  # transformers' own: every conv / recurrent state follows its row
             else:
-                layer.select_rows(index)
+                layer.select_rows(index)  # type: ignore[union-attr]  # a stream layer
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` continues beam ``beam_idx[i]`` (every per-row tensor of the stream follows)."""
@@ -431,7 +435,7 @@ class SinkCache(Cache):
         if n == 0 or self.state.batch is None:
             if self.state.batch is not None:
                 for layer in recording:  # transformers' own: trims the recorded conv states back to the kernel size
-                    layer.crop(0)
+                    layer.crop(0)  # type: ignore[union-attr]
             return
         if n > self.state.columns:
             raise InputError(f"cannot remove {n} columns from a stream of {self.state.columns}")
@@ -443,7 +447,7 @@ class SinkCache(Cache):
                     "never saw the removed tokens). Assisted decoding and prompt lookup need a cache that keeps "
                     "every token (DynamicCache), or a window larger than the whole generation")
         for layer in recording:
-            layer.crop(-n)
+            layer.crop(-n)  # type: ignore[union-attr]
         for state in self.states:
             state.drop_last(n)
 

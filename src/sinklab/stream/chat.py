@@ -235,7 +235,7 @@ class ChatStream:
         if not path.parent.exists():
             raise InputError(f"cannot save to {path}: folder {path.parent} does not exist")
         with atomic_file(path) as tmp:
-            self.session.save(tmp)
+            self.session.save(tmp)  # type: ignore[union-attr]  # (a closed chat fails here, as before)
             with safe_open(str(tmp), framework="pt") as f:
                 meta = dict(f.metadata() or {})
             meta[_CHAT_KEY] = json.dumps({"messages": self.messages, "rendered": self.rendered,

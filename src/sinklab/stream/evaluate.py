@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _compat
-from ..errors import InputError
+from ..errors import InputError, check_int
 from .cache import SinkCache
 from .policy import POLICIES
 
@@ -82,16 +82,17 @@ def _policy_runs(plan: EvalPlan) -> list[Run]:
 
 
 def _stream(model: nn.Module, ids: Tensor, positions: Tensor, run: Run, plan: EvalPlan, advance: Advance | None) -> Tensor:
-    return stream_nll(model, ids, positions, run.num_sinks, run.window, plan.chunk_size, advance, policy=run.policy)
+    return stream_nll(model, ids, positions, run.num_sinks, run.window, plan.chunk_size, advance,  # type: ignore[arg-type]
+                      policy=run.policy)  # (a streamed run has its S and W)
 
 
 #: method name → :class:`Method`, in table order (the order of ``--methods`` and of the results).
 METHOD_TABLE: dict[str, Method] = {m.name: m for m in (
     Method("dense", lambda plan: [Run("dense", "dense")],
-           lambda model, ids, pos, run, plan, advance: dense_nll(model, ids, pos, plan.chunk_size, advance)),
+           lambda model, ids, pos, run, plan, advance: dense_nll(model, ids, pos, plan.chunk_size, advance)),  # type: ignore[has-type]
     Method("window", lambda plan: [Run("window", "window", 0, plan.cache_size)], _stream),
     Method("recompute", lambda plan: [Run("recompute", "recompute")],
-           lambda model, ids, pos, run, plan, advance: recompute_nll(model, ids, pos, plan.cache_size, advance=advance),
+           lambda model, ids, pos, run, plan, advance: recompute_nll(model, ids, pos, plan.cache_size, advance=advance),  # type: ignore[has-type]
            per_position=True),
     Method("sinks", _sink_runs, _stream),
     Method("policies", _policy_runs, _stream),
@@ -165,16 +166,14 @@ class EvalPlan:
             methods = [*methods, "policies"]
         object.__setattr__(self, "methods", parse_methods(methods))
         object.__setattr__(self, "sinks", parse_sinks(self.sinks))
-        if self.cache_size < 2:
-            raise InputError(f"the cache size S + W must be ≥ 2, got {self.cache_size}")
+        check_int("the cache size S + W", self.cache_size, 2)
         if max(self.sinks) >= self.cache_size:
             raise InputError(f"every sink count must leave a window: S < S + W = {self.cache_size}, got {max(self.sinks)}")
-        if self.stride is not None and self.stride < 1:
-            raise InputError(f"--stride must be ≥ 1, got {self.stride}")
-        if self.start is not None and self.start < 1:
-            raise InputError(f"the first scored position must be ≥ 1, got {self.start}")
-        if self.chunk_size < 1:
-            raise InputError(f"chunk_size must be ≥ 1, got {self.chunk_size}")
+        if self.stride is not None:
+            check_int("--stride", self.stride, 1)
+        if self.start is not None:
+            check_int("the first scored position", self.start, 1)
+        check_int("chunk_size", self.chunk_size, 1)
 
     @property
     def first(self) -> int:

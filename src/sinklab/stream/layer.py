@@ -14,7 +14,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..errors import InputError
 from ..rope import RopeSpec, pair_partner, rotate, rotate_pairs
-from .state import StepPlan, StreamState, buffers_that_fit
+from .state import StepPlan, StreamBudget, StreamState, buffers_that_fit
 
 __all__ = ["SinkWindowLayer", "StreamLayerBase"]
 
@@ -22,6 +22,8 @@ __all__ = ["SinkWindowLayer", "StreamLayerBase"]
 class StreamLayerBase(CacheLayerMixin):
     """What every cache layer of a stream shares: the stream's column count, no maximum length, and the row and
     crop operations that belong to the whole stream (called on the :class:`~sinklab.stream.SinkCache`)."""
+
+    state: StreamBudget  # shared by every layer of the stream (set by the subclass)
 
     def get_seq_length(self, *args, **kwargs) -> int:
         return self.state.columns
@@ -73,6 +75,10 @@ class SinkWindowLayer(StreamLayerBase):
     is_compileable = True
     is_croppable = True  # until the window evicts (SinkCache.crop says why not after)
     is_sliding = False
+    state: StreamState
+    # the buffers, allocated by lazy_initialization before any read (None until then, as in CacheLayerMixin)
+    keys: Tensor
+    values: Tensor
 
     def __init__(self, state: StreamState, rope: RopeSpec | None, *, rotates_values: bool = False) -> None:
         super().__init__()
@@ -123,21 +129,21 @@ class SinkWindowLayer(StreamLayerBase):
             self.lazy_initialization(key_states, value_states)
         plan, view = self.state.plan, self.state.view
         n = self.state.anchor_capacity
-        if view.from_buffer:
-            self._write(key_states, value_states, plan)
-            if n and view.anchor_c is not None:
-                self.keys[:, :, :n] = self._anchors_rotated(view.anchor_c, view.anchor_s)
+        if view.from_buffer:  # type: ignore[union-attr]
+            self._write(key_states, value_states, plan)  # type: ignore[arg-type]
+            if n and view.anchor_c is not None:  # type: ignore[union-attr]
+                self.keys[:, :, :n] = self._anchors_rotated(view.anchor_c, view.anchor_s)  # type: ignore[arg-type, union-attr]
             return self.keys, self.values
         keys = torch.cat([self.anchor_keys, self.keys[:, :, n:], key_states], dim=-2)
         values = torch.cat([self.values, value_states], dim=-2)
-        self._write(key_states, value_states, plan)
+        self._write(key_states, value_states, plan)  # type: ignore[arg-type]
         return keys, values
 
     def _anchors_rotated(self, c: Tensor, s: Tensor) -> Tensor:
         """The anchored keys rotated by the step's factors (:func:`sinklab.rope.rotate_pairs`). Eagerly, their
         partner dimensions are kept between steps while the anchored keys do not change (two ops per layer and
         token); compiled, they are part of the graph."""
-        keys, interleaved, offset = self.anchor_keys, self.rope.interleaved, self.rope.offset
+        keys, interleaved, offset = self.anchor_keys, self.rope.interleaved, self.rope.offset  # type: ignore[union-attr]
         if torch.compiler.is_compiling():
             return rotate_pairs(keys, c, s, interleaved, offset=offset)
         if self._partner is None or self._partner[0] is not keys:  # dropped by every write to the anchored keys
@@ -147,19 +153,19 @@ class SinkWindowLayer(StreamLayerBase):
 
     def _write(self, key_states: Tensor, value_states: Tensor, plan: StepPlan) -> None:
         if plan.uniform:  # decode, every row a real free token in the same slot: one copy per buffer
-            self.keys.index_copy_(2, plan.slot1, key_states)
-            self.values.index_copy_(2, plan.slot1, value_states)
+            self.keys.index_copy_(2, plan.slot1, key_states)  # type: ignore[arg-type]
+            self.values.index_copy_(2, plan.slot1, value_states)  # type: ignore[arg-type]
             return
         if plan.is_step:  # decode: one column, each row's own slot (fixed shapes: compiled as one graph)
             rows, slot = plan.rows, plan.slot
-            keep = ~plan.valid[:, None, None]  # a padding column writes nothing
+            keep = ~plan.valid[:, None, None]  # type: ignore[index]  # a padding column writes nothing
             k, v = key_states[:, :, 0], value_states[:, :, 0]  # (B, Hkv, dh)
             self.keys[rows, :, slot] = torch.where(keep, self.keys[rows, :, slot], k)
             self.values[rows, :, slot] = torch.where(keep, self.values[rows, :, slot], v)
             n = self.state.anchor_capacity
             if n:
-                at = slot.clamp(max=n - 1)
-                anchored = plan.anchored[:, None, None]
+                at = slot.clamp(max=n - 1)  # type: ignore[union-attr]
+                anchored = plan.anchored[:, None, None]  # type: ignore[index]
                 self.anchor_keys[rows, :, at] = torch.where(anchored, k, self.anchor_keys[rows, :, at])
                 self._partner = None
             return
@@ -167,9 +173,9 @@ class SinkWindowLayer(StreamLayerBase):
         if rows.numel():
             self.keys[rows, :, slots] = key_states[rows, :, cols]
             self.values[rows, :, slots] = value_states[rows, :, cols]
-            anchored = slots < self.state.anchor_capacity
-            if bool(anchored.any()):
-                r, c, sl = rows[anchored], cols[anchored], slots[anchored]
+            anchored = slots < self.state.anchor_capacity  # type: ignore[operator]
+            if bool(anchored.any()):  # type: ignore[union-attr]
+                r, c, sl = rows[anchored], cols[anchored], slots[anchored]  # type: ignore[index]
                 self.anchor_keys[r, :, sl] = key_states[r, :, c]
                 self._partner = None
 

@@ -82,8 +82,8 @@ class RetentionPlan:
         # (a layer with budgets has its locality flags: the plans sinklab writes hold both or neither)
         far = [b for row, flags in zip(self.budgets, self.local) if row is not None for b, f in zip(row, flags)  # type: ignore[arg-type]
                if not f]
-        near = [b for row, flags in zip(self.budgets, self.local) if row is not None  # type: ignore[arg-type]
-                for b, f in zip(row, flags) if f]
+        near = [b for row, flags in zip(self.budgets, self.local) if row is not None
+                for b, f in zip(row, flags) if f]  # type: ignore[arg-type]
         return {"heads": len(heads), "local_heads": sum(heads), "local_budget": near[0] if near else None,
                 "far_budget": far[0] if far else None, "total_tokens": self.total_tokens,
                 "uniform_budget": self.num_sinks + self.window}
@@ -142,7 +142,7 @@ def load_plan(path: str | Path) -> RetentionPlan:
 
 def _layout(model: nn.Module) -> tuple[str, int, int]:
     cfg: Any = getattr(model.config, "text_config", None) or model.config
-    heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", 0)
+    heads: Any = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", 0)
     return str(cfg.model_type), int(cfg.num_hidden_layers), int(heads)
 
 

@@ -111,7 +111,7 @@ class SnapKV(ScoredPolicy):
     kernel: int = 7
 
     def score(self, obs: Observation) -> Tensor:
-        mean = obs.weights.mean(2)  # (B, Hkv, N)
+        mean = obs.weights.mean(2)  # type: ignore[union-attr]  # (B, Hkv, N); needs_weights: given
         k = self.kernel
         if k <= 1:
             return mean
@@ -127,7 +127,7 @@ class TOVA(ScoredPolicy):
     needs_weights = True
 
     def score(self, obs: Observation) -> Tensor:
-        return obs.weights[:, :, -1]
+        return obs.weights[:, :, -1]  # type: ignore[index]  # needs_weights: given
 
 
 @dataclass

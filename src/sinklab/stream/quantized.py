@@ -54,7 +54,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
 
     is_compileable = False
 
-    def __init__(self, state: StreamState, rope, bits: int = 4, group_size: int = 16, *,
+    def __init__(self, state: StreamState, rope, bits: int, group_size: int, *,
                  rotates_values: bool = False, shared: PackShared | None = None) -> None:
         if not is_int(bits) or bits not in BITS:
             raise InputError(f"kv_bits must be one of {BITS} (or None for full precision), got {bits!r}")
@@ -105,7 +105,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
                       for cut, gcut, d in ((slice(None, width), slice(None, groups), self.dh),
                                            (slice(width, None), slice(groups, None), total - self.dh)))
         self._parts = (r, parts)
-        return parts
+        return parts  # type: ignore[return-value]
 
     def store(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
         """Dequantize the ring into the shared buffer, let the parent update it, pack what it wrote."""
@@ -119,10 +119,10 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
             self.values[:, :, :n] = self.anchor_values
         out = super().store(key_states, value_states)
         plan = self.state.plan
-        if plan.is_step:
-            self._pack_step(plan, key_states[:, :, 0], value_states[:, :, 0])
+        if plan.is_step:  # type: ignore[union-attr]
+            self._pack_step(plan, key_states[:, :, 0], value_states[:, :, 0])  # type: ignore[arg-type]
         else:
-            self._pack_chunk(plan)
+            self._pack_chunk(plan)  # type: ignore[arg-type]
         return out
 
     def _pack_step(self, plan: StepPlan, k: Tensor, v: Tensor) -> None:
@@ -134,22 +134,22 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         n = self.state.anchor_capacity
         if plan.uniform:  # the host already knows: every row a real window token in one slot (no read-back)
             if plan.ring_slot1 is None:  # shared by every layer of this forward
-                plan.ring_slot1 = plan.slot1 - n
+                plan.ring_slot1 = plan.slot1 - n  # type: ignore[assignment, operator]
             self.shared.pending.append((self, self.kv.index_select(2, plan.slot1), plan.ring_slot1))  # (B, Hkv, 1, D)
             self.shared.pending_plan = plan
             return
         if plan.any_anchored is None:  # shared by every layer of this forward
-            plan.ring_slot = (plan.slot - n).clamp(min=0)
-            keep = ~plan.valid | plan.anchored
+            plan.ring_slot = (plan.slot - n).clamp(min=0)  # type: ignore[operator, union-attr]
+            keep = ~plan.valid | plan.anchored  # type: ignore[operator]
             plan.ring_keep = keep[:, None, None] if bool(keep.any()) else None  # (B, 1, 1)
-            plan.any_anchored = bool(plan.anchored.any())
+            plan.any_anchored = bool(plan.anchored.any())  # type: ignore[union-attr]
         rows, at, keep = plan.rows, plan.ring_slot, plan.ring_keep
         new = quantize(torch.cat([k, v], -1), self.bits, self.group, dim=-1)  # (B, Hkv, dk + dv) per token
         for stored, x in ((self.ring.packed, new.packed), (self.ring.scale, new.scale), (self.ring.zero, new.zero)):
             stored[rows, :, at] = x if keep is None else torch.where(keep, stored[rows, :, at], x)
         if plan.any_anchored:
-            slot = plan.slot.clamp(max=n - 1)
-            anchored = plan.anchored[:, None, None]
+            slot = plan.slot.clamp(max=n - 1)  # type: ignore[union-attr]
+            anchored = plan.anchored[:, None, None]  # type: ignore[index]
             self.anchor_values[rows, :, slot] = torch.where(anchored, v, self.anchor_values[rows, :, slot])
 
     def _flush(self) -> None:
@@ -174,13 +174,13 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         """A chunk: the buffer slots ``(rows, slots)`` it wrote, anchored ones as values, ring ones packed."""
         n = self.state.anchor_capacity
         rows, slots = plan.rows, plan.slots
-        anchored = slots < n
-        if bool(anchored.any()):
-            r, s = rows[anchored], slots[anchored]
+        anchored = slots < n  # type: ignore[operator]
+        if bool(anchored.any()):  # type: ignore[union-attr]
+            r, s = rows[anchored], slots[anchored]  # type: ignore[index]
             self.anchor_values[r, :, s] = self.values[r, :, s]
         ring = ~anchored
-        if bool(ring.any()):
-            r, s = rows[ring], slots[ring]
+        if bool(ring.any()):  # type: ignore[union-attr]
+            r, s = rows[ring], slots[ring]  # type: ignore[index]
             kv = torch.cat([self.keys[r, :, s], self.values[r, :, s]], -1)  # (N, Hkv, dk + dv)
             new = quantize(kv, self.bits, self.group, dim=-1)
             for stored, x in ((self.ring.packed, new.packed), (self.ring.scale, new.scale), (self.ring.zero, new.zero)):

@@ -98,6 +98,10 @@ class ScoredLayer(StreamLayerBase):
     is_compileable = False
     is_croppable = False
     is_sliding = False
+    state: ScoredState
+    # the buffers, allocated by lazy_initialization before any read (None until then, as in CacheLayerMixin)
+    keys: Tensor
+    values: Tensor
 
     def __init__(self, state: ScoredState, rope: RopeSpec | None, budgets: list[int] | None = None,
                  sliding: int | None = None, sliding_sinks: bool = False) -> None:
@@ -140,7 +144,7 @@ class ScoredLayer(StreamLayerBase):
             raise InputError("this SinkCache was closed; create a new one")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        sidx, q_v = self.state.chunk
+        sidx, q_v = self.state.chunk  # type: ignore[misc]  # planned for this forward
         hkv = key_states.shape[1]
         keys = torch.cat([self.keys, key_states], 2)
         values = torch.cat([self.values, value_states], 2)
@@ -155,7 +159,7 @@ class ScoredLayer(StreamLayerBase):
 
         Reads one boolean back to the host per layer and forward (whether any kept key moves): the rotation is skipped
         while nothing is evicted."""
-        keys, values, c_sidx, c_pos = self.pending
+        keys, values, c_sidx, c_pos = self.pending  # type: ignore[misc]  # stored by update()
         self.pending = None
         state, cap = self.state, self.keys.shape[2]
         present = real = c_sidx >= 0
@@ -231,7 +235,7 @@ def _last_rows(col: Columns, w: int) -> Columns:
     def cut(t: Tensor | None) -> Tensor | None:
         return t[:, :, -w:] if t is not None and t.shape[2] > 1 else t
 
-    return Columns(cut(col.logits), col.values, cut(col.visible))
+    return Columns(cut(col.logits), col.values, cut(col.visible))  # type: ignore[arg-type]  # (logits: a tensor)
 
 
 def scored_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, state: ScoredState,
@@ -241,8 +245,8 @@ def scored_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     b, h, c, dh = query.shape
     hkv = key.shape[1]
     rep = h // hkv
-    sidx = layer.pending[2]  # (B, Hkv, K)
-    q_sidx = state.chunk[0]  # (B, C)
+    sidx = layer.pending[2]  # type: ignore[index]  # (B, Hkv, K)
+    q_sidx = state.chunk[0]  # type: ignore[index]  # (B, C)
     # What each query sees: a real candidate at or before it (the buffer holds only what its head kept).
     visible = (sidx[:, :, None, :] >= 0) & (sidx[:, :, None, :] <= q_sidx[:, None, :, None]) & \
         (q_sidx[:, None, :, None] >= 0)  # (B, Hkv, C, K)

@@ -10,6 +10,7 @@ import inspect
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -135,7 +136,7 @@ class StreamSession:
                               sliding_sinks=sliding_sinks, kv_bits=kv_bits, kv_group_size=kv_group_size,
                               compile_plan=compile_plan, policy=policy, plan=plan, positions=positions)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
-        self.cache = None
+        self.cache: Any = None  # the open SinkCache (set by __enter__)
         self._cache_kwarg = _compat.cache_kwarg_name(model)
         self._device = _compat.input_device(model)
         self.tokens_seen = 0
@@ -352,7 +353,7 @@ def _recurrent_state(layer: object) -> tuple[dict[str, Tensor], dict]:
     return tensors, fields
 
 
-def _restore_recurrent_state(layer: object, fields: dict, tensors: dict[str, Tensor]) -> None:
+def _restore_recurrent_state(layer: Any, fields: dict, tensors: dict[str, Tensor]) -> None:
     """Put back what :func:`_recurrent_state` took from a layer of the same class."""
     for name, field in fields.items():
         if "value" in field:

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 import warnings
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..errors import InputError, check_int
+from ..errors import InputError, check_int, check_spans
 from ..rope import angles, pair_factors
 
 __all__ = ["StreamBudget", "StreamState", "View", "StepPlan"]
@@ -96,13 +96,13 @@ class View:
         """Rotation taking each query from its virtual position to its own cache-slot position (kept tokens it
         sees − 1), ``[B, C]``. Only a kv-bias slot's score needs it: worked out on first use, once per forward."""
         if self._slot_shift is None:
-            self._slot_shift = self.q_a + torch.clamp(self.q_f, max=self.window) - 1 - self.q_v
+            self._slot_shift = self.q_a + torch.clamp(self.q_f, max=self.window) - 1 - self.q_v  # type: ignore[operator, arg-type]
         return self._slot_shift
 
 
 def free_step(n_real: Tensor, n_anchor: Tensor, n_free: Tensor, base: Tensor, s_valid: Tensor, s_sidx: Tensor,
               s_a: Tensor, s_f: Tensor, s_o: Tensor, rope, start_position: int, anchor_capacity: int,
-              window: int) -> tuple[Tensor, ...]:
+              window: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """The tensor work of a decode step where every row decodes a real, free token into the same slot.
 
     Writes the new column's metadata into the buffers (at row 0's slot, every row's), advances ``n_real`` and
@@ -170,22 +170,8 @@ def buffers_that_fit(capacity: int):
 
 
 def check_pinned(pinned) -> list[tuple[int, int]]:
-    spans = []
-    if pinned is not None and (isinstance(pinned, (str, bytes)) or not hasattr(pinned, "__iter__")):
-        raise InputError(f"pinned is a list of (start, end) pairs of stream-token indices, got {pinned!r}")
-    for item in pinned or []:
-        try:
-            start, end = (operator.index(x) for x in item)  # ints (NumPy's, 0-d integer tensors), not floats
-        except (TypeError, ValueError) as exc:
-            raise InputError(f"pinned spans are (start, end) pairs of stream-token indices, got {item!r}") from exc
-        if start < 0 or end <= start:
-            raise InputError(f"pinned span {item!r} must satisfy 0 ≤ start < end (half-open)")
-        spans.append((start, end))
-    spans.sort()
-    for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
-        if b0 < a1:
-            raise InputError(f"pinned spans {(a0, a1)} and {(b0, b1)} overlap")
-    return spans
+    """Pinned spans: sorted, non-overlapping half-open pairs (:func:`sinklab.errors.check_spans`)."""
+    return check_spans(pinned, "pinned")
 
 
 class StreamBudget:
@@ -196,6 +182,10 @@ class StreamBudget:
     its layers store when the base moves (:meth:`_rotate_stored`)."""
 
     scored = False  # a score-based retention policy (sinklab.stream.scored) rather than recency
+    # per row, made by the subclass's ``_init_rows`` on the first forward
+    n_real: Tensor
+    base: Tensor
+    span: int  # host-side bound on the next virtual position
 
     def __init__(self, num_sinks: int, window: int, pinned=None, start_position: int = 0,
                  rebase_every: int | None = None, rope=None, attn_rope=None, *,
@@ -268,6 +258,10 @@ class StreamBudget:
         self.span = min(self.rebase_keep, self.columns)
         self.rebases += 1
 
+    def _init_rows(self, batch: int, device: torch.device) -> None:
+        """Make the per-row tensors for ``batch`` rows on ``device``."""
+        raise NotImplementedError
+
     def _rotate_stored(self, delta: Tensor) -> None:
         """Turn what the layers store back by ``delta`` ``[B]`` positions (the base moves forward by it)."""
         raise NotImplementedError
@@ -292,7 +286,7 @@ class StreamState(StreamBudget):
 
     def _allocate_rows(self, batch: int, device: torch.device) -> None:
         cap = self.capacity
-        long = dict(dtype=torch.long, device=device)
+        long: dict[str, Any] = dict(dtype=torch.long, device=device)
         self.n_real = torch.zeros(batch, **long)
         self.n_anchor = torch.zeros(batch, **long)
         self.n_free = torch.zeros(batch, **long)

@@ -11,6 +11,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..attention import attend
+
 __all__ = ["SynthConfig", "SynthModel", "SynthResult", "fit", "task_settings"]
 
 
@@ -44,15 +46,13 @@ class SynthConfig(PretrainedConfig):
 
 def eager_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                     scaling: float, dropout: float = 0.0, **kwargs) -> tuple[Tensor, Tensor]:
-    """Plain softmax attention; ``query``/``key``/``value`` ``[B, H, T, dh]`` → output ``[B, T, H, dh]``."""
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, H, T, T)
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + attention_mask
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+    """Plain softmax attention (:func:`sinklab.attention.attend`'s manual path, which returns the weights);
+    ``query``/``key``/``value`` ``[B, H, T, dh]`` → output ``[B, T, H, dh]`` and weights ``[B, H, T, T]``. A boolean
+    ``attention_mask`` says what each query sees, a float one is added to the scores."""
+    is_bool = attention_mask is not None and attention_mask.dtype == torch.bool
+    out, probs = attend(query, key, value, attention_mask if is_bool else None, scale=scaling,
+                        bias=None if is_bool else attention_mask, weights=True)
+    return out.transpose(1, 2).contiguous(), probs
 
 
 class SynthAttention(nn.Module):

@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -99,7 +100,7 @@ def build(cfg: VitExperimentConfig, variant: str, seed: int) -> SinklabViT:
                        num_classes=ShapesConfig().classes)
     spec = VARIANT_SPECS[variant]
     if spec is not None:
-        overrides = {"registers": cfg.registers} if "registers" in spec else {}
+        overrides: dict[str, Any] = {"registers": cfg.registers} if "registers" in spec else {}
         apply_vit_variant(model, spec, seed=seed + 1000, **overrides)
     return model
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from .. import _compat
-from ..errors import InputError
+from ..errors import InputError, check_int
 from .data import ShapesConfig, ShapesDataset
 from .model import token_labels
 from .variants import vit_base, register_count
@@ -34,8 +34,8 @@ def image_batches(model: nn.Module, *, samples: int, batch_size: int, seed: int 
     ``samples`` test images of the shapes dataset (split ``test``, generator seed ``seed``) at the
     model's ``image_size``, in batches of ``batch_size``, on the model's input device.
     """
-    if samples < 1 or batch_size < 1:
-        raise InputError(f"samples and batch_size must be ≥ 1, got {samples} and {batch_size}")
+    check_int("samples", samples, 1)
+    check_int("batch_size", batch_size, 1)
     base = vit_base(model)
     config = base.config
     size = int(_compat.config_get(config, "image_size"))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +34,7 @@ from torch import Tensor, nn
 from .. import _compat
 from ..atomic import atomic_file
 from ..errors import InputError, ModelWeightsError, UnsupportedModelError
-from ..variants import VariantConfig, VariantHandle, add_attention_parameters, parse_variant
+from ..variants import VariantConfig, VariantHandle, add_attention_parameters, add_register_parameter, parse_variant
 
 __all__ = [
     "FORMAT",
@@ -54,7 +55,7 @@ def vit_attention_modules(model: nn.Module) -> list[nn.Module]:
     """Each block's bidirectional ``attention`` module; :class:`UnsupportedModelError` when the layout differs."""
     mods = []
     for layer in _compat.find_layers(model):
-        attn = getattr(layer, "attention", None)
+        attn: Any = getattr(layer, "attention", None)
         ok = attn is not None and all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
         if not ok or getattr(attn, "is_causal", True):
             raise UnsupportedModelError(
@@ -113,7 +114,7 @@ def apply_vit_variant(model: nn.Module, variant: str | VariantConfig | dict, *, 
     d = _compat.config_get(base.config, "hidden_size")
     h = _compat.config_get(base.config, "num_attention_heads")
     dh = getattr(mods[0], "head_dim", d // h)
-    ref = mods[0].q_proj.weight
+    ref: Tensor = mods[0].q_proj.weight  # type: ignore[union-attr, assignment]  # (a tensor or module to nn.Module's typing)
     handle = VitVariantHandle(model, base, cfg)
     gen = torch.Generator().manual_seed(seed)
     for attn in mods:
@@ -127,10 +128,10 @@ def apply_vit_variant(model: nn.Module, variant: str | VariantConfig | dict, *, 
 def _add_registers(patch: _compat.ModelPatch, base: nn.Module, n: int, d: int, ref: Tensor,
                    gen: torch.Generator) -> None:
     """Insert ``n`` learned tokens after [CLS] at the embedding output; drop them from the base model's output."""
-    patch.add(base, "sinklab_registers", nn.Parameter((torch.randn(n, d, generator=gen) * 0.02).to(ref.device, ref.dtype)))
+    add_register_parameter(patch, base, n, d, ref, gen)
 
     def after_embeddings(module, args, output: Tensor) -> Tensor:
-        regs = base.sinklab_registers.to(output.dtype).expand(output.shape[0], n, d)  # (B, n, d)
+        regs = base.sinklab_registers.to(output.dtype).expand(output.shape[0], n, d)  # type: ignore[operator]  # (B, n, d)
         return torch.cat([output[:, :1], regs, output[:, 1:]], dim=1)  # (B, 1 + n + P, d)
 
     def drop(x: Tensor) -> Tensor:
@@ -144,7 +145,7 @@ def _add_registers(patch: _compat.ModelPatch, base: nn.Module, n: int, d: int, r
             output.hidden_states = tuple(drop(hs) for hs in output.hidden_states)
         return output
 
-    patch.hook(base.embeddings, after_embeddings)
+    patch.hook(base.embeddings, after_embeddings)  # type: ignore[arg-type]
     patch.hook(base, after_model, with_kwargs=True)
 
 
@@ -158,11 +159,13 @@ def _describe(model: nn.Module) -> dict:
     if name not in _CLASSES:
         raise UnsupportedModelError(f"save_vit supports {', '.join(_CLASSES)}; got {name}")
     if name == "SinklabViT":
-        return {"class": name, "config": model.config.to_dict(), "init": {"num_classes": model.num_classes}}
+        return {"class": name, "config": model.config.to_dict(),  # type: ignore[union-attr, operator]
+                "init": {"num_classes": model.num_classes}}
     init = {}
     if name == "ViTModel":
-        init = {"add_pooling_layer": model.pooler is not None, "use_mask_token": model.embeddings.mask_token is not None}
-    return {"class": name, "config": model.config.to_dict(), "init": init}
+        init = {"add_pooling_layer": model.pooler is not None,
+                "use_mask_token": model.embeddings.mask_token is not None}  # type: ignore[union-attr]
+    return {"class": name, "config": model.config.to_dict(), "init": init}  # type: ignore[union-attr, operator]
 
 
 def save_vit(model: nn.Module, path: str | Path) -> Path:
