@@ -77,7 +77,7 @@ def test_mask_rows_from_boolean_and_additive_masks():
         allowed, add = mask_rows(additive, True, 0, 2, 2, 3, "cpu")
         assert allowed[0, 0].tolist() == [[True, False, True], [False, False, True]]
         assert add.dtype == torch.float32 and add[0, 0].tolist() == [[0.0, 0.0, -2.5], [0.0, 0.0, 1.0]]
-        # half the lowest value still counts as blocked (a mask that was added to once), −1e30-ish in float32 too
+        # the floor is half the lowest value: an entry just below it still counts as blocked
         allowed, _ = mask_rows(additive / 2 * 1.01, True, 0, 2, 2, 3, "cpu")
         assert allowed[0, 0].tolist() == [[True, False, True], [False, False, True]]
 

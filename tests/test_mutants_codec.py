@@ -27,7 +27,8 @@ def _pack_reference(codes: list[int], bits: int) -> list[int]:
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("n", [1, 5, 8, 13, 16])
 def test_packed_width_is_the_bitstring_length(bits, n):
-    assert packed_width(n, bits) == len(_pack_reference([0] * n, bits))
+    width = packed_width(n, bits)
+    assert type(width) is int and width == len(_pack_reference([0] * n, bits))
     assert pack_bits(torch.zeros(2, n, dtype=torch.long), bits).shape == (2, packed_width(n, bits))
 
 
@@ -91,7 +92,7 @@ def test_quantized_tensor_records_what_dequantize_needs_and_counts_its_bytes():
 def test_constant_and_two_valued_groups_decode_exactly():
     """A constant group stores scale 0 and decodes to its float16 value; a group of two float16 values decodes
     to both exactly (codes 0 and 2^b − 1, with ``(hi − lo) / (2^b − 1)`` exact)."""
-    x = torch.full((3, 8), 0.3)
+    x = torch.tensor([[0.3], [0.1], [0.5]]).expand(3, 8)  # float16 rounds 0.3 up, 0.1 down, 0.5 exactly
     q = quantize(x, 2, 8)
     assert torch.equal(q.scale, torch.zeros(3, 1, dtype=torch.float16))
     assert torch.equal(dequantize(q), x.half().float())

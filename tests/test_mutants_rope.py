@@ -88,3 +88,17 @@ def test_low_precision_keys_rotate_in_the_factors_dtype_and_come_back_in_their_o
     got = rope.rotate(x, spec, delta)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, _reference(x, FREQS, delta, True, 2).bfloat16())
+
+
+def test_rotate_pairs_computes_in_the_factors_dtype():
+    """float64 keys with float32 factors: the rotation is done in float32 (the factors' dtype), then widened back."""
+    x = torch.randn(3, 8, dtype=torch.float64)
+    theta = torch.tensor([0.7, -1.3, 2.9, 0.1]) * 1000
+    c, s = rope.pair_factors(theta.cos(), theta.sin())
+    got = rope.rotate_pairs(x, c, s)
+    assert got.dtype == torch.float64
+    xf = x.float()
+    want = (xf * c + torch.cat([xf[..., 4:], xf[..., :4]], -1) * s).double()  # the same sums, all in float32
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    wide = x * c.double() + torch.cat([x[..., 4:], x[..., :4]], -1) * s.double()  # the same factors in float64
+    assert (got - wide).abs().max() > 1e-9  # float32 rounding shows

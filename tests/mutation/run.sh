@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Mutation testing of one module with mutmut 3 (docs/testing.md). Usage: tests/mutation/run.sh MODULE
-# [MUTANT_NAME...]  MODULE: codec | rope | attention | diagnose | state. Mutant names (or globs) given after
-# it run only those mutants (e.g. the survivors of an earlier run, after tests were added). The run happens in a copy of src/, tests/ and
-# pyproject.toml under ${MUTATION_DIR:-/tmp/sinklab-mutation}/MODULE, whose pyproject gets a [tool.mutmut]
-# section that mutates the one module and selects only the fast test files that exercise it.
+# Mutation testing of one module with mutmut 3.8.1 (docs/testing.md).
+# Usage: tests/mutation/run.sh MODULE [MUTANT_NAME...]   MODULE: codec | rope | attention | diagnose | state.
+# Mutant names (or globs) after it run only those mutants (e.g. an earlier run's survivors, after tests were added).
+# The run happens in a copy of src/, tests/ and pyproject.toml under ${MUTATION_DIR:-/tmp/sinklab-mutation}/MODULE,
+# whose pyproject gets a [tool.mutmut] table that mutates the one module and selects only the fast tests of it.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 case "${1:-}" in
@@ -23,6 +23,10 @@ work=${MUTATION_DIR:-/tmp/sinklab-mutation}/$1
 rm -rf "$work" && mkdir -p "$work"
 cp -r "$root/src" "$root/tests" "$work/"
 find "$work" -name __pycache__ -prune -exec rm -rf {} +
+# mutmut forks one worker per mutant from a process that already ran the tests: torch must stay single-threaded
+# there (a forked child that enters an OpenMP region its parent had started hangs), so the copy's conftest asks
+# for one thread after setting its own
+printf '\ntorch.set_num_threads(1)  # tests/mutation/run.sh: forked workers\n' >> "$work/tests/conftest.py"
 # the project's pyproject without any [tool.mutmut] table, plus this module's
 python3 - "$root/pyproject.toml" "$work/pyproject.toml" <<'PY'
 import re, sys
@@ -30,7 +34,10 @@ text = open(sys.argv[1]).read()
 open(sys.argv[2], "w").write(re.sub(r"(?ms)^\[tool\.mutmut\].*?(?=^\[|\Z)", "", text))
 PY
 # test files that do not exist yet (before the module's test_mutants_*.py) are dropped from the selection
-sel=$(cd "$work" && for t in $(echo "$tests" | tr -d '",'); do if [ -e "${t%%::*}" ]; then printf '"%s", ' "$t"; fi; done)
+# MUTATION_BASELINE=1 leaves out the tests written from mutation runs (test_mutants_*.py): the score before them
+sel=$(cd "$work" && for t in $(echo "$tests" | tr -d '",'); do
+  if [ -e "${t%%::*}" ] && { [ -z "${MUTATION_BASELINE:-}" ] || [[ $t != tests/test_mutants_* ]]; }; then
+    printf '"%s", ' "$t"; fi; done)
 cat >> "$work/pyproject.toml" <<TOML
 
 [tool.mutmut]
@@ -43,7 +50,7 @@ use_git_change_detection = false
 timeout_multiplier = 60.0
 TOML
 cd "$work"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 shift
 nice -n 15 "$root/.venv/bin/mutmut" run --max-children "${MUTATION_JOBS:-2}" "$@"
 "$root/.venv/bin/mutmut" results --all true > results.txt || true

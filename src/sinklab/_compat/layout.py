@@ -406,7 +406,7 @@ def cache_kwarg_name(model: nn.Module) -> str:
 
 
 def output_cache(output: Any) -> Any:
-    """The cache a forward returned: ``cache`` on transformers ≥ 5.2, ``past_key_values`` on older releases."""
+    """The cache a forward returned: ``cache`` on transformers ≥ 5.24, ``past_key_values`` on older releases."""
     return output["cache"] if "cache" in output else output.past_key_values  # noqa: SIM401 (lazy)
 
 
