@@ -13,15 +13,9 @@ from sinklab.errors import InputError
 from sinklab.kvquant import codec
 from sinklab.kvquant.codec import dequantize, pack_bits, packed_width, quantize, unpack_bits
 
+from test_kvquant import _pack_reference  # the one bit-string reference
+
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _pack_reference(codes: list[int], bits: int) -> list[int]:
-    """Little-endian bit string of the codes, cut into bytes (padded with zero bits to whole words)."""
-    k = {2: 4, 3: 8, 4: 2, 8: 1}[bits]
-    codes = codes + [0] * ((-len(codes)) % k)
-    value = sum(c << (bits * i) for i, c in enumerate(codes))
-    return [(value >> (8 * j)) & 0xFF for j in range(len(codes) * bits // 8)]
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
