@@ -38,9 +38,10 @@ demo: venv
 	HF_HUB_OFFLINE=1 $(VENV)/bin/sinklab diagnose builtin:minilm --out $(DEMO_OUT)/minilm-diagnose
 	@echo "reports: $(DEMO_OUT)/{smollm2,smollm2-eval-stream,gemma3,gemma3-circuit,minilm,tiny-lm,minilm-diagnose}/report.html"
 
-# Test files are spread over one worker per core (at most 4; each worker's torch gets its share of the cores).
+# Tests are spread over one worker per core (at most 4; idle workers steal queued tests; each worker's torch gets
+# its share of the cores).
 test: venv
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -n auto --maxprocesses=4 --dist loadfile
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -n auto --maxprocesses=4 --dist worksteal
 
 # Static checks: ruff (the rules in pyproject.toml's [tool.ruff.lint]) and mypy on the package ([tool.mypy]).
 lint: venv
