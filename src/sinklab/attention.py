@@ -30,7 +30,10 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-__all__ = ["Columns", "attend", "soft_cap", "softmax_with_columns", "softmax_with_sink", "sink_mass", "mask_rows"]
+from .rope import rotate
+
+__all__ = ["Columns", "attend", "soft_cap", "softmax_with_columns", "softmax_with_sink", "sink_mass", "mask_rows",
+           "rotated_key_scores"]
 
 
 def softmax_with_columns(scores: Tensor, extra: Tensor) -> tuple[Tensor, Tensor]:
@@ -346,3 +349,23 @@ def _attend_fast(query, key, value, visible, causal, scale, bias, columns, softc
     if real is not None:
         out = out.masked_fill(~real, 0.0)
     return out, None
+
+
+_PAIR_BUDGET = 1 << 15  # (query, anchored key) pairs rotated at once
+
+
+def rotated_key_scores(q: Tensor, keys: Tensor, idx: Tensor, shift: Tensor, rope, scale: float) -> Tensor:
+    """Scores ``q·k·scale`` of queries ``q`` ``[B, Hkv, rep, C, dh]`` against the key slots ``idx`` of ``keys``
+    ``[B, Hkv, K, dh]``, each key re-rotated per query by ``shift`` ``[B, C, nA]`` positions (:func:`sinklab.rope.rotate`
+    with ``rope``): the stream scores its anchored keys (sinks, pinned spans) at their slot distance this way and
+    hands the scores to :func:`attend` as :class:`Columns`. Rotated in float64,
+    ``_PAIR_BUDGET`` (query, key) pairs at a time."""
+    c = q.shape[3]
+    k = keys[:, :, idx].double()  # (B, Hkv, nA, dh)
+    out = []
+    step = max(1, _PAIR_BUDGET // max(1, idx.numel()))
+    for c0 in range(0, c, step):
+        c1 = min(c, c0 + step)
+        kr = rotate(k[:, :, None], rope, shift[:, None, c0:c1])  # (B, Hkv, C', nA, dh)
+        out.append(torch.einsum("bgrcd,bgcjd->bgrcj", q[:, :, :, c0:c1].double(), kr) * scale)
+    return torch.cat(out, dim=3).float()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..attention import Columns, attend, soft_cap
+from ..attention import Columns, attend, rotated_key_scores, soft_cap
 from ..errors import UnsupportedModelError
 from ..rope import rotate
 from ..variants import variant_column_logits, variant_gate, variant_has_columns
@@ -41,25 +41,6 @@ def active_stream():
     if torch.compiler.is_compiling():
         return TRACED_STREAM[0]
     return ACTIVE_STREAM.get()
-
-
-_PAIR_BUDGET = 1 << 15  # (query, anchored key) pairs rotated at once
-
-
-def _anchored_scores(q: Tensor, keys: Tensor, idx: Tensor, shift: Tensor, rope, scale: float) -> Tensor:
-    """Scores of queries ``q`` ``[B, Hkv, rep, C, dh]`` against anchored key slots ``idx`` at slot distance.
-
-    ``shift`` ``[B, C, nA]`` (:func:`_anchor_shift`) rotates key ``idx[j]`` for query ``i``; rotated in float64,
-    ``_PAIR_BUDGET`` (query, key) pairs at a time."""
-    c = q.shape[3]
-    k = keys[:, :, idx].double()  # (B, Hkv, nA, dh)
-    out = []
-    step = max(1, _PAIR_BUDGET // max(1, idx.numel()))
-    for c0 in range(0, c, step):
-        c1 = min(c, c0 + step)
-        kr = rotate(k[:, :, None], rope, shift[:, None, c0:c1])  # (B, Hkv, C', nA, dh)
-        out.append(torch.einsum("bgrcd,bgcjd->bgrcj", q[:, :, :, c0:c1].double(), kr) * scale)
-    return torch.cat(out, dim=3).float()
 
 
 def stream_mask(batch_size: int, q_length: int, kv_length: int, *args, attention_mask: Tensor | None = None,
@@ -121,7 +102,7 @@ def stream_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     columns = _learned_columns(module, q, kwargs.get("s_aux"), view, rope, scale, softcap)
     if layout.anchor_shift is not None:  # some query sees an anchored key elsewhere: scored at its slot distance
         idx = view.anchor_idx
-        scores = _anchored_scores(q.view(b, hkv, rep, c, dh), key, idx, layout.anchor_shift, rope, scale)
+        scores = rotated_key_scores(q.view(b, hkv, rep, c, dh), key, idx, layout.anchor_shift, rope, scale)
         columns.append(Columns(soft_cap(scores.view(b, h, c, -1), softcap), v[:, :, idx], layout.anchor_visible))
     if layout.keep is not None:
         k, v = k[:, :, layout.keep], v[:, :, layout.keep]
