@@ -181,7 +181,7 @@ def test_counts_and_options_out_of_range(tmp_path):
           "--causal-samples 3 has no effect with --no-causal")
     fails(["kv-quant", "builtin:tiny-lm", "--protect", "none", "--first", "3", "--out", out], 2,
           "--first 3 has no effect without 'first' in --protect")
-    fails(["kv-quant", "builtin:tiny-lm", "--decode-steps", "-1", "--out", out], 2, "--decode-steps must be ≥ 0")
+    fails(["kv-quant", "builtin:tiny-lm", "--decode-steps", "-1", "--out", out], 2, "--decode-steps must be an integer ≥ 0")
     for srank in ("nan", "inf"):  # used to run through with a threshold no stable rank can meet
         fails(["diagnose", "builtin:tiny-lm", "--broadcast-srank", srank, "--out", out], 2, "broadcast_max_srank")
     assert not out.exists() and leftovers(tmp_path) == []

@@ -28,7 +28,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from .. import _compat
-from ..errors import InputError
+from ..errors import InputError, check_int
 from ..texts import readable_tokens, special_affixes
 from .codec import BITS
 from .detect import detect_sinks
@@ -74,11 +74,13 @@ class KvQuantPlan:
         unknown = [p for p in self.protect if p not in PROTECTIONS]
         if unknown or not self.protect:
             raise InputError(f"--protect takes values from {PROTECTIONS}, got {list(self.protect)}")
-        if min(self.group_size, self.group_size_2bit, self.value_group or 1) < 1:
-            raise InputError(f"group sizes must be ≥ 1, got {self.group_size}, {self.group_size_2bit} and "
-                             f"{self.value_group}")
-        if self.decode_steps < 0:
-            raise InputError(f"--decode-steps must be ≥ 0 (0: no decode timing), got {self.decode_steps}")
+        check_int("--group-size", self.group_size, 1)
+        check_int("the 2-bit group size", self.group_size_2bit, 1)
+        if self.value_group is not None:
+            check_int("--value-group", self.value_group, 1)
+        check_int("--decode-steps", self.decode_steps, 0, " (0: no decode timing)")
+        check_int("--score", self.score, 1)
+        check_int("--samples", self.samples, 1)
         longest = max(self.group_for(b) for b in self.bits)
         if self.context < 2 * longest or self.score < 1 or self.samples < 1:
             raise InputError(f"context ({self.context}) must hold at least two groups of {longest} tokens, "

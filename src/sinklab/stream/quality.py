@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..errors import InputError, check_int
+from ..errors import InputError, check_int, is_int
 from .chat import ChatStream
 from .session import StreamSession, sample_token
 
@@ -409,11 +409,10 @@ class QualityPlan:
             raise InputError("--quality compares sinks with window only: the stream needs ≥ 1 sink (--sinks)")
         check_int("the window", self.window, 1)
         for name, value, top in (("--recall-facts", self.facts, len(FACTS)), ("--prompts", self.prompts, len(PROMPTS))):
-            if not 1 <= value <= top:
-                raise InputError(f"{name} must be between 1 and {top} (the project's list), got {value}")
+            if not is_int(value) or not 1 <= value <= top:
+                raise InputError(f"{name} must be between 1 and {top} (the project's list), got {value!r}")
         for name, value in (("--endless-tokens", self.endless_tokens), ("--answer-tokens", self.answer_tokens)):
-            if value < 1:
-                raise InputError(f"{name} must be ≥ 1, got {value}")
+            check_int(name, value, 1)
 
     @property
     def cache_size(self) -> int:

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from .. import metrics
 from ..atomic import atomic_dir, write_json, write_text
 from ..diagnose import Diagnosis, diagnose_inputs
-from ..errors import InputError
+from ..errors import InputError, check_int
 from .data import ShapesConfig, ShapesDataset
 from .model import SinklabViT, small_vit_config, token_labels
 from .probe import evaluate_probes
@@ -74,8 +74,9 @@ class VitExperimentConfig:
             raise InputError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANT_SPECS)}")
         if len(set(self.variants)) != len(self.variants):
             raise InputError("each variant may appear once")
-        if self.seeds < 1 or self.minutes <= 0:
-            raise InputError("--seeds must be ≥ 1 and --minutes > 0")
+        check_int("--seeds", self.seeds, 1)
+        if isinstance(self.minutes, bool) or not self.minutes > 0:
+            raise InputError(f"--minutes must be > 0, got {self.minutes!r}")
         if self.image_size % self.patch_size or self.width % self.heads:
             raise InputError("image size must be a multiple of the patch size and width a multiple of heads")
         if not 0 < self.train_fraction <= 1 or not 0 < self.mask_ratio < 1:
