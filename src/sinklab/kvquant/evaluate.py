@@ -82,9 +82,7 @@ class KvQuantPlan:
         check_int("--score", self.score, 1)
         check_int("--samples", self.samples, 1)
         longest = max(self.group_for(b) for b in self.bits)
-        if self.context < 2 * longest or self.score < 1 or self.samples < 1:
-            raise InputError(f"context ({self.context}) must hold at least two groups of {longest} tokens, "
-                             f"score ({self.score}) and samples ({self.samples}) must be ≥ 1")
+        check_int("--context", self.context, 2 * longest, f" (at least two groups of {longest} tokens)")
         self.hf_backends = tuple(self.hf_backends)
         self.bytes_lengths = tuple(int(n) for n in self.bytes_lengths)
         if any(n < 1 for n in self.bytes_lengths):
