@@ -4,8 +4,10 @@ Models: SmolLM2-135M-Instruct and Gemma 3 270M (``builtin:`` real weights; or a 
 random weights — the same shapes, so the same speed — for a machine without the converted cache). S 4, W 1020.
 Every method decodes at the same cached length, in steady state past eviction:
 
-* sinklab compiled — ``torch.compile(model.forward)`` with the SinkCache passed in (``--freezing``: inductor's
-  freezing for every compiled method, what ``StreamSession(compile=True)`` does on a CPU);
+* sinklab compiled — ``torch.compile(model.forward)`` with the SinkCache passed in, each step planned by the cache
+  before the compiled call (``SinkCache.planned_forward``, as ``StreamSession.step``: one dynamo frame and one graph
+  per step) (``--freezing``: inductor's freezing for every compiled method, what ``StreamSession(compile=True)``
+  does on a CPU);
 * sinklab compiled+plan — the same with ``SinkCache(compile_plan=True)``: the decode step's bookkeeping (the
   decoder-stack pre-hook, eager between the graphs) compiled too (``--compiled-plan``);
 * sinklab eager    — the same forward, eager;
@@ -148,7 +150,8 @@ class Sink(Method):
         self.forward = self._compile() if self.compiled else self.model.forward
 
     def forward_step(self) -> torch.Tensor:
-        return self.forward(input_ids=self.token, **{self.kw: self.cache}).logits
+        # as StreamSession.step: the cache plans the step, then the (compiled) forward runs — one graph
+        return self.cache.planned_forward(self.forward, input_ids=self.token, **{self.kw: self.cache}).logits
 
     def close(self) -> None:
         self.cache.close()

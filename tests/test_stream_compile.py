@@ -323,3 +323,66 @@ def test_cli_stream_options_are_clear_errors(args, message):
 
     r = CliRunner().invoke(app, ["stream", "builtin:tiny-lm", "--prompt", "The rule", "--max-new-tokens", "2", *args])
     assert r.exit_code != 0 and message in " ".join(r.output.split()) and "Traceback" not in r.output, r.output
+
+
+def _count_step(step, steps: int = 4) -> tuple[float, float]:
+    """Dynamo frames entered and compiled graphs run per call of ``step`` (after warm-up); ``step`` calls a function
+    compiled with :func:`_counting_backend`."""
+    from torch.profiler import profile
+
+    for _ in range(3):
+        step()
+    _GRAPH_RUNS[0] = 0
+    with profile() as prof:
+        for _ in range(steps):
+            step()
+    frames = sum(e.name.startswith("Torch-Compiled Region") for e in prof.events())
+    return frames / steps, _GRAPH_RUNS[0] / steps
+
+
+_GRAPH_RUNS = [0]
+
+
+def _counting_backend(gm, example_inputs):
+    """A dynamo backend that runs each captured graph as is and counts its calls."""
+    def run(*args):
+        _GRAPH_RUNS[0] += 1
+        return gm.forward(*args)
+    return run
+
+
+@pytest.mark.parametrize("make", [lambda: build("llama-gqa"), _gemma3], ids=["llama-gqa", "gemma3-two-budgets"])
+def test_a_compiled_session_step_is_one_frame_and_one_graph(make):
+    """``StreamSession(compile=...)``: each decode step, past eviction, enters one dynamo frame and runs one graph —
+    transformers' StaticCache's count on the same model — because the cache plans the step before the compiled call
+    (``SinkCache.planned_forward``) and its decoder-stack hooks stand aside. A model forward compiled around a
+    SinkCache passed in the usual way breaks the graph at those hooks (more frames and graphs), which is what this
+    count guards against. The Gemma 3 case has two stream states (sliding and global layers)."""
+    from transformers import StaticCache
+
+    model = make()
+    tok = torch.tensor([5])
+    with StreamSession(model, num_sinks=2, window=6, compile={"backend": _counting_backend}) as s:
+        s.feed(_tokens(12, seed=4)[None])
+        ours = _count_step(lambda: s.step(tok))
+    assert ours == (1.0, 1.0), ours
+    torch._dynamo.reset()
+    name = sinklab._compat.cache_kwarg_name(model)
+    static = StaticCache(config=model.config, max_cache_len=16)
+    forward = torch.compile(model.forward, backend=_counting_backend)
+    pos = torch.tensor([[9]])
+    with torch.no_grad():
+        model(input_ids=_tokens(9, seed=4)[None], **{name: static})
+
+        def static_step():
+            forward(input_ids=tok[None], position_ids=pos, **{name: static})
+            for layer in static.layers:
+                layer.crop(-1)
+        assert _count_step(static_step) == (1.0, 1.0)
+    torch._dynamo.reset()
+    cache = SinkCache(model, num_sinks=2, window=6)
+    with torch.no_grad():
+        model(input_ids=_tokens(12, seed=4)[None], **{name: cache})
+        hooked = _count_step(lambda: forward(input_ids=tok[None], **{name: cache}))
+    cache.close()
+    assert hooked[0] > 1 and hooked[1] > 1, hooked  # the hooks' eager bookkeeping between graphs

@@ -53,9 +53,22 @@ class ModelStreams:
         # decoder-stack entry and exit): they hold the stream's host bookkeeping (Python ints, no tensor read
         # back per token); the decoder stack in between — cache writes, re-rotation, masks, attention — is
         # one graph with fixed shapes.
+        # A forward the cache planned before calling the model (:meth:`SinkCache.planned_forward`, what
+        # ``StreamSession.step`` does) sets ``planned``: the hooks then return at once, and a compiled forward
+        # traces through them — one graph, no break.
+        self.planned = False
         self._hooks = _compat.ModelPatch(base)  # not the model: the registry must not keep it alive
-        self._hooks.hook(base, torch.compiler.disable(self._pre_hook), pre=True, with_kwargs=True)
-        self._hooks.hook(base, torch.compiler.disable(self._post_hook), with_kwargs=True, always_call=True)
+        eager_pre, eager_post = torch.compiler.disable(self._pre_hook), torch.compiler.disable(self._post_hook)
+
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+            return None if self.planned else eager_pre(module, args, kwargs)
+
+        def post_hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+            if not self.planned:
+                eager_post(module, args, kwargs, output)
+
+        self._hooks.hook(base, pre_hook, pre=True, with_kwargs=True)
+        self._hooks.hook(base, post_hook, with_kwargs=True, always_call=True)
 
     def __deepcopy__(self, memo: dict) -> ModelStreams:
         """A copied model (``copy.deepcopy``) gets inert hooks: its streams are its own, not the original's."""
@@ -63,6 +76,7 @@ class ModelStreams:
         # (a dead reference and no hooks: an inert copy)
         inert._model, inert._caches, inert.active, inert.explicit = (lambda: None), set(), None, False  # type: ignore[assignment]
         inert._backend, inert._local, inert._hooks = None, threading.local(), None  # type: ignore[assignment]
+        inert.planned = False
         return inert
 
     # ------------------------------------------------------------------ lifetime
@@ -123,6 +137,23 @@ class ModelStreams:
         stack[-1] = (ACTIVE_STREAM.set(cache), cache)
         TRACED_STREAM[0] = cache
         return cache.plan_forward(args, kwargs)
+
+    def enter_planned(self, cache) -> object:
+        """Activate ``cache`` for a forward it plans itself (the hooks stand aside); returns what
+        :meth:`exit_planned` takes to undo it."""
+        if cache.closed:
+            raise InputError("this SinkCache was closed; create a new one (a stream cannot be resumed after close — "
+                             "use StreamSession.save/load for that)")
+        self.activate(cache)
+        token = ACTIVE_STREAM.set(cache)
+        TRACED_STREAM[0] = cache
+        self.planned = True
+        return token
+
+    def exit_planned(self, token) -> None:
+        self.planned = False
+        TRACED_STREAM[0] = None
+        ACTIVE_STREAM.reset(token)
 
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         stack = self._local.__dict__.get("tokens")

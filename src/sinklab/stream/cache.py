@@ -332,6 +332,25 @@ class SinkCache(Cache):
         kwargs.pop("cache_position", None)
         return args, kwargs
 
+    def planned_forward(self, forward, **kwargs):
+        """``forward(**kwargs)`` — the model's forward or a ``torch.compile``'d one, given ``input_ids`` and this
+        cache (``past_key_values=`` or ``cache=``) — with the forward planned here, eagerly, before the call, not
+        in the decoder-stack hooks, which stand aside.
+
+        The same computation as calling ``forward`` directly; what changes is where the host's bookkeeping runs.
+        Inside a compiled ``forward`` nothing of the stream leaves the graph: a compiled decode step is one dynamo
+        frame and one graph (the hooks' eager work is otherwise a graph break at the decoder stack's entry and
+        exit). The finite-values check then runs on the returned logits. ``StreamSession.step`` decodes this way.
+        """
+        token = self._streams.enter_planned(self)
+        try:
+            _, planned = self.plan_forward((), kwargs)
+            out = forward(**planned)
+        finally:
+            self._streams.exit_planned(token)
+        self.check_hidden(out.logits)
+        return out
+
     # ------------------------------------------------------------------ checks (per chunk, or deferred)
     def check_ids(self, ids: torch.Tensor) -> None:
         """Token ids in range: read on the host where they already are (CPU), else checked every ``check_every``."""

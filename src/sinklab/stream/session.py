@@ -213,7 +213,10 @@ class StreamSession:
         graphs = self.compile_options is not None and self._device.type == "cuda"
         if graphs:  # a new step: CUDA graphs (mode="reduce-overhead") may reuse the last step's output memory
             torch.compiler.cudagraph_mark_step_begin()
-        logits = self._forward(token_ids.reshape(-1, 1).to(self._device), None, self._step_forward)[:, -1]
+        # Planned by the cache before the call (its hooks stand aside): a compiled step is one graph.
+        ids = token_ids.reshape(-1, 1).to(self._device)
+        logits = self.sink.planned_forward(self._step_forward, input_ids=ids, use_cache=True,
+                                           **{self._cache_kwarg: self.cache}).logits[:, -1]
         return logits.clone() if graphs else logits  # the caller's logits outlive the next replay
 
     def _check_open(self) -> None:

