@@ -318,3 +318,22 @@ def test_readme_gemma3_circuit_numbers_are_the_committed_circuit():
     assert d["ablation"]["verdict"] == "token-tied"
     loss = {k: c["loss"] for k, c in d["conditions"].items()}
     assert round(loss["bos_removed"] - loss["as_tokenized"], 1) == nats
+
+
+def test_readme_llamacpp_and_graph_counts_are_the_committed_benchmarks():
+    """vs_llamacpp.json: the compiled F32 stream ÷ llama.cpp's shift over every measured F32 cell; and the frame and
+    graph counts of a compiled step in bench_stream_compile_ops_cpu.json."""
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    counts = re.search(r"compiled step is (\d+) dynamo frame and (\d+) graph, as with the StaticCache", text)
+    assert counts, "README's graph counts sentence is missing"
+    ops = _json("bench_stream_compile_ops_cpu.json")["models"][0]["threads"]["1"]["ops_per_step"]
+    assert (ops["sinklab compiled"]["frames"], ops["sinklab compiled"]["graphs"]) == tuple(map(int, counts.groups()))
+    assert (ops["static compiled"]["frames"], ops["static compiled"]["graphs"]) == (1, 1)
+    low, high = _find(r"the compiled stream decodes at ([\d.]+)–([\d.]+)× the time per token of llama.cpp's own "
+                      r"StreamingLLM shift")
+    rows = _json("vs_llamacpp.json")["rows"]
+    ms = {(r["engine"], r["method"], r["threads"], r["cached"]): r["ms_per_token"] for r in rows if r["precision"] == "f32"}
+    ratios = [ms["sinklab", "stream-compiled", t, c] / ms["llama.cpp", "shift", t, c]
+              for (e, m, t, c) in ms if (e, m) == ("sinklab", "stream-compiled")]
+    assert len(ratios) == 4
+    assert (round(min(ratios), 2), round(max(ratios), 2)) == (low, high)
