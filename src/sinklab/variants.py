@@ -429,9 +429,12 @@ def _add_registers(patch: _compat.ModelPatch, model: nn.Module, n: int, d: int, 
         mask = kwargs.get("attention_mask")
         if isinstance(mask, Tensor) and mask.dim() == 2:  # the cache (or this forward) holds the registers too
             kwargs["attention_mask"] = torch.cat([mask.new_ones(b, n), mask], dim=1)
+        # A sinklab stream sets the positions itself (registers count as its first tokens), and a decode step it
+        # planned before the call (SinkCache.planned_forward) arrives with them already: left as they are.
+        stream = getattr(cache, "is_sinklab_stream", False)
         for name in ("position_ids", "cache_position"):
             pos = kwargs.get(name)
-            if isinstance(pos, Tensor):
+            if isinstance(pos, Tensor) and not stream:
                 pos = pos + n
                 if first:
                     lead = torch.arange(n, device=pos.device, dtype=pos.dtype)
