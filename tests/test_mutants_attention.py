@@ -6,6 +6,7 @@ and the masks written out by hand.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -176,3 +177,94 @@ def test_per_query_head_slot_values_with_grouped_keys(fast):
     torch.testing.assert_close(attend(q, k, v, visible, scale=0.4, columns=cols, fast=fast).double(), ref,
                                atol=2e-6, rtol=1e-5)
     assert DV == v.shape[-1]
+
+
+# ----------------------------------------------------------------------------- from a full mutation run
+
+def _rotated_scores_reference(q, keys, idx, shift, freqs, scale):
+    """Per (query, anchored key): the key rotated by its shift as complex pairs (half layout), dotted with the query."""
+    b, g, rep, c, dh = q.shape
+    half = dh // 2
+    out = torch.zeros(b, g, rep, c, idx.numel(), dtype=torch.float64)
+    for bi, gi, ci, j in itertools.product(range(b), range(g), range(c), range(idx.numel())):
+        k = keys[bi, gi, int(idx[j])].double()
+        z = torch.complex(k[:half], k[half:]) * torch.polar(torch.ones(half, dtype=torch.float64),
+                                                           float(shift[bi, ci, j]) * freqs)
+        kr = torch.cat([z.real, z.imag])
+        out[bi, gi, :, ci, j] = (q[bi, gi, :, ci].double() @ kr) * scale
+    return out
+
+
+@pytest.mark.parametrize("budget", [1 << 15, 5])  # one pass, and a few (query, key) pairs at a time
+def test_rotated_key_scores_equal_each_key_rotated_per_query(budget, monkeypatch):
+    from sinklab import attention
+    from sinklab.rope import RopeSpec
+
+    monkeypatch.setattr(attention, "_PAIR_BUDGET", budget)
+    g = torch.Generator().manual_seed(7)
+    b, hkv, rep, c, dh, slots = 2, 2, 3, 4, 8, 6
+    q = torch.randn(b, hkv, rep, c, dh, generator=g)
+    keys = torch.randn(b, hkv, slots, dh, generator=g)
+    idx = torch.tensor([0, 2, 5])
+    shift = torch.randint(-9, 30, (b, c, 3), generator=g)
+    freqs = torch.tensor([1.0, 0.4, 0.1, 0.02], dtype=torch.float64)
+    got = attention.rotated_key_scores(q, keys, idx, shift, RopeSpec(freqs), 0.35)
+    assert got.dtype == torch.float32 and got.shape == (b, hkv, rep, c, 3)
+    torch.testing.assert_close(got.double(), _rotated_scores_reference(q, keys, idx, shift, freqs, 0.35),
+                               atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_bidirectional_attention_with_columns_and_no_mask(fast):
+    """``visible=None`` and not causal (an encoder): every key and the columns seen by every query."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = torch.randn(B, 4, C, DH, generator=g), torch.randn(B, 2, K, DH, generator=g), torch.randn(B, 2, K, DV,
+                                                                                                       generator=g)
+    cols = [Columns(torch.randn(1, 4, 1, 1, generator=g)), Columns(torch.randn(B, 4, C, 1, generator=g),
+                                                                   torch.randn(1, 2, 1, DV, generator=g))]
+    got = attend(q, k, v, columns=cols, scale=0.3, fast=fast)
+    want = naive(q, k, v, torch.ones(1, 1, C, K, dtype=torch.bool), scale=0.3, columns=cols)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_causal_queries_that_are_the_last_of_more_keys(fast):
+    """``causal`` with fewer queries than keys (a decode chunk): query ``i`` sees keys ``≤ K − C + i``."""
+    g = torch.Generator().manual_seed(12)
+    q, k, v = torch.randn(B, 2, 2, DH, generator=g), torch.randn(B, 2, K, DH, generator=g), torch.randn(B, 2, K, DV,
+                                                                                                       generator=g)
+    got = attend(q, k, v, causal=True, scale=0.5, fast=fast)
+    visible = torch.ones(2, K, dtype=torch.bool).tril(K - 2)[None, None]
+    torch.testing.assert_close(got.double(), naive(q, k, v, visible, scale=0.5), atol=1e-5, rtol=1e-5)
+
+
+def test_mask_rows_without_a_mask_for_later_rows_and_two_queries():
+    causal = mask_rows(None, True, 0, 2, 2, 5, "cpu")[0][0, 0]
+    assert causal.tolist() == [[True, True, True, True, False], [True] * 5]
+    later = mask_rows(None, False, 2, 5, 5, 5, "cpu")[0]
+    assert later.shape == (1, 1, 3, 5) and later.dtype == torch.bool and bool(later.all())
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_column_values_grouped_over_fewer_heads_than_the_repeated_keys(fast):
+    """Keys already repeated to every query head (``Hkv = H``) and a column whose values are per original key/value
+    head (2 of 4): each query head reads its group's value."""
+    g = torch.Generator().manual_seed(13)
+    q, k, v = torch.randn(B, 4, C, DH, generator=g), torch.randn(B, 4, K, DH, generator=g), torch.randn(B, 4, K, DV,
+                                                                                                       generator=g)
+    values = torch.randn(1, 2, 1, DV, generator=g)
+    col = Columns(torch.randn(B, 4, C, 1, generator=g), values)
+    visible = torch.ones(C, K, dtype=torch.bool).tril(K - C)[None, None]
+    got = attend(q, k, v, visible, columns=[col], scale=0.4, fast=fast)
+    want = naive(q, k, v, visible, scale=0.4, columns=[Columns(col.logits, values.repeat_interleave(2, dim=1))])
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_path_errors_name_the_fix():
+    q, k, v = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4)
+    with pytest.raises(ValueError) as err:
+        attend(q, k, v, fast=True, weights=True)
+    assert str(err.value) == "the attention weights come from the manual path; pass fast=False (or leave fast unset)"
+    with pytest.raises(ValueError) as err:
+        attend(q, k, v, fast=True, softcap=5.0)
+    assert str(err.value) == "scaled_dot_product_attention has no softcap; use the manual path (fast=False)"
