@@ -202,7 +202,7 @@ def test_rotated_key_scores_equal_each_key_rotated_per_query(budget, monkeypatch
 
     monkeypatch.setattr(attention, "_PAIR_BUDGET", budget)
     g = torch.Generator().manual_seed(7)
-    b, hkv, rep, c, dh, slots = 2, 2, 3, 4, 8, 6
+    b, hkv, rep, c, dh, slots = 2, 2, 3, 10, 8, 6  # more queries than head dimensions
     q = torch.randn(b, hkv, rep, c, dh, generator=g)
     keys = torch.randn(b, hkv, slots, dh, generator=g)
     idx = torch.tensor([0, 2, 5])
@@ -268,3 +268,14 @@ def test_path_errors_name_the_fix():
     with pytest.raises(ValueError) as err:
         attend(q, k, v, fast=True, softcap=5.0)
     assert str(err.value) == "scaled_dot_product_attention has no softcap; use the manual path (fast=False)"
+
+
+def test_fused_path_with_values_wider_than_keys_and_columns():
+    """``dv > dh + e``: the fused call pads queries and keys to the value width (a non-empty zero block)."""
+    g = torch.Generator().manual_seed(14)
+    q, k, v = torch.randn(B, 2, C, DH, generator=g), torch.randn(B, 2, K, DH, generator=g), torch.randn(B, 2, K, 12,
+                                                                                                       generator=g)
+    cols = [Columns(torch.randn(1, 2, 1, 1, generator=g))]
+    visible = torch.ones(C, K, dtype=torch.bool).tril(K - C)[None, None]
+    got = attend(q, k, v, visible, columns=cols, scale=0.3, fast=True)
+    torch.testing.assert_close(got.double(), naive(q, k, v, visible, scale=0.3, columns=cols), atol=1e-5, rtol=1e-5)
