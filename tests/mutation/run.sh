@@ -16,7 +16,8 @@ case "${1:-}" in
     "tests/test_stream.py::test_gptj_interleaved_rope_streams_consistently", "tests/test_mutants_rope.py"' ;;
   attention) src=src/sinklab/attention.py;     tests='"tests/test_attention.py", "tests/test_mutants_attention.py"' ;;
   diagnose)  src=src/sinklab/diagnose.py;      tests='"tests/test_diagnose.py", "tests/test_diagnose_reference.py", "tests/test_mutants_diagnose.py"' ;;
-  state)     src=src/sinklab/stream/state.py;  tests='"tests/test_stream.py", "tests/test_stream_checks.py", "tests/test_mutants_state.py"' ;;
+  state)     src=src/sinklab/stream/state.py;  tests='"tests/test_stream.py", "tests/test_stream_checks.py",
+    "tests/test_stream_generate_modes.py", "tests/test_mutants_state.py"' ;;
   *) echo "usage: $0 codec|rope|attention|diagnose|state" >&2; exit 2 ;;
 esac
 work=${MUTATION_DIR:-/tmp/sinklab-mutation}/$1
