@@ -3,7 +3,6 @@ StreamingLLM reference of tests/stream_reference.py (RoPE re-applied at slot pos
 
 from __future__ import annotations
 
-import torch
 from stream_reference import Reference
 from test_stream import _rel, _tokens, model_for
 
