@@ -130,23 +130,24 @@ class ModelStreams:
                                      "(cache=cache, or past_key_values=cache)")
                 self.release()
             return None
-        if cache.closed:
-            raise InputError("this SinkCache was closed; create a new one (a stream cannot be resumed after close — "
-                             "use StreamSession.save/load for that)")
-        self.activate(cache)
-        stack[-1] = (ACTIVE_STREAM.set(cache), cache)
-        TRACED_STREAM[0] = cache
+        stack[-1] = (self._bind(cache), cache)
         return cache.plan_forward(args, kwargs)
 
-    def enter_planned(self, cache) -> object:
-        """Activate ``cache`` for a forward it plans itself (the hooks stand aside); returns what
-        :meth:`exit_planned` takes to undo it."""
+    def _bind(self, cache) -> object:
+        """Make ``cache`` the stream of this forward (this thread's, and the traced one); returns the ContextVar
+        token that undoes it."""
         if cache.closed:
             raise InputError("this SinkCache was closed; create a new one (a stream cannot be resumed after close — "
                              "use StreamSession.save/load for that)")
         self.activate(cache)
         token = ACTIVE_STREAM.set(cache)
         TRACED_STREAM[0] = cache
+        return token
+
+    def enter_planned(self, cache) -> object:
+        """Activate ``cache`` for a forward it plans itself (the hooks stand aside); returns what
+        :meth:`exit_planned` takes to undo it."""
+        token = self._bind(cache)
         self.planned = True
         return token
 
