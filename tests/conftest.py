@@ -15,6 +15,12 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(2 if _WORKERS == 1 else max(1, (os.cpu_count() or 1) // _WORKERS))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``long`` first (in their collection order): under pytest-xdist the workers take the queue from
+    the front, so a long test starts early instead of running alone while the other workers have finished."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module of tiny-model tests: they gain nothing from a second one, and on a busy

@@ -142,6 +142,7 @@ def _read_until(fd: int, seen: bytearray, done, what: str, timeout: float = 240.
                 return
 
 
+@pytest.mark.long
 def test_under_a_pseudo_terminal_ctrl_c_stops_the_answer_and_ctrl_d_ends_the_chat():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", COLUMNS="200")
     pid, fd = pty.fork()

@@ -215,6 +215,7 @@ def test_vision_diagnosis_reports_register_roles():
     assert sum(sum(row["roles"].values()) for row in d.per_layer()) == len(d.records)
 
 
+@pytest.mark.long
 @pytest.mark.usefixtures("one_thread")  # a tiny training run
 def test_synthetic_nop_task_forms_a_nop_sink():
     task = NopTask(d=32, n=16)
@@ -254,6 +255,7 @@ def test_synthetic_nop_task_forms_a_nop_sink():
     assert zero_rms < 0.1 and m["edit_ordinary_rms_damped"] > 5 * zero_rms
 
 
+@pytest.mark.long
 @pytest.mark.usefixtures("one_thread")  # a tiny training run
 def test_synthetic_broadcast_task_forms_a_broadcast_hub():
     r = run_broadcast(BroadcastTask(d=32, n=16), steps=500, batch=128, eval_samples=32)  # formed by 500 steps

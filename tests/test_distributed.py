@@ -28,6 +28,7 @@ from sinklab.scan import _PER_SAMPLE, scan
 HERE = Path(__file__).resolve().parent
 #: Collective timeout inside the job, and the most the whole job may take (a hang fails the test, not the suite).
 JOB_TIMEOUT_S, JOB_LIMIT_S = 60, 240
+pytestmark = pytest.mark.long  # one torchrun job of two processes, set up by the first test
 
 
 @pytest.fixture(scope="module")

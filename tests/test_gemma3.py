@@ -258,15 +258,16 @@ def test_real_weights_stream_equals_the_models_own_forward(gemma3):
     assert _rel(early, dense) < 1e-4, _rel(early, dense)
 
 
-def cut_down_gemma3(seed: int = 0) -> tf.Gemma3ForCausalLM:
-    """builtin:gemma3's own config, narrowed: 6 layers (5 local : 1 global), sliding window 8, same RoPE bases."""
+def cut_down_gemma3(seed: int = 0, layers: int = 6) -> tf.Gemma3ForCausalLM:
+    """builtin:gemma3's own config, narrowed: 6 layers (5 local : 1 global; ``layers`` < 6 keeps the global layer
+    last), sliding window 8, same RoPE bases."""
     config = json.loads((sgguf.cache_root() / "gguf" / sgguf._cache_key(Path(sgguf.GEMMA3_FILE), sgguf.GEMMA3_SHA256)
                          / "config.json").read_text())
     for key in ("architectures", "transformers_version", "dtype", "_model_name_or_path"):
         config.pop(key, None)
-    config.update(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+    config.update(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
-                  layer_types=config["layer_types"][:6], pad_token_id=0, bos_token_id=2, eos_token_id=1)
+                  layer_types=config["layer_types"][6 - layers : 6], pad_token_id=0, bos_token_id=2, eos_token_id=1)
     cfg = tf.Gemma3TextConfig(**config)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)

@@ -129,6 +129,7 @@ def test_html_fragment_escapes(nop):
     assert "Recommended fix: gated" in page
 
 
+@pytest.mark.long
 @pytest.mark.usefixtures("one_thread")  # a tiny training run
 def test_bb_closed_loop_fix_shrinks_its_target(tmp_path):
     """The closed loop at the benchmark's settings (seed 0): baseline → recommendation → fixed model → diagnosis.

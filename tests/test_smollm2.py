@@ -40,6 +40,7 @@ def _dequantize_q4_1(raw: np.ndarray) -> np.ndarray:
     return (d * nibbles + m).reshape(rows, -1)
 
 
+@pytest.mark.long
 def test_weights_match_the_gguf_file(smollm2):
     """An MLP weight decoded from the GGUF bytes by hand equals the loaded parameter; the model is Llama-shaped."""
     from gguf import GGUFReader

@@ -78,9 +78,9 @@ def _llama_variant():
 
 
 def _gemma3():
-    from test_gemma3 import cut_down_gemma3  # builtin:gemma3's config narrowed: 5 sliding (window 8) : 1 global
+    from test_gemma3 import cut_down_gemma3  # builtin:gemma3's config narrowed: 1 sliding (window 8) : 1 global
 
-    return cut_down_gemma3()
+    return cut_down_gemma3(layers=2)
 
 
 CASES = {  # name: (model builder, batch, cache settings, backend); batch 1 takes the unmasked (fast) write
@@ -91,6 +91,7 @@ CASES = {  # name: (model builder, batch, cache settings, backend); batch 1 take
 }
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_decoding_equals_eager_and_reference(case):
     """14 decode steps, a re-base every few tokens (≥ 3) and evictions throughout: compiled == eager ≤ 1e-5,
@@ -131,6 +132,7 @@ def _session_decode(model, prompt, follow, warm, backend, **cache_kw):
         return torch.stack(out), s.state.rebases
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_compiled_and_eager_steps_mix_on_one_stream(backend):
     """Eager steps keep each anchored key's partner dimensions between steps; a compiled step that writes an
@@ -177,6 +179,7 @@ def test_generate_with_compile_config_equals_eager_generate():
     assert torch.equal(compiled, eager)
 
 
+@pytest.mark.long
 def test_cli_stream_compile_prints_the_eager_text():
     """``sinklab stream --compile`` (dynamo's eager backend here; inductor in the benchmark): the same greedy text."""
     from typer.testing import CliRunner
@@ -196,6 +199,7 @@ def test_cli_stream_compile_prints_the_eager_text():
     (lambda: build("llama-gqa"), dict(num_sinks=2, window=6, rebase_every=8)),
     (_gemma3, dict(num_sinks=2, window=6, rebase_every=11)),  # two budgets: one compiled plan per window
 ], ids=["llama", "gemma3-sliding-and-global"])
+@pytest.mark.long
 def test_compiled_step_plan_equals_the_eager_plan(make, cache_kw):
     """``SinkCache(compile_plan=True)`` (inductor; off by default, meant for accelerators): the decode step's
     bookkeeping compiled once per budget on the first step, then no recompilation across evictions and ≥ 3
@@ -244,6 +248,7 @@ def test_compile_plan_is_checked_and_reaches_the_stream():
     assert not any(state.compile_plan for state in SinkCache(model, num_sinks=2, window=6).states)
 
 
+@pytest.mark.long
 def test_session_compile_true_on_cpu_freezes_weights_and_matches_eager():
     """``StreamSession(compile=True)`` on a CPU: inductor with freezing (what ``stream_generate(compile=True)`` and
     ``sinklab stream --compile`` use): the projections' weights are prepacked into the graph (inductor's weight-pack
@@ -351,6 +356,7 @@ def _counting_backend(gm, example_inputs):
     return run
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("make", [lambda: build("llama-gqa"), _gemma3], ids=["llama-gqa", "gemma3-two-budgets"])
 def test_a_compiled_session_step_is_one_frame_and_one_graph(make):
     """``StreamSession(compile=...)``: each decode step, past eviction, enters one dynamo frame and runs one graph —

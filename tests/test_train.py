@@ -86,6 +86,7 @@ def test_train_text_run_checkpoints_and_reloads(tmp_path):
         assert torch.isfinite(model(input_ids=ids).logits).all()
 
 
+@pytest.mark.long
 def test_bigram_backcopy_forms_a_bos_sink_quickly(tmp_path):
     # Measured at this reduced size (width 32, seq 32, batch 32, 400 steps, lr 6e-3): non-trigger queries give
     # BOS 0.990 of their attention, trigger queries 0.000 and 0.991 to the previous token; BOS value ratio 0.33.

@@ -180,6 +180,7 @@ def test_sink_init_sets_the_start_and_is_checked():
         TrainConfig(data="bb", variant="gated", sink_init=4.0)
 
 
+@pytest.mark.long
 def test_sink_init_lets_the_sink_logit_replace_the_bos_sink(tmp_path):
     """Reduced docs/sink_logit.md: BB, one head, 150 steps. From 0 the BOS sink forms (non-trigger queries
     park on BOS); from 4 the learned sink takes that mass (measured 0.79 vs 0.007)."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Mutation testing of one module with mutmut 3.8.1 (docs/testing.md).
-# Usage: tests/mutation/run.sh MODULE [MUTANT_NAME...]   MODULE: codec | rope | attention | diagnose | state.
+# Usage: tests/mutation/run.sh MODULE [MUTANT_NAME...]   MODULE: codec | rope | attention | diagnose | state | layer.
 # Mutant names (or globs) after it run only those mutants (e.g. an earlier run's survivors, after tests were added).
 # The run happens in a copy of src/, tests/ and pyproject.toml under ${MUTATION_DIR:-/tmp/sinklab-mutation}/MODULE,
 # whose pyproject gets a [tool.mutmut] table that mutates the one module and selects only the fast tests of it.
@@ -18,7 +18,9 @@ case "${1:-}" in
   diagnose)  src=src/sinklab/diagnose.py;      tests='"tests/test_diagnose.py", "tests/test_diagnose_reference.py", "tests/test_mutants_diagnose.py"' ;;
   state)     src=src/sinklab/stream/state.py;  tests='"tests/test_stream.py", "tests/test_stream_checks.py",
     "tests/test_stream_generate_modes.py", "tests/test_mutants_state.py"' ;;
-  *) echo "usage: $0 codec|rope|attention|diagnose|state" >&2; exit 2 ;;
+  layer)     src=src/sinklab/stream/layer.py;  tests='"tests/test_stream.py", "tests/test_stream_checks.py",
+    "tests/test_stream_generate_modes.py", "tests/test_stream_rotary_layouts.py", "tests/test_mutants_layer.py"' ;;
+  *) echo "usage: $0 codec|rope|attention|diagnose|state|layer" >&2; exit 2 ;;
 esac
 work=${MUTATION_DIR:-/tmp/sinklab-mutation}/$1
 rm -rf "$work" && mkdir -p "$work"

@@ -63,22 +63,24 @@ class StepPlan:
 
 @dataclass
 class View:
-    """Metadata of the keys the attention sees in one forward, and of its queries. All ``[B, K]``/``[B, C]``."""
+    """What the attention of one forward reads of its queries and keys, worked out once for every layer.
 
-    k_valid: Tensor
-    k_sidx: Tensor
-    k_anchored: Tensor
-    k_a: Tensor
-    k_f: Tensor
-    k_o: Tensor  # virtual position each key was rotated at
-    q_valid: Tensor | None
-    q_sidx: Tensor | None
-    q_a: Tensor | None
-    q_f: Tensor | None
-    q_v: Tensor | None
+    Queries: ``q_a``/``q_f``/``q_v`` ``[B, C]`` (anchored and free tokens seen so far, virtual position). Decode
+    (``from_buffer``): the keys are the buffer itself; ``visible`` is ``[B, K]``. Chunk: the keys are the buffer ⧺
+    the chunk; ``visible`` is ``[B, C, K]`` and ``k_a``/``k_f``/``k_o`` ``[B, K]`` are the keys' own counts and
+    virtual positions (for re-rotating the anchored keys, at ``anchor_idx``, to each query's slot distance).
+    """
+
+    q_a: Tensor
+    q_f: Tensor
+    q_v: Tensor
     from_buffer: bool  # True: keys are the buffer itself (decode); False: buffer ⧺ chunk
-    visible: Tensor | None = None  # (B, K) for decode, (B, C, K) for a chunk: what each query may attend to
-    anchor_idx: Tensor | None = None  # key positions holding anchored tokens (chunk path)
+    visible: Tensor  # (B, K) for decode, (B, C, K) for a chunk: what each query may attend to
+    window: int  # W of the stream this view belongs to
+    k_a: Tensor | None = None  # chunk path: anchored tokens seen by each key
+    k_f: Tensor | None = None  # chunk path: free tokens seen by each key
+    k_o: Tensor | None = None  # chunk path: virtual position each key was rotated at
+    anchor_idx: Tensor | None = None  # chunk path: key positions holding anchored tokens
     # Decode: the rotation of each anchored key to its slot distance, as rotate_pairs factors (B, 1, A, r).
     anchor_c: Tensor | None = None
     anchor_s: Tensor | None = None
@@ -88,7 +90,6 @@ class View:
     # Chunk path: what every layer sharing this view attends over, worked out once per chunk by the first
     # layer's attention (:func:`sinklab.stream.attention.chunk_layout`); None until then.
     chunk_layout: object | None = None
-    window: int = 0  # W of the stream this view belongs to
     _slot_shift: Tensor | None = None
 
     @property
@@ -96,18 +97,18 @@ class View:
         """Rotation taking each query from its virtual position to its own cache-slot position (kept tokens it
         sees − 1), ``[B, C]``. Only a kv-bias slot's score needs it: worked out on first use, once per forward."""
         if self._slot_shift is None:
-            self._slot_shift = self.q_a + torch.clamp(self.q_f, max=self.window) - 1 - self.q_v  # type: ignore[operator, arg-type]
+            self._slot_shift = self.q_a + torch.clamp(self.q_f, max=self.window) - 1 - self.q_v
         return self._slot_shift
 
 
 def free_step(n_real: Tensor, n_anchor: Tensor, n_free: Tensor, base: Tensor, s_valid: Tensor, s_sidx: Tensor,
               s_a: Tensor, s_f: Tensor, s_o: Tensor, rope, start_position: int, anchor_capacity: int,
-              window: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+              window: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """The tensor work of a decode step where every row decodes a real, free token into the same slot.
 
     Writes the new column's metadata into the buffers (at row 0's slot, every row's), advances ``n_real`` and
-    ``n_free`` in place, and returns ``(t, q_v, slot, visible, anchor_c, anchor_s)``: the
-    stream index and virtual position of the new token (``[B]``), its ring slot (``[B]``), what it may see
+    ``n_free`` in place, and returns ``(q_v, slot, visible, anchor_c, anchor_s)``: the
+    virtual position of the new token (``[B]``), its ring slot (``[B]``), what it may see
     (``[B, K]``), the rotation of each anchored key to its slot distance (the factors of
     :func:`sinklab.rope.rotate_pairs`, ``[B, 1, A, r]`` float32; None without RoPE or anchors). A pure tensor
     function of its arguments (no value read back, no branch on one), so it can run eagerly or compiled
@@ -129,7 +130,7 @@ def free_step(n_real: Tensor, n_anchor: Tensor, n_free: Tensor, base: Tensor, s_
         c, s = _anchor_rotation(rope, n_anchor, q_f, q_v, s_a, s_f, s_o, anchor_capacity, window)
     n_real += 1
     n_free += 1
-    return t, q_v, slot, visible, c, s
+    return q_v, slot, visible, c, s
 
 
 def _anchor_rotation(rope, q_a: Tensor, q_f: Tensor, q_v: Tensor, s_a: Tensor, s_f: Tensor, s_o: Tensor, n: int,
@@ -363,8 +364,7 @@ class StreamState(StreamBudget):
         for buf, value in ((self.s_valid, valid), (self.s_sidx, t), (self.s_a, q_a), (self.s_f, q_f), (self.s_o, q_v)):
             buf[rows, slot] = torch.where(valid, value, buf[rows, slot])  # a padding column writes nothing
         self.plan = StepPlan(rows, slot=slot, slot1=slot[:1], valid=valid, anchored=anchored)
-        sidx = torch.where(valid, t, torch.full_like(t, -1))
-        self._step_view(valid, sidx, q_a, q_f, q_v)
+        self._step_view(valid, q_a, q_f, q_v)
         self.n_real += valid.long()
         self.n_anchor += anchored.long()
         self.n_free += free.long()
@@ -387,24 +387,20 @@ class StreamState(StreamBudget):
                           stacklevel=2)
             self.compile_plan = False
             out = free_step(*args)
-        t, q_v, slot, visible, anchor_c, anchor_s = out
+        q_v, slot, visible, anchor_c, anchor_s = out
         q_a, q_f = self.n_anchor, self.n_free  # n_free already counts the new token
-        self.plan = StepPlan(self._rows, slot=slot, slot1=slot[:1], valid=valid, anchored=torch.zeros_like(valid),
-                             uniform=True)
-        self.view = View(self.s_valid, self.s_sidx, self.s_anchored, self.s_a, self.s_f, self.s_o,
-                         valid[:, None], t[:, None], q_a[:, None], q_f[:, None], q_v[:, None], from_buffer=True,
-                         visible=visible, anchor_c=anchor_c, anchor_s=anchor_s, window=self.window,
+        self.plan = StepPlan(self._rows, slot=slot, slot1=slot[:1], uniform=True)  # one slot: no per-row masks
+        self.view = View(q_a[:, None], q_f[:, None], q_v[:, None], from_buffer=True, visible=visible,
+                         window=self.window, anchor_c=anchor_c, anchor_s=anchor_s,
                          all_visible=self.columns + 1 >= self.capacity)
         return q_v[:, None]
 
-    def _step_view(self, valid: Tensor, sidx: Tensor, q_a: Tensor, q_f: Tensor, q_v: Tensor) -> None:
+    def _step_view(self, valid: Tensor, q_a: Tensor, q_f: Tensor, q_v: Tensor) -> None:
         """The :class:`View` of a decode step (``[B]`` query metadata; the buffer already holds the new column)."""
-        view = View(self.s_valid, self.s_sidx, self.s_anchored, self.s_a, self.s_f, self.s_o,
-                    valid[:, None], sidx[:, None], q_a[:, None], q_f[:, None], q_v[:, None], from_buffer=True,
-                    window=self.window)
         # The ring holds exactly the W most recent free tokens, so every valid slot is visible; anchored
         # keys are re-rotated to their slot distance from this query (O(S + P) per layer).
-        view.visible = self.s_valid & valid[:, None]
+        view = View(q_a[:, None], q_f[:, None], q_v[:, None], from_buffer=True, visible=self.s_valid & valid[:, None],
+                    window=self.window)
         if self.anchor_capacity and self.rope is not None:
             view.anchor_c, view.anchor_s = _anchor_rotation(self.rope, q_a, q_f, q_v, self.s_a, self.s_f,
                                                                 self.s_o, self.anchor_capacity, self.window)
@@ -419,7 +415,7 @@ class StreamState(StreamBudget):
         q_f = self.n_free[:, None] + free.long().cumsum(1)
         absolute = self.start_position + sidx
         q_v = torch.where(valid, absolute - self.base[:, None], torch.zeros_like(sidx))
-        sidx = torch.where(valid, sidx, torch.full_like(sidx, -1))
+        # (a padding column's sidx repeats its neighbour's: it is neither visible nor written)
 
         # Where each new token goes in the buffer: anchored slots in arrival order; free ones into the
         # ring, keeping only the last W free tokens of this chunk.
@@ -428,15 +424,14 @@ class StreamState(StreamBudget):
         write = anchored | (free & (q_f > last_f - self.window))
         rows, cols = write.nonzero(as_tuple=True)
         self.plan = StepPlan(rows, cols=cols, slots=slot[rows, cols])
-        view = View(
-            torch.cat([self.s_valid, valid], 1), torch.cat([self.s_sidx, sidx], 1),
-            torch.cat([self.s_anchored, anchored], 1), torch.cat([self.s_a, q_a], 1),
-            torch.cat([self.s_f, q_f], 1), torch.cat([self.s_o, q_v], 1), valid, sidx, q_a, q_f, q_v,
-            from_buffer=False, window=self.window)
-        causal = view.k_sidx[:, None, :] <= sidx[:, :, None]  # (B, C, K)
-        recent = (q_f[:, :, None] - view.k_f[:, None, :]) < self.window
-        view.visible = view.k_valid[:, None, :] & valid[:, :, None] & causal & (view.k_anchored[:, None, :] | recent)
-        view.anchor_idx = view.k_anchored.any(0).nonzero()[:, 0]
+        k_sidx, k_f = torch.cat([self.s_sidx, sidx], 1), torch.cat([self.s_f, q_f], 1)
+        k_valid, k_anchored = torch.cat([self.s_valid, valid], 1), torch.cat([self.s_anchored, anchored], 1)
+        causal = k_sidx[:, None, :] <= sidx[:, :, None]  # (B, C, K)
+        recent = (q_f[:, :, None] - k_f[:, None, :]) < self.window
+        view = View(q_a, q_f, q_v, from_buffer=False,
+                    visible=k_valid[:, None, :] & valid[:, :, None] & causal & (k_anchored[:, None, :] | recent),
+                    window=self.window, k_a=torch.cat([self.s_a, q_a], 1), k_f=k_f, k_o=torch.cat([self.s_o, q_v], 1),
+                    anchor_idx=k_anchored.any(0).nonzero()[:, 0])
         self.view = view
         slots = self.plan.slots
         self.s_valid[rows, slots] = True
