@@ -27,3 +27,96 @@ def test_chunks_after_rebases_and_chunks_longer_than_the_window_match_the_refere
         assert s.state.rebases >= 3, s.state.rebases
         assert int(s.state.base.min()) > 0  # chunks after a moved base
     assert worst < 1e-4, worst
+
+
+def _stream_state(s):
+    return {k: v.clone() for k, v in s.state.per_row().items()}
+
+
+def test_a_saved_stream_resumes_where_it_stopped(tmp_path):
+    """Saved after several re-bases and loaded into a new session: the same per-row state, the same host counters
+    (``span``, which decides the next re-base, and ``rows_alike``, which picks the one-slot decode write), and the
+    same logits as the stream that was never interrupted."""
+    import torch
+
+    model = model_for("llama-gqa")
+    tokens = _tokens(50, seed=41)
+    with StreamSession(model, num_sinks=2, window=5, rebase_every=7) as whole:
+        whole.feed(tokens[None, :6])
+        for i in range(6, 30):
+            whole.step(tokens[i:i + 1])
+        saved = _stream_state(whole)
+        span, alike, rebases = whole.state.span, whole.state.rows_alike, whole.state.rebases
+        whole.save(tmp_path / "s.safetensors")
+        after = [whole.step(tokens[i:i + 1]) for i in range(30, 50)]
+    assert rebases >= 3 and alike is True
+    with StreamSession.load(model, tmp_path / "s.safetensors") as resumed:
+        assert resumed.state.span == span and resumed.state.rows_alike is True
+        for name, value in _stream_state(resumed).items():
+            assert torch.equal(value, saved[name]), name
+        again = [resumed.step(tokens[i:i + 1]) for i in range(30, 50)]
+    assert max(_rel(a, b) for a, b in zip(again, after, strict=True)) < 1e-6
+
+
+def test_ring_keys_record_the_virtual_position_they_are_rotated_at():
+    """After re-bases, each ring slot's ``s_o`` is the virtual position its key is rotated at now: the stream index
+    counted from the current base (the re-base rotates the ring keys back by the shift and records it); an anchored
+    slot keeps the position it arrived at."""
+    model = model_for("llama-gqa")
+    tokens = _tokens(40, seed=43)
+    with StreamSession(model, num_sinks=2, window=5, rebase_every=7) as s:
+        s.feed(tokens[None, :6])
+        anchored = s.state.s_o[:, :2].clone()
+        for i in range(6, 40):
+            s.step(tokens[i:i + 1])
+        st = s.state
+        assert st.rebases >= 3 and int(st.base.min()) > 0
+        ring = slice(st.anchor_capacity, st.capacity)
+        want = st.start_position + st.s_sidx[:, ring] - st.base[:, None]
+        assert bool(st.s_valid[:, ring].all()) and bool((st.s_o[:, ring] == want).all())
+        assert bool((st.s_o[:, :2] == anchored).all())
+
+
+def test_crop_on_a_batch_of_two_takes_back_anchored_and_free_tokens_per_row():
+    """``SinkCache.crop(-n)`` on two rows (different tokens): each row's counters lose exactly ``n`` tokens, the
+    anchored ones among them too, and decoding on equals a stream that never saw them."""
+    import torch
+
+    from sinklab.stream import SinkCache
+    from test_stream import kw
+
+    model = model_for("llama-gqa")
+    ids = torch.stack([_tokens(8, seed=45), _tokens(8, seed=46)])
+    nxt = torch.stack([_tokens(4, seed=47), _tokens(4, seed=48)])
+    for fed, n in ((3, 2), (8, 3)):  # inside the 4 sinks (anchored tokens go); then free ones
+        runs = []
+        for crop in (True, False):
+            with torch.no_grad(), SinkCache(model, num_sinks=4, window=8) as c:
+                if crop:
+                    model(input_ids=ids[:, :fed], **kw(model, c))
+                    c.crop(-n)
+                else:
+                    model(input_ids=ids[:, :fed - n], **kw(model, c))
+                st = c.state
+                held = {k: torch.where(st.s_valid, v, -1) for k, v in st.per_row().items() if k.startswith("s_")}
+                runs.append((st.n_real.tolist(), st.n_anchor.tolist(), st.n_free.tolist(), st.columns, held,
+                             model(input_ids=nxt, **kw(model, c)).logits))
+        (real, anchor, free, columns, held, logits), ref = runs
+        assert real == [fed - n] * 2 and anchor == [min(4, fed - n)] * 2 and free == [max(0, fed - n - 4)] * 2
+        assert (real, anchor, free, columns) == ref[:4]
+        for name, value in held.items():
+            assert torch.equal(value, ref[4][name]), name
+        assert _rel(logits, ref[5]) < 1e-6
+
+
+def test_cache_tokens_of_a_padded_batch_is_the_fullest_row():
+    """Two left-padded rows (9 and 14 real tokens) in a 20-token budget: the cache holds 14 tokens per row at most,
+    not the 23 of both rows together."""
+    from test_stream import _left_padded_pair
+
+    model = model_for("llama-gqa")
+    _, _, ids, mask = _left_padded_pair()
+    with StreamSession(model, num_sinks=4, window=16) as s:
+        s.feed(ids, mask)
+        assert s.cache_tokens() == 14
+        assert s.state.s_valid.sum(1).tolist() == [9, 14]

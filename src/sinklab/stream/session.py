@@ -256,7 +256,7 @@ class StreamSession:
         for i in self.sink.recurrent_layers:  # a hybrid's linear-attention / state-space / conv state, whole
             kept, recurrent[str(i)] = _recurrent_state(self.cache.layers[i])
             tensors.update({f"layer.{i}.recurrent.{k}": v.contiguous() for k, v in kept.items()})
-        meta = {"format": _FORMAT, "settings": self.sink.states[0].settings() | self._main_settings(),
+        meta = {"format": _FORMAT, "settings": self._settings(),
                 "columns": self.state.columns, "recurrent": recurrent,
                 "tokens_seen": self.tokens_seen, "chunk_size": self.chunk_size}
         with atomic_file(path) as tmp:  # a failed or interrupted save leaves the previous file (or none)
@@ -324,9 +324,11 @@ class StreamSession:
                 layer.mark_static()
                 layer.is_initialized = True
 
-    def _main_settings(self) -> dict:
+    def _settings(self) -> dict:
+        """What :meth:`load` needs to rebuild this session's cache (the main state's budget; the others follow)."""
         main = self.sink.state
         return {"num_sinks": main.num_sinks, "window": main.window, "pinned": main.pinned,
+                "start_position": main.start_position, "rebase_every": main.rebase_every,
                 "sliding_sinks": self.sink.sliding_sinks, "groups": len(self.sink.states),
                 "kv_bits": self.kv_bits, "kv_group_size": self.kv_group_size}
 

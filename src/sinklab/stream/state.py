@@ -467,7 +467,3 @@ class StreamState(StreamBudget):
         self.columns = columns
         self.span = int((self.start_position + self.n_real - self.base).max())
         self.rows_alike = bool((self.n_real == columns).all())
-
-    def settings(self) -> dict:
-        return {"num_sinks": self.num_sinks, "window": self.window, "pinned": self.pinned,
-                "start_position": self.start_position, "rebase_every": self.rebase_every}
