@@ -3,6 +3,7 @@ StreamingLLM reference of tests/stream_reference.py (RoPE re-applied at slot pos
 
 from __future__ import annotations
 
+import pytest
 from stream_reference import Reference
 from test_stream import _rel, _tokens, model_for
 
@@ -120,3 +121,22 @@ def test_cache_tokens_of_a_padded_batch_is_the_fullest_row():
         s.feed(ids, mask)
         assert s.cache_tokens() == 14
         assert s.state.s_valid.sum(1).tolist() == [9, 14]
+
+
+@pytest.mark.parametrize("rebase_every, window", [(7, 5), (3, 5)], ids=["keep-fewer-than-every", "every-below-keep"])
+def test_rebases_happen_exactly_when_a_position_would_pass_rebase_every(rebase_every, window):
+    """Decode steps past ``rebase_every``: the closed form of the re-base rule, step by step. Token ``t`` would sit at
+    virtual position ``t − base``; when that passes ``rebase_every`` the base moves to ``max(t − keep, 0)`` (``keep``
+    = the window) first. Each step's virtual position and the re-base count equal it."""
+    model = model_for("llama-gqa")
+    tokens = _tokens(30, seed=53)
+    base, rebases, want, got = 0, 0, [], []
+    with StreamSession(model, num_sinks=1, window=window, rebase_every=rebase_every) as s:
+        s.feed(tokens[None, :1])
+        for t in range(1, 30):
+            if t - base > rebase_every:
+                base, rebases = max(t - window, 0), rebases + 1
+            want.append((t - base, rebases))
+            s.step(tokens[t:t + 1])
+            got.append((int(s.state.view.q_v[0, 0]), s.state.rebases))
+    assert got == want

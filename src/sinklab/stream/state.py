@@ -363,7 +363,7 @@ class StreamState(StreamBudget):
         rows = self._rows
         for buf, value in ((self.s_valid, valid), (self.s_sidx, t), (self.s_a, q_a), (self.s_f, q_f), (self.s_o, q_v)):
             buf[rows, slot] = torch.where(valid, value, buf[rows, slot])  # a padding column writes nothing
-        self.plan = StepPlan(rows, slot=slot, slot1=slot[:1], valid=valid, anchored=anchored)
+        self.plan = StepPlan(rows, slot=slot, valid=valid, anchored=anchored)
         self._step_view(valid, q_a, q_f, q_v)
         self.n_real += valid.long()
         self.n_anchor += anchored.long()
