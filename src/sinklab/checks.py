@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from . import _compat
-from .errors import InputError, ModelWeightsError, SinklabWarning, UnsupportedModelError, is_int
+from .errors import InputError, ModelWeightsError, SinklabWarning, UnsupportedModelError, check_int
 from .fingerprint import ModelCache
 
 __all__ = ["check_positions", "check_vocab", "check_weights", "max_positions", "used_token_ids", "uses_rope",
@@ -33,8 +33,7 @@ def check_model(model, what: str = "this function") -> None:
 
 def check_batch_size(batch_size) -> None:
     """Samples per forward: an integer ≥ 1 (the message names the option and the flag)."""
-    if not is_int(batch_size) or batch_size < 1:
-        raise InputError(f"batch_size (--batch-size) must be an integer ≥ 1, got {batch_size!r}")
+    check_int("batch_size (--batch-size)", batch_size, 1)
 
 
 def check_weights(model: nn.Module, token_ids: torch.Tensor | None = None) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..errors import InputError, is_int
+from ..errors import InputError, check_int, is_int
 
 __all__ = ["BITS", "CLIP_RATIOS", "QuantizedTensor", "pack_bits", "unpack_bits", "packed_width", "quantize",
            "dequantize"]
@@ -157,8 +157,7 @@ def _check_groups(shape: tuple[int, ...], dim: int, group_size: int) -> int:
     if not -len(shape) <= dim < len(shape):
         raise InputError(f"dimension {dim} does not exist in a {len(shape)}-D tensor")
     d = dim % len(shape)
-    if not is_int(group_size) or group_size < 1:
-        raise InputError(f"group_size must be an integer ≥ 1, got {group_size!r}")
+    check_int("group_size", group_size, 1)
     if shape[d] % group_size:
         raise InputError(f"dimension {dim} of size {shape[d]} is not a multiple of group_size {group_size}")
     return d

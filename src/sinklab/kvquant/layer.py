@@ -89,9 +89,10 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         super().__init__()
         if not is_int(bits) or bits not in BITS:
             raise InputError(f"kv bits must be one of {BITS}, got {bits!r}")
-        if group_size < 1 or residual < 0 or (value_group is not None and value_group < 1):
-            raise InputError(f"group_size and value_group must be ≥ 1 and residual ≥ 0, got {group_size}, "
-                             f"{value_group} and {residual}")
+        check_int("group_size", group_size, 1)
+        check_int("residual", residual, 0)
+        if value_group is not None:
+            check_int("value_group", value_group, 1)
         if window is not None:
             check_int("a sliding window", window, 1, " (tokens it holds)")
         self.window, self.clip = window, bits in CLIP_BITS if clip is None else bool(clip)

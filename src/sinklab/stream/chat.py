@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..atomic import atomic_file
-from ..errors import InputError
+from ..errors import InputError, check_int
 from ..variants import register_count
 from .session import StreamSession, TextPieces, check_chunk_size, check_sampling, sample_token
 from .state import StreamState
@@ -100,8 +100,7 @@ class ChatStream:
                  max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
                  policy=None, plan=None) -> None:
         check_sampling(max_new_tokens, temperature, top_k, seed)
-        if max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+        check_int("max_new_tokens", max_new_tokens, 1)
         StreamState(num_sinks, window, rebase_every=rebase_every)  # sizes checked now, not at the first answer
         check_chunk_size(chunk_size)
         if tokenizer is None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..errors import InputError, is_int
+from ..errors import InputError, check_int, is_int
 from ..kvquant.codec import BITS, QuantizedTensor, dequantize, packed_width, quantize
 from ..rope import rotate
 from .layer import SinkWindowLayer
@@ -58,8 +58,7 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
                  rotates_values: bool = False, shared: PackShared | None = None) -> None:
         if not is_int(bits) or bits not in BITS:
             raise InputError(f"kv_bits must be one of {BITS} (or None for full precision), got {bits!r}")
-        if not is_int(group_size) or group_size < 1:
-            raise InputError(f"kv_group_size must be an integer ≥ 1, got {group_size!r}")
+        check_int("kv_group_size", group_size, 1)
         super().__init__(state, rope, rotates_values=rotates_values)
         self.bits, self.group_size = bits, group_size
         self.shared = shared if shared is not None else PackShared()

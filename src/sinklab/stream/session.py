@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .. import _compat
 from ..atomic import atomic_file
-from ..errors import InputError, is_int
+from ..errors import InputError, check_int, is_int
 from ..variants import register_count
 from .cache import KV_GROUP_SIZE, SinkCache
 
@@ -40,8 +40,7 @@ def _token_ids(value) -> bool:
 
 def check_chunk_size(chunk_size) -> None:
     """Tokens per prefill forward: an integer ≥ 1."""
-    if not is_int(chunk_size) or chunk_size < 1:
-        raise InputError(f"chunk_size must be an integer ≥ 1, got {chunk_size!r}")
+    check_int("chunk_size", chunk_size, 1)
 
 
 def _frozen(forward):
@@ -410,13 +409,11 @@ def check_sampling(max_new_tokens, temperature, top_k, seed) -> None:
     import math
     import numbers
 
-    if not is_int(max_new_tokens) or max_new_tokens < 0:
-        raise InputError(f"max_new_tokens must be an integer ≥ 0, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens, 0)
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) \
             or temperature < 0:
         raise InputError(f"temperature must be a finite number ≥ 0 (0: greedy), got {temperature!r}")
-    if not is_int(top_k) or top_k < 0:
-        raise InputError(f"top_k must be an integer ≥ 0 (0: the whole vocabulary), got {top_k!r}")
+    check_int("top_k", top_k, 0, " (0: the whole vocabulary)")
     if not is_int(seed):
         raise InputError(f"seed must be an integer, got {seed!r}")
 
