@@ -130,8 +130,7 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         """Store ``[B, Hkv, C, d]`` new keys/values; return the stored past (dequantized) ⧺ the new chunk."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        past_k, past_v = self.materialize()
-        keys, values = _cat(past_k, key_states), _cat(past_v, value_states)
+        keys, values = self._gather(key_states, value_states)
         self._store(key_states, value_states)
         return keys, values
 
@@ -244,20 +243,45 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
 
     def materialize(self) -> tuple[Tensor | None, Tensor | None]:
         """Everything stored, in position order: keys and values ``[B, Hkv, seen, d]`` (``None`` when empty)."""
-        parts_k, parts_v = [], []
-        if self.qk is not None:
-            keys, values = dequantize(self.qk, self.dtype), dequantize(self.qv, self.dtype)  # type: ignore[arg-type]  # (B, Hkv, N, d)
-            if self.p_pos is not None:  # the holes: their exact copies
-                keys[:, :, self.p_pos] = self.pk.to(self.dtype)  # type: ignore[union-attr]  # (kept with p_pos)
-                values[:, :, self.p_pos] = self.pv.to(self.dtype)  # type: ignore[union-attr]
-            parts_k.append(keys)
-            parts_v.append(values)
-        if self.rk is not None and self.rk.shape[-2]:
-            parts_k.append(self.rk.to(self.dtype))
-            parts_v.append(self.rv.to(self.dtype))  # type: ignore[union-attr]  # (kept with rk)
-        if not parts_k:
+        if not self.seen:
             return None, None
-        return torch.cat(parts_k, -2), torch.cat(parts_v, -2)
+        return self._gather()
+
+    def _gather(self, new_k: Tensor | None = None, new_v: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """What attention sees: the stored tokens in position order, then ``new_k``/``new_v`` ``[B, Hkv, C, d]``.
+
+        One buffer each, written once: the packed blocks are dequantized straight into it (their holes then take
+        the exact copies), the residual and the new tokens copied after them — no concatenation of the whole
+        cache. With nothing stored yet, the new tokens themselves."""
+        n_packed = self.packed_tokens
+        n_res = 0 if self.rk is None else self.rk.shape[-2]
+        if not n_packed and not n_res:
+            assert new_k is not None and new_v is not None  # (materialize returns early on an empty layer)
+            return new_k, new_v
+        like_k = self.rk if self.rk is not None else self.pk
+        b, h = (self.qk.shape[:2] if self.qk is not None else like_k.shape[:2])  # type: ignore[union-attr]
+        c = 0 if new_k is None else new_k.shape[-2]
+        total = n_packed + n_res + c
+        dk = self.qk.shape[-1] if self.qk is not None else self.rk.shape[-1]  # type: ignore[union-attr]
+        dv = self.qv.shape[-1] if self.qv is not None else self.rv.shape[-1]  # type: ignore[union-attr]
+        keys = torch.empty(b, h, total, dk, dtype=self.dtype, device=self.device)
+        values = torch.empty(b, h, total, dv, dtype=self.dtype, device=self.device)
+        if n_packed and self.dtype == torch.float32:  # float32 arithmetic straight into the buffer
+            dequantize(self.qk, out=keys[:, :, :n_packed])  # type: ignore[arg-type]
+            dequantize(self.qv, out=values[:, :, :n_packed])  # type: ignore[arg-type]
+        elif n_packed:  # a 16-bit model: computed in float32, rounded once
+            keys[:, :, :n_packed] = dequantize(self.qk, self.dtype)  # type: ignore[arg-type]
+            values[:, :, :n_packed] = dequantize(self.qv, self.dtype)  # type: ignore[arg-type]
+        if n_packed and self.p_pos is not None:  # the holes: their exact copies
+            keys[:, :, self.p_pos] = self.pk.to(self.dtype)  # type: ignore[union-attr]  # (kept with p_pos)
+            values[:, :, self.p_pos] = self.pv.to(self.dtype)  # type: ignore[union-attr]
+        if n_res:
+            keys[:, :, n_packed:n_packed + n_res] = self.rk  # type: ignore[assignment]  # (n_res > 0: a tensor)
+            values[:, :, n_packed:n_packed + n_res] = self.rv  # type: ignore[assignment]
+        if new_k is not None and new_v is not None:
+            keys[:, :, n_packed + n_res:] = new_k
+            values[:, :, n_packed + n_res:] = new_v
+        return keys, values
 
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> int:
