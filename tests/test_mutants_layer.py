@@ -56,3 +56,54 @@ def test_mask_sizes_span_the_kept_columns_and_the_new_ones(layer_and_cache):
     assert layer.get_mask_sizes(1) == (7 + 1, 9 - 7)  # 2 sinks + 5 window of 9 fed
     assert layer.get_mask_sizes(3) == (7 + 3, 2)
     assert layer.get_mask_sizes(torch.tensor([0, 1])) == (7 + 1, 2)  # a cache_position tensor counts as one query
+
+
+def test_the_compiled_and_eager_anchor_rotations_agree(monkeypatch):
+    """``_anchors_rotated`` has two branches: eagerly it keeps the anchored keys' partner dimensions between steps,
+    inside a compiled forward it rotates in one expression. Both give the same keys, on a GPT-J-style interleaved
+    rotary layout too (taken here by faking ``is_compiling``)."""
+    for name in ("llama-gqa", "gptj-interleaved"):
+        model = model_for(name) if name == "llama-gqa" else _gptj()
+        with torch.no_grad(), SinkCache(model, num_sinks=3, window=4) as cache:
+            model(input_ids=_tokens(12, seed=55)[None], **kw(model, cache))
+            model(input_ids=_tokens(1, seed=56)[None], **kw(model, cache))  # a decode step: the view has factors
+            layer, view = cache.layers[0], cache.state.view
+            assert view.anchor_c is not None and layer.rope.interleaved == (name == "gptj-interleaved")
+            eager = layer._anchors_rotated(view.anchor_c, view.anchor_s)
+            monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+            compiled = layer._anchors_rotated(view.anchor_c, view.anchor_s)
+            monkeypatch.undo()
+        assert compiled.shape == eager.shape == layer.anchor_keys.shape
+        assert torch.allclose(compiled, eager, rtol=0, atol=1e-6)
+        assert not torch.allclose(eager, layer.anchor_keys, atol=1e-3)  # they did move
+
+
+def _gptj():
+    """GPT-J: interleaved pairs on a partial rotary width (as in tests/test_stream.py)."""
+    import transformers as tf
+
+    cfg = tf.GPTJConfig(vocab_size=101, n_embd=32, n_layer=1, n_head=4, rotary_dim=4, n_positions=256)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(2)
+    return tf.GPTJForCausalLM(cfg).eval()
+
+
+def test_reordered_rows_rotate_their_own_anchored_keys():
+    """Two rows with different anchored tokens, swapped (``batch_select_indices``, as beam search does) after a decode
+    step: the next steps equal a stream fed the rows in the swapped order — the kept partner dimensions of the old
+    row order are not reused."""
+    model = model_for("llama-gqa")
+    ids = torch.stack([_tokens(10, seed=57), _tokens(10, seed=58)])
+    nxt = torch.stack([_tokens(3, seed=59), _tokens(3, seed=60)])
+    runs = []
+    for swap_late in (True, False):
+        with torch.no_grad(), SinkCache(model, num_sinks=3, window=4) as cache:
+            first = ids if swap_late else ids.flip(0)
+            model(input_ids=first, **kw(model, cache))
+            model(input_ids=(nxt if swap_late else nxt.flip(0))[:, :1], **kw(model, cache))
+            if swap_late:
+                cache.batch_select_indices(torch.tensor([1, 0]))
+            rest = nxt.flip(0)[:, 1:]
+            runs.append(torch.stack([model(input_ids=rest[:, i:i + 1], **kw(model, cache)).logits[:, -1]
+                                     for i in range(rest.shape[1])]))
+    assert torch.allclose(runs[0], runs[1], rtol=0, atol=1e-5), (runs[0] - runs[1]).abs().max()
