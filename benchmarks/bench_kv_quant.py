@@ -21,12 +21,12 @@ then interleaved one-token decode steps on each stream. Writes ``benchmarks/resu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from sinklab.atomic import write_json
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -70,7 +70,7 @@ def _worker(args: argparse.Namespace) -> None:
                        "machine": "under load on a shared 2-core CPU VM", **result.meta}
         data = result.to_json()
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"kv_quant_{stem}.json").write_text(json.dumps(data, indent=1))
+        write_json((RESULTS / f"kv_quant_{stem}.json"), data)
         kl_vs_bytes(data).savefig(RESULTS / f"kv_quant_{stem}_kl_vs_bytes.png", dpi=110)
         print(f"\n{name}: {plan.samples} × ({plan.context} cached + {plan.score} scored) tokens, "
               f"16-bit cache {data['dense_bytes_per_token_16bit']:,} bytes/token; detected {result.detected}; "
@@ -146,7 +146,7 @@ def _stream_worker(args: argparse.Namespace) -> None:
                 "load_average": os.getloadavg(), "machine": "under load on a shared 2-core CPU VM"}
         stem = name.split(":")[-1].split("/")[-1].removesuffix(".gguf")
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"kv_quant_stream_{stem}.json").write_text(json.dumps(data, indent=1))
+        write_json((RESULTS / f"kv_quant_stream_{stem}.json"), data)
         print(f"\n{name}: stream S = 4, W = {args.window}, {ids.numel()} tokens; under load on a shared 2-core CPU VM")
         print("kv_bits | PPL | PPL / full | ms/token | ms / full | CPU ms/token | CPU / full | cache bytes | × 16-bit")
         for r in rows:

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from sinklab.atomic import write_json
 
 MODES = ("plain-sdpa", "sinklab-scan", "eager-attentions")
 OPERATIONS = ("forward", "lm-forward", "scan", "diagnose", "circuit")
@@ -203,7 +204,7 @@ def _write(filename: str, result: dict) -> None:
                          "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
     path = Path(__file__).parent / "results" / filename
     path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    write_json(path, result)
     print(f"\nwrote {path}")
 
 

@@ -39,6 +39,7 @@ import sys
 from pathlib import Path
 
 import torch
+from sinklab.atomic import write_json
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -167,7 +168,7 @@ def compile_main(args) -> None:
         results["machine"] = dict(machine, load_after=os.popen("uptime").read().strip())
         for path in targets:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(results, indent=1))
+            write_json(path, results)
         print(f"load: {results['machine']['load_after']}; wrote {', '.join(map(str, targets))}", flush=True)
 
     results = _stream_compile.run(args.models, args.rounds, args.steps, args.threads, args.gen_tokens,
@@ -300,7 +301,7 @@ def main() -> None:
            "rows": rows, "logits": compare, "mapping": mapping,
            "long_stream": long}
     name = args.json or ("bench_stream_smollm2.json" if args.smollm2 else "bench_stream.json")
-    (RESULTS / name).write_text(json.dumps(out, indent=1))
+    write_json((RESULTS / name), out)
     print(f"wrote {RESULTS / name}")
 
 

@@ -12,7 +12,6 @@ variant's maths, not of different text. Prints a table and writes benchmarks/res
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from sinklab.atomic import write_json
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
@@ -71,7 +71,7 @@ def main() -> None:
     out = {"machine": platform.platform(), "torch_threads": 1, "tokens": args.tokens, "rounds": args.rounds,
            "window": 252, "num_sinks": 4, "rows": rows}
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "bench_variant_stream.json").write_text(json.dumps(out, indent=1))
+    write_json((HERE / "results" / "bench_variant_stream.json"), out)
     print("wrote benchmarks/results/bench_variant_stream.json")
 
 

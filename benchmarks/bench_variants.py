@@ -10,7 +10,6 @@ ratio to plain SDPA. Prints a table and writes benchmarks/results/bench_variants
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from sinklab.atomic import write_json
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
@@ -72,7 +72,7 @@ def main() -> None:
     out = {"benchmark": "variants", "machine": {"platform": platform.platform(), "torch": torch.__version__,
            "threads": torch.get_num_threads()}, "config": vars(args), "rows": rows}
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "bench_variants.json").write_text(json.dumps(out, indent=1))
+    write_json((HERE / "results" / "bench_variants.json"), out)
     print(f"wrote {HERE / 'results' / 'bench_variants.json'}")
 
 

@@ -15,6 +15,7 @@ import torch
 
 from sinklab.closed_loop import bb_closed_loop
 from sinklab.train import TrainConfig
+from sinklab.report.figures import save_png
 
 
 def main() -> None:
@@ -72,7 +73,7 @@ def main() -> None:
     fig.suptitle(f"closed loop on Bigram-Backcopy ({args.steps} steps, fix: {', '.join(sorted({r['fix'] for r in rows}))})",
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(args.results / f"closed_loop_bb_{args.steps}.png", dpi=110)
+    save_png(fig, args.results / f"closed_loop_bb_{args.steps}.png", dpi=110)
 
 
 if __name__ == "__main__":

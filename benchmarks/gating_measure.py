@@ -18,6 +18,7 @@ import torch
 
 import sinklab
 from sinklab.stream.evaluate import recompute_nll, stream_nll
+from sinklab.report.figures import save_png
 
 SCAN = dict(seq_len=64, samples=32, batch_size=16)
 STREAM_TOKENS = 2048
@@ -145,7 +146,7 @@ def figure(rows: list[dict], path: Path) -> None:
     fig.suptitle("Qwen3-Next trained with and without its output gate (same data, seeds, steps)", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
 
 

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import psutil
 import torch
+from sinklab.atomic import write_json
+from sinklab.report.figures import save_png
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -167,9 +169,7 @@ def _write(path: Path, args, tokens, chunk, layers, segments, drift, wall, done)
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, shared with other jobs (timings under load)",
             "command": " ".join(sys.argv)}
     RESULTS.mkdir(exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
+    write_json(path, data)
 
 
 def _figure(path: Path) -> None:
@@ -204,7 +204,7 @@ def _figure(path: Path) -> None:
     fig.suptitle(f"{data['model']}: {data['tokens_done']:,} tokens, S={data['num_sinks']} W={data['window']}")
     fig.tight_layout()
     DOCS_IMG.mkdir(parents=True, exist_ok=True)
-    fig.savefig(DOCS_IMG / f"long_run_{data['model'].split(':')[-1]}.png", dpi=80)
+    save_png(fig, DOCS_IMG / f"long_run_{data['model'].split(':')[-1]}.png", dpi=80)
     plt.close(fig)
 
 

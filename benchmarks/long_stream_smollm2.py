@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 import torch
+from sinklab.atomic import write_json
+from sinklab.report.figures import save_png
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -93,7 +95,7 @@ def main() -> None:
     data = result.to_json()
     name = f"{args.experiment}_smollm2" + (f".{args.tag}" if args.tag else "")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1))
+    write_json((RESULTS / f"{name}.json"), data)
     if not args.tag:
         publish(data, name)
     print(f"wall {wall:.0f} s (load {load_s:.0f} s); wrote {RESULTS / name}.json")
@@ -110,8 +112,8 @@ def publish(data: dict, name: str) -> None:
         c["binned"] = {"position": centres, "mean_nll": means}
     DOCS_IMG.mkdir(parents=True, exist_ok=True)
     for stem, fig in eval_stream_figures(data).items():
-        fig.savefig(RESULTS / f"{name}_{stem}.png", dpi=110)
-        fig.savefig(DOCS_IMG / f"{name}_{stem}.png", dpi=80)
+        save_png(fig, RESULTS / f"{name}_{stem}.png", dpi=110)
+        save_png(fig, DOCS_IMG / f"{name}_{stem}.png", dpi=80)
     _before_after(data, RESULTS / f"{name}.json")
     widths = [max(len(h), *(len(r[i]) for r in table_rows(data))) for i, h in enumerate(TABLE_HEADER)]
     print(f"\n{data['num_tokens']} tokens, C = {data['cache_size']}, positions {data['positions']}")
@@ -146,7 +148,7 @@ def merge(experiment: str) -> None:
 
     data["curves"] = dict(sorted(data["curves"].items(), key=lambda kv: rank(kv[0])))
     name = f"{experiment}_smollm2"
-    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1))
+    write_json((RESULTS / f"{name}.json"), data)
     publish(data, name)
     print(f"merged {[p.name for p in parts]} into {RESULTS / name}.json")
 
@@ -163,7 +165,7 @@ def _before_after(data: dict, path: Path) -> None:
         segs = {"≤ trained": pos <= trained, "> trained": pos > trained}
         split[label] = {k: (float(nll[m].mean()) if m.any() else None) for k, m in segs.items()}
     data["split_at_trained_positions"] = split
-    path.write_text(json.dumps(data, indent=1))
+    write_json(path, data)
     print(f"mean NLL before / after position {trained}:")
     for label, s in split.items():
         print(f"  {label:>10}: {s['≤ trained']:.3f} / " + ("–" if s["> trained"] is None else f"{s['> trained']:.3f}"))

@@ -41,6 +41,8 @@ from pathlib import Path
 import torch
 
 from sinklab.stream.policy import policy_names
+from sinklab.atomic import write_json
+from sinklab.report.figures import save_png
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -194,9 +196,7 @@ def _load_meta() -> dict:
 
 def _save(rows: list[dict], meta: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
-    tmp = OUT.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    os.replace(tmp, OUT)
+    write_json(OUT, {"meta": meta, "rows": rows})
 
 
 def _cell_row(model: str, method: str, source: str, fraction: float, task: str, context: int,
@@ -378,7 +378,7 @@ def figure(rows: list[dict], path: Path) -> None:
     axes[0][-1].legend(fontsize=6, loc="best")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     print(f"wrote {path}")
 
 

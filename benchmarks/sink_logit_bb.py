@@ -21,7 +21,6 @@ Usage: ``python benchmarks/sink_logit_bb.py --steps 800 --out benchmarks/results
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
@@ -31,6 +30,8 @@ from torch import nn
 
 from sinklab.synth.bigram_backcopy import BigramBackcopy
 from sinklab.variants import apply_variant
+from sinklab.atomic import write_json
+from sinklab.report.figures import save_png
 
 
 def build(kind: str, vocab: int, width: int, seed: int, attention_bias: bool, sink_init: float = 0.0) -> nn.Module:
@@ -186,7 +187,7 @@ def figure(results: list[dict], path: Path) -> None:
         ax.set_xlabel("step")
     axes[0].legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
 
 
 def main() -> None:
@@ -211,7 +212,7 @@ def main() -> None:
     nop = [nop_task(False, 600, args.seed), nop_task(True, 600, args.seed), nop_task(True, 600, args.seed, 4.0)]
     for r in nop:
         print("NOP task", r, flush=True)
-    (args.out / "sink_logit_bb.json").write_text(json.dumps({"bb": results, "nop_task": nop}, indent=1))
+    write_json((args.out / "sink_logit_bb.json"), {"bb": results, "nop_task": nop})
     figure(results, args.out / "sink_logit_bb.png")
 
 

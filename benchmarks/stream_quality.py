@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 import torch
+from sinklab.atomic import write_json
+from sinklab.report.figures import save_png
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -34,10 +36,7 @@ DOCS_IMG = HERE.parent / "docs" / "img"
 
 def _write(name: str, data: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"quality_{name}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
+    write_json(RESULTS / f"quality_{name}.json", data)
 
 
 def _meta(args, start: float) -> dict:
@@ -165,7 +164,7 @@ def report() -> None:
         data["prompts"] = data.pop("prompts_tiny-lm")
     DOCS_IMG.mkdir(parents=True, exist_ok=True)
     for stem, fig in quality_figures(data).items():
-        fig.savefig(DOCS_IMG / f"quality_{stem}.png", dpi=80)
+        save_png(fig, DOCS_IMG / f"quality_{stem}.png", dpi=80)
     print(quality_tables(data))
 
 
