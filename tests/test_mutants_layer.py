@@ -45,6 +45,8 @@ def test_a_layer_reports_an_unbounded_stream(layer_and_cache):
     layer, cache = layer_and_cache
     assert layer.get_max_length() == -1 and layer.get_max_cache_shape() == -1
     assert layer.get_seq_length() == cache.state.columns == 9
+    # the buffers' dtype and device, as transformers' cache layers report them
+    assert layer.dtype == layer.keys.dtype == torch.float32 and layer.device == layer.keys.device == torch.device("cpu")
     with pytest.raises(NotImplementedError, match="cannot be reset; create a new SinkCache"):
         layer.reset()
 
