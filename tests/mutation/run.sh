@@ -17,7 +17,9 @@ case "${1:-}" in
   attention) src=src/sinklab/attention.py;     tests='"tests/test_attention.py", "tests/test_mutants_attention.py"' ;;
   diagnose)  src=src/sinklab/diagnose.py;      tests='"tests/test_diagnose.py", "tests/test_diagnose_reference.py", "tests/test_mutants_diagnose.py"' ;;
   state)     src=src/sinklab/stream/state.py;  tests='"tests/test_stream.py", "tests/test_stream_checks.py",
-    "tests/test_stream_generate_modes.py", "tests/test_stream_rotary_layouts.py", "tests/test_mutants_state.py"' ;;
+    "tests/test_stream_generate_modes.py", "tests/test_stream_rotary_layouts.py", "tests/test_mutants_state.py",
+    "tests/test_stream_compile.py::test_step_plan_that_cannot_compile_runs_eagerly_with_a_warning",
+    "tests/test_variants_everywhere.py::test_sinkcache_stream_matches_float64_reference"' ;;
   layer)     src=src/sinklab/stream/layer.py;  tests='"tests/test_stream.py", "tests/test_stream_checks.py",
     "tests/test_stream_generate_modes.py", "tests/test_stream_rotary_layouts.py", "tests/test_mutants_layer.py"' ;;
   *) echo "usage: $0 codec|rope|attention|diagnose|state|layer" >&2; exit 2 ;;
