@@ -109,3 +109,43 @@ def test_reordered_rows_rotate_their_own_anchored_keys():
             runs.append(torch.stack([model(input_ids=rest[:, i:i + 1], **kw(model, cache)).logits[:, -1]
                                      for i in range(rest.shape[1])]))
     assert torch.allclose(runs[0], runs[1], rtol=0, atol=1e-5), (runs[0] - runs[1]).abs().max()
+
+
+def test_buffers_are_marked_static_for_cuda_graphs(layer_and_cache):
+    """The buffers are written in place at a fixed address: marked static for torch.compile (CUDA graphs replay over
+    them), again after rows are selected (new tensors)."""
+    layer, cache = layer_and_cache
+    for t in (layer.keys, layer.values, layer.anchor_keys):
+        assert getattr(t, "_dynamo_static_input_type", None) == "unguarded"
+    layer.select_rows(torch.tensor([0, 0]))
+    assert layer.keys.shape[0] == 2
+    for t in (layer.keys, layer.values, layer.anchor_keys):
+        assert getattr(t, "_dynamo_static_input_type", None) == "unguarded"
+
+
+def test_a_closed_stream_refuses_a_write():
+    model = model_for("llama-gqa")
+    cache = SinkCache(model, num_sinks=2, window=5)
+    with torch.no_grad():
+        model(input_ids=_tokens(4, seed=61)[None], **kw(model, cache))
+    cache.close()
+    k = torch.zeros(1, cache.layers[0].keys.shape[1], 1, cache.layers[0].keys.shape[-1])
+    with pytest.raises(InputError, match="this SinkCache was closed; create a new one"):
+        cache.layers[0].update(k, k)
+
+
+def test_layer_buffers_that_do_not_fit_say_so(monkeypatch):
+    """The layer's own buffers (4-D: rows, heads, slots, width) failing to allocate: an InputError naming the slots
+    per row, not an allocator traceback."""
+    model = model_for("llama-gqa")
+    zeros = torch.zeros
+
+    def failing(*size, **kwargs):
+        if len(size) == 4:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return zeros(*size, **kwargs)
+
+    with torch.no_grad(), SinkCache(model, num_sinks=2, window=5) as cache:
+        monkeypatch.setattr(torch, "zeros", failing)
+        with pytest.raises(InputError, match=r"\(7 slots per row: sinks \+ pinned tokens \+ window\) do not fit"):
+            model(input_ids=_tokens(4, seed=62)[None], **kw(model, cache))
