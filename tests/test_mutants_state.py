@@ -140,3 +140,38 @@ def test_rebases_happen_exactly_when_a_position_would_pass_rebase_every(rebase_e
             s.step(tokens[t:t + 1])
             got.append((int(s.state.view.q_v[0, 0]), s.state.rebases))
     assert got == want
+
+
+def test_a_kv_bias_row_in_a_padded_batch_equals_its_solo_stream():
+    """The masked decode step (a left-padded batch) of a kv-bias variant — whose learned key has no position, so its
+    score needs each query's cache-slot position from the step's view — past eviction: each row equals the same
+    tokens streamed alone (the one-slot decode step)."""
+    import torch
+    from test_variants_everywhere import variant_model
+
+    from sinklab.stream import SinkCache
+
+    model, _ = variant_model("kv-bias", seed=1)
+    model = model.float()
+    a, b = _tokens(6, seed=63) % 50 + 2, _tokens(10, seed=64) % 50 + 2
+    ids = torch.zeros(2, 10, dtype=torch.long)
+    mask = torch.zeros(2, 10, dtype=torch.long)
+    ids[0, 4:], mask[0, 4:] = a, 1
+    ids[1], mask[1] = b, 1
+    follow = _tokens(12, seed=65) % 50 + 2
+
+    def run(batch, attention_mask):
+        out = []
+        with torch.no_grad(), SinkCache(model, num_sinks=2, window=5) as cache:
+            model(input_ids=batch, attention_mask=attention_mask, cache=cache)
+            m = attention_mask
+            for t in follow:
+                m = torch.cat([m, torch.ones(m.shape[0], 1, dtype=m.dtype)], 1)
+                step = torch.full((batch.shape[0], 1), int(t))
+                out.append(model(input_ids=step, attention_mask=m, cache=cache).logits[:, -1])
+        return torch.stack(out, 1)
+
+    both = run(ids, mask)
+    for row, solo in ((0, a), (1, b)):
+        alone = run(solo[None], torch.ones(1, len(solo), dtype=torch.long))[0]
+        assert _rel(both[row], alone) < 1e-4, (row, _rel(both[row], alone))
