@@ -303,7 +303,7 @@ def test_step_plan_that_cannot_compile_runs_eagerly_with_a_warning(monkeypatch):
                                                             r"eagerly \(SinkCache\(\.\.\., compile_plan=False\) skips the attempt\)"):
         model(input_ids=prompt, cache=cache)
         got = torch.stack([model(input_ids=t.view(1, 1), cache=cache).logits[:, -1] for t in follow])
-    assert not cache.state.compile_plan
+    assert cache.state.compile_plan is False
     cache.close()
     assert torch.equal(got, eager)
 

@@ -19,7 +19,8 @@ case "${1:-}" in
   state)     src=src/sinklab/stream/state.py;  tests='"tests/test_stream.py", "tests/test_stream_checks.py",
     "tests/test_stream_generate_modes.py", "tests/test_stream_rotary_layouts.py", "tests/test_mutants_state.py",
     "tests/test_stream_compile.py::test_step_plan_that_cannot_compile_runs_eagerly_with_a_warning",
-    "tests/test_variants_everywhere.py::test_sinkcache_stream_matches_float64_reference"' ;;
+    "tests/test_variants_everywhere.py::test_sinkcache_stream_matches_float64_reference",
+    "tests/test_kvquant_stream.py"' ;;
   layer)     src=src/sinklab/stream/layer.py;  tests='"tests/test_stream.py", "tests/test_stream_checks.py",
     "tests/test_stream_generate_modes.py", "tests/test_stream_rotary_layouts.py", "tests/test_mutants_layer.py"' ;;
   *) echo "usage: $0 codec|rope|attention|diagnose|state|layer" >&2; exit 2 ;;
