@@ -19,13 +19,13 @@ def layer_and_cache():
         yield cache.layers[0], cache
 
 
-@pytest.mark.parametrize("call", [
-    lambda layer: layer.reorder_cache(torch.tensor([0])),
-    lambda layer: layer.batch_repeat_interleave(2),
-    lambda layer: layer.batch_select_indices(torch.tensor([0])),
-    lambda layer: layer.crop(-1),
+@pytest.mark.parametrize("name, call", [
+    ("reorder_cache", lambda layer: layer.reorder_cache(torch.tensor([0]))),
+    ("batch_repeat_interleave", lambda layer: layer.batch_repeat_interleave(2)),
+    ("batch_select_indices", lambda layer: layer.batch_select_indices(torch.tensor([0]))),
+    ("crop", lambda layer: layer.crop(-1)),
 ], ids=["reorder_cache", "batch_repeat_interleave", "batch_select_indices", "crop"])
-def test_a_layer_refuses_what_changes_the_whole_stream(layer_and_cache, call):
+def test_a_layer_refuses_what_changes_the_whole_stream(layer_and_cache, name, call):
     """Row and crop operations belong to the stream that all layers share: on one layer they are refused, naming the
     method to call on the cache instead, and nothing changes."""
     layer, cache = layer_and_cache
@@ -33,8 +33,8 @@ def test_a_layer_refuses_what_changes_the_whole_stream(layer_and_cache, call):
     keys = layer.keys.clone()
     with pytest.raises(InputError) as err:
         call(layer)
-    name = err.value.args[0].split(" ", 1)[0]
-    assert f"(cache.{name}(...))" in str(err.value) and "call it on the SinkCache" in str(err.value)
+    assert str(err.value) == (f"{name} changes state that all layers of a stream share: call it on the SinkCache "
+                              f"(cache.{name}(...)), not on one of its layers")
     assert torch.equal(layer.keys, keys) and cache.state.columns == 9
     for k, v in cache.state.per_row().items():
         assert torch.equal(v, before[k]), k
@@ -47,7 +47,7 @@ def test_a_layer_reports_an_unbounded_stream(layer_and_cache):
     assert layer.get_seq_length() == cache.state.columns == 9
     # the buffers' dtype and device, as transformers' cache layers report them
     assert layer.dtype == layer.keys.dtype == torch.float32 and layer.device == layer.keys.device == torch.device("cpu")
-    with pytest.raises(NotImplementedError, match="cannot be reset; create a new SinkCache"):
+    with pytest.raises(NotImplementedError, match=r"^a SinkCache cannot be reset; create a new SinkCache$"):
         layer.reset()
 
 
