@@ -148,8 +148,10 @@ def test_assisted_decoding_with_prompt_lookup_equals_greedy_before_eviction(mode
 def test_refusals_say_what_to_do(model):
     with StreamSession(model, num_sinks=2, window=4) as s:
         s.feed(_tokens(3)[None])
-        with pytest.raises(InputError, match=r"this stream holds 1 rows but the model was given 2; change the number "
-                                             r"of rows through the cache \(reorder_cache"):
+        with pytest.raises(InputError, match=r"^this stream holds 1 rows but the model was given 2; change the number "
+                                             r"of rows through the cache \(reorder_cache, batch_repeat_interleave, "
+                                             r"batch_select_indices — generate\(\) does this for beams and "
+                                             r"num_return_sequences\), or start a new SinkCache$"):
             s.feed(_tokens(6).view(2, 3))
         with pytest.raises(InputError, match=r"call it on the SinkCache \(cache.reorder_cache\(...\)\)"):
             s.cache.layers[0].reorder_cache(torch.tensor([0]))
