@@ -175,3 +175,19 @@ def test_a_kv_bias_row_in_a_padded_batch_equals_its_solo_stream():
     for row, solo in ((0, a), (1, b)):
         alone = run(solo[None], torch.ones(1, len(solo), dtype=torch.long))[0]
         assert _rel(both[row], alone) < 1e-4, (row, _rel(both[row], alone))
+
+
+def test_per_row_tensors_have_their_dtypes_and_empty_slots_hold_no_token():
+    """The per-row state is integers (``s_valid`` booleans); a slot that holds no token has stream index -1, the
+    "none" of :meth:`StreamBudget.is_anchored` — also after a chunk that leaves slots empty."""
+    import torch
+
+    model = model_for("llama-gqa")
+    with StreamSession(model, num_sinks=4, window=8) as s:
+        s.feed(_tokens(6, seed=66)[None])
+        st = s.state
+        for name, value in st.per_row().items():
+            assert value.dtype == (torch.bool if name == "s_valid" else torch.long), name
+        assert int(st.s_valid.sum()) == 6
+        assert bool((st.s_sidx[~st.s_valid] == -1).all()) and bool((st.s_sidx[st.s_valid] >= 0).all())
+        assert not bool(st.is_anchored(st.s_sidx[~st.s_valid]).any())

@@ -343,7 +343,7 @@ class StreamState(StreamBudget):
         valid = valid.to(self.device).bool()
         self._maybe_rebase(c)
         if c == 1 and all_valid and self.rows_alike and self.columns >= self.anchor_end:
-            q_v = self._begin_free_step(valid[:, 0])
+            q_v = self._begin_free_step()
         else:
             q_v = self._begin_step(valid[:, 0]) if c == 1 else self._begin_chunk(valid)
         self.rows_alike = self.rows_alike and all_valid
@@ -370,7 +370,7 @@ class StreamState(StreamBudget):
         self.n_free += free.long()
         return q_v[:, None]
 
-    def _begin_free_step(self, valid: Tensor) -> Tensor:
+    def _begin_free_step(self) -> Tensor:
         """:meth:`_begin_step` where the host knows every row decodes a real, free token into the same slot.
 
         The same plan, without per-row masking (:func:`free_step`): each buffer takes the new column with one
