@@ -60,6 +60,14 @@ def test_mask_sizes_span_the_kept_columns_and_the_new_ones(layer_and_cache):
     assert layer.get_mask_sizes(torch.tensor([0, 1])) == (7 + 1, 2)  # a cache_position tensor counts as one query
 
 
+def test_mask_sizes_inside_a_compiled_forward_are_the_whole_buffer(layer_and_cache, monkeypatch):
+    """Inside a compiled forward the size may not depend on the host counter (torch.compile would specialise on it):
+    every slot of the buffer (sinks + window = 7) and the new queries, from offset 0."""
+    layer, _ = layer_and_cache
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert layer.get_mask_sizes(1) == (7 + 1, 0) and layer.get_mask_sizes(3) == (7 + 3, 0)
+
+
 def test_the_compiled_and_eager_anchor_rotations_agree(monkeypatch):
     """``_anchors_rotated`` has two branches: eagerly it keeps the anchored keys' partner dimensions between steps,
     inside a compiled forward it rotates in one expression. Both give the same keys, on a GPT-J-style interleaved
@@ -130,7 +138,7 @@ def test_a_closed_stream_refuses_a_write():
         model(input_ids=_tokens(4, seed=61)[None], **kw(model, cache))
     cache.close()
     k = torch.zeros(1, cache.layers[0].keys.shape[1], 1, cache.layers[0].keys.shape[-1])
-    with pytest.raises(InputError, match="this SinkCache was closed; create a new one"):
+    with pytest.raises(InputError, match=r"^this SinkCache was closed; create a new one$"):
         cache.layers[0].update(k, k)
 
 
