@@ -191,3 +191,19 @@ def test_per_row_tensors_have_their_dtypes_and_empty_slots_hold_no_token():
         assert int(st.s_valid.sum()) == 6
         assert bool((st.s_sidx[~st.s_valid] == -1).all()) and bool((st.s_sidx[st.s_valid] >= 0).all())
         assert not bool(st.is_anchored(st.s_sidx[~st.s_valid]).any())
+
+
+def test_budget_counts_each_anchored_token_once_and_the_attention_rope_defaults_to_the_cache_rope():
+    """Pinned spans inside the sinks add no slot, a span that runs past them adds only its tokens past them, a span
+    after them adds all of its own; without its own rotation, the attention's key turns like the cached one."""
+    from sinklab.rope import RopeSpec
+    from sinklab.stream.state import StreamState
+
+    import torch
+
+    cases = {((0, 2),): 4, ((2, 6),): 6, ((1, 3), (8, 11)): 7, (): 4}
+    for pinned, anchors in cases.items():
+        st = StreamState(num_sinks=4, window=5, pinned=list(pinned))
+        assert (st.anchor_capacity, st.capacity) == (anchors, anchors + 5), pinned
+    spec = RopeSpec(inv_freq=torch.ones(2, dtype=torch.float64))
+    assert StreamState(num_sinks=2, window=5, rope=spec).attn_rope is spec

@@ -357,7 +357,7 @@ def test_errors_are_clear():
     (dict(chunk_size="4"), r"chunk_size must be an integer ≥ 1, got '4'"),
     (dict(start_position="0"), r"start_position must be an integer ≥ 0, got '0'"),
     (dict(start_position=2.7), r"start_position must be an integer ≥ 0, got 2.7"),
-    (dict(rebase_every=-5), r"rebase_every must be an integer ≥ 1 .* got -5"),
+    (dict(rebase_every=-5), r"^rebase_every must be an integer ≥ 1 \(tokens between re-bases\) or None \(automatic\), got -5$"),
     (dict(rebase_every="x"), r"rebase_every must be an integer ≥ 1"),
     (dict(pinned=5), r"pinned is a list of \(start, end\) pairs .* got 5"),
     (dict(pinned=[(1.5, 4)]), r"pinned spans are \(start, end\) pairs"),
