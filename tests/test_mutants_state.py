@@ -207,3 +207,22 @@ def test_budget_counts_each_anchored_token_once_and_the_attention_rope_defaults_
         assert (st.anchor_capacity, st.capacity) == (anchors, anchors + 5), pinned
     spec = RopeSpec(inv_freq=torch.ones(2, dtype=torch.float64))
     assert StreamState(num_sinks=2, window=5, rope=spec).attn_rope is spec
+
+
+def test_rebase_interval_and_capacity_bounds():
+    """The automatic re-base interval is ``max(4 · keep, 2048)`` with ``keep`` the largest window of the stream's
+    budgets (a given interval is kept as is); a stream state compiles no plan unless asked; the largest buffer
+    accepted is exactly ``MAX_CAPACITY`` slots per row (nothing is allocated before the first forward)."""
+    from sinklab.errors import InputError
+    from sinklab.stream import SinkCache
+    from sinklab.stream.state import MAX_CAPACITY, StreamState
+
+    model = model_for("llama-gqa")
+    for window, every, want in ((8, None, 2048), (700, None, 2800), (8, 50, 50)):
+        with SinkCache(model, num_sinks=2, window=window, rebase_every=every) as c:
+            assert (c.state.rebase_every, c.state.rebase_keep) == (want, window)
+    st = StreamState(num_sinks=4, window=1000)
+    assert (st.rebase_every, st.rebase_keep, st.compile_plan) == (4000, 1000, False)
+    assert StreamState(num_sinks=0, window=MAX_CAPACITY).capacity == MAX_CAPACITY
+    with pytest.raises(InputError, match="more than any memory holds"):
+        StreamState(num_sinks=1, window=MAX_CAPACITY)

@@ -245,7 +245,7 @@ class SinkCache(Cache):
         # Every group re-bases at the same steps by the same amount, so all layers share one virtual position.
         keep = max(s.capacity if s.scored else s.window for s in self.states)
         for st in self.states:
-            st.rebase_every, st.rebase_keep = int(rebase_every or max(4 * keep, 2048)), keep
+            st.set_rebase(rebase_every, keep)
         full = [s for s in self.states if (s.num_sinks, s.window) == (num_sinks, window) and s.scored == self.policy.scored]
         self.state = full[0] if full else self.states[0]  # the sinks + window budget (what cache_tokens reports)
         self.rope = self.state.rope

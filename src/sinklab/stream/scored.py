@@ -46,8 +46,7 @@ class ScoredState(StreamBudget):
             raise InputError(f"positions is 'slot' (positions by cache slot) or 'original', got {positions!r}")
         self.policy = policy
         self.positions = positions
-        self.rebase_every = int(rebase_every or max(4 * self.capacity, 2048))
-        self.rebase_keep = self.capacity  # kept keys reach back a whole budget
+        self.set_rebase(rebase_every, self.capacity)  # kept keys reach back a whole budget
         self.chunk: tuple[Tensor, Tensor] | None = None  # (stream index (B, C), -1 for padding; virtual position)
 
     def _init_rows(self, batch: int, device: torch.device) -> None:

@@ -209,8 +209,7 @@ class StreamBudget:
                              f"holds (at most {MAX_CAPACITY:,}); give a smaller window")
         self.anchor_end = max([num_sinks] + [end for _, end in self.pinned])  # stream index past every anchor
         self.start_position = int(start_position)
-        self.rebase_every = int(rebase_every or max(4 * window, 2048))
-        self.rebase_keep = window  # re-base so the newest `rebase_keep` tokens keep virtual positions ≥ 0
+        self.set_rebase(rebase_every, window)
         self.closed = False
         self.rebases = 0  # times the base was moved (stored keys rotated)
         self.columns = 0  # columns (incl. padding) fed so far: what generate() calls the past length
@@ -243,6 +242,12 @@ class StreamBudget:
         for start, end in self.pinned:
             out = out | ((sidx >= start) & (sidx < end))
         return out
+
+    def set_rebase(self, rebase_every: int | None, keep: int) -> None:
+        """Re-base at most every ``rebase_every`` tokens (None: ``max(4 · keep, 2048)``), so that the newest ``keep``
+        tokens keep virtual positions ``≥ 0`` (``rebase_every`` was checked by the constructor)."""
+        self.rebase_every = int(rebase_every or max(4 * keep, 2048))
+        self.rebase_keep = keep
 
     def _maybe_rebase(self, incoming: int) -> None:
         """Move the base so virtual positions stay at most ``rebase_every`` (the stored keys rotated once).
