@@ -223,6 +223,7 @@ def test_rebase_interval_and_capacity_bounds():
             assert (c.state.rebase_every, c.state.rebase_keep) == (want, window)
     st = StreamState(num_sinks=4, window=1000)
     assert (st.rebase_every, st.rebase_keep, st.compile_plan) == (4000, 1000, False)
+    assert StreamState(num_sinks=4, window=1000, rebase_every=50).rebase_every == 50
     assert StreamState(num_sinks=0, window=MAX_CAPACITY).capacity == MAX_CAPACITY
     with pytest.raises(InputError, match="more than any memory holds"):
         StreamState(num_sinks=1, window=MAX_CAPACITY)
