@@ -292,3 +292,26 @@ def test_sliding_layers_release_protected_tokens_no_query_can_see():
     with torch.no_grad():
         model(ids, cache=bare)
     assert bare.layers[0].nbytes() == local.nbytes()  # the local layer holds what an unprotected one holds
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_update_returns_the_reference_past_then_the_new_tokens(dtype):
+    """What one layer hands attention at every update: the stored past — packed blocks dequantized, a protected
+    token's exact copy in its hole, the residual — in position order, then the new tokens as given; against the
+    float64 reference rebuild of the past (float32 and a 16-bit model's dtype)."""
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 3, 60, 32, generator=gen).to(dtype)
+    values = torch.randn(2, 3, 60, 32, generator=gen).to(dtype)
+    protect = Protection(positions=(20,))  # position 0 is an ordinary packed token here
+    layer = DynamicQuantizedSinkLayer(bits=4, group_size=16, residual=8, protect=protect)
+    at = 0
+    for c in (30, 1, 1, 9, 1, 1, 1, 15, 1):
+        k, v = layer.update(keys[:, :, at:at + c], values[:, :, at:at + c])
+        assert k.dtype == v.dtype == dtype and k.shape[-2] == at + c
+        if at:
+            want_k, want_v = _reference_past(keys[:, :, :at].float(), values[:, :, :at].float(), protect, 4, 16, 8)
+            torch.testing.assert_close(k[:, :, :at].float(), want_k.to(dtype).float(), atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(v[:, :, :at].float(), want_v.to(dtype).float(), atol=2e-5, rtol=1e-5)
+        assert torch.equal(k[:, :, at:], keys[:, :, at:at + c]) and torch.equal(v[:, :, at:], values[:, :, at:at + c])
+        at += c
+    assert layer.counts()["quantized"] > 0 and layer.counts()["protected"] == 1

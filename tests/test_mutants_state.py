@@ -4,10 +4,15 @@ StreamingLLM reference of tests/stream_reference.py (RoPE re-applied at slot pos
 from __future__ import annotations
 
 import pytest
+import torch
 from stream_reference import Reference
-from test_stream import _rel, _tokens, model_for
+from test_stream import _left_padded_pair, _rel, _tokens, kw, model_for
+from test_variants_everywhere import variant_model
 
-from sinklab.stream import StreamSession
+from sinklab.errors import InputError
+from sinklab.rope import RopeSpec
+from sinklab.stream import SinkCache, StreamSession
+from sinklab.stream.state import MAX_CAPACITY, StreamState
 
 
 def test_chunks_after_rebases_and_chunks_longer_than_the_window_match_the_reference():
@@ -38,8 +43,6 @@ def test_a_saved_stream_resumes_where_it_stopped(tmp_path):
     """Saved after several re-bases and loaded into a new session: the same per-row state, the same host counters
     (``span``, which decides the next re-base, and ``rows_alike``, which picks the one-slot decode write), and the
     same logits as the stream that was never interrupted."""
-    import torch
-
     model = model_for("llama-gqa")
     tokens = _tokens(50, seed=41)
     with StreamSession(model, num_sinks=2, window=5, rebase_every=7) as whole:
@@ -81,11 +84,6 @@ def test_ring_keys_record_the_virtual_position_they_are_rotated_at():
 def test_crop_on_a_batch_of_two_takes_back_anchored_and_free_tokens_per_row():
     """``SinkCache.crop(-n)`` on two rows (different tokens): each row's counters lose exactly ``n`` tokens, the
     anchored ones among them too, and decoding on equals a stream that never saw them."""
-    import torch
-
-    from sinklab.stream import SinkCache
-    from test_stream import kw
-
     model = model_for("llama-gqa")
     ids = torch.stack([_tokens(8, seed=45), _tokens(8, seed=46)])
     nxt = torch.stack([_tokens(4, seed=47), _tokens(4, seed=48)])
@@ -113,8 +111,6 @@ def test_crop_on_a_batch_of_two_takes_back_anchored_and_free_tokens_per_row():
 def test_cache_tokens_of_a_padded_batch_is_the_fullest_row():
     """Two left-padded rows (9 and 14 real tokens) in a 20-token budget: the cache holds 14 tokens per row at most,
     not the 23 of both rows together."""
-    from test_stream import _left_padded_pair
-
     model = model_for("llama-gqa")
     _, _, ids, mask = _left_padded_pair()
     with StreamSession(model, num_sinks=4, window=16) as s:
@@ -146,11 +142,6 @@ def test_a_kv_bias_row_in_a_padded_batch_equals_its_solo_stream():
     """The masked decode step (a left-padded batch) of a kv-bias variant — whose learned key has no position, so its
     score needs each query's cache-slot position from the step's view — past eviction: each row equals the same
     tokens streamed alone (the one-slot decode step)."""
-    import torch
-    from test_variants_everywhere import variant_model
-
-    from sinklab.stream import SinkCache
-
     model, _ = variant_model("kv-bias", seed=1)
     model = model.float()
     a, b = _tokens(6, seed=63) % 50 + 2, _tokens(10, seed=64) % 50 + 2
@@ -180,8 +171,6 @@ def test_a_kv_bias_row_in_a_padded_batch_equals_its_solo_stream():
 def test_per_row_tensors_have_their_dtypes_and_empty_slots_hold_no_token():
     """The per-row state is integers (``s_valid`` booleans); a slot that holds no token has stream index -1, the
     "none" of :meth:`StreamBudget.is_anchored` — also after a chunk that leaves slots empty."""
-    import torch
-
     model = model_for("llama-gqa")
     with StreamSession(model, num_sinks=4, window=8) as s:
         s.feed(_tokens(6, seed=66)[None])
@@ -196,11 +185,6 @@ def test_per_row_tensors_have_their_dtypes_and_empty_slots_hold_no_token():
 def test_budget_counts_each_anchored_token_once_and_the_attention_rope_defaults_to_the_cache_rope():
     """Pinned spans inside the sinks add no slot, a span that runs past them adds only its tokens past them, a span
     after them adds all of its own; without its own rotation, the attention's key turns like the cached one."""
-    from sinklab.rope import RopeSpec
-    from sinklab.stream.state import StreamState
-
-    import torch
-
     cases = {((0, 2),): 4, ((2, 6),): 6, ((1, 3), (8, 11)): 7, (): 4}
     for pinned, anchors in cases.items():
         st = StreamState(num_sinks=4, window=5, pinned=list(pinned))
@@ -213,10 +197,6 @@ def test_rebase_interval_and_capacity_bounds():
     """The automatic re-base interval is ``max(4 · keep, 2048)`` with ``keep`` the largest window of the stream's
     budgets (a given interval is kept as is); a stream state compiles no plan unless asked; the largest buffer
     accepted is exactly ``MAX_CAPACITY`` slots per row (nothing is allocated before the first forward)."""
-    from sinklab.errors import InputError
-    from sinklab.stream import SinkCache
-    from sinklab.stream.state import MAX_CAPACITY, StreamState
-
     model = model_for("llama-gqa")
     for window, every, want in ((8, None, 2048), (700, None, 2800), (8, 50, 50)):
         with SinkCache(model, num_sinks=2, window=window, rebase_every=every) as c:

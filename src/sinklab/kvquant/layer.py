@@ -258,20 +258,19 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         if not n_packed and not n_res:
             assert new_k is not None and new_v is not None  # (materialize returns early on an empty layer)
             return new_k, new_v
-        like_k = self.rk if self.rk is not None else self.pk
-        b, h = (self.qk.shape[:2] if self.qk is not None else like_k.shape[:2])  # type: ignore[union-attr]
-        c = 0 if new_k is None else new_k.shape[-2]
-        total = n_packed + n_res + c
-        dk = self.qk.shape[-1] if self.qk is not None else self.rk.shape[-1]  # type: ignore[union-attr]
-        dv = self.qv.shape[-1] if self.qv is not None else self.rv.shape[-1]  # type: ignore[union-attr]
+        k_like, v_like = (self.qk, self.qv) if n_packed else (self.rk, self.rv)  # whichever part is held: its shape
+        b, h, _, dk = k_like.shape  # type: ignore[union-attr]
+        dv = v_like.shape[-1]  # type: ignore[union-attr]
+        total = n_packed + n_res + (0 if new_k is None else new_k.shape[-2])
         keys = torch.empty(b, h, total, dk, dtype=self.dtype, device=self.device)
         values = torch.empty(b, h, total, dv, dtype=self.dtype, device=self.device)
-        if n_packed and self.dtype == torch.float32:  # float32 arithmetic straight into the buffer
-            dequantize(self.qk, out=keys[:, :, :n_packed])  # type: ignore[arg-type]
-            dequantize(self.qv, out=values[:, :, :n_packed])  # type: ignore[arg-type]
-        elif n_packed:  # a 16-bit model: computed in float32, rounded once
-            keys[:, :, :n_packed] = dequantize(self.qk, self.dtype)  # type: ignore[arg-type]
-            values[:, :, :n_packed] = dequantize(self.qv, self.dtype)  # type: ignore[arg-type]
+        if n_packed:
+            if self.dtype == torch.float32:  # float32 arithmetic straight into the buffer
+                dequantize(self.qk, out=keys[:, :, :n_packed])  # type: ignore[arg-type]
+                dequantize(self.qv, out=values[:, :, :n_packed])  # type: ignore[arg-type]
+            else:  # a 16-bit model: computed in float32, rounded once
+                keys[:, :, :n_packed] = dequantize(self.qk, self.dtype)  # type: ignore[arg-type]
+                values[:, :, :n_packed] = dequantize(self.qv, self.dtype)  # type: ignore[arg-type]
         if n_packed and self.p_pos is not None:  # the holes: their exact copies
             keys[:, :, self.p_pos] = self.pk.to(self.dtype)  # type: ignore[union-attr]  # (kept with p_pos)
             values[:, :, self.p_pos] = self.pv.to(self.dtype)  # type: ignore[union-attr]

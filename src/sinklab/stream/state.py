@@ -419,8 +419,8 @@ class StreamState(StreamBudget):
         q_a = self.n_anchor[:, None] + anchored.long().cumsum(1)
         q_f = self.n_free[:, None] + free.long().cumsum(1)
         absolute = self.start_position + sidx
+        # (a padding column's sidx repeats the previous column's; `valid` keeps it out of what is seen and written)
         q_v = torch.where(valid, absolute - self.base[:, None], torch.zeros_like(sidx))
-        # (a padding column's sidx repeats its neighbour's: it is neither visible nor written)
 
         # Where each new token goes in the buffer: anchored slots in arrival order; free ones into the
         # ring, keeping only the last W free tokens of this chunk.
