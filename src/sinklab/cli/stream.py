@@ -33,10 +33,12 @@ def stream(
                                           "for the compile)")] = False,
     compile_backend: Annotated[str, typer.Option("--compile-backend", help="torch.compile backend for --compile")] = "inductor",
     compile_mode: Annotated[str | None, typer.Option("--compile-mode", help="torch.compile mode for --compile "
-                                                     "(reduce-overhead: CUDA graphs on a GPU)")] = None,
+                                                     "(reduce-overhead: CUDA graphs on a GPU; "
+                                                     "max-autotune-no-cudagraphs: inductor's own matrix kernels on "
+                                                     "a CPU, faster with 2+ threads, minutes to compile)")] = None,
     freeze: Annotated[bool | None, typer.Option("--freeze/--no-freeze", help="with --compile: inductor's freezing "
                                                 "(faster on a CPU, a second copy of the weights in memory; default: "
-                                                "on a CPU without --compile-mode)")] = None,
+                                                "on on a CPU)")] = None,
     policy: Annotated[str, policy_option()] = "streaming",
     plan: Annotated[Path | None, plan_option()] = None,
 ) -> None:

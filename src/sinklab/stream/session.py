@@ -144,16 +144,17 @@ class StreamSession:
         # Decoding (``step``) through torch.compile; chunks (``feed``) stay eager. Compiled once per model forward.
         self.compile_options = options  # what torch.compile was given for step() (None: eager)
         compiled, options = options is not None, options or {}
-        # freeze=None: on a CPU with inductor and no mode/options of the caller's, freeze — the weights become
+        # freeze=None: on a CPU with inductor and no inductor options of the caller's, freeze — the weights become
         # constants of the graph and the projections prepacked matrices: SmolLM2 59.0 → 47.2–51.5 ms per token,
         # Gemma 3 270M 102.3 → 65.0–71.7 ms on a 2-core CPU VM, for a second, prepacked copy of the weights in memory
-        # (docs/stream.md). The compiled forward holds the weights as they were when it was compiled.
+        # (docs/stream.md). A mode keeps it: mode="max-autotune-no-cudagraphs" lets inductor pick its C++ GEMM
+        # templates for the frozen weights. The compiled forward holds the weights as they were when it was compiled.
         inductor = options.get("backend", "inductor") == "inductor"
         if freeze and not (compiled and inductor):
             raise InputError("freeze=True needs compile with torch.compile's inductor backend (freezing is one of "
                              "inductor's settings); drop freeze or compile with inductor")
         self.freezing = freeze if freeze is not None else (
-            compiled and inductor and self._device.type == "cpu" and not {"mode", "options"} & options.keys())
+            compiled and inductor and self._device.type == "cpu" and "options" not in options)
         self._step_forward = torch.compile(model.forward, **options) if compiled else model.forward
         if self.freezing:
             self._step_forward = _frozen(self._step_forward)
