@@ -249,34 +249,31 @@ def test_compile_plan_is_checked_and_reaches_the_stream():
 
 
 @pytest.mark.long
-def test_session_compile_on_cpu_freezes_weights_and_matches_eager():
-    """``StreamSession(compile=...)`` on a CPU: inductor with freezing (what ``stream_generate(compile=True)`` and
-    ``sinklab stream --compile`` use; a mode keeps it): the projections' weights are prepacked into the graph
-    (inductor's weight-pack pass fires — it does not without freezing), the logits equal the eager session's
-    (≤ 1e-5) over evictions and ≥ 3 re-bases, and nothing recompiles after 2 warm-up steps. The compiled session
-    runs ``mode="max-autotune-no-cudagraphs"`` with inductor's C++ GEMM templates as the only choice (the fastest
-    setting at two threads in docs/benchmarks.md), so the template kernels are what is checked against eager;
-    the plain ``compile=True`` step is checked the same way by the Gemma 3 session cases above."""
+def test_session_compile_true_on_cpu_freezes_weights_and_matches_eager():
+    """``StreamSession(compile=True)`` on a CPU: inductor with freezing (what ``stream_generate(compile=True)`` and
+    ``sinklab stream --compile`` use; a mode keeps it, inductor options of the caller's do not): the projections'
+    weights are prepacked into the graph (inductor's weight-pack pass fires — it does not without freezing), the
+    logits equal the eager session's (≤ 1e-5) over evictions and ≥ 3 re-bases, and nothing recompiles after 2
+    warm-up steps. (``mode="max-autotune-no-cudagraphs"``, whose compile is several times longer, is checked against
+    eager on SmolLM2 by benchmarks/vs_llamacpp.py; tests/test_readme.py holds its committed figures to 1e-5.)"""
     model = build("llama-gqa")
     prompt, follow = _tokens(9, seed=5)[None], _tokens(16, seed=7)
     counters = torch._dynamo.utils.counters  # its entries may be replaced while compiling: read them by key
     before = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
     out = {}
-    tuned = {"mode": "max-autotune-no-cudagraphs"}
-    for compiled in (False, True):
-        with torch._inductor.config.patch(max_autotune_gemm_backends="CPP"), \
-                StreamSession(model, num_sinks=2, window=6, rebase_every=8, compile=tuned if compiled else None) as s:
+    for compile in (None, True):
+        with StreamSession(model, num_sinks=2, window=6, rebase_every=8, compile=compile) as s:
             s.feed(prompt)
             steps = []
             for i, t in enumerate(follow):
-                with torch._dynamo.config.patch(error_on_recompile=compiled and i >= 2):
+                with torch._dynamo.config.patch(error_on_recompile=compile is True and i >= 2):
                     steps.append(s.step(t[None]))
-            out[compiled] = torch.stack(steps)
+            out[compile] = torch.stack(steps)
             assert s.sink.state.rebases >= 3
-            assert s.freezing is compiled and s.compile_options == (tuned if compiled else None)
+            assert s.freezing is bool(compile) and s.compile_options == ({} if compile else None)
     assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > before
-    assert _rel(out[True], out[False]) <= 1e-5
-    assert StreamSession(model, num_sinks=2, window=6, compile=True).freezing
+    assert _rel(out[True], out[None]) <= 1e-5
+    assert StreamSession(model, num_sinks=2, window=6, compile={"mode": "max-autotune-no-cudagraphs"}).freezing
     for given in ({"backend": "eager"}, {"options": {"freezing": False}}):
         with StreamSession(model, num_sinks=2, window=6, compile=given) as s:  # as given: no freezing added
             assert s.compile_options == given and not s.freezing
