@@ -9,13 +9,15 @@
 
     python benchmarks/check_package.py [--keep DIR] [--no-install]
 
-Prints one line per check and exits 1 if any fails. Proposed as a CI step (``make check-package``).
+Prints one line per check and exits 1 if any fails (the work folder is then kept and named; a passing run removes
+it unless ``--keep``). A CI step (``make check-package``).
 """
 
 from __future__ import annotations
 
 import argparse
 import email
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -46,6 +48,13 @@ def main() -> int:
     args = ap.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="sinklab-package-"))
     work.mkdir(parents=True, exist_ok=True)
+    code = _checks(args, work)
+    if code == 0 and args.keep is None:  # a passing run leaves no 1–2 GB of virtualenvs behind
+        shutil.rmtree(work, ignore_errors=True)
+    return code
+
+
+def _checks(args: argparse.Namespace, work: Path) -> int:
     failures: list[str] = []
 
     def check(ok: bool, what: str) -> None:
@@ -88,7 +97,8 @@ def main() -> int:
     check(any(n.endswith("/LICENSE") for n in snames), "sdist has LICENSE")
 
     if args.no_install:
-        print(f"{'all checks passed' if not failures else f'{len(failures)} check(s) failed'} (no install; {work})")
+        print(f"{'all checks passed' if not failures else f'{len(failures)} check(s) failed'} (no install"
+              + (")" if not failures and args.keep is None else f"; {work})"))
         return 1 if failures else 0
     print("fresh install", flush=True)
     ipy = venv(work / "install-venv")
@@ -96,6 +106,9 @@ def main() -> int:
     check(res.returncode == 0, f"install {args.torch}" + ("" if res.returncode == 0 else ": " + res.stderr[-1500:]))
     res = run([ipy, "-m", "pip", "install", "-q", wheel])
     check(res.returncode == 0, "pip install the wheel" + ("" if res.returncode == 0 else ": " + res.stderr[-1500:]))
+    if failures:  # nothing installed to run
+        print(f"{len(failures)} check(s) failed; the install did not complete (work folder {work})")
+        return 1
     cli = work / "install-venv" / "bin" / "sinklab"
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
     res = run([cli, "--help"], env=env, cwd=work)
@@ -108,7 +121,8 @@ def main() -> int:
     res = run([cli, "scan", "builtin:tiny-lm", "--out", work / "scan-out"], env=env, cwd=work)
     check(res.returncode == 0 and (work / "scan-out" / "scan.json").is_file(),
           "sinklab scan builtin:tiny-lm" + ("" if res.returncode == 0 else ": " + res.stderr[-1500:]))
-    print(f"{'all checks passed' if not failures else f'{len(failures)} check(s) failed'} (work folder {work})")
+    print(f"{'all checks passed' if not failures else f'{len(failures)} check(s) failed'}"
+          + ("" if not failures and args.keep is None else f" (work folder {work})"))
     return 1 if failures else 0
 
 
