@@ -38,7 +38,7 @@ def stream(
                                                      "a CPU, faster with 2+ threads, minutes to compile)")] = None,
     freeze: Annotated[bool | None, typer.Option("--freeze/--no-freeze", help="with --compile: inductor's freezing "
                                                 "(faster on a CPU, a second copy of the weights in memory; default: "
-                                                "on on a CPU)")] = None,
+                                                "on, on a CPU)")] = None,
     policy: Annotated[str, policy_option()] = "streaming",
     plan: Annotated[Path | None, plan_option()] = None,
 ) -> None:
