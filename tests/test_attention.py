@@ -172,3 +172,35 @@ def test_a_switched_off_sink_is_no_column():
         plain = attend(q, k, v, visible, fast=path)
         out = attend(q, k, v, visible, columns=[off], fast=path)
         assert not out.isnan().any() and torch.allclose(out, plain, atol=1e-6, rtol=1e-6)
+
+
+
+
+@pytest.mark.parametrize("dtype,queries,upcast", [(torch.float16, 1, True), (torch.float16, 5, True),
+                                                  (torch.bfloat16, 1, True), (torch.bfloat16, 5, False)])
+def test_16_bit_fused_attention_on_a_cpu_computes_in_float32_where_that_is_faster(dtype, queries, upcast,
+                                                                                   monkeypatch):
+    """The fused path on a CPU hands float16, and one-query bfloat16, to torch's kernel in float32 (its 16-bit CPU
+    kernel is 4–10× slower on AVX2) and rounds the output once; several bfloat16 queries keep the 16-bit kernel.
+    Either way — plain, with a sink column, with a bias — the output is the float64 loop's to the 16-bit format's
+    rounding."""
+    q, k, v, visible, columns, _, bias = case(9, heads=6, kv_heads=2, padding=False, sink=True, slot=False,
+                                              anchored=False, per_head_values=False, gate=None, bias=True)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    q, visible, bias = q[:, :, -queries:], visible[:, :, -queries:], bias[:, :, -queries:].to(dtype)
+    columns = [Columns(c.logits.to(dtype)) for c in columns]
+    kernel, seen = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(query, key, value, attn_mask=None, **kw):
+        seen.append({query.dtype, key.dtype, value.dtype} | ({attn_mask.dtype} - {torch.bool} if attn_mask is not None
+                                                             else set()))
+        return kernel(query, key, value, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    scale = DH**-0.5
+    for cols, b in (((), None), (columns, None), ((), bias)):
+        out = attend(q, k, v, visible, columns=cols, bias=b, scale=scale, fast=True)
+        assert out.dtype == dtype and seen.pop() == {torch.float32 if upcast else dtype}
+        ref = naive(q, k, v, visible, scale=scale, columns=cols, bias=b)
+        tol = 2 * torch.finfo(dtype).eps
+        assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()

@@ -203,7 +203,9 @@ def attend(
     ``q·kᵀ·scale`` → softcap → ``+ bias`` → mask → :func:`softmax_with_columns` → ``weights @ values``; with
     ``weights=True`` it also returns the weights over the keys ``[B, H, C, K]`` (rows sum to 1 minus the
     columns' share). ``mask_from`` (manual path, a speed hint): every row sees the keys left of it, only
-    columns from it are masked. Computes in ``query``'s dtype; ``dropout`` on the weights.
+    columns from it are masked. Computes in ``query``'s dtype — except the fused path on a CPU, which computes
+    float16, and one-query bfloat16, in float32 and rounds the output back (faster there; :func:`_upcast_on_cpu`);
+    ``dropout`` on the weights.
 
     >>> q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
     >>> sink = Columns(torch.zeros(1, 2, 1, 1))  # softmax₁: a column of logit 0 and value 0
@@ -303,10 +305,38 @@ def _attend_manual(query, key, value, visible, causal, scale, bias, columns, sof
     return out.reshape(b, h, c, -1), probs.reshape(b, h, c, k_len)
 
 
+def _upcast_on_cpu(query: Tensor) -> bool:
+    """Whether :func:`_sdpa` computes in float32 rather than in ``query``'s 16-bit dtype: on a CPU, float16
+    always, bfloat16 for at most :data:`_BF16_UPCAST_QUERIES` queries (decode steps).
+
+    torch's fused CPU attention is slow in half precision on a CPU without native 16-bit arithmetic (AVX2): one
+    decode query over 1,024 cached keys of SmolLM2's shape (9 query heads, 3 key/value heads, width 64), one
+    thread, took 2.75 ms in float16 and 1.42 ms in bfloat16 against 0.27 / 0.34 ms with the inputs cast to
+    float32 (the casts included) — 4–10× over the whole model's attention. In float16 the cast pays at every
+    length measured (1.3× at 1,024 queries); in bfloat16 it is even from 2 queries on. float32 arithmetic is
+    also the more accurate one; the output is rounded back to the 16-bit dtype."""
+    if query.device.type != "cpu":
+        return False
+    return query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and query.shape[-2] <= _BF16_UPCAST_QUERIES)
+
+
+_BF16_UPCAST_QUERIES = 1
+
+
+def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None, **kwargs) -> Tensor:
+    """:func:`torch.nn.functional.scaled_dot_product_attention`, in float32 where the 16-bit kernel is slow
+    (:func:`_upcast_on_cpu`); otherwise the same call."""
+    f = torch.nn.functional.scaled_dot_product_attention
+    if not _upcast_on_cpu(query):
+        return f(query, key, value, attn_mask=attn_mask, **kwargs)
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        attn_mask = attn_mask.float()
+    return f(query.float(), key.float(), value.float(), attn_mask=attn_mask, **kwargs).to(query.dtype)
+
+
 def _attend_fast(query, key, value, visible, causal, scale, bias, columns, softcap, dropout, mask_from, real,
                  hkv, rep):
-    """Fused path: one ``scaled_dot_product_attention`` call, columns as extra keys (see :func:`attend`)."""
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    """Fused path: one :func:`_sdpa` call, columns as extra keys (see :func:`attend`)."""
     b, h, c, dh = query.shape
     dv = value.shape[-1]
     if not columns:
@@ -314,7 +344,7 @@ def _attend_fast(query, key, value, visible, causal, scale, bias, columns, softc
         if bias is not None:
             full = visible if visible is not None else torch.ones((), dtype=torch.bool, device=query.device)
             mask = bias.to(query.dtype).masked_fill(~full, -math.inf)
-        out = sdpa(query, key, value, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
+        out = _sdpa(query, key, value, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
                    dropout_p=dropout, enable_gqa=rep > 1)
         return out, None
     logits, col_seen, col_values = _column_parts(columns, b, h, hkv, c, query.device)
@@ -345,7 +375,7 @@ def _attend_fast(query, key, value, visible, causal, scale, bias, columns, softc
     if bias is not None:
         scores = torch.cat([bias.new_zeros(lead, heads, c, e), bias.expand(lead, heads, c, k_len)], -1)
         mask = scores.to(dt).masked_fill(~mask, -math.inf)
-    out = sdpa(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout, enable_gqa=rep > 1)[..., :dv]
+    out = _sdpa(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout, enable_gqa=rep > 1)[..., :dv]
     if real is not None:
         out = out.masked_fill(~real, 0.0)
     return out, None
