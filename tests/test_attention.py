@@ -174,8 +174,6 @@ def test_a_switched_off_sink_is_no_column():
         assert not out.isnan().any() and torch.allclose(out, plain, atol=1e-6, rtol=1e-6)
 
 
-
-
 @pytest.mark.parametrize("dtype,queries,upcast", [(torch.float16, 1, True), (torch.float16, 5, True),
                                                   (torch.bfloat16, 1, True), (torch.bfloat16, 5, False)])
 def test_16_bit_fused_attention_on_a_cpu_computes_in_float32_where_that_is_faster(dtype, queries, upcast,
