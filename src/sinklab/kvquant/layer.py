@@ -78,7 +78,8 @@ class DynamicQuantizedSinkLayer(DynamicLayer):
         Search each key block's and value group's range for the least squared error instead of taking its
         min/max (:func:`~sinklab.kvquant.codec.quantize`). Clipping cuts the error of ordinary tokens but would
         clip an outlier sink sitting in the group: it pays when the sinks are protected. ``None`` (default):
-        at 2 bits only (:data:`CLIP_BITS`), where it was measured to pay; at 4 bits min/max ranges did better.
+        at 2 bits only (:data:`CLIP_BITS`), where it was measured to pay; at 4 bits min/max ranges did better
+        (docs/kv-quant.md).
     """
 
     is_croppable = False

@@ -18,7 +18,7 @@ PROTECTIONS = ("none", "first", "detected")
 #: Sink detection for the quantization plan: a position is a sink when it receives more than ``SINK_EPS`` of the
 #: attention in at least ``SINK_SHARE`` of the layer×head pairs. ε = 0.2 (not the 0.3 of the scans): Gemma 3 in
 #: a window without ``<bos>`` has delimiter sinks that reach 0.2–0.3 in a few heads only, and keeping them exact
-#: in every layer halves the 2-bit error there (measured on windows the benchmark does not score; docs/kv-quant.md).
+#: in every layer lowers the 2-bit error there (measured on windows the benchmark does not score: docs/kv-quant.md).
 SINK_EPS = 0.2
 SINK_SHARE = 0.1
 
