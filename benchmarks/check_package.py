@@ -49,7 +49,7 @@ def main() -> int:
     work = args.keep or Path(tempfile.mkdtemp(prefix="sinklab-package-"))
     work.mkdir(parents=True, exist_ok=True)
     code = _checks(args, work)
-    if code == 0 and args.keep is None:  # a passing run leaves no 1–2 GB of virtualenvs behind
+    if code == 0 and args.keep is None:  # a passing run leaves no virtualenvs behind
         shutil.rmtree(work, ignore_errors=True)
     return code
 

@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module of tiny-model tests: they gain nothing from a second one, and on a busy
-    2-core machine two threads spin against each other (a Bigram-Backcopy run took 6× longer with 2 than with 1).
+    2-core machine two threads spin against each other (measured: docs/testing.md).
     Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)

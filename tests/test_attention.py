@@ -179,7 +179,7 @@ def test_a_switched_off_sink_is_no_column():
 def test_16_bit_fused_attention_on_a_cpu_computes_in_float32_where_that_is_faster(dtype, queries, upcast,
                                                                                    monkeypatch):
     """The fused path on a CPU hands float16, and one-query bfloat16, to torch's kernel in float32 (its 16-bit CPU
-    kernel is 4–10× slower on AVX2) and rounds the output once; several bfloat16 queries keep the 16-bit kernel.
+    kernel is slower on AVX2: docs/stream.md) and rounds the output once; several bfloat16 queries keep the 16-bit kernel.
     Either way — plain, with a sink column, with a bias — the output is the float64 loop's to the 16-bit format's
     rounding."""
     q, k, v, visible, columns, _, bias = case(9, heads=6, kv_heads=2, padding=False, sink=True, slot=False,

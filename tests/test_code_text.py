@@ -23,7 +23,7 @@ SRC = ROOT / "src" / "sinklab"
 
 #: A number (``59``, ``47.2``, ``1,024``; a range ``4–10``) followed by a unit a measurement is quoted in.
 MEASUREMENT = re.compile(
-    r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:\s*[-–]\s*\d[\d,]*(?:\.\d+)?)?"
+    r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?(?:\s*[-–]\s*\d+(?:,\d{3})*(?:\.\d+)?)?"
     r"(?:\s*(?:(?:CPU|wall)[- ])?(?:ms|µs|us|ns|s|secs?|seconds?|mins?|minutes?|hours?|h|%|GB|GiB|MB|MiB|kB|KB|KiB|TB"
     r"|tok/s|tokens?/s|tokens? per second|it/s|steps?/s)(?![\w/])|[×x](?![\w\d]|\s*\d))"
 )
