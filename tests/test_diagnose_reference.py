@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -116,85 +117,209 @@ def _lower_median(values):
 
 
 # ----------------------------------------------------------------------------- the registry
-def test_every_registry_row_equals_a_naive_float64_computation(ref):
-    r = ref
-    model = _model(r["inputs"])  # same weights (seeded), sdpa, captured
-    scan = sinklab.scan_inputs(model, [r["inputs"]], [["t"] * 12] * 3)
-    table = scan.per_layer()
+#: Registry row name → its naive float64 reference ``(ref, layer) -> float``, written from the row's definition
+#: (docs/metrics.md). A new ``MetricRow`` needs one function here, decorated with ``@reference(name)``;
+#: ``test_registry_row_equals_a_naive_float64_computation`` runs on every row and names a row that has none.
+REFERENCES: dict[str, Callable[[dict, int], float]] = {}
+
+
+def reference(name: str):
+    """Register the naive reference of registry row ``name``."""
+
+    def register(fn):
+        assert name not in REFERENCES, f"two references for {name!r}"
+        REFERENCES[name] = fn
+        return fn
+
+    return register
+
+
+def _heads(r, layer):
+    """Per (sample, head) of one layer, in loops (cached): the dominant column, its mass, the value-norm ratios
+    (head and output space), the update's spectrum statistics and the strict / relaxed sink events."""
+    cache = r.setdefault("heads", {})
+    if layer in cache:
+        return cache[layer]
     mass, low, routed, _ = _column_stats(r)
     dom = _dominant(r)
-    th = scan.meta["thresholds"]
-    attn, mask = r["attn"], r["mask"]
-    s, n_layers, h, t, _ = attn.shape
-    expected: dict[str, list[float]] = {name: [] for name in table}
-    for layer in range(n_layers):
-        v, wo = _values(r, layer)
-        u = torch.einsum("hed,bhtd->bhte", wo, v)  # (S, H, T, d) output-space values
-        per = {k: [] for k in ("strength", "ratio", "ratio_out", "srank", "rank1", "common", "eps", "relaxed", "dom")}
-        for b in range(s):
-            real = [j for j in range(t) if mask[b, j]]
-            for head in range(h):
-                p = int(dom[b, layer, head])
-                per["dom"].append(p)
-                per["strength"].append(float(mass[b, layer, head, p]))
-                others = [j for j in real if j != p]
-                for key, vec in (("ratio", v), ("ratio_out", u)):
-                    norms = vec[b, head].norm(dim=-1)
-                    per[key].append(float(norms[p]) / (sum(float(norms[j]) for j in others) / len(others)))
-                update = attn[b, layer, head][real] @ u[b, head]  # (N, d) U = A·u over real queries
-                sv = torch.linalg.svdvals(update)
-                per["srank"].append(float((sv**2).sum() / sv[0] ** 2))
-                per["rank1"].append(float(sv[0] ** 2 / (sv**2).sum()))
-                per["common"].append(float(update.mean(0).pow(2).sum() / update.pow(2).sum(-1).mean()))
-                cols = [j for j in range(t) if not math.isnan(low[b, layer, head, j])]
-                per["eps"].append(any(low[b, layer, head, j] >= 1 - th["eps_event"] for j in cols))
-                per["relaxed"].append(any(routed[b, layer, head, j] >= th["relaxed_share"] for j in cols))
-        n = len(per["dom"])
-        top = sorted(Counter(per["dom"]).items(), key=lambda kv: (-kv[1], kv[0]))[0][0]
-        share0 = [sum(float(mass[b, layer, head, 0]) > th["eps"] for head in range(h)) / h for b in range(s)]
-        expected["sink_rate_0"].append(100 * sum(share0) / s)
-        expected["sink_strength"].append(sum(per["strength"]) / n)
-        expected["top_position"].append(top)
-        expected["top_position_pct"].append(100 * per["dom"].count(top) / n)
-        expected["eps_sink_pct"].append(100 * sum(per["eps"]) / n)
-        expected["relaxed_sink_pct"].append(100 * sum(per["relaxed"]) / n)
-        expected["value_norm_ratio"].append(sum(per["ratio"]) / n)
-        expected["value_norm_ratio_out"].append(sum(per["ratio_out"]) / n)
-        expected["update_stable_rank"].append(sum(per["srank"]) / n)
-        expected["update_rank1_energy"].append(sum(per["rank1"]) / n)
-        expected["common_mode"].append(sum(per["common"]) / n)
-        block = model.model.layers[layer].self_attn
-        wq = block.q_proj.weight.detach().double().view(4, 8, -1)
-        wk = block.k_proj.weight.detach().double().view(2, 8, -1)
-        ratios = []
+    th, attn, mask = r["th"], r["attn"], r["mask"]
+    s, _, h, t, _ = attn.shape
+    v, wo = _values(r, layer)
+    u = torch.einsum("hed,bhtd->bhte", wo, v)  # (S, H, T, d) output-space values
+    per: dict[str, list] = {k: [] for k in ("strength", "ratio", "ratio_out", "srank", "rank1", "common", "eps",
+                                             "relaxed", "dom")}
+    for b in range(s):
+        real = [j for j in range(t) if mask[b, j]]
         for head in range(h):
-            sv = torch.linalg.svdvals(wq[head].T @ wk[head // 2])
-            ratios.append(float(sv[0] / sv[1]))
-        expected["qk_sigma_ratio"].append(sum(ratios) / h)
-        x = r["blocks"][layer]  # (S, T, d) output of this block
-        ratio0, massive, top_abs, high = [], [], 0.0, []
-        for b in range(s):
-            real = [j for j in range(t) if mask[b, j]]
-            norms = [float(x[b, j].norm()) for j in real]
-            ratio0.append(norms[0] / _lower_median(norms[1:]))
-            med = _lower_median(norms)
-            mad = _lower_median([abs(z - med) for z in norms])
-            high.append(sum(z > med + th["high_norm_k"] * 1.4826 * mad for z in norms))
-            absval = x[b, real].abs()
-            a_med = _lower_median(absval.flatten().tolist())
-            peaks = absval.amax(-1)
-            massive.append(sum(float(m) > th["massive_abs"] and float(m) >= th["massive_ratio"] * a_med for m in peaks))
-            top_abs = max(top_abs, float(peaks.max()))
-        expected["hidden_norm_ratio_0"].append(sum(ratio0) / s)
-        expected["high_norm_tokens"].append(sum(high) / s)
-        expected["massive_tokens"].append(sum(massive) / s)
-        expected["max_activation"].append(top_abs)
-        expected["learned_sink_mass"].append(0.0)
-    assert set(expected) == {row.name for row in sinklab.REGISTRY}
-    for name, values in expected.items():
-        assert table[name] == pytest.approx(values, rel=1e-4, abs=1e-5), name
-    assert table["massive_tokens"][0] >= 1.0 / 3  # the injected activation (sample 0's first token id)
-    assert table["max_activation"][0] > 2000
+            p = int(dom[b, layer, head])
+            per["dom"].append(p)
+            per["strength"].append(float(mass[b, layer, head, p]))
+            others = [j for j in real if j != p]
+            for key, vec in (("ratio", v), ("ratio_out", u)):
+                norms = vec[b, head].norm(dim=-1)
+                per[key].append(float(norms[p]) / (sum(float(norms[j]) for j in others) / len(others)))
+            update = attn[b, layer, head][real] @ u[b, head]  # (N, d) U = A·u over real queries
+            sv = torch.linalg.svdvals(update)
+            per["srank"].append(float((sv**2).sum() / sv[0] ** 2))
+            per["rank1"].append(float(sv[0] ** 2 / (sv**2).sum()))
+            per["common"].append(float(update.mean(0).pow(2).sum() / update.pow(2).sum(-1).mean()))
+            cols = [j for j in range(t) if not math.isnan(low[b, layer, head, j])]
+            per["eps"].append(any(low[b, layer, head, j] >= 1 - th["eps_event"] for j in cols))
+            per["relaxed"].append(any(routed[b, layer, head, j] >= th["relaxed_share"] for j in cols))
+    cache[layer] = per
+    return per
+
+
+def _mean(values) -> float:
+    return sum(values) / len(values)
+
+
+def _top(r, layer) -> int:
+    """The most common dominant position (the smallest on a tie)."""
+    return sorted(Counter(_heads(r, layer)["dom"]).items(), key=lambda kv: (-kv[1], kv[0]))[0][0]
+
+
+@reference("sink_rate_0")
+def _sink_rate_0(r, layer):
+    mass, _, _, _ = _column_stats(r)
+    s, _, h, _ = mass.shape
+    return 100 * _mean([sum(float(mass[b, layer, head, 0]) > r["th"]["eps"] for head in range(h)) / h
+                        for b in range(s)])
+
+
+@reference("sink_strength")
+def _sink_strength(r, layer):
+    return _mean(_heads(r, layer)["strength"])
+
+
+@reference("top_position")
+def _top_position(r, layer):
+    return _top(r, layer)
+
+
+@reference("top_position_pct")
+def _top_position_pct(r, layer):
+    dom = _heads(r, layer)["dom"]
+    return 100 * dom.count(_top(r, layer)) / len(dom)
+
+
+@reference("eps_sink_pct")
+def _eps_sink_pct(r, layer):
+    return 100 * _mean(_heads(r, layer)["eps"])
+
+
+@reference("relaxed_sink_pct")
+def _relaxed_sink_pct(r, layer):
+    return 100 * _mean(_heads(r, layer)["relaxed"])
+
+
+@reference("value_norm_ratio")
+def _value_norm_ratio(r, layer):
+    return _mean(_heads(r, layer)["ratio"])
+
+
+@reference("value_norm_ratio_out")
+def _value_norm_ratio_out(r, layer):
+    return _mean(_heads(r, layer)["ratio_out"])
+
+
+@reference("update_stable_rank")
+def _update_stable_rank(r, layer):
+    return _mean(_heads(r, layer)["srank"])
+
+
+@reference("update_rank1_energy")
+def _update_rank1_energy(r, layer):
+    return _mean(_heads(r, layer)["rank1"])
+
+
+@reference("common_mode")
+def _common_mode(r, layer):
+    return _mean(_heads(r, layer)["common"])
+
+
+@reference("qk_sigma_ratio")
+def _qk_sigma_ratio(r, layer):
+    block = r["model"].model.layers[layer].self_attn
+    wq = block.q_proj.weight.detach().double().view(4, 8, -1)
+    wk = block.k_proj.weight.detach().double().view(2, 8, -1)
+    ratios = []
+    for head in range(4):
+        sv = torch.linalg.svdvals(wq[head].T @ wk[head // 2])
+        ratios.append(float(sv[0] / sv[1]))
+    return _mean(ratios)
+
+
+def _block_rows(r, layer):
+    """Per sample: the real tokens' rows of the block's output (T_real, d), float64."""
+    x = r["blocks"][layer]  # (S, T, d)
+    return [x[b, [j for j in range(x.shape[1]) if r["mask"][b, j]]] for b in range(x.shape[0])]
+
+
+@reference("hidden_norm_ratio_0")
+def _hidden_norm_ratio_0(r, layer):
+    ratios = []
+    for rows in _block_rows(r, layer):
+        norms = [float(row.norm()) for row in rows]
+        ratios.append(norms[0] / _lower_median(norms[1:]))
+    return _mean(ratios)
+
+
+@reference("high_norm_tokens")
+def _high_norm_tokens(r, layer):
+    high = []
+    for rows in _block_rows(r, layer):
+        norms = [float(row.norm()) for row in rows]
+        med = _lower_median(norms)
+        mad = _lower_median([abs(z - med) for z in norms])
+        high.append(sum(z > med + r["th"]["high_norm_k"] * 1.4826 * mad for z in norms))
+    return _mean(high)
+
+
+@reference("massive_tokens")
+def _massive_tokens(r, layer):
+    th, massive = r["th"], []
+    for rows in _block_rows(r, layer):
+        absval = rows.abs()
+        a_med = _lower_median(absval.flatten().tolist())
+        massive.append(sum(float(m) > th["massive_abs"] and float(m) >= th["massive_ratio"] * a_med
+                           for m in absval.amax(-1)))
+    return _mean(massive)
+
+
+@reference("max_activation")
+def _max_activation(r, layer):
+    return max(float(rows.abs().max()) for rows in _block_rows(r, layer))
+
+
+@reference("learned_sink_mass")
+def _learned_sink_mass(r, layer):
+    return 1.0 - float(r["attn"][:, layer].sum(-1)[r["vis"][:, layer].any(-1)].mean())  # no learned slot: 0
+
+
+@pytest.fixture(scope="module")
+def scanned(ref):
+    """The registry table of a scan of the same model (same weights, sdpa, captured); ``ref["th"]``: its thresholds."""
+    scan = sinklab.scan_inputs(_model(ref["inputs"]), [ref["inputs"]], [["t"] * 12] * 3)
+    ref["th"] = scan.meta["thresholds"]
+    return scan.per_layer()
+
+
+@pytest.mark.parametrize("row", [row.name for row in sinklab.REGISTRY])
+def test_registry_row_equals_a_naive_float64_computation(ref, scanned, row):
+    assert row in REFERENCES, (f"registry row {row!r} has no naive float64 reference: add one to "
+                               f"tests/test_diagnose_reference.py, decorated with @reference({row!r})")
+    want = [REFERENCES[row](ref, layer) for layer in range(ref["attn"].shape[1])]
+    assert scanned[row] == pytest.approx(want, rel=1e-4, abs=1e-5), row
+
+
+def test_every_reference_is_a_registry_row():
+    assert set(REFERENCES) <= {row.name for row in sinklab.REGISTRY}, "a reference of a row that is gone"
+
+
+def test_the_injected_massive_activation_is_seen(scanned):
+    assert scanned["massive_tokens"][0] >= 1.0 / 3  # the injected activation (sample 0's first token id)
+    assert scanned["max_activation"][0] > 2000
 
 
 # ----------------------------------------------------------------------------- diagnose rules and classes
