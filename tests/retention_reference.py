@@ -21,9 +21,32 @@ import torch
 from transformers import AttentionInterface
 
 
+def _tova(ref, store, weights) -> list[float]:
+    return weights[-1].tolist()
+
+
+def _snapkv(ref, store, weights) -> list[float]:
+    mean = weights[-ref.window:].mean(0).tolist()
+    half = ref.kernel // 2
+    return [sum(mean[max(0, j - half):j + half + 1]) / len(mean[max(0, j - half):j + half + 1])
+            for j in range(len(store))]
+
+
+def _knorm(ref, store, weights) -> list[float]:
+    return [-float(e[1].norm()) for e in store]
+
+
+#: Score-based policy name → its scoring rule ``(reference, store, weights (C, n)) -> one score per stored token``
+#: (higher = kept). A new policy of ``sinklab.stream.policy.POLICIES`` adds its rule here.
+SCORES = {"tova": _tova, "snapkv": _snapkv, "knorm": _knorm}
+
+
 class RetentionReference:
     def __init__(self, model, policy: str, num_sinks: int, budget: int, recent: int, window: int = 1,
                  kernel: int = 7):
+        if policy not in SCORES:
+            raise NotImplementedError(f"no float64 reference for the retention policy {policy!r}: add its scoring "
+                                      "rule to SCORES in tests/retention_reference.py")
         self.model = copy.deepcopy(model).double()
         self.policy, self.sinks, self.budget, self.recent = policy, num_sinks, budget, recent
         self.window, self.kernel = window, kernel
@@ -76,17 +99,7 @@ class RetentionReference:
         if n <= self.budget:
             return
         newest = store[-1][0]
-        if self.policy == "tova":
-            score = weights[-1].tolist()
-        elif self.policy == "snapkv":
-            mean = weights[-self.window:].mean(0).tolist()
-            half = self.kernel // 2
-            score = [sum(mean[max(0, j - half):j + half + 1]) / len(mean[max(0, j - half):j + half + 1])
-                     for j in range(n)]
-        elif self.policy == "knorm":
-            score = [-float(e[1].norm()) for e in store]
-        else:
-            raise ValueError(self.policy)
+        score = SCORES[self.policy](self, store, weights)
         protected = [e[0] < self.sinks or e[0] > newest - self.recent for e in store]
         ranked = sorted(range(n), key=lambda j: (not protected[j], -score[j], -store[j][0]))
         keep = set(ranked[: self.budget])

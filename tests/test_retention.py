@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,7 +13,7 @@ from sinklab.errors import InputError, UnsupportedModelError
 from sinklab.models import tiny_llama
 from sinklab.stream import SinkCache
 from sinklab.stream.plan import RetentionPlan, load_plan, plan_from_scan
-from sinklab.stream.policy import POLICIES, KeyNorm, SnapKV, TOVA
+from sinklab.stream.policy import POLICIES, TOVA, Recency, ScoredPolicy, SnapKV
 from tests.retention_reference import RetentionReference
 
 
@@ -25,14 +26,29 @@ def _model():
     return tiny_llama(seed=1)
 
 
-CASES = [
-    ("tova", TOVA(recent=3), 2, 9),
-    ("snapkv", SnapKV(recent=3, window=4, kernel=3), 3, 10),
-    ("knorm", KeyNorm(recent=2), 2, 8),
-]
+#: The token-by-token test's sizes: a policy field at a larger default is cut to this (fields it lacks are not set).
+SMALL = {"recent": 3, "window": 4, "kernel": 3}
 
 
-@pytest.mark.parametrize("name,policy,sinks,window", CASES)
+def _small(cls: type[ScoredPolicy]) -> ScoredPolicy:
+    """``cls`` with its size fields cut to :data:`SMALL`, so that eviction starts within a few tokens."""
+    return cls(**{f.name: min(SMALL[f.name], f.default) for f in dataclasses.fields(cls)
+                  if f.init and f.name in SMALL and isinstance(f.default, int)})
+
+
+#: Every score-based row of POLICIES, read off the table: (name, policy, sinks, window of the cache).
+CASES = [(name, _small(cls), 2 + i % 2, 8 + i % 3)
+         for i, (name, cls) in enumerate((n, c) for n, c in POLICIES.items() if issubclass(c, ScoredPolicy))]
+
+
+def test_every_policy_row_is_checked_token_by_token():
+    """The score-based rows run below against tests/retention_reference.py; the one other row, StreamingLLM's
+    recency ring, is checked token by token against tests/stream_reference.py (tests/test_stream.py)."""
+    assert {name for name, *_ in CASES} == {n for n, c in POLICIES.items() if c is not Recency}, (
+        "a policy that is neither score-based nor the recency ring: give it a token-by-token reference test")
+
+
+@pytest.mark.parametrize("name,policy,sinks,window", CASES, ids=[case[0] for case in CASES])
 def test_policy_matches_float64_reference_token_by_token(name, policy, sinks, window):
     """Decoding from the first token past the budget: same logits and the very same kept tokens in every head."""
     model = _model()
@@ -50,6 +66,7 @@ def test_policy_matches_float64_reference_token_by_token(name, policy, sinks, wi
             assert kept == [sorted(h) for h in ref.kept(i)], f"{name} layer {i}"
             assert all(set(range(sinks)) <= set(h) for h in kept)  # the sinks, always
             assert all(len(h) == budget for h in kept)
+    assert ref.t0 > budget + policy.recent  # decoding went past the budget: tokens were evicted
 
 
 def test_snapkv_prefill_compression_matches_reference():
