@@ -297,13 +297,19 @@ def print_table(title: str, header: tuple[str, ...] | list[str], rows: list[tupl
     console.print(table)
 
 
-POLICY_HELP = ("what each head keeps: streaming (sinks + the most recent tokens, default), snapkv, tova, knorm "
-               "(sinks + recent + the best-scored tokens), auto (per-head budgets from a scan of the model: --plan, "
-               "or a quick scan now)")
+def policy_help() -> str:
+    """``--policy``'s help, its names read off :data:`sinklab.stream.policy.POLICIES`."""
+    from ..stream.policy import POLICIES, ScoredPolicy
+
+    recency = [name for name, cls in POLICIES.items() if not issubclass(cls, ScoredPolicy)]
+    scored = [name for name, cls in POLICIES.items() if issubclass(cls, ScoredPolicy)]
+    return (f"what each head keeps: {', '.join(recency)} (sinks + the most recent tokens, default), "
+            f"{', '.join(scored)} (sinks + recent + the best-scored tokens), auto (per-head budgets from a scan of "
+            "the model: --plan, or a quick scan now)")
 
 
 def policy_option():
-    return typer.Option("--policy", help=POLICY_HELP)
+    return typer.Option("--policy", help=policy_help())
 
 
 def plan_option():

@@ -8,13 +8,14 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from ..vit.experiment import VARIANT_SPECS
 from ._common import user_errors, app, console, err
 
 
 @app.command("vit-experiment")
 def vit_experiment(
-    variants: Annotated[str, typer.Option("--variants", help="comma-separated: baseline, registers, gated, "
-                                          "gated-headwise, gated+registers, sink-logit, kv-bias")] = "baseline,registers,gated,gated+registers",
+    variants: Annotated[str, typer.Option("--variants", help="comma-separated: "
+                                          + ", ".join(VARIANT_SPECS))] = "baseline,registers,gated,gated+registers",
     seeds: Annotated[int, typer.Option("--seeds")] = 3,
     minutes: Annotated[float, typer.Option("--minutes", help="total budget; one step count for every run")] = 10.0,
     out: Annotated[Path, typer.Option("--out", help="run folder (resumable)")] = Path("sinklab-vit-experiment"),
