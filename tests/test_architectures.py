@@ -151,7 +151,9 @@ CONFIGURATION_EXPECT = {
     (_INKLING, "diagnose"): ("refused", _HEADS),
     (_INKLING, "circuit"): ("refused", _HEADS),
     ("ergo [1 layer, evicted on its first layer kind]", "stream_evicted"): ("ok", "float64"),
-    ("ergo [4 layers]", "stream_evicted"): ("ok", "float64"),
+    **{(name, "stream_evicted"): ("n/a", "the same model, checked there")  # the default row's one-layer variant
+       for name in ("llama [1 layer]", "ergo [4 layers]", "gemma3_text [4 layers]", "gpt_oss [3 layers]",
+                    "exaone4 [4 layers]")},
     ("qwen3_next [4 layers]", "stream_evicted"): ("ok", "float64 stream reference"),
     ("qwen3_next [4 layers]", "scan"): ("ok", "3 recurrent/MLP-only, marked as such"),
     ("gemma3_text [4 layers]", "stream"): ("ok", "tokens equal"),
@@ -177,7 +179,7 @@ def test_configuration_cells_are_ok_or_refused_with_a_reason(name):
         status, phrase = CONFIGURATION_EXPECT.get((name, cell), (None, ""))
         if status is not None:
             assert result.status == status and phrase in result.message, f"{where}: {result.text()}"
-        assert result.status in ("ok", "refused"), f"{where}: {result.text()}"
+        assert result.status in ("ok", "refused") or status == "n/a", f"{where}: {result.text()}"
         if result.status == "refused":
             assert len(result.message.strip()) > 20, f"{where}: refused without a reason: {result.text()!r}"
 
