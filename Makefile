@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= sinklab-demo
 
-.PHONY: venv demo test test-compat lint bench check-package clean
+.PHONY: venv demo test test-compat lint bench check-package architectures clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,12 @@ test-compat: venv
 # Release check: build wheel + sdist, inspect their metadata and data files, install in a fresh venv, run the CLI.
 check-package: venv
 	$(PY) benchmarks/check_package.py
+
+# The architecture matrix (every transformers causal-LM type as a tiny random model through scan, stream, diagnose
+# and circuit) into docs/architectures.md and benchmarks/results/architectures.json, with the fingerprint of the
+# sources it exercises: tests/test_architectures.py fails until this is rerun after a change to them.
+architectures: venv
+	HF_HUB_OFFLINE=1 PYTHONPATH=src $(PY) benchmarks/architectures.py --jobs 2
 
 bench: venv
 	$(PY) benchmarks/bench_scan.py

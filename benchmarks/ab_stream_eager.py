@@ -12,12 +12,12 @@ Prints the median ms per token and each tree's ratio to the floor; writes the JS
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+from _common import run_metadata, write_result
 from bench_stream import RESULTS, run_worker
 
 FILES = {"weights": RESULTS / "stream_model.safetensors", "stream": RESULTS / "stream_tokens.json"}
@@ -64,9 +64,7 @@ def main() -> None:
         print(f"| {4 + window} | {med['before']:.2f} | {med['after']:.2f} | {med['floor']:.2f} | "
               f"{ratio['before']:.3f}× | {ratio['after']:.3f}× |", flush=True)
     trees_out = {k: {"src": trees[k], "commit": commit_of(trees[k])} for k in ("before", "after")}
-    (RESULTS / args.json).write_text(json.dumps({"trees": trees_out,
-                                                  "rounds": args.rounds, "windows": out}, indent=1))
-    print(f"wrote {RESULTS / args.json}")
+    write_result(args.json, {"trees": trees_out, "rounds": args.rounds, "windows": out, "meta": run_metadata()})
 
 
 if __name__ == "__main__":

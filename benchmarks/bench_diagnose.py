@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "bench_diagnose.json"
+from _common import RESULTS, run_metadata, write_result
 
 
 def run(cmd: list[str]) -> dict:
@@ -71,15 +70,12 @@ def main() -> None:
           "   (goal ≤ 5× wall, ≤ 1.5× memory)")
     print(f"edited heads: {len(diag['edits'])} × {len(diag['edits'][0]['hidden']) if diag['edits'] else 0} edits "
           f"on {diag['meta'].get('edit_samples')} samples")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    write_result(RESULTS / "bench_diagnose.json", {
         "model": args.model, "samples": args.samples, "seq_len": args.seq_len, "repeats": args.repeats,
         "runs": rows, "median": summary, "ratio": ratio, "goal": {"wall_s": 5.0, "peak_rss_mib": 1.5},
         "edited_heads": len(diag["edits"]), "edit_samples": diag["meta"].get("edit_samples"),
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                    "load_avg_at_end": os.getloadavg()},
-    }, indent=1))
-    print(f"wrote {RESULTS}")
+        "meta": run_metadata(model=args.model, load_avg_at_end=os.getloadavg()),
+    })
 
 
 if __name__ == "__main__":

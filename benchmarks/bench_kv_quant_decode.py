@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -24,11 +23,10 @@ import torch
 from transformers import DynamicCache
 
 import sinklab
-from sinklab.atomic import write_json
 from sinklab.kvquant.layer import quantized_sink_cache
 from sinklab.kvquant.plan import Protection
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from _common import RESULTS, print_table, run_metadata, write_result  # noqa: E402
 
 
 def fill(model, make, ids: torch.Tensor):
@@ -71,15 +69,12 @@ def main() -> None:
             rows.append({"cached": n, "cache": name, "ms_per_token": ms, "ratio_to_full": ms / (1000 * full),
                          "min_ms": 1000 * min(t[2:]), "max_ms": 1000 * max(t[2:])})
         del caches
-    print("cached | cache | ms/token | × full | min–max ms")
-    for r in rows:
-        print(f"{r['cached']:,} | {r['cache']} | {r['ms_per_token']:.1f} | {r['ratio_to_full']:.2f} | "
-              f"{r['min_ms']:.1f}–{r['max_ms']:.1f}")
+    print_table(rows, {"cached": "cached", "cache": "cache", "ms_per_token": "ms/token", "ratio_to_full": "× full",
+                       "min_ms": "min ms", "max_ms": "max ms"}, digits=3)
     name = args.model.split(":")[-1].split("/")[-1].replace(".gguf", "")
     out = args.out or RESULTS / f"bench_kv_quant_decode_{name}.json"
-    write_json(out, {"model": args.model, "threads": args.threads, "steps": args.steps, "torch": torch.__version__,
-                     "cpu": platform.processor() or platform.machine(), "load_avg": os.getloadavg(), "rows": rows})
-    print(f"wrote {out}")
+    write_result(out.resolve(), {"model": args.model, "threads": args.threads, "steps": args.steps,
+                                 "load_avg": os.getloadavg(), "rows": rows, "meta": run_metadata(model=args.model)})
 
 
 if __name__ == "__main__":

@@ -12,13 +12,13 @@ through each cache. CPU seconds (``time.process_time``) and wall seconds; the me
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from _common import print_table, run_metadata, write_result
 from transformers import DynamicCache
 
 import sinklab
@@ -75,17 +75,17 @@ def main() -> None:
     ratio = med["sinkcache_prefill_cpu_s"] / med["dynamic_prefill_cpu_s"]
     print(f"{args.model}: {args.tokens}-token prefill, S={args.sinks} W={args.window}, {args.threads} thread(s), "
           f"{args.rounds} rounds, load {os.getloadavg()[0]:.1f}")
-    print("| cache | prefill wall s | prefill CPU s | decode ms/token wall | decode ms/token CPU |")
-    print("|---|---|---|---|---|")
-    for name in ("dynamic", "sinkcache"):
-        print(f"| {name} | {med[f'{name}_prefill_wall_s']:.2f} | {med[f'{name}_prefill_cpu_s']:.2f} | "
-              f"{med[f'{name}_decode_ms_wall']:.1f} | {med[f'{name}_decode_ms_cpu']:.1f} |")
+    print_table([{"cache": name, **{k: med[f"{name}_{k}"] for k in ("prefill_wall_s", "prefill_cpu_s",
+                                                                     "decode_ms_wall", "decode_ms_cpu")}}
+                 for name in ("dynamic", "sinkcache")],
+                {"cache": "cache", "prefill_wall_s": "prefill wall s", "prefill_cpu_s": "prefill CPU s",
+                 "decode_ms_wall": "decode ms/token wall", "decode_ms_cpu": "decode ms/token CPU"}, digits=3)
     print(f"SinkCache / DynamicCache prefill (CPU s): {ratio:.2f}x (goal <= 1.5x); "
           f"max |logit diff| at the last prompt token {med['max_abs_logit_diff']:.2e}")
     out = args.out or Path(__file__).parent / "results" / f"bench_prefill_{args.model.split(':')[-1]}.json"
-    out.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                               "load": os.getloadavg(), "rounds": rows, "median": med,
-                               "prefill_ratio_cpu": ratio}, indent=2) + "\n")
+    write_result(out.resolve(), {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                                 "load": os.getloadavg(), "rounds": rows, "median": med, "prefill_ratio_cpu": ratio,
+                                 "meta": run_metadata(model=args.model)})
 
 
 if __name__ == "__main__":

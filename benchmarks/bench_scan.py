@@ -21,14 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
-from sinklab.atomic import write_json
+from _common import print_table, run_metadata, write_result
 
 MODES = ("plain-sdpa", "sinklab-scan", "eager-attentions")
 OPERATIONS = ("forward", "lm-forward", "scan", "diagnose", "circuit")
@@ -196,16 +194,7 @@ def models_main(args) -> None:
 
 
 def _write(filename: str, result: dict) -> None:
-    import torch
-    import transformers
-
-    result["machine"] = {"platform": platform.platform(), "python": platform.python_version(),
-                         "torch": torch.__version__, "transformers": transformers.__version__,
-                         "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
-    path = Path(__file__).parent / "results" / filename
-    path.parent.mkdir(exist_ok=True)
-    write_json(path, result)
-    print(f"\nwrote {path}")
+    write_result(filename, {**result, "meta": run_metadata()})
 
 
 def main() -> None:
@@ -236,15 +225,13 @@ def main() -> None:
                                  capture_output=True, text=True, check=True)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"  {mode:17s} T={length:5d}: {rows[-1]['seconds']:7.2f} s  {rows[-1]['peak_rss_mb']:8.0f} MB", flush=True)
-    print("\n| T | mode | time (s) | peak RSS (MB) | time / plain | RSS / plain |")
-    print("|---|---|---|---|---|---|")
     for length in args.lengths:
         base = next(r for r in rows if r["T"] == length and r["mode"] == "plain-sdpa")
         for r in (r for r in rows if r["T"] == length):
             r["time_ratio"] = r["seconds"] / base["seconds"]
             r["rss_ratio"] = r["peak_rss_mb"] / base["peak_rss_mb"]
-            print(f"| {length} | {r['mode']} | {r['seconds']:.2f} | {r['peak_rss_mb']:.0f} | "
-                  f"{r['time_ratio']:.2f}× | {r['rss_ratio']:.2f}× |")
+    print_table(rows, {"T": "T", "mode": "mode", "seconds": "time (s)", "peak_rss_mb": "peak RSS (MB)",
+                       "time_ratio": "time / plain", "rss_ratio": "RSS / plain"}, digits=3)
     _write("bench_scan.json", {"benchmark": "scan", "rows": rows})
 
 

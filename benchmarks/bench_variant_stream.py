@@ -12,17 +12,11 @@ variant's maths, not of different text. Prints a table and writes benchmarks/res
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-from sinklab.atomic import write_json
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "src"))
+from _common import print_table, run_metadata, write_result
 
 VARIANTS = [None, "sink-logit", "gated", "kv-bias", "kv-bias+gated", "gated+registers"]
 PROMPT = "The old lighthouse keeper climbed the stairs every evening to light the lamp."
@@ -62,17 +56,14 @@ def main() -> None:
                 handle.remove()
     base = statistics.median(times["None"])
     rows = []
-    print("| variant | median ms/token | p90 ms | × bare |\n|---|---:|---:|---:|")
     for v in VARIANTS:
         t = sorted(times[str(v)])
         med, p90 = statistics.median(t), t[int(0.9 * (len(t) - 1))]
         rows.append({"variant": v or "bare", "median_ms": 1000 * med, "p90_ms": 1000 * p90, "ratio": med / base})
-        print(f"| {v or 'bare SmolLM2'} | {1000 * med:.2f} | {1000 * p90:.2f} | {med / base:.2f}× |")
-    out = {"machine": platform.platform(), "torch_threads": 1, "tokens": args.tokens, "rounds": args.rounds,
-           "window": 252, "num_sinks": 4, "rows": rows}
-    (HERE / "results").mkdir(exist_ok=True)
-    write_json((HERE / "results" / "bench_variant_stream.json"), out)
-    print("wrote benchmarks/results/bench_variant_stream.json")
+    print_table(rows, {"variant": "variant", "median_ms": "median ms/token", "p90_ms": "p90 ms", "ratio": "× bare"},
+                digits=3)
+    write_result("bench_variant_stream.json", {"meta": run_metadata(model="builtin:smollm2"), "tokens": args.tokens,
+                                               "rounds": args.rounds, "window": 252, "num_sinks": 4, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -10,17 +10,11 @@ ratio to plain SDPA. Prints a table and writes benchmarks/results/bench_variants
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-from sinklab.atomic import write_json
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "src"))
+from _common import print_table, run_metadata, write_result
 
 VARIANTS = [None, "sink-logit", "softmax1", "kv-bias", "gated", "gated-headwise", "registers", "sink-logit+gated"]
 
@@ -63,17 +57,12 @@ def main() -> None:
         print(f"  round {rnd + 1}/{args.rounds} done", flush=True)
     base = statistics.median(times["plain-sdpa"])
     rows = []
-    print("\n| variant | median step (ms) | × plain SDPA |")
-    print("|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)
         rows.append({"variant": name, "median_ms": med * 1e3, "ratio": med / base, "steps": len(ts)})
-        print(f"| {name} | {med * 1e3:.1f} | {med / base:.2f}× |")
-    out = {"benchmark": "variants", "machine": {"platform": platform.platform(), "torch": torch.__version__,
-           "threads": torch.get_num_threads()}, "config": vars(args), "rows": rows}
-    (HERE / "results").mkdir(exist_ok=True)
-    write_json((HERE / "results" / "bench_variants.json"), out)
-    print(f"wrote {HERE / 'results' / 'bench_variants.json'}")
+    print_table(rows, {"variant": "variant", "median_ms": "median step (ms)", "ratio": "× plain SDPA"}, digits=3)
+    write_result("bench_variants.json", {"benchmark": "variants", "meta": run_metadata(), "config": vars(args),
+                                         "rows": rows})
 
 
 if __name__ == "__main__":

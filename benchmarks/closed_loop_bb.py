@@ -8,10 +8,10 @@ into ``--results`` (default ``benchmarks/results``) and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
+from _common import write_result
 
 from sinklab.closed_loop import bb_closed_loop
 from sinklab.train import TrainConfig
@@ -36,8 +36,7 @@ def main() -> None:
         r = bb_closed_loop(cfg, args.out / f"{args.steps}_{args.width}_{args.seq_len}_{seed}", reuse=True)
         r.pop("diagnoses")
         rows.append(r)
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / f"closed_loop_bb_{args.steps}.json").write_text(json.dumps(rows, indent=1, default=str))
+    write_result((args.results / f"closed_loop_bb_{args.steps}.json").resolve(), rows)
     print("| seed | fix (confidence) | run | loss | BOS attn (non-trigger) | r_out BOS | sinks | NOP / bc / unclass. | NOP-valued | at BOS |")
     print("|---|---|---|---:|---:|---:|---:|---|---:|---:|")
     for r in rows:

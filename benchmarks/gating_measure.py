@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
-import subprocess
 from pathlib import Path
 
 import torch
+
+from _common import run_metadata, write_result
 
 import sinklab
 from sinklab.stream.evaluate import recompute_nll, stream_nll
@@ -159,17 +159,8 @@ def measure_all(out: Path, held: Path, seeds: list[int], results: Path) -> list[
             if (run / "final").exists():
                 rows.append(measure_run(run, held))
                 print(f"measured {run.name}", flush=True)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
-    except OSError:
-        commit = None
-    meta = {"machine": "shared 2-core CPU VM", "platform": platform.platform(), "torch": torch.__version__,
-            "git": commit, "scan": SCAN, "stream_tokens": STREAM_TOKENS, "kv_budget": BUDGET}
-    results.parent.mkdir(parents=True, exist_ok=True)
-    tmp = results.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    tmp.replace(results)
+    meta = run_metadata(scan=SCAN, stream_tokens=STREAM_TOKENS, kv_budget=BUDGET)
+    write_result(results.resolve(), {"meta": meta, "rows": rows}, quiet=True)
     figure(rows, results.parent.parent.parent / "docs" / "img" / f"{results.stem}.png")
     print(table(rows))
     print()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -22,7 +21,7 @@ from sinklab.kvquant.evaluate import KvQuantPlan, kv_quant
 from sinklab.models import load_model
 from sinklab.texts import default_texts
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from _common import run_metadata, write_result  # noqa: E402
 
 
 def main() -> None:
@@ -45,10 +44,8 @@ def main() -> None:
                 out.append(row)
                 print(json.dumps(row), flush=True)
         print(f"{cfg}: {time.time() - t0:.0f} s", flush=True)
-    RESULTS.mkdir(exist_ok=True)
     stem = name.split(":")[-1].split("/")[-1].removesuffix(".gguf")
-    (RESULTS / f"kv_quant_layout_sweep_{stem}.json").write_text(json.dumps(
-        {"model": name, "rows": out, "machine": "a shared 2-core CPU VM, one thread"}, indent=1))
+    write_result(f"kv_quant_layout_sweep_{stem}.json", {"model": name, "rows": out, "meta": run_metadata(model=name)})
 
 
 if __name__ == "__main__":

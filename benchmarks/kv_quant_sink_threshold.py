@@ -21,9 +21,7 @@ Prints each window and the pooled medians, writes ``benchmarks/results/kv_quant_
 from __future__ import annotations
 
 import argparse
-import json
 import re
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -35,7 +33,7 @@ from sinklab.metrics import eligible_columns
 from sinklab.models import load_model
 from sinklab.texts import default_texts
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from _common import run_metadata, write_result  # noqa: E402
 CONTEXT, SCORE = 384, 128
 
 
@@ -114,11 +112,10 @@ def main() -> None:
         base, med = float(torch.cat(pooled[("none", bits)]).median()), float(torch.cat(kls).median())
         summary.append({"rule": name, "bits": bits, "median_kl": med, "cut": 1 - med / base})
         print(f"{bits} bits {name:16s} median {med:.4g}  cut {1 - med / base:.1%}")
-    RESULTS.mkdir(exist_ok=True)
     stem = args.model.split(":")[-1].split("/")[-1].removesuffix(".gguf")
-    (RESULTS / f"kv_quant_sink_threshold_{stem}.json").write_text(json.dumps(
-        {"model": args.model, "starts": args.starts, "context": CONTEXT, "score": SCORE, "rows": rows,
-         "pooled": summary, "machine": "a shared 2-core CPU VM, one thread"}, indent=1))
+    write_result(f"kv_quant_sink_threshold_{stem}.json",
+                 {"model": args.model, "starts": args.starts, "context": CONTEXT, "score": SCORE, "rows": rows,
+                  "pooled": summary, "meta": run_metadata(model=args.model)})
 
 
 if __name__ == "__main__":

@@ -27,18 +27,16 @@ import argparse
 import copy
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import psutil
 import torch
-from sinklab.atomic import write_json
+from _common import RESULTS, run_metadata, write_result
 from sinklab.report.figures import save_png
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
 DOCS_IMG = HERE.parent / "docs" / "img"
 
 
@@ -165,11 +163,10 @@ def _write(path: Path, args, tokens, chunk, layers, segments, drift, wall, done)
     data = {"model": f"builtin:{args.model}", "tokens_planned": tokens, "tokens_done": segments[-1]["end"],
             "finished": done, "num_sinks": args.sinks, "window": args.window, "chunk": chunk, "layers": layers,
             "probe": args.probe, "fresh_window": (layers + 1) * args.window, "segments": segments, "drift": drift,
-            "wall_seconds": wall, "threads": args.threads, "torch": torch.__version__,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, shared with other jobs (timings under load)",
-            "command": " ".join(sys.argv)}
-    RESULTS.mkdir(exist_ok=True)
-    write_json(path, data)
+            "wall_seconds": wall, "threads": args.threads,
+            "meta": run_metadata(model=f"builtin:{args.model}", wall_seconds=wall,
+                                 load="shared with other jobs (timings under load)")}
+    write_result(path, data, quiet=True)
 
 
 def _figure(path: Path) -> None:

@@ -20,30 +20,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
-from sinklab.atomic import write_json
+from _common import RESULTS, run_metadata, write_result
 from sinklab.report.figures import save_png
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
 DOCS_IMG = HERE.parent / "docs" / "img"
 
 
 def _write(name: str, data: dict) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    write_json(RESULTS / f"quality_{name}.json", data)
+    write_result(f"quality_{name}.json", data)
 
 
 def _meta(args, start: float) -> dict:
     model = args.model if args.experiment in ("endless", "endless-pair", "prompts") else "smollm2"
-    return {"model": f"builtin:{model}", "command": " ".join(sys.argv), "wall_seconds": time.perf_counter() - start,
-            "threads": args.threads, "torch": torch.__version__,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, shared with other jobs (timings under load)"}
+    wall = time.perf_counter() - start
+    return {"model": f"builtin:{model}", "wall_seconds": wall, "threads": args.threads,
+            "meta": run_metadata(model=f"builtin:{model}", wall_seconds=wall,
+                                 load="shared with other jobs (timings under load)")}
 
 
 def main() -> None:

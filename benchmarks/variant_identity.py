@@ -11,19 +11,15 @@ a SinkCache stream past eviction, the capture's statistics on a left-padded batc
 """
 
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def dump(path: str) -> None:
     import sinklab
     from sinklab.variants import apply_variant
     from sinklab.vit import apply_vit_variant
-    from tiny_models import tiny_vit
-    from variant_reference import V, tiny_llama
+    from sinklab.testing.tiny import V, tiny_llama, tiny_vit
 
     torch.set_num_threads(1)
     LM = ["sink-logit", "softmax1", "kv-bias", "gated", "gated-headwise", "registers", "sink-logit+gated",

@@ -49,7 +49,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-RESULTS = HERE / "results"
+from _common import RESULTS, markdown_table, run_metadata, write_result  # noqa: E402
 LLAMA_CPP = "llama-cpp-python==0.3.36"
 VENV = HERE / ".peer-venvs" / "llamacpp-0.3.36"
 WORKER = HERE / "_llamacpp_worker.py"
@@ -189,7 +189,6 @@ def main() -> None:
 
     import sinklab
     from sinklab import gguf
-    from sinklab.atomic import write_json
 
     py = llama_python()
     src = gguf.smollm2_gguf()
@@ -228,8 +227,8 @@ def main() -> None:
            "llama_cpp": LLAMA_CPP, "llama_cpp_system_info": info and info["system_info"],
            "torch": torch.__version__, "machine": {"cpus": os.cpu_count(), "processor": platform.processor(),
                                                     "platform": platform.platform()},
-           "rows": table}
-    write_json(args.out, out)
+           "meta": run_metadata(model="builtin:smollm2"), "rows": table}
+    write_result(Path(args.out).resolve(), out, quiet=True)
     print_table(table)
     print(f"wrote {args.out}")
 
@@ -244,16 +243,16 @@ def print_table(table: list[dict]) -> None:
     cols = [("llama.cpp", "plain"), ("llama.cpp", "shift"), ("sinklab", "stream"), ("sinklab", "stream-compiled"),
             ("sinklab", "stream-autotuned"), ("llama.cpp", "prefill"), ("sinklab", "prefill")]
     index = {(r["engine"], r["method"], r["precision"], r["threads"], r["cached"]): r["ms_per_token"] for r in table}
-    print("| precision | threads | cached | llama.cpp plain | llama.cpp shift | sinklab eager | sinklab compiled "
-          "| sinklab autotuned | best sinklab ÷ shift | prefill llama.cpp / sinklab |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    headers = ["precision", "threads", "cached", "llama.cpp plain", "llama.cpp shift", "sinklab eager",
+               "sinklab compiled", "sinklab autotuned", "best sinklab ÷ shift", "prefill llama.cpp / sinklab"]
+    rows = []
     for p, t, c in keys:
         v = [index.get((e, m, p, t, c)) for e, m in cols]
         best = min(x for x in v[2:5] if x is not None)
         ratio = f"**{best / v[1]:.2f}×**" if v[1] else "—"
         cells = ["—" if x is None else f"{x:.1f}" for x in v]
-        print(f"| {p.upper()} | {t} | {c:,} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {cells[4]} "
-              f"| {ratio} | {cells[5]} / {cells[6]} |")
+        rows.append(dict(zip(headers, [p.upper(), t, f"{c:,}", *cells[:5], ratio, f"{cells[5]} / {cells[6]}"])))
+    print(markdown_table(rows, headers))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""A slice of the architecture matrix (``benchmarks/architectures.py``): one tiny model per attention/cache
-mechanism through every cell, in-process. Each cell must be ``ok`` or ``refused`` with a reason — never a crash
-or a wrong number. The whole matrix (every transformers causal-LM type) is ``python benchmarks/architectures.py``
-and ``docs/architectures.md``; this slice does not run it.
+"""A slice of the architecture matrix (:mod:`sinklab.testing.conformance`): one tiny model per attention/cache
+mechanism through every cell, and every extra configuration (other layer counts, mixed layer kinds), in-process.
+Each cell must be ``ok`` or ``refused`` with a reason — never a crash or a wrong number. The whole matrix (every
+transformers causal-LM type) is ``make architectures`` (``benchmarks/architectures.py``), written to
+``docs/architectures.md``; this slice does not run it, but checks that the committed table was made from the
+sources under test (its fingerprint).
 
 Cells that crash or measure wrong numbers today are marked ``xfail(strict=True)`` with what they showed: when the
 fix lands the test passes, the strict xfail fails, and the mark is removed.
@@ -9,29 +11,16 @@ fix lands the test passes, the strict xfail fails, and the mark is removed.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import json
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "architectures.py"
-_NAME = "sinklab_bench_architectures"
+from sinklab.testing import conformance as arch
+from sinklab.testing import tiny
 
-
-def _load():
-    """The benchmark script as a module (registered, so its dataclasses resolve)."""
-    if _NAME in sys.modules:
-        return sys.modules[_NAME]
-    spec = importlib.util.spec_from_file_location(_NAME, _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[_NAME] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-arch = _load()
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -88,24 +77,11 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {}
 
 @lru_cache(maxsize=None)
 def _built(name: str):
-    return arch.build(name)
-
-
-@lru_cache(maxsize=1)
-def _tokenizer():
-    return arch.tiny_tokenizer()
+    return arch.configuration(name).build()
 
 
 def _cell(name: str, cell: str):
-    built = _built(name)
-    run = {
-        "scan": lambda: arch.cell_scan(built, _tokenizer()),
-        "stream": lambda: arch.cell_stream(built),
-        "stream_evicted": lambda: arch.cell_stream_evicted(built),
-        "diagnose": lambda: arch.cell_diagnose(built, _tokenizer()),
-        "circuit": lambda: arch.cell_circuit(built, _tokenizer()),
-    }[cell]
-    return arch.run_cell(run)
+    return arch.run_cells(_built(name), arch.configuration(name), cells=(cell,))[cell]
 
 
 def _cases():
@@ -137,14 +113,14 @@ def test_shrunk_configs_keep_the_mechanism():
     """The shrinker keeps what makes each type what it is: one local and one global layer (Gemma 3, gpt-oss),
     the MLA ranks consistent (DeepSeek-V3), a one-layer variant that is a global layer with a widened window."""
     gemma = _built("gemma3_text").model.config
-    assert list(gemma.layer_types) == ["sliding_attention", "full_attention"] and gemma.sliding_window == arch.OWN_WINDOW
+    assert list(gemma.layer_types) == ["sliding_attention", "full_attention"] and gemma.sliding_window == tiny.OWN_WINDOW
     oss = _built("gpt_oss").model.config
     assert sorted(oss.layer_types) == ["full_attention", "sliding_attention"]
     mla = _built("deepseek_v3").model.config
     assert mla.qk_head_dim == mla.qk_nope_head_dim + mla.qk_rope_head_dim and mla.num_key_value_heads == mla.num_attention_heads
-    one = arch.build("gemma3_text", layers=1, window=arch.EVICT_OWN_WINDOW, prefer_full=True).model.config
+    one = tiny.build("gemma3_text", layers=1, window=arch.EVICT_OWN_WINDOW, prefer_full=True).model.config
     assert list(one.layer_types) == ["full_attention"] and one.num_hidden_layers == 1
-    assert sum(p.numel() for p in _built("llama").model.parameters()) < arch.MAX_PARAMETERS
+    assert sum(p.numel() for p in _built("llama").model.parameters()) < tiny.MAX_PARAMETERS
 
 
 def test_kept_tokens_is_the_streamingllm_rule():
@@ -160,6 +136,79 @@ def test_kept_tokens_is_the_streamingllm_rule():
 def test_a_type_that_cannot_be_built_says_why(monkeypatch):
     """``not built`` is the model's own failure (here: too big after shrinking), with its reason — distinct from
     sinklab refusing it."""
-    monkeypatch.setattr(arch, "MAX_PARAMETERS", 1000)
-    with pytest.raises(arch.NotBuilt, match="parameters after shrinking"):
-        arch.build("llama")
+    monkeypatch.setattr(tiny, "MAX_PARAMETERS", 1000)
+    with pytest.raises(tiny.NotBuilt, match="parameters after shrinking"):
+        tiny.build("llama")
+
+
+# ----------------------------------------------------------------------------- other configurations of some types
+_INKLING = "inkling_text [4 layers, swa_num_attention_heads=8]"
+_HEADS = "different numbers of heads (4 heads in layer(s) [3]; 8 heads in layer(s) [0, 1, 2])"
+
+#: (configuration, cell) → what its message must contain, and the status it must have.
+CONFIGURATION_EXPECT = {
+    (_INKLING, "scan"): ("refused", _HEADS),
+    (_INKLING, "diagnose"): ("refused", _HEADS),
+    (_INKLING, "circuit"): ("refused", _HEADS),
+    ("ergo [1 layer, evicted on its first layer kind]", "stream_evicted"): ("ok", "float64"),
+    **{(name, "stream_evicted"): ("n/a", "the same model, checked there")  # the default row's one-layer variant
+       for name in ("llama [1 layer]", "ergo [4 layers]", "gemma3_text [4 layers]", "gpt_oss [3 layers]",
+                    "exaone4 [4 layers]")},
+    ("qwen3_next [4 layers]", "stream_evicted"): ("ok", "float64 stream reference"),
+    ("qwen3_next [4 layers]", "scan"): ("ok", "3 recurrent/MLP-only, marked as such"),
+    ("gemma3_text [4 layers]", "stream"): ("ok", "tokens equal"),
+}
+
+
+def test_every_configuration_is_a_distinct_row_of_a_known_type():
+    names = [c.name for c in arch.CONFIGURATIONS]
+    assert len(set(names)) == len(names) and set(names).isdisjoint(tiny.all_types())
+    assert all(arch.configuration(n) is c for n, c in zip(names, arch.CONFIGURATIONS))
+    assert all(c.type in tiny.all_types() and c.why for c in arch.CONFIGURATIONS)
+    assert {k for k, _ in CONFIGURATION_EXPECT} <= set(names)
+
+
+@pytest.mark.parametrize("name", [c.name for c in arch.CONFIGURATIONS])
+def test_configuration_cells_are_ok_or_refused_with_a_reason(name):
+    """Each extra configuration through every cell (one model build for all five)."""
+    built = _built(name)
+    layers = arch.configuration(name).layers
+    assert built.model.config.get_text_config().num_hidden_layers == layers, name
+    for cell, result in arch.run_cells(built, arch.configuration(name)).items():
+        where = f"{name} {cell}"
+        status, phrase = CONFIGURATION_EXPECT.get((name, cell), (None, ""))
+        if status is not None:
+            assert result.status == status and phrase in result.message, f"{where}: {result.text()}"
+        assert result.status in ("ok", "refused") or status == "n/a", f"{where}: {result.text()}"
+        if result.status == "refused":
+            assert len(result.message.strip()) > 20, f"{where}: refused without a reason: {result.text()!r}"
+
+
+# ----------------------------------------------------------------------------- the committed table is current
+def test_committed_matrix_was_made_from_the_sources_under_test():
+    """``docs/architectures.md`` and its JSON record the fingerprint of the sources the cells exercise; a change to
+    any of them (a fix, a new refusal) makes the committed table stale until ``make architectures`` reruns it."""
+    data = json.loads((ROOT / "benchmarks" / "results" / "architectures.json").read_text(encoding="utf-8"))
+    docs = (ROOT / "docs" / "architectures.md").read_text(encoding="utf-8")
+    recorded = data["meta"]["source"]["fingerprint"]
+    assert f"Source fingerprint: `{recorded}`" in docs, "docs/architectures.md and its JSON are from different runs"
+    assert recorded == arch.source_fingerprint(), (
+        f"docs/architectures.md was made from other sinklab sources (fingerprint {recorded}, the code under test "
+        f"is {arch.source_fingerprint()}): regenerate it with `make architectures`")
+    assert [r["type"] for r in data["rows"]] == arch.row_names(), "the table's rows are not the matrix's rows"
+
+
+def test_fingerprint_covers_what_the_cells_run_and_changes_with_it(monkeypatch):
+    """The fingerprint's files are the conformance module's sinklab imports, followed (function-level ones too);
+    one changed byte in one of them changes it."""
+    src = Path(arch.__file__).resolve().parents[1]
+    files = {p.relative_to(src).as_posix() for p in arch.source_files()}
+    assert {"testing/conformance.py", "testing/tiny.py", "testing/reference.py", "capture/core.py", "scan.py",
+            "stream/attention.py", "stream/cache.py", "diagnose.py", "circuit/analysis.py", "_compat/rotary.py",
+            "attention.py"} <= files
+    assert not {f for f in files if f.startswith(("cli/", "report/"))} and "__init__.py" not in files
+    before = arch.source_fingerprint()
+    read = Path.read_bytes
+    target = src / "stream" / "attention.py"
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read(self) + (b" " if self == target else b""))
+    assert arch.source_fingerprint() != before

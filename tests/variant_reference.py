@@ -5,19 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-import transformers as tf
 
+from sinklab.testing.tiny import V, tiny_llama  # noqa: F401 - the variant tests' model, from the one factory
 from sinklab.variants import VariantConfig
-
-V = 97
-
-
-def tiny_llama(heads=4, kv=2, layers=2):
-    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=64)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(4)
-    return tf.LlamaForCausalLM(cfg).double()
 
 
 def naive_forward(model, ids, cfg: VariantConfig, weights: list | None = None):

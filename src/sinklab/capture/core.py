@@ -273,6 +273,7 @@ class AttentionCapture:
         n = self.num_layers
         kinds = self._kinds or ["attention"] * n
         some = next(self._records[i] for i in range(n) if kinds[i] == "attention")
+        _check_head_counts(self.model, {i: self._records[i] for i in range(n) if kinds[i] == "attention"})
         rec = [self._records[i] if kinds[i] == "attention" else _no_attention(some) for i in range(n)]
         hidden = [self._hidden[i] for i in range(n + 1)]
         per_layer: dict[str, Any] = {key: torch.stack([r[key] for r in rec], dim=1) if key in rec[0] else None for key in _PER_LAYER}
@@ -482,6 +483,22 @@ def gate_ratio(projected: Tensor, returned: Tensor, *, tolerance: float = 1e-2) 
     if seen.numel() == 0 or bool((seen < -tolerance).any()) or bool((seen > 1 + tolerance).any()):
         return None
     return ratio.nanmean(-1).transpose(1, 2)  # (B, H, Tq)
+
+
+def _check_head_counts(model: nn.Module, records: dict[int, dict[str, Tensor]]) -> None:
+    """Refuse a model whose attention layers have different numbers of heads (``records``: layer → its record,
+    ``column_mass`` ``[B, H, T]``): every per-head statistic is stacked into one ``[B, L, H, …]`` tensor."""
+    layers: dict[int, list[int]] = {}
+    for i, record in records.items():
+        layers.setdefault(int(record["column_mass"].shape[1]), []).append(i)
+    if len(layers) > 1:
+        counts = "; ".join(f"{h} heads in layer(s) {ls}" for h, ls in sorted(layers.items()))
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: its attention layers have different numbers of heads ({counts}), and the "
+            "capture (scan, diagnose, circuit) stacks every layer's per-head statistics into one [batch, layer, "
+            "head, …] tensor. Lifting this needs per-layer head axes in CaptureBatch (or the smaller layers' heads "
+            "padded and marked absent) and in the analyses that read it; until then, a config with one head count "
+            "for every layer kind is captured.")
 
 
 def _no_attention(like: dict[str, Tensor]) -> dict[str, Tensor]:
