@@ -243,7 +243,10 @@ def attend(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None = N
     out, probs = (_attend_fast if fast else _attend_manual)(query, key, value, visible, spec, scale, real)
     if spec.gate is not None:
         out = out * spec.gate.transpose(1, 2).to(out.dtype)
-    return (out, probs) if weights else out
+    if not weights:
+        return out
+    assert probs is not None  # the manual path's
+    return out, probs
 
 
 def _column_parts(columns: list[Columns], b: int, h: int, hkv: int, c: int, device: torch.device):
@@ -305,7 +308,7 @@ def _attend_manual(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | 
         probs = torch.nn.functional.dropout(probs, dropout)
         col_p = torch.nn.functional.dropout(col_p, dropout) if col_p is not None else None
     out = torch.matmul(probs, value[:, :, None])  # (B, Hkv, rep, C, dv)
-    if col_values is not None:
+    if col_values is not None and col_p is not None:
         out = out + torch.matmul(col_p, _by_group(col_values.to(out.dtype), hkv, rep))
     return out.reshape(b, h, c, -1), probs.reshape(b, h, c, k_len)
 
