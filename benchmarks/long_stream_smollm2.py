@@ -60,8 +60,9 @@ def main() -> None:
 
     compare = args.experiment == "compare"
     tokens = args.tokens or (4096 if compare else 20000)
-    plan = EvalPlan(methods=args.methods or ("dense,window,recompute,sinks" if compare else "dense,window,sinks"),
-                    sinks=args.sinks or ("0,1,2,4,8" if compare else "4"), cache_size=args.cache,
+    methods = args.methods or ("dense,window,recompute,sinks" if compare else "dense,window,sinks")
+    sinks = args.sinks or ("0,1,2,4,8" if compare else "4")
+    plan = EvalPlan(methods=methods.split(","), sinks=[int(s) for s in sinks.split(",")], cache_size=args.cache,
                     stride=args.stride or (16 if compare else 1), chunk_size=args.chunk_size)
 
     t0 = time.perf_counter()

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from sinklab.attention import Columns, attend
+from sinklab.attention import AttendSpec, Columns, attend
 
 B, C, K, DH, DV = 2, 5, 7, 8, 6
 
@@ -202,3 +202,28 @@ def test_16_bit_fused_attention_on_a_cpu_computes_in_float32_where_that_is_faste
         ref = naive(q, k, v, visible, scale=scale, columns=cols, bias=b)
         tol = 2 * torch.finfo(dtype).eps
         assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_spec_object_is_the_keyword_form_and_keywords_override_it(fast):
+    """``attend(q, k, v, visible, AttendSpec(...))`` runs the same maths as the keywords (the float64 loop), and a
+    keyword given beside a spec replaces that one field only."""
+    q, k, v, visible, columns, gate, bias = case(3, **GRID[0])
+    scale = DH**-0.5
+    spec = AttendSpec(scale=scale, columns=columns, gate=gate, fast=fast)
+    ref = naive(q, k, v, visible, scale=scale, columns=columns, gate=gate)
+    out = attend(q, k, v, visible, spec)
+    assert torch.allclose(out.double(), ref, atol=2e-6, rtol=1e-5), (out.double() - ref).abs().max()
+    assert isinstance(spec.columns, tuple) and spec.columns == tuple(columns)  # a list given is kept as a tuple
+    scaled = naive(q, k, v, visible, scale=0.5, columns=columns, gate=gate)
+    out = attend(q, k, v, visible, spec, scale=0.5)
+    assert torch.allclose(out.double(), scaled, atol=2e-6, rtol=1e-5), (out.double() - scaled).abs().max()
+    assert spec.scale == scale  # the spec itself is unchanged
+    out, probs = attend(q, k, v, visible, spec, fast=False, weights=True)
+    assert torch.allclose(out.double(), ref, atol=2e-6, rtol=1e-5) and probs.shape == (B, 4, C, K)
+    with pytest.raises(ValueError, match="no softcap"):
+        AttendSpec(softcap=2.0, fast=True)
+    with pytest.raises(ValueError, match="weights come from the manual path"):
+        attend(q, k, v, visible, AttendSpec(fast=True), weights=True)
+    with pytest.raises(TypeError):
+        attend(q, k, v, visible, casual=True)  # a misspelt option is not silently dropped

@@ -51,7 +51,7 @@ def _forward_last(model, tokens: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------ the plan
 def test_plan_scores_every_method_on_the_same_positions_after_the_first_eviction(two_layer, ids):
-    plan = EvalPlan(sinks="0,1,4", cache_size=12, stride=3, chunk_size=16)
+    plan = EvalPlan(sinks=(0, 1, 4), cache_size=12, stride=3, chunk_size=16)
     result = evaluate_stream(two_layer, ids, plan)
     assert result.positions.tolist() == list(range(13, 70, 3))  # C + 1 = the first token that lost context
     labels = [c.run.label for c in result.curves]
@@ -71,7 +71,7 @@ def test_plan_scores_every_method_on_the_same_positions_after_the_first_eviction
 
 
 def test_plan_work_is_the_progress_total(two_layer, ids):
-    plan = EvalPlan(methods="window,recompute,sinks", sinks=(0, 2), cache_size=10, stride=4, chunk_size=9)
+    plan = EvalPlan(methods=("window", "recompute", "sinks"), sinks=(0, 2), cache_size=10, stride=4, chunk_size=9)
     done: dict[str, int] = {}
     evaluate_stream(two_layer, ids, plan, progress=lambda label, n: done.__setitem__(label, done.get(label, 0) + n))
     pos = plan.positions(70)
@@ -80,9 +80,12 @@ def test_plan_work_is_the_progress_total(two_layer, ids):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"methods": "dense,bogus"}, "unknown"),
-    ({"sinks": "0,-1"}, "≥ 0"),
-    ({"sinks": "2,x"}, "comma-separated"),
+    ({"methods": ("dense", "bogus")}, "unknown"),
+    ({"methods": "dense,sinks"}, "methods is a sequence of method names"),  # a comma list is the CLI's to split
+    ({"sinks": (0, -1)}, "≥ 0"),
+    ({"sinks": (2, "x")}, "≥ 0"),
+    ({"sinks": "0,4"}, "sinks is a sequence of sink counts"),
+    ({"policies": "tova"}, "policies is a sequence of policy names"),
     ({"sinks": (12,), "cache_size": 12}, "leave a window"),
     ({"stride": 0}, "stride"),
 ])
@@ -210,6 +213,10 @@ def test_cli_rejects_bad_input_before_loading_the_model(cli, tmp_path, no_model)
         (["--file", tmp_path], "is a folder"),
         (["--methods", "dense,fast"], "unknown"),
         (["--sinks", "-1"], "≥ 0"),
+        (["--sinks", "2,x"], "--sinks must be comma-separated integers such as 0,1,2,4,8, got '2,x'"),
+        (["--methods", " , "], "methods: unknown or empty []"),
+        (["--policy", "tova,auto"], "'auto' cannot be evaluated here"),
+        (["--stride", "0"], "--stride must be an integer ≥ 1"),
         (["--sinks", "4", "--cache-size", "4"], "leave a window"),
         (["--window", "0"], "--window must be an integer ≥ 1"),
         (["--tokens", "100", "--window", "96"], "after the first eviction"),

@@ -259,14 +259,15 @@ def test_eval_stream_scores_policies_beside_the_sinks():
 
     model = _model()
     ids = torch.tensor(_ids(90))
-    plan = EvalPlan(methods="dense,sinks", sinks=(4,), cache_size=100, start=10, chunk_size=16, policies="tova,knorm")
+    plan = EvalPlan(methods=("dense", "sinks"), sinks=(4,), cache_size=100, start=10, chunk_size=16,
+                    policies=("tova", "knorm"))
     assert plan.methods == ("dense", "sinks", "policies")
     result = evaluate_stream(model, ids, plan)
     dense = result.curve("dense").nll
     for label in ("tova S=4", "knorm S=4"):  # nothing evicted inside 100 tokens: the dense NLL
         torch.testing.assert_close(result.curve(label).nll, dense, rtol=1e-4, atol=1e-4)
     with pytest.raises(InputError, match="auto needs a plan"):
-        EvalPlan(policies="auto")
+        EvalPlan(policies=("auto",))
 
 
 def test_a_sliding_window_layer_keeps_its_own_window_under_a_scored_policy():

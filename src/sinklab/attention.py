@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal, overload
+from dataclasses import dataclass, replace
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor
 
 from .rope import rotate
 
-__all__ = ["Columns", "attend", "soft_cap", "softmax_with_columns", "softmax_with_sink", "sink_mass", "mask_rows",
+__all__ = ["AttendSpec", "Columns", "attend", "soft_cap", "softmax_with_columns", "softmax_with_sink", "sink_mass", "mask_rows",
            "rotated_key_scores"]
 
 
@@ -147,54 +147,67 @@ def _causal(c: int, k: int, device: torch.device) -> Tensor:
     return mask_rows(None, True, 0, c, c, k, device)[0]
 
 
-@overload
-def attend(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None = ..., *, causal: bool = ...,
-           scale: float | None = ..., bias: Tensor | None = ..., columns: Sequence[Columns] = ...,
-           softcap: float | None = ..., gate: Tensor | None = ..., dropout: float = ..., fast: bool | None = ...,
-           mask_from: int = ..., weights: Literal[False] = ...) -> Tensor: ...
+@dataclass(frozen=True)
+class AttendSpec:
+    """How one :func:`attend` call runs: everything but the tensors it attends over.
+
+    ``causal``: with no ``visible``, each query sees the keys up to its own position (the ``C`` queries are the
+    last ``C`` of the ``K`` positions). ``scale``: ``None`` is ``dh^-½``. ``bias`` ``[B|1, 1|H, C, K]`` is added to
+    the scores after the softcap (an additive mask, a position bias). ``columns`` (:class:`Columns`) add keys by
+    their logits. ``softcap``: Gemma 2's logit cap (manual path only). ``gate`` ``[B, C, H, dv|1]`` multiplies each
+    head's output. ``dropout`` on the weights. ``fast``: the fused path (``None``: fused unless there is a softcap
+    or the weights are asked for). ``mask_from`` (manual path, a speed hint): every row sees the keys left of it,
+    only columns from it are masked.
+    """
+
+    causal: bool = False
+    scale: float | None = None
+    bias: Tensor | None = None
+    columns: Sequence[Columns] = ()
+    softcap: float | None = None
+    gate: Tensor | None = None
+    dropout: float = 0.0
+    fast: bool | None = None
+    mask_from: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "columns", tuple(self.columns))
+        if self.fast and self.softcap is not None:
+            raise ValueError("scaled_dot_product_attention has no softcap; use the manual path (fast=False)")
+
+    def fused(self, weights: bool) -> bool:
+        """Whether the call runs the fused path (the weights come only from the manual one)."""
+        if weights and self.fast:
+            raise ValueError("the attention weights come from the manual path; pass fast=False (or leave fast unset)")
+        return self.fast if self.fast is not None else self.softcap is None and not weights
 
 
 @overload
-def attend(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None = ..., *, causal: bool = ...,
-           scale: float | None = ..., bias: Tensor | None = ..., columns: Sequence[Columns] = ...,
-           softcap: float | None = ..., gate: Tensor | None = ..., dropout: float = ..., fast: bool | None = ...,
-           mask_from: int = ..., weights: Literal[True]) -> tuple[Tensor, Tensor]: ...
+def attend(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None = ..., spec: AttendSpec | None = ..., *,
+           weights: Literal[False] = ..., **options: Any) -> Tensor: ...
 
 
 @overload
-def attend(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None = ..., *, causal: bool = ...,
-           scale: float | None = ..., bias: Tensor | None = ..., columns: Sequence[Columns] = ...,
-           softcap: float | None = ..., gate: Tensor | None = ..., dropout: float = ..., fast: bool | None = ...,
-           mask_from: int = ..., weights: bool = ...) -> Tensor | tuple[Tensor, Tensor]: ...
+def attend(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None = ..., spec: AttendSpec | None = ..., *,
+           weights: Literal[True], **options: Any) -> tuple[Tensor, Tensor]: ...
 
 
-def attend(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    visible: Tensor | None = None,
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    bias: Tensor | None = None,
-    columns: Sequence[Columns] = (),
-    softcap: float | None = None,
-    gate: Tensor | None = None,
-    dropout: float = 0.0,
-    fast: bool | None = None,
-    mask_from: int = 0,
-    weights: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+@overload
+def attend(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None = ..., spec: AttendSpec | None = ..., *,
+           weights: bool = ..., **options: Any) -> Tensor | tuple[Tensor, Tensor]: ...
+
+
+def attend(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None = None, spec: AttendSpec | None = None,
+           *, weights: bool = False, **options: Any) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of ``query`` ``[B, H, C, dh]`` over ``key``/``value`` ``[B, Hkv, K, dh|dv]`` → ``[B, H, C, dv]``.
 
     ``H`` a multiple of ``Hkv`` (grouped-query attention: query head ``h`` reads key/value head ``h // (H/Hkv)``).
     ``visible`` boolean ``[B|1, 1|H, C, K]`` (True = attend); ``None`` sees every key, or with ``causal`` the
-    keys up to the query's own position (the ``C`` queries are the last ``C`` of the ``K`` positions).
-    ``bias`` ``[B|1, 1|H, C, K]`` is added to the scores after the softcap (an additive mask, a position
-    bias). ``columns`` (:class:`Columns`) add keys by their logits: a sink (value 0), a kv-bias slot, anchored
-    keys scored at another distance. One softmax covers the tokens and the columns. A row that sees nothing
-    of the sequence (no visible key, no visible anchored column) is padding: its output is 0, learned columns
-    or not. ``gate`` ``[B, C, H, dv|1]`` multiplies each head's output (an output gate ``σ(X W)``).
+    keys up to the query's own position. ``spec`` (:class:`AttendSpec`) says how the call runs; its fields may
+    also be given as keywords (``attend(q, k, v, visible, columns=[sink], softcap=30.0)``), which override the
+    spec's. ``columns`` add keys by their logits: a sink (value 0), a kv-bias slot, anchored keys scored at
+    another distance. One softmax covers the tokens and the columns. A row that sees nothing of the sequence (no
+    visible key, no visible anchored column) is padding: its output is 0, learned columns or not.
 
     Two paths, same maths: ``fast`` (default when there is no ``softcap`` and no ``weights``) is one fused
     :func:`torch.nn.functional.scaled_dot_product_attention` call — columns enter as extra keys: their logits
@@ -202,10 +215,8 @@ def attend(
     extra keys' values, so ``q·k·scale`` of column ``e`` is its logit. The manual path reads as the maths:
     ``q·kᵀ·scale`` → softcap → ``+ bias`` → mask → :func:`softmax_with_columns` → ``weights @ values``; with
     ``weights=True`` it also returns the weights over the keys ``[B, H, C, K]`` (rows sum to 1 minus the
-    columns' share). ``mask_from`` (manual path, a speed hint): every row sees the keys left of it, only
-    columns from it are masked. Computes in ``query``'s dtype — except the fused path on a CPU, which computes
-    float16, and one-query bfloat16, in float32 and rounds the output back (faster there; :func:`_upcast_on_cpu`);
-    ``dropout`` on the weights.
+    columns' share). Computes in ``query``'s dtype — except the fused path on a CPU, which computes float16,
+    and one-query bfloat16, in float32 and rounds the output back (:func:`_upcast_on_cpu`).
 
     >>> q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
     >>> sink = Columns(torch.zeros(1, 2, 1, 1))  # softmax₁: a column of logit 0 and value 0
@@ -213,33 +224,29 @@ def attend(
     >>> bool(torch.allclose(fast, manual, atol=1e-6))
     True
     """
-    b, h, c, dh = query.shape
+    spec = AttendSpec(**options) if spec is None else replace(spec, **options) if options else spec
+    h, c = query.shape[1], query.shape[2]
     hkv, k_len = key.shape[1], key.shape[2]
     if h % hkv:
         raise ValueError(f"{h} query heads do not split into groups over {hkv} key/value heads")
-    rep = h // hkv
-    scale = dh**-0.5 if scale is None else float(scale)
-    if weights and fast:
-        raise ValueError("the attention weights come from the manual path; pass fast=False (or leave fast unset)")
-    if fast is None:
-        fast = softcap is None and not weights
-    if fast and softcap is not None:
-        raise ValueError("scaled_dot_product_attention has no softcap; use the manual path (fast=False)")
-    if visible is None and causal and not (fast and k_len == c and not columns and bias is None):
+    fast = spec.fused(weights)
+    scale = query.shape[-1] ** -0.5 if spec.scale is None else float(spec.scale)
+    if visible is None and spec.causal and not (fast and k_len == c and not spec.columns and spec.bias is None):
         visible = _causal(c, k_len, query.device)
-    anchored = [col.visible for col in columns if col.visible is not None]
     real = None  # (B|1, 1|H, C, 1): rows that see something of the sequence (others are padding → 0)
     # Fused attention alone already gives 0 on such rows; with ``mask_from`` every row sees a key.
-    if visible is not None and (columns or not fast) and not mask_from:
+    if visible is not None and (spec.columns or not fast) and not spec.mask_from:
         real = visible.any(-1, keepdim=True)
-        for seen in anchored:
-            real = real | seen.any(-1, keepdim=True)
-    run = _attend_fast if fast else _attend_manual
-    out, probs = run(query, key, value, visible, causal, scale, bias, list(columns), softcap, dropout, mask_from,
-                     real, hkv, rep)
-    if gate is not None:
-        out = out * gate.transpose(1, 2).to(out.dtype)
-    return (out, probs) if weights else out
+        for col in spec.columns:
+            if col.visible is not None:
+                real = real | col.visible.any(-1, keepdim=True)
+    out, probs = (_attend_fast if fast else _attend_manual)(query, key, value, visible, spec, scale, real)
+    if spec.gate is not None:
+        out = out * spec.gate.transpose(1, 2).to(out.dtype)
+    if not weights:
+        return out
+    assert probs is not None  # the manual path's
+    return out, probs
 
 
 def _column_parts(columns: list[Columns], b: int, h: int, hkv: int, c: int, device: torch.device):
@@ -267,14 +274,15 @@ def _column_parts(columns: list[Columns], b: int, h: int, hkv: int, c: int, devi
     return logits, seen, values
 
 
-def _attend_manual(query, key, value, visible, causal, scale, bias, columns, softcap, dropout, mask_from, real,
-                   hkv, rep):
+def _attend_manual(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None, spec: AttendSpec,
+                   scale: float, real: Tensor | None) -> tuple[Tensor, Tensor]:
     """Readable path: scores, softcap, bias, mask, one softmax over keys and columns, weighted values."""
     b, h, c, dh = query.shape
-    k_len = key.shape[2]
+    hkv, k_len = key.shape[1], key.shape[2]
+    rep, bias, mask_from, dropout, columns = h // hkv, spec.bias, spec.mask_from, spec.dropout, list(spec.columns)
     q = query.reshape(b, hkv, rep, c, dh)
     scores = torch.matmul(q * scale, key[:, :, None].transpose(-1, -2))  # (B, Hkv, rep, C, K)
-    scores = soft_cap(scores, softcap)
+    scores = soft_cap(scores, spec.softcap)
     if bias is not None:
         scores = scores + _by_group(bias.to(scores.dtype), hkv, rep)
     if visible is not None:
@@ -300,7 +308,7 @@ def _attend_manual(query, key, value, visible, causal, scale, bias, columns, sof
         probs = torch.nn.functional.dropout(probs, dropout)
         col_p = torch.nn.functional.dropout(col_p, dropout) if col_p is not None else None
     out = torch.matmul(probs, value[:, :, None])  # (B, Hkv, rep, C, dv)
-    if col_values is not None:
+    if col_values is not None and col_p is not None:
         out = out + torch.matmul(col_p, _by_group(col_values.to(out.dtype), hkv, rep))
     return out.reshape(b, h, c, -1), probs.reshape(b, h, c, k_len)
 
@@ -309,12 +317,9 @@ def _upcast_on_cpu(query: Tensor) -> bool:
     """Whether :func:`_sdpa` computes in float32 rather than in ``query``'s 16-bit dtype: on a CPU, float16
     always, bfloat16 for at most :data:`_BF16_UPCAST_QUERIES` queries (decode steps).
 
-    torch's fused CPU attention is slow in half precision on a CPU without native 16-bit arithmetic (AVX2): one
-    decode query over 1,024 cached keys of SmolLM2's shape (9 query heads, 3 key/value heads, width 64), one
-    thread, took 2.75 ms in float16 and 1.42 ms in bfloat16 against 0.27 / 0.34 ms with the inputs cast to
-    float32 (the casts included) — 4–10× over the whole model's attention. In float16 the cast pays at every
-    length measured (1.3× at 1,024 queries); in bfloat16 it is even from 2 queries on. float32 arithmetic is
-    also the more accurate one; the output is rounded back to the 16-bit dtype."""
+    torch's fused CPU attention is slow in half precision on a CPU without native 16-bit arithmetic (AVX2); the
+    cast to float32 pays in float16 at every length and in bfloat16 for one query (docs/stream.md has the
+    measurements). float32 arithmetic is also the more accurate one; the output is rounded back to the 16-bit dtype."""
     if query.device.type != "cpu":
         return False
     return query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and query.shape[-2] <= _BF16_UPCAST_QUERIES)
@@ -334,17 +339,18 @@ def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = 
     return f(query.float(), key.float(), value.float(), attn_mask=attn_mask, **kwargs).to(query.dtype)
 
 
-def _attend_fast(query, key, value, visible, causal, scale, bias, columns, softcap, dropout, mask_from, real,
-                 hkv, rep):
+def _attend_fast(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None, spec: AttendSpec,
+                 scale: float, real: Tensor | None) -> tuple[Tensor, None]:
     """Fused path: one :func:`_sdpa` call, columns as extra keys (see :func:`attend`)."""
     b, h, c, dh = query.shape
-    dv = value.shape[-1]
+    dv, hkv = value.shape[-1], key.shape[1]
+    rep, bias, dropout, columns = h // hkv, spec.bias, spec.dropout, list(spec.columns)
     if not columns:
         mask = visible
         if bias is not None:
             full = visible if visible is not None else torch.ones((), dtype=torch.bool, device=query.device)
             mask = bias.to(query.dtype).masked_fill(~full, -math.inf)
-        out = _sdpa(query, key, value, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
+        out = _sdpa(query, key, value, attn_mask=mask, is_causal=spec.causal and mask is None, scale=scale,
                    dropout_p=dropout, enable_gqa=rep > 1)
         return out, None
     logits, col_seen, col_values = _column_parts(columns, b, h, hkv, c, query.device)

@@ -95,6 +95,24 @@ def _ordinary_positions(scan: ScanResult, layer: int, head: int, sinks: Tensor, 
 KeptBatch = tuple[slice, BlockInputs]
 
 
+def _recorded_values(cap: AttentionCapture, kept: list[KeptBatch], layer: int, head: int, positions: Tensor,
+                     ordinary: Tensor) -> tuple[Tensor, Tensor]:
+    """The values ``[m, dv]`` of ``(layer, head)`` at each sample's sink (``positions``) and at its ordinary token,
+    recorded by rerunning block ``layer`` only, two copies per batch."""
+    sink_values, ordinary_values = [], []
+    try:
+        for sl, inputs in kept:
+            record = StackedEdits([ValueEdit(layer, head, positions[sl], "record"),
+                                   ValueEdit(layer, head, ordinary[sl], "record")])
+            cap.edit = record
+            cap.final_states(inputs, layer, layer + 1, copies=2)
+            sink_values.append(record.edits[0].recorded)
+            ordinary_values.append(record.edits[1].recorded)
+    finally:
+        cap.edit = None
+    return torch.cat(sink_values), torch.cat(ordinary_values)  # type: ignore[arg-type]  # "record" edits recorded them
+
+
 def causal_edits(
     cap: AttentionCapture,
     kept: list[KeptBatch],
@@ -128,22 +146,10 @@ def causal_edits(
     control = _ordinary_positions(scan, layer, head, positions, gen, "random")
     use = (scan.token_mask if rows is None else rows.bool())[:covered].clone()  # (m, T)
     use[n:] = False
-    sink_values, ordinary_values = [], []
-    try:
-        for sl, inputs in kept:  # the values at the sink and at the ordinary token: block `layer` only, two copies
-            record = StackedEdits([ValueEdit(layer, head, positions[sl], "record"),
-                                   ValueEdit(layer, head, ordinary[sl], "record")])
-            cap.edit = record
-            cap.final_states(inputs, layer, layer + 1, copies=2)
-            sink_values.append(record.edits[0].recorded)
-            ordinary_values.append(record.edits[1].recorded)
-    finally:
-        cap.edit = None
-    sink_all = torch.cat(sink_values)  # type: ignore[arg-type]  # (m, dv); "record" edits recorded them
+    sink_all, ordinary_all = _recorded_values(cap, kept, layer, head, positions, ordinary)
     donor_all = sink_all.clone()
     donor_all[:n] = sink_all[:n].roll(1, dims=0)  # sample s gets sample s−1's sink value
     mean_sink = sink_all[:n].mean(0)
-    ordinary_all = torch.cat(ordinary_values)  # type: ignore[arg-type]
     hidden = {name: _RMS() for name in EDITS}
     try:
         for sl, inputs in kept:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _compat
-from .attention import Columns, attend, mask_rows
+from .attention import AttendSpec, Columns, attend, mask_rows
 from .errors import InputError, UnsupportedModelError, check_int
 
 __all__ = ["VariantConfig", "Variant", "VARIANTS", "VARIANT_NAMES", "active_variants", "parse_variant", "apply_variant",
@@ -236,8 +236,9 @@ def variant_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     softcap = kwargs.get("softcap")  # the model's own attention soft-capping (Gemma 2) and sink logits (gpt-oss)
     visible, _ = mask_rows(attention_mask, getattr(module, "is_causal", True), 0, tq, tq, key.shape[2], query.device)
     columns = variant_column_logits(module, query, scale, softcap=softcap, model_sink=kwargs.get("s_aux"))
-    out = attend(query, key, value, visible, scale=scale, columns=columns, softcap=softcap,
-                 gate=variant_gate(module, h), dropout=dropout if module.training else 0.0)
+    spec = AttendSpec(scale=scale, columns=columns, softcap=softcap, gate=variant_gate(module, h),
+                      dropout=dropout if module.training else 0.0)
+    out = attend(query, key, value, visible, spec)
     return out.transpose(1, 2).contiguous(), None
 
 

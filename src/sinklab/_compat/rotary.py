@@ -346,9 +346,18 @@ def _probe(model: nn.Module) -> list[LayerRotation]:
                 f"position as its cached {rotated} do (relative error {max(err, q_err):.2g} > {tol:g}); streaming "
                 "by cache slot would score it at the wrong distance")
         out.append(LayerRotation(_scaled(cache_spec, scaling), _scaled(attn_spec, scaling), rotated))
+    _check_recurrent_output(name, kinds, taps, tol)
+    attention = [r for r in out if r.is_attention]
+    if attention and all(r.cache_rope is None for r in attention):
+        _check_positions_reach_the_model(model, tol, {i for i, k in kinds.items() if k == "recurrent"})
+    return _shared(out)
+
+
+def _check_recurrent_output(name: str, kinds: dict, taps: dict, tol: float) -> None:
+    """In a hybrid with recurrent layers: the probe's final hidden state must not move with position. One token
+    per row and an attention that returns that token's value: only a layer that is not attention could still make
+    it depend on the position (a recurrent layer reading it)."""
     if "recurrent" in kinds.values() and isinstance(taps.get("output"), Tensor) and taps["output"].dim() == 3:
-        # One token per row and an attention that returns that token's value: only a layer that is not attention
-        # could still make the final hidden state depend on the position (a recurrent layer reading it).
         final = taps["output"][:, -1].double().cpu()[:, None, :]  # (P, 1, d)
         err = _moved(final)
         if err > tol:
@@ -356,10 +365,6 @@ def _probe(model: nn.Module) -> list[LayerRotation]:
                 f"{name}: its output changes with position where its attention layers see none (relative change "
                 f"{err:.2g} > {tol:g}), so a recurrent or state-space layer reads the position; a stream by cache "
                 "slot cannot give that layer its position")
-    attention = [r for r in out if r.is_attention]
-    if attention and all(r.cache_rope is None for r in attention):
-        _check_positions_reach_the_model(model, tol, {i for i, k in kinds.items() if k == "recurrent"})
-    return _shared(out)
 
 
 def _check_positions_reach_the_model(model: nn.Module, tol: float, recurrent: AbstractSet[int] = frozenset()) -> None:

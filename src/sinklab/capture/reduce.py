@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..attention import Columns, attend, mask_rows
+from ..attention import AttendSpec, Columns, attend, mask_rows
 
 __all__ = ["ColumnStats", "chunked_attention"]
 
@@ -191,9 +191,9 @@ def chunked_attention(
             shift = additive[..., :kend] if shift is None else shift + additive[..., :kend]
         q = query[:, :, c0:c1].float()
         # Rows with nothing visible (padding, or a query whose only key was removed) come out as 0.
-        out[:, :, c0:c1], probs = attend(q, k[:, :, :kend], v[:, :, :kend], allowed, scale=scale, bias=shift,
-                                         columns=columns(q) if columns is not None else (), softcap=softcap,
-                                         mask_from=full, weights=True)
+        spec = AttendSpec(scale=scale, bias=shift, columns=columns(q) if columns is not None else (),
+                          softcap=softcap, mask_from=full)
+        out[:, :, c0:c1], probs = attend(q, k[:, :, :kend], v[:, :, :kend], allowed, spec, weights=True)
         if stats is not None:
             stats.add(probs, allowed, c0, c1, kend, full, fast)
     return out

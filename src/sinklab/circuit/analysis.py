@@ -299,22 +299,9 @@ def _first_rows(rec: dict[str, Tensor], n: int) -> dict[str, Tensor]:
     return {key: value[:n] for key, value in rec.items()}
 
 
-def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3, batch_size: int = 8,
-                   padding_side: str = "right", layer_threshold: float = rules.LAYER_SINK_THRESHOLD,
-                   causal: bool = True, causal_samples: int | None = CAUSAL_SAMPLES,
-                   condition_samples: int | None = CONDITION_SAMPLES, loss_stride: int = LOSS_STRIDE,
-                   progress: Callable[[int], None] | None = None,
-                   set_total: Callable[[int], None] | None = None, meta: dict | None = None) -> CircuitResult:
-    """The circuit on prepared :class:`~sinklab.circuit.inputs.CircuitInputs` (e.g. Bigram-Backcopy rows).
-
-    ``condition_samples``: the conditions other than the reference run on the first that many samples (None:
-    all; the reference always runs on every sample). ``causal_samples``: the causal check patches the first that
-    many samples (None: all; at most ``condition_samples``, since its donor comes from ``first_swapped``) and
-    compares them with the reference on the same samples. ``loss_stride``: the loss scores every that-many-th
-    next-token target counting back from each row's last (1: every one). ``progress(k)`` is called after every
-    batch of ``k`` samples; ``set_total(n)`` once the number of sample passes is known (the reference, the
-    other conditions, plus 2 causal patches, plus 2 more when the first amplification is elsewhere).
-    """
+def _check_circuit_args(model: nn.Module, eps: float, batch_size: int, layer_threshold: float, causal: bool,
+                        causal_samples: int | None, condition_samples: int | None, loss_stride: int) -> None:
+    """:func:`circuit_inputs`' arguments and model checked before any pass (clear errors, no traceback)."""
     import math
 
     check_model(model, "circuit_inputs")
@@ -339,6 +326,38 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
             "a register, not the first token: the P0 circuit (first-token ablation) does not apply. Scan or "
             "diagnose it instead (sinks on registers are reported with role 'register').")
     check_weights(model)
+
+
+def _cross_condition_cosine(recs: dict[str, dict[str, Tensor]]) -> dict:
+    """Per condition other than the reference whose ``x0`` record matches the reference's on the same samples: the
+    cosine of the two, averaged over the samples."""
+    ref, cross = recs[REFERENCE], {}
+    for name, rec in recs.items():
+        n = rec["x0"].shape[0]
+        if name != REFERENCE and rec["x0"].shape == ref["x0"][:n].shape:
+            a, b = ref["x0"][:n].double(), rec["x0"].double()
+            cross[name] = _r4(torch.nn.functional.cosine_similarity(a, b, dim=-1).mean(0))
+    return cross
+
+
+def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3, batch_size: int = 8,
+                   padding_side: str = "right", layer_threshold: float = rules.LAYER_SINK_THRESHOLD,
+                   causal: bool = True, causal_samples: int | None = CAUSAL_SAMPLES,
+                   condition_samples: int | None = CONDITION_SAMPLES, loss_stride: int = LOSS_STRIDE,
+                   progress: Callable[[int], None] | None = None,
+                   set_total: Callable[[int], None] | None = None, meta: dict | None = None) -> CircuitResult:
+    """The circuit on prepared :class:`~sinklab.circuit.inputs.CircuitInputs` (e.g. Bigram-Backcopy rows).
+
+    ``condition_samples``: the conditions other than the reference run on the first that many samples (None:
+    all; the reference always runs on every sample). ``causal_samples``: the causal check patches the first that
+    many samples (None: all; at most ``condition_samples``, since its donor comes from ``first_swapped``) and
+    compares them with the reference on the same samples. ``loss_stride``: the loss scores every that-many-th
+    next-token target counting back from each row's last (1: every one). ``progress(k)`` is called after every
+    batch of ``k`` samples; ``set_total(n)`` once the number of sample passes is known (the reference, the
+    other conditions, plus 2 causal patches, plus 2 more when the first amplification is elsewhere).
+    """
+    _check_circuit_args(model, eps, batch_size, layer_threshold, causal, causal_samples, condition_samples,
+                        loss_stride)
     with MeasureSession(model) as session:
         common: dict[str, Any] = {"pad_id": inputs.pad_id, "batch_size": batch_size, "padding_side": padding_side,
                   "progress": progress, "session": session, "loss_stride": loss_stride}
@@ -370,12 +389,7 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
     n_layers, n_heads = ref["column_mass"].shape[1], ref["column_mass"].shape[2]
     early = conds[REFERENCE]["sink_rate"]
     seq_len = ref["hidden_norm"].shape[-1]
-    cross = {}
-    for name, rec in recs.items():
-        n = rec["x0"].shape[0]
-        if name != REFERENCE and rec["x0"].shape == ref["x0"][:n].shape:
-            a, b = ref["x0"][:n].double(), rec["x0"].double()
-            cross[name] = _r4(torch.nn.functional.cosine_similarity(a, b, dim=-1).mean(0))
+    cross = _cross_condition_cosine(recs)
     stage = rules.classify_stage(early, rules.stage_amplification(ratio.tolist()), threshold=layer_threshold)
     ablation = _ablation(conds, layer_threshold)
     ablation["attention"] = {name: destination_summary(rec, inputs.tokens[name], eps) for name, rec in recs.items()}

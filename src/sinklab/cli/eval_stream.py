@@ -75,57 +75,27 @@ def eval_stream(
     C = S + W and scored on the same positions (from the first eviction on). Writes JSON, figures and HTML.
     With --quality, also what the stream forgets (recall), whether it stays fluent (endless) and many prompts
     through one stream, into the same JSON and report."""
-    import torch
-
     from ..report import save
-    from ..stream.evaluate import EvalPlan, evaluate_stream, parse_sinks
-    from ..stream.quality import evaluate_quality
+    from ..stream.evaluate import evaluate_stream
 
     with user_errors():
-        check_int("--window", window, 1)
-        counts = parse_sinks(sinks)
-        c = cache_size if cache_size is not None else max(counts) + window
-        # (EvalPlan and QualityPlan parse the comma lists of the command line themselves)
-        plan = EvalPlan(methods=methods, sinks=counts, cache_size=c, stride=stride,  # type: ignore[arg-type]
-                        chunk_size=chunk_size, policies=policy)  # type: ignore[arg-type]
-        if tokens <= plan.first:
-            raise SinklabError(f"--tokens {tokens}: scoring starts after the first eviction, at position {plan.first} "
-                               f"(cache size {c}); ask for more tokens (several cache lengths, e.g. {4 * c})")
-        qplan = _quality_plan(quality, max(counts), c - max(counts), chunk_size, recall_distances=recall_distances,
-                              facts=recall_facts, endless_tokens=endless_tokens, seed=seed, prompts=prompts,
-                              answer_tokens=answer_tokens)
+        plan = _eval_plan(methods, sinks, window, cache_size, stride, chunk_size, policy, tokens)
+        s, c = max(plan.sinks), plan.cache_size
+        qplan = _quality_plan(quality, s, c - s, chunk_size, recall_distances=recall_distances, facts=recall_facts,
+                              endless_tokens=endless_tokens, seed=seed, prompts=prompts, answer_tokens=answer_tokens)
         text, source = read_long_text(file)
         check_out_dir(out)
 
         loaded = load_for_command(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         tok = loaded.tokenizer
-        encoded = tok(text[: tokens * 16], add_special_tokens=True, verbose=False)["input_ids"]
-        if len(encoded) < tokens:
-            encoded = tok(text, add_special_tokens=True, verbose=False)["input_ids"]
-        ids = torch.tensor(encoded[:tokens])
-        if ids.numel() <= plan.first:
-            raise SinklabError(f"the text has only {ids.numel()} tokens; scoring starts at position {plan.first} "
-                               f"(cache size {c}): give a longer --file or a smaller cache")
-        if ids.numel() < tokens:  # the whole text is evaluated, not what was asked for: say so up front
-            raise SinklabError(f"--tokens {tokens}: the text has only {ids.numel():,} tokens; ask for at most that "
-                               "many, or give a longer --file")
+        ids = _encode(tok, text, tokens, plan.first, c)
         total = plan.work(ids.numel())
         with progress_bar(total) as progress:
             task = progress.add_task("eval-stream", total=total)
             result = evaluate_stream(loaded.model, ids, plan,
                                      progress=lambda label, n: progress.update(task, advance=n, description=label))
         if qplan is not None:
-            longest = max(qplan.recall_distances()) if "recall" in qplan.measures else 0
-            filler = torch.tensor(tok(text[: longest * 16 + 64], add_special_tokens=False, verbose=False)["input_ids"])
-            if "recall" in qplan.measures and filler.numel() < longest:
-                raise SinklabError(f"the text has only {filler.numel()} tokens; the recall distance {longest} needs "
-                                   "that many between a fact and its question: give a longer --file or shorter "
-                                   "--recall-distances")
-            with progress_bar(qplan.work()) as progress:
-                task = progress.add_task("quality", total=qplan.work())
-                result.quality = evaluate_quality(
-                    loaded.model, tok, qplan, filler, model_name=model,
-                    progress=lambda label, n: progress.update(task, advance=n, description=f"quality: {label}"))
+            result.quality = _run_quality(loaded.model, tok, qplan, text, model)
         first = int(ids[0])
         result.meta = {
             "model": model, "text": source,
@@ -133,14 +103,82 @@ def eval_stream(
                             "special": first in set(getattr(tok, "all_special_ids", []) or [])},
             "provenance": provenance(sys.argv, loaded, texts=[text]),
         }
-        data = result.to_json()
-        _print_table(data, model)
+        _print_table(result.to_json(), model)
         if result.quality:
             from ..report.quality_figures import quality_tables
 
             console.print(quality_tables(result.quality, answers=False), highlight=False, markup=False, soft_wrap=True)
         report = save(result, out)
         console.print(f"wrote {out / 'eval_stream.json'}, figures and {report}")
+
+
+def comma_names(text: str) -> list[str]:
+    """A comma list of names from the command line: ``"dense, sinks"`` → ``["dense", "sinks"]`` (blanks dropped)."""
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def comma_ints(text: str, option: str, example: str) -> list[int]:
+    """A comma list of integers from the command line (``option`` and an ``example`` for the error)."""
+    try:
+        return [int(x) for x in comma_names(text)]
+    except ValueError as exc:
+        raise SinklabError(f"{option} must be comma-separated integers such as {example}, got {text!r}") from exc
+
+
+def _eval_plan(methods: str, sinks: str, window: int, cache_size: int | None, stride: int | None, chunk_size: int,
+               policy: str, tokens: int):
+    """The :class:`~sinklab.stream.evaluate.EvalPlan` of the command line; ``--tokens`` must reach past the first
+    eviction."""
+    from ..stream.evaluate import EvalPlan, check_sinks
+
+    check_int("--window", window, 1)
+    if stride is not None:
+        check_int("--stride", stride, 1)
+    counts = check_sinks(comma_ints(sinks, "--sinks", "0,1,2,4,8"))
+    c = cache_size if cache_size is not None else max(counts) + window
+    plan = EvalPlan(methods=comma_names(methods), sinks=counts, cache_size=c, stride=stride, chunk_size=chunk_size,
+                    policies=comma_names(policy))
+    if tokens <= plan.first:
+        raise SinklabError(f"--tokens {tokens}: scoring starts after the first eviction, at position {plan.first} "
+                           f"(cache size {c}); ask for more tokens (several cache lengths, e.g. {4 * c})")
+    return plan
+
+
+def _encode(tok, text: str, tokens: int, first: int, c: int):
+    """The first ``tokens`` tokens of ``text`` ``[T]``; a text too short to score, or shorter than asked, is an
+    error."""
+    import torch
+
+    encoded = tok(text[: tokens * 16], add_special_tokens=True, verbose=False)["input_ids"]
+    if len(encoded) < tokens:
+        encoded = tok(text, add_special_tokens=True, verbose=False)["input_ids"]
+    ids = torch.tensor(encoded[:tokens])
+    if ids.numel() <= first:
+        raise SinklabError(f"the text has only {ids.numel()} tokens; scoring starts at position {first} "
+                           f"(cache size {c}): give a longer --file or a smaller cache")
+    if ids.numel() < tokens:  # the whole text is evaluated, not what was asked for: say so up front
+        raise SinklabError(f"--tokens {tokens}: the text has only {ids.numel():,} tokens; ask for at most that "
+                           "many, or give a longer --file")
+    return ids
+
+
+def _run_quality(model, tok, qplan, text: str, model_name: str) -> dict:
+    """The ``--quality`` measures (:func:`sinklab.stream.quality.evaluate_quality`), filler text from ``text``."""
+    import torch
+
+    from ..stream.quality import evaluate_quality
+
+    longest = max(qplan.recall_distances()) if "recall" in qplan.measures else 0
+    filler = torch.tensor(tok(text[: longest * 16 + 64], add_special_tokens=False, verbose=False)["input_ids"])
+    if "recall" in qplan.measures and filler.numel() < longest:
+        raise SinklabError(f"the text has only {filler.numel()} tokens; the recall distance {longest} needs "
+                           "that many between a fact and its question: give a longer --file or shorter "
+                           "--recall-distances")
+    with progress_bar(qplan.work()) as progress:
+        task = progress.add_task("quality", total=qplan.work())
+        return evaluate_quality(
+            model, tok, qplan, filler, model_name=model_name,
+            progress=lambda label, n: progress.update(task, advance=n, description=f"quality: {label}"))
 
 
 _OWNER = {"facts": "recall", "recall_distances": "recall", "endless_tokens": "endless", "seed": "endless",

@@ -264,23 +264,41 @@ def kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *, 
         model.train(was_training)
 
 
-def _kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *, prefix: Sequence[int] = (),
-              progress: Progress | None = None) -> KvQuantResult:
-    plan = plan or KvQuantPlan()
-    windows = sample_windows(ids, plan, prefix)
+def _configs(model: nn.Module, plan: KvQuantPlan) -> tuple[list[tuple[str, int, str]], dict[str, str]]:
+    """The configurations to compare, ``(kind, bits, protection)``, and the transformers backends the model
+    refuses (by name, with why). A missing backend fails here, not after an hour."""
     skipped = {}
     for name in plan.hf_backends:
         try:
-            _hf_cache(model, name, HF_BACKENDS[name][1], plan)  # a missing backend fails now, not after an hour
+            _hf_cache(model, name, HF_BACKENDS[name][1], plan)
         except ValueError as exc:  # transformers refuses the model (e.g. sliding-window layers): say so, go on
             if isinstance(exc, InputError):
                 raise
             skipped[name] = str(exc)
-    model.eval()
-    tick = progress or (lambda label, n: None)
     configs: list[tuple[str, int, str]] = [("full", 0, "full"), ("sinklab", 16, "16-bit")]
     configs += [("sinklab", b, p) for b in plan.bits for p in plan.protect]
     configs += [("hf", b, f"hf-{name}") for name, b in plan.hf_configs() if name not in skipped]
+    return configs, skipped
+
+
+def _cache_for(model: nn.Module, config: tuple[str, int, str], sinks: list[int],
+               plan: KvQuantPlan) -> tuple[Cache, Protection]:
+    """A fresh cache of one configuration and the tokens it protects (none but sinklab's)."""
+    kind, bits, protect = config
+    if kind == "full":
+        return DynamicCache(config=model.config), Protection()  # type: ignore[arg-type]  # a PreTrainedConfig
+    if kind == "hf":
+        return _hf_cache(model, protect[3:], bits, plan), Protection()
+    return _sinklab_cache(model, bits, protect, sinks, plan)
+
+
+def _kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *, prefix: Sequence[int] = (),
+              progress: Progress | None = None) -> KvQuantResult:
+    plan = plan or KvQuantPlan()
+    windows = sample_windows(ids, plan, prefix)
+    configs, skipped = _configs(model, plan)
+    model.eval()
+    tick = progress or (lambda label, n: None)
     kl: dict[tuple, list[Tensor]] = {c: [] for c in configs}
     top1: dict[tuple, list[Tensor]] = {c: [] for c in configs}
     nll: dict[tuple, list[Tensor]] = {c: [] for c in configs}
@@ -299,15 +317,8 @@ def _kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *,
         targets = window[plan.context + 1:].to(run.device)
         ref = None
         for config in configs:
-            kind, bits, protect = config
-            cache: Cache
-            if kind == "full":
-                cache = DynamicCache(config=model.config)  # type: ignore[arg-type]  # a PreTrainedConfig
-                guard = Protection()
-            elif kind == "hf":
-                cache, guard = _hf_cache(model, protect[3:], bits, plan), Protection()
-            else:
-                cache, guard = _sinklab_cache(model, bits, protect, sinks, plan)
+            _, bits, protect = config
+            cache, guard = _cache_for(model, config, sinks, plan)
             logp = run.logprobs(cache)
             tick(f"{bits or 'full'}-bit {protect}", 1)
             if ref is None:
@@ -319,13 +330,8 @@ def _kv_quant(model: nn.Module, ids: Tensor, plan: KvQuantPlan | None = None, *,
             if s == 0:
                 nbytes[config] = _cache_nbytes(cache) / span
                 timed[config] = (cache, logp[-1].argmax())
-                if kind == "full":
-                    fresh: Callable[[], Cache] = lambda: DynamicCache(config=model.config)  # type: ignore[arg-type]  # noqa: E731
-                elif kind == "hf":
-                    fresh = lambda: _hf_cache(model, protect[3:], bits, plan)  # noqa: E731, B023 - called in this iteration
-                else:
-                    fresh = lambda: _sinklab_cache(model, bits, protect, sinks, plan)[0]  # noqa: E731, B023 - called in this iteration
-                at_length[config] = {n: _filled_bytes_per_token(model, fresh(), n) for n in plan.bytes_lengths}
+                at_length[config] = {n: _filled_bytes_per_token(model, _cache_for(model, config, sinks, plan)[0], n)
+                                     for n in plan.bytes_lengths}
         if s == 0:
             first_run = run
     ms = first_run.decode_ms(timed, plan.decode_steps, tick)  # type: ignore[union-attr]  # (at least one sample)

@@ -9,7 +9,7 @@ Four ways to model a long text, all at the same total cache size ``C = S + W``:
 * ``recompute`` — a sliding window with re-computation: each scored token re-encodes its last ``C``
   tokens from scratch at positions ``0 … C − 1`` (exact but O(C) per token, so usually strided);
 * ``sinks`` — StreamingLLM: ``S`` sinks + a window of ``W = C − S``, for every sink count asked for
-  (``--sinks 0,1,2,4,8`` is the paper's ablation at equal cache size).
+  (``sinks=(0, 1, 2, 4, 8)`` is the paper's ablation at equal cache size).
 
 Token ``t`` is *scored* by the NLL of ``ids[t]`` given ``ids[:t]``. The scored positions start at
 ``C + 1``, the first token whose context has lost a token to eviction, and run to the end of the text
@@ -24,19 +24,19 @@ import inspect
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from .. import _compat
-from ..errors import InputError, check_int
+from ..errors import InputError, check_int, is_int
 from .cache import SinkCache
 from .policy import POLICIES
 
 __all__ = ["METHODS", "METHOD_TABLE", "Curve", "EvalPlan", "Method", "Run", "StreamEval", "binned_nll", "dense_nll",
-           "evaluate_stream", "parse_methods", "parse_sinks", "recompute_nll", "stream_nll"]
+           "check_methods", "check_sinks", "evaluate_stream", "recompute_nll", "stream_nll"]
 
 _AUTO_RECOMPUTE_POSITIONS = 128  # auto stride: at most this many recompute windows
 Progress = Callable[[str, int], None]  # (phase label, units of work done since the last call)
@@ -86,7 +86,7 @@ def _stream(model: nn.Module, ids: Tensor, positions: Tensor, run: Run, plan: Ev
                       policy=run.policy)  # (a streamed run has its S and W)
 
 
-#: method name → :class:`Method`, in table order (the order of ``--methods`` and of the results).
+#: method name → :class:`Method`, in table order (the order of the plan's methods and of the results).
 METHOD_TABLE: dict[str, Method] = {m.name: m for m in (
     Method("dense", lambda plan: [Run("dense", "dense")],
            lambda model, ids, pos, run, plan, advance: dense_nll(model, ids, pos, plan.chunk_size, advance)),  # type: ignore[has-type]
@@ -100,24 +100,30 @@ METHOD_TABLE: dict[str, Method] = {m.name: m for m in (
 METHODS = tuple(METHOD_TABLE)
 
 
-def parse_methods(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
-    """``"dense,window,sinks"`` → ``("dense", "window", "sinks")`` (in :data:`METHODS` order); unknown names raise."""
-    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
+def check_methods(names: Sequence[str]) -> tuple[str, ...]:
+    """Method names (a sequence such as ``("dense", "sinks")``), returned in :data:`METHODS` order; unknown or no
+    names raise."""
+    names = _sequence("methods", names, "method names such as ('dense', 'sinks')")
     unknown = sorted(set(names) - set(METHODS))
     if unknown or not names:
-        raise InputError(f"--methods: unknown or empty {unknown or names!r}; choose from {', '.join(METHODS)}")
+        raise InputError(f"methods: unknown or empty {unknown or list(names)!r}; choose from {', '.join(METHODS)}")
     return tuple(m for m in METHODS if m in names)
 
 
-def parse_sinks(text: str | list[int] | tuple[int, ...]) -> tuple[int, ...]:
-    """``"0,1,2,4,8"`` → ``(0, 1, 2, 4, 8)`` (duplicates dropped, order kept); negative counts raise."""
-    try:
-        items = [int(x) for x in (text.split(",") if isinstance(text, str) else text) if str(x).strip()]
-    except ValueError as exc:
-        raise InputError(f"--sinks must be comma-separated integers such as 0,1,2,4,8, got {text!r}") from exc
-    if not items or any(s < 0 for s in items):
-        raise InputError(f"--sinks needs one or more counts ≥ 0, got {text!r}")
-    return tuple(dict.fromkeys(items))
+def check_sinks(counts: Sequence[int]) -> tuple[int, ...]:
+    """Sink counts (a sequence such as ``(0, 1, 2, 4, 8)``), duplicates dropped, order kept; none, a negative
+    count or a non-integer raise."""
+    counts = _sequence("sinks", counts, "sink counts such as (0, 1, 2, 4, 8)")
+    if not counts or not all(is_int(s) and s >= 0 for s in counts):
+        raise InputError(f"sinks needs one or more counts ≥ 0, got {counts!r}")
+    return tuple(dict.fromkeys(int(s) for s in counts))
+
+
+def _sequence(name: str, value, meaning: str) -> tuple:
+    """``value`` as a tuple; a string (a comma list is the command line's to split) is an error."""
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise InputError(f"{name} is a sequence of {meaning}, got {value!r}")
+    return tuple(value)
 
 
 @dataclass(frozen=True)
@@ -144,33 +150,33 @@ class EvalPlan:
         ``W = cache_size − S`` beside the others (the ``policies`` method, added when any is given).
     """
 
-    methods: tuple[str, ...] = METHODS
-    sinks: tuple[int, ...] = (4,)
+    methods: Sequence[str] = METHODS
+    sinks: Sequence[int] = (4,)
     cache_size: int = 1024
     stride: int | None = None
     start: int | None = None
     chunk_size: int = 256
-    policies: tuple[str, ...] = ()
+    policies: Sequence[str] = ()
 
     def __post_init__(self) -> None:
-        policies = tuple(p.strip() for p in (self.policies.split(",") if isinstance(self.policies, str)
-                                             else self.policies) if p.strip())
+        policies = _sequence("policies", self.policies, "policy names such as ('snapkv', 'tova')")
         named = [p for p in POLICIES if p != "streaming"]
         wrong = [p for p in policies if p not in named]
         if wrong:
-            raise InputError(f"--policy: {', '.join(map(repr, wrong))} cannot be evaluated here; choose from "
-                             f"{', '.join(named)} (streaming is the sinks method; auto needs a plan: sinklab stream)")
+            raise InputError(f"policies: {', '.join(map(repr, wrong))} cannot be evaluated here; choose from "
+                             f"{', '.join(named)} (streaming is the sinks method; auto needs a plan: "
+                             "SinkCache(plan=...) or sinklab stream)")
         object.__setattr__(self, "policies", policies)
-        methods = self.methods.split(",") if isinstance(self.methods, str) else list(self.methods)
+        methods = _sequence("methods", self.methods, "method names such as ('dense', 'sinks')")
         if policies and "policies" not in methods:
-            methods = [*methods, "policies"]
-        object.__setattr__(self, "methods", parse_methods(methods))
-        object.__setattr__(self, "sinks", parse_sinks(self.sinks))
+            methods = (*methods, "policies")
+        object.__setattr__(self, "methods", check_methods(methods))
+        object.__setattr__(self, "sinks", check_sinks(self.sinks))
         check_int("the cache size S + W", self.cache_size, 2)
         if max(self.sinks) >= self.cache_size:
             raise InputError(f"every sink count must leave a window: S < S + W = {self.cache_size}, got {max(self.sinks)}")
         if self.stride is not None:
-            check_int("--stride", self.stride, 1)
+            check_int("stride", self.stride, 1)
         if self.start is not None:
             check_int("the first scored position", self.start, 1)
         check_int("chunk_size", self.chunk_size, 1)
@@ -184,7 +190,7 @@ class EvalPlan:
         if num_tokens <= self.first:
             raise InputError(
                 f"the text has {num_tokens} tokens but scoring starts at position {self.first} (after the first "
-                f"eviction at cache size {self.cache_size}): give a longer text or more --tokens, or a smaller cache")
+                f"eviction at cache size {self.cache_size}): give a longer text or a smaller cache")
         return torch.arange(self.first, num_tokens, self.resolved_stride(num_tokens))
 
     def resolved_stride(self, num_tokens: int) -> int:

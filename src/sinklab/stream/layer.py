@@ -14,7 +14,8 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..errors import InputError
 from ..rope import RopeSpec, pair_partner, rotate, rotate_pairs
-from .state import StepPlan, StreamBudget, StreamState, buffers_that_fit
+from .state import ChunkPlan, DecodePlan, StepPlan, StreamBudget, StreamState, UniformStepPlan, buffers_that_fit
+from .views import DecodeView
 
 __all__ = ["SinkWindowLayer", "StreamLayerBase"]
 
@@ -128,15 +129,16 @@ class SinkWindowLayer(StreamLayerBase):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         plan, view = self.state.plan, self.state.view
+        assert plan is not None  # planned by the state before any layer runs
         n = self.state.anchor_capacity
-        if view.from_buffer:  # type: ignore[union-attr]
-            self._write(key_states, value_states, plan)  # type: ignore[arg-type]
-            if n and view.anchor_c is not None:  # type: ignore[union-attr]
-                self.keys[:, :, :n] = self._anchors_rotated(view.anchor_c, view.anchor_s)  # type: ignore[arg-type, union-attr]
+        if isinstance(view, DecodeView):  # decode: attention reads the buffer itself
+            self._write(key_states, value_states, plan)
+            if n and view.anchor_c is not None and view.anchor_s is not None:
+                self.keys[:, :, :n] = self._anchors_rotated(view.anchor_c, view.anchor_s)
             return self.keys, self.values
         keys = torch.cat([self.anchor_keys, self.keys[:, :, n:], key_states], dim=-2)
         values = torch.cat([self.values, value_states], dim=-2)
-        self._write(key_states, value_states, plan)  # type: ignore[arg-type]
+        self._write(key_states, value_states, plan)
         return keys, values
 
     def _anchors_rotated(self, c: Tensor, s: Tensor) -> Tensor:
@@ -152,30 +154,36 @@ class SinkWindowLayer(StreamLayerBase):
         return rotate_pairs(keys, c, s, interleaved, partner=self._partner[1], offset=offset)
 
     def _write(self, key_states: Tensor, value_states: Tensor, plan: StepPlan) -> None:
-        if plan.uniform:  # decode, every row a real free token in the same slot: one copy per buffer
-            self.keys.index_copy_(2, plan.slot1, key_states)  # type: ignore[arg-type]
-            self.values.index_copy_(2, plan.slot1, value_states)  # type: ignore[arg-type]
-            return
-        if plan.is_step:  # decode: one column, each row's own slot (fixed shapes: compiled as one graph)
-            rows, slot = plan.rows, plan.slot
-            keep = ~plan.valid[:, None, None]  # type: ignore[index]  # a padding column writes nothing
-            k, v = key_states[:, :, 0], value_states[:, :, 0]  # (B, Hkv, dh)
-            self.keys[rows, :, slot] = torch.where(keep, self.keys[rows, :, slot], k)
-            self.values[rows, :, slot] = torch.where(keep, self.values[rows, :, slot], v)
-            n = self.state.anchor_capacity
-            if n:
-                at = slot.clamp(max=n - 1)  # type: ignore[union-attr]
-                anchored = plan.anchored[:, None, None]  # type: ignore[index]
-                self.anchor_keys[rows, :, at] = torch.where(anchored, k, self.anchor_keys[rows, :, at])
-                self._partner = None
-            return
+        if isinstance(plan, UniformStepPlan):  # decode, every row a real free token in the same slot: one copy
+            self.keys.index_copy_(2, plan.slot, key_states)
+            self.values.index_copy_(2, plan.slot, value_states)
+        elif isinstance(plan, DecodePlan):
+            self._write_step(key_states[:, :, 0], value_states[:, :, 0], plan)
+        else:
+            self._write_chunk(key_states, value_states, plan)
+
+    def _write_step(self, k: Tensor, v: Tensor, plan: DecodePlan) -> None:
+        """Decode: one column ``[B, Hkv, d]``, each row's own slot (fixed shapes: compiled as one graph)."""
+        rows, slot = plan.rows, plan.slot
+        keep = ~plan.valid[:, None, None]  # a padding column writes nothing
+        self.keys[rows, :, slot] = torch.where(keep, self.keys[rows, :, slot], k)
+        self.values[rows, :, slot] = torch.where(keep, self.values[rows, :, slot], v)
+        n = self.state.anchor_capacity
+        if n:
+            at = slot.clamp(max=n - 1)
+            anchored = plan.anchored[:, None, None]
+            self.anchor_keys[rows, :, at] = torch.where(anchored, k, self.anchor_keys[rows, :, at])
+            self._partner = None
+
+    def _write_chunk(self, key_states: Tensor, value_states: Tensor, plan: ChunkPlan) -> None:
+        """A chunk: its columns ``(rows, cols)`` into their ``slots``; anchored ones also as first rotated."""
         rows, cols, slots = plan.rows, plan.cols, plan.slots
         if rows.numel():
             self.keys[rows, :, slots] = key_states[rows, :, cols]
             self.values[rows, :, slots] = value_states[rows, :, cols]
-            anchored = slots < self.state.anchor_capacity  # type: ignore[operator]
-            if bool(anchored.any()):  # type: ignore[union-attr]
-                r, c, sl = rows[anchored], cols[anchored], slots[anchored]  # type: ignore[index]
+            anchored = slots < self.state.anchor_capacity
+            if bool(anchored.any()):
+                r, c, sl = rows[anchored], cols[anchored], slots[anchored]
                 self.anchor_keys[r, :, sl] = key_states[r, :, c]
                 self._partner = None
 

@@ -33,7 +33,7 @@ from ..errors import InputError, check_int, is_int
 from ..kvquant.codec import BITS, QuantizedTensor, dequantize, packed_width, quantize
 from ..rope import rotate
 from .layer import SinkWindowLayer
-from .state import StepPlan, StreamState
+from .state import ChunkPlan, DecodePlan, StepPlan, StreamState, UniformStepPlan
 
 __all__ = ["QuantizedSinkWindowLayer"]
 
@@ -118,37 +118,32 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
             self.values[:, :, :n] = self.anchor_values
         out = super().store(key_states, value_states)
         plan = self.state.plan
-        if plan.is_step:  # type: ignore[union-attr]
-            self._pack_step(plan, key_states[:, :, 0], value_states[:, :, 0])  # type: ignore[arg-type]
-        else:
-            self._pack_chunk(plan)  # type: ignore[arg-type]
+        if isinstance(plan, UniformStepPlan):  # the host already knows: every row a real window token in one slot
+            self._set_aside(plan)
+        elif isinstance(plan, DecodePlan):
+            self._pack_step(plan, key_states[:, :, 0], value_states[:, :, 0])
+        elif isinstance(plan, ChunkPlan):
+            self._pack_chunk(plan)
         return out
 
-    def _pack_step(self, plan: StepPlan, k: Tensor, v: Tensor) -> None:
-        """One decoded column ``[B, Hkv, d]``: each row's slot (padding and anchored rows keep the ring as it
-        was; an anchored row writes its value instead). On the state's uniform decode plan (no padding, past
-        every anchor: known on the host) nothing is read back; otherwise whether any row is padding or anchored
-        is read once per forward. The usual case — every row a window token in one slot — sets the column aside
+    def _set_aside(self, plan: UniformStepPlan) -> None:
+        """The usual decode step — every row a window token in one slot, no read-back — sets the new column aside
         (``shared.pending``); the next ring read or forward packs every layer's pending columns at once."""
+        self.shared.pending.append((self, self.kv.index_select(2, plan.slot), plan.ring_slot))  # (B, Hkv, 1, D)
+        self.shared.pending_plan = plan
+
+    def _pack_step(self, plan: DecodePlan, k: Tensor, v: Tensor) -> None:
+        """One decoded column ``[B, Hkv, d]``, rows that may differ: each row's slot (padding and anchored rows keep
+        the ring as it was; an anchored row writes its value instead). Whether any row is padding or anchored is
+        read once per forward (the plan keeps it for every layer)."""
         n = self.state.anchor_capacity
-        if plan.uniform:  # the host already knows: every row a real window token in one slot (no read-back)
-            if plan.ring_slot1 is None:  # shared by every layer of this forward
-                plan.ring_slot1 = plan.slot1 - n  # type: ignore[assignment, operator]
-            self.shared.pending.append((self, self.kv.index_select(2, plan.slot1), plan.ring_slot1))  # (B, Hkv, 1, D)
-            self.shared.pending_plan = plan
-            return
-        if plan.any_anchored is None:  # shared by every layer of this forward
-            plan.ring_slot = (plan.slot - n).clamp(min=0)  # type: ignore[operator, union-attr]
-            keep = ~plan.valid | plan.anchored  # type: ignore[operator]
-            plan.ring_keep = keep[:, None, None] if bool(keep.any()) else None  # (B, 1, 1)
-            plan.any_anchored = bool(plan.anchored.any())  # type: ignore[union-attr]
         rows, at, keep = plan.rows, plan.ring_slot, plan.ring_keep
         new = quantize(torch.cat([k, v], -1), self.bits, self.group, dim=-1)  # (B, Hkv, dk + dv) per token
         for stored, x in ((self.ring.packed, new.packed), (self.ring.scale, new.scale), (self.ring.zero, new.zero)):
             stored[rows, :, at] = x if keep is None else torch.where(keep, stored[rows, :, at], x)
         if plan.any_anchored:
-            slot = plan.slot.clamp(max=n - 1)  # type: ignore[union-attr]
-            anchored = plan.anchored[:, None, None]  # type: ignore[index]
+            slot = plan.slot.clamp(max=n - 1)
+            anchored = plan.anchored[:, None, None]
             self.anchor_values[rows, :, slot] = torch.where(anchored, v, self.anchor_values[rows, :, slot])
 
     def _flush(self) -> None:
@@ -169,17 +164,17 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
                                   (layer.ring.zero, new.zero)):
                     stored.index_copy_(2, at, x[i])
 
-    def _pack_chunk(self, plan: StepPlan) -> None:
+    def _pack_chunk(self, plan: ChunkPlan) -> None:
         """A chunk: the buffer slots ``(rows, slots)`` it wrote, anchored ones as values, ring ones packed."""
         n = self.state.anchor_capacity
         rows, slots = plan.rows, plan.slots
-        anchored = slots < n  # type: ignore[operator]
-        if bool(anchored.any()):  # type: ignore[union-attr]
-            r, s = rows[anchored], slots[anchored]  # type: ignore[index]
+        anchored = slots < n
+        if bool(anchored.any()):
+            r, s = rows[anchored], slots[anchored]
             self.anchor_values[r, :, s] = self.values[r, :, s]
         ring = ~anchored
-        if bool(ring.any()):  # type: ignore[union-attr]
-            r, s = rows[ring], slots[ring]  # type: ignore[index]
+        if bool(ring.any()):
+            r, s = rows[ring], slots[ring]
             kv = torch.cat([self.keys[r, :, s], self.values[r, :, s]], -1)  # (N, Hkv, dk + dv)
             new = quantize(kv, self.bits, self.group, dim=-1)
             for stored, x in ((self.ring.packed, new.packed), (self.ring.scale, new.scale), (self.ring.zero, new.zero)):

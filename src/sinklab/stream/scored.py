@@ -17,26 +17,44 @@ every few thousand tokens like the recency stream's, rotating every stored key o
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor, nn
+from dataclasses import dataclass
 
-from ..attention import Columns, attend
+import torch
+from torch import Tensor
+
+from ..attention import AttendSpec, Columns, attend
 from ..errors import InputError, UnsupportedModelError
 from ..rope import RopeSpec, rotate
 from ..variants import variant_column_logits, variant_gate
 from .layer import StreamLayerBase
 from .policy import Observation, ScoredPolicy
 from .state import StreamBudget, buffers_that_fit
+from .views import StreamCall
 
-__all__ = ["ScoredState", "ScoredLayer", "scored_attention"]
+__all__ = ["ScoredState", "ScoredLayer", "ScoredView", "scored_attention"]
 
 _LAST = torch.iinfo(torch.long).max
+
+
+@dataclass
+class ScoredView:
+    """The new columns of one forward of a score-based stream: their stream index ``sidx`` ``[B, C]`` (-1 for
+    padding) and virtual position ``q_v`` ``[B, C]``. Each head keeps its own tokens, so what a query sees is worked
+    out per layer, by :func:`scored_attention`."""
+
+    sidx: Tensor
+    q_v: Tensor
+
+    def attend(self, call: StreamCall, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """:func:`scored_attention` over the calling layer's ``buffer ⧺ new``, ``[B, H, C, dv]``."""
+        return scored_attention(call, self, query, key, value)
 
 
 class ScoredState(StreamBudget):
     """Counters and the current forward's columns for the score-based layers of one stream (they share it)."""
 
     scored = True
+    view: ScoredView | None  # the current forward's new columns
 
     def __init__(self, policy: ScoredPolicy, num_sinks: int, window: int, pinned=None, start_position: int = 0,
                  rebase_every: int | None = None, rope: RopeSpec | None = None, positions: str = "slot") -> None:
@@ -47,7 +65,6 @@ class ScoredState(StreamBudget):
         self.policy = policy
         self.positions = positions
         self.set_rebase(rebase_every, self.capacity)  # kept keys reach back a whole budget
-        self.chunk: tuple[Tensor, Tensor] | None = None  # (stream index (B, C), -1 for padding; virtual position)
 
     def _init_rows(self, batch: int, device: torch.device) -> None:
         self.device = device
@@ -65,7 +82,7 @@ class ScoredState(StreamBudget):
         self._maybe_rebase(c)
         sidx = self.n_real[:, None] + valid.long().cumsum(1) - 1
         q_v = torch.where(valid, self.start_position + sidx - self.base[:, None], torch.zeros_like(sidx))
-        self.chunk = (torch.where(valid, sidx, torch.full_like(sidx, -1)), q_v)
+        self.view = ScoredView(torch.where(valid, sidx, torch.full_like(sidx, -1)), q_v)
         self.n_real += valid.sum(1)
         self.rows_alike = self.rows_alike and all_valid
         self.span += c
@@ -143,7 +160,9 @@ class ScoredLayer(StreamLayerBase):
             raise InputError("this SinkCache was closed; create a new one")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        sidx, q_v = self.state.chunk  # type: ignore[misc]  # planned for this forward
+        new = self.state.view  # planned for this forward
+        assert new is not None
+        sidx, q_v = new.sidx, new.q_v
         hkv = key_states.shape[1]
         keys = torch.cat([self.keys, key_states], 2)
         values = torch.cat([self.values, value_states], 2)
@@ -237,15 +256,17 @@ def _last_rows(col: Columns, w: int) -> Columns:
     return Columns(cut(col.logits), col.values, cut(col.visible))  # type: ignore[arg-type]  # (logits: a tensor)
 
 
-def scored_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, state: ScoredState,
-                     layer: ScoredLayer, scale: float, softcap: float | None, s_aux: Tensor | None) -> Tensor:
-    """Attention of ``query`` ``[B, H, C, dh]`` over a score-based layer's ``buffer ⧺ new`` (``key``/``value`` from
-    :meth:`ScoredLayer.update`), then the layer cut back to its budgets. Output ``[B, C, H, dv]``."""
+def scored_attention(call: StreamCall, view: ScoredView, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    """Attention of ``query`` ``[B, H, C, dh]`` over the calling score-based layer's ``buffer ⧺ new``
+    (``key``/``value`` from :meth:`ScoredLayer.update`), then the layer cut back to its budgets. Output
+    ``[B, H, C, dv]`` (float32)."""
     b, h, c, dh = query.shape
     hkv = key.shape[1]
     rep = h // hkv
-    sidx = layer.pending[2]  # type: ignore[index]  # (B, Hkv, K)
-    q_sidx = state.chunk[0]  # type: ignore[index]  # (B, C)
+    module, layer, scale, softcap = call.module, call.layer, call.scale, call.softcap
+    state = layer.state
+    sidx = layer.pending[2]  # (B, Hkv, K)
+    q_sidx = view.sidx  # (B, C)
     # What each query sees: a real candidate at or before it (the buffer holds only what its head kept).
     visible = (sidx[:, :, None, :] >= 0) & (sidx[:, :, None, :] <= q_sidx[:, None, :, None]) & \
         (q_sidx[:, None, :, None] >= 0)  # (B, Hkv, C, K)
@@ -261,17 +282,17 @@ def scored_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
             "default policy (streaming)")
     gate = variant_gate(module, h)
     q = query.float()
-    columns = variant_column_logits(module, q, scale, slot_query=lambda: q, softcap=softcap, model_sink=s_aux)
-    out = attend(q, key.float(), value.float(), visible, scale=scale, softcap=softcap, gate=gate, columns=columns)
+    columns = variant_column_logits(module, q, scale, slot_query=lambda: q, softcap=softcap, model_sink=call.s_aux)
+    out = attend(q, key.float(), value.float(), visible, AttendSpec(scale=scale, softcap=softcap, gate=gate,
+                                                                      columns=columns))
     policy = state.policy
     weights = None
     if policy.needs_weights:
         w = min(policy.window, c)
-        _, weights = attend(q[:, :, -w:], key.float(), value.float(), visible[:, :, -w:], scale=scale,
-                            softcap=softcap, columns=[_last_rows(col, w) for col in columns], fast=False,
-                            weights=True)
+        spec = AttendSpec(scale=scale, softcap=softcap, columns=[_last_rows(col, w) for col in columns], fast=False)
+        _, weights = attend(q[:, :, -w:], key.float(), value.float(), visible[:, :, -w:], spec, weights=True)
         weights = weights.view(b, hkv, rep, w, -1).mean(2)  # (B, Hkv, w, K)
     real = sidx >= 0
     order = torch.argsort(torch.where(real, sidx, torch.full_like(sidx, _LAST)), dim=-1, stable=True)
     layer.keep(policy.score(Observation(weights, key, value, real, order)), order)
-    return out.transpose(1, 2).contiguous().to(query.dtype)
+    return out

@@ -22,123 +22,136 @@ import contextlib
 import functools
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..errors import InputError, check_int, check_spans
-from ..rope import angles, pair_factors
+from ..rope import RopeSpec, angles, pair_factors
+from .views import ChunkView, DecodeView, View
 
-__all__ = ["StreamBudget", "StreamState", "View", "StepPlan"]
+__all__ = ["ChunkPlan", "DecodePlan", "Geometry", "RowTensors", "StepPlan", "StreamBudget", "StreamState",
+           "UniformStepPlan", "View"]
 
 
 @dataclass
-class StepPlan:
-    """Where one forward's new columns go in the buffers, worked out once by :class:`StreamState` for every layer.
+class UniformStepPlan:
+    """A decode step where the host knows every row writes a real free token into the same slot, ``slot`` ``[1]``:
+    no per-row masks (one copy per buffer)."""
 
-    A decode step (``slot`` set): each row's ``slot`` ``[B]``, with ``valid``/``anchored`` ``[B]``; ``uniform`` when
-    the host knows every row writes a real free token into the same slot ``slot1`` ``[1]``. A chunk (``slot`` None):
-    the ``(rows, cols)`` of the chunk that are written, into ``slots`` (all ``[N]``). The ``ring_*`` fields are
-    worked out by the first quantized layer that needs them and shared by the others.
-    """
+    slot: Tensor
+    anchor_capacity: int
+
+    @functools.cached_property
+    def ring_slot(self) -> Tensor:
+        """``[1]``: the slot in the ring (past the anchored slots), for a packed ring (shared by its layers)."""
+        return self.slot - self.anchor_capacity
+
+
+@dataclass
+class DecodePlan:
+    """A decode step, each row ``rows`` ``[B]`` into its own ``slot`` ``[B]``: a padding column (not ``valid``)
+    writes nothing, an ``anchored`` token goes to the anchored slots."""
 
     rows: Tensor
-    slot: Tensor | None = None
-    slot1: Tensor | None = None
-    valid: Tensor | None = None
-    anchored: Tensor | None = None
-    uniform: bool = False
-    cols: Tensor | None = None
-    slots: Tensor | None = None
-    ring_slot1: Tensor | None = None
-    ring_slot: Tensor | None = None
-    ring_keep: Tensor | None = None
-    any_anchored: bool | None = None
+    slot: Tensor
+    valid: Tensor
+    anchored: Tensor
+    anchor_capacity: int
 
-    @property
-    def is_step(self) -> bool:
-        return self.slot is not None
+    @functools.cached_property
+    def ring_slot(self) -> Tensor:
+        """``[B]``: each row's slot in the ring (0 for an anchored row, which keeps its ring slot as it was)."""
+        return (self.slot - self.anchor_capacity).clamp(min=0)
+
+    @functools.cached_property
+    def ring_keep(self) -> Tensor | None:
+        """``[B, 1, 1]``: the rows whose ring slot keeps what it holds (padding, anchored); None when no row does
+        (one value read back, once per forward, by the first packed layer)."""
+        keep = ~self.valid | self.anchored
+        return keep[:, None, None] if bool(keep.any()) else None
+
+    @functools.cached_property
+    def any_anchored(self) -> bool:
+        """Whether some row decodes an anchored token (read back once per forward)."""
+        return bool(self.anchored.any())
 
 
 @dataclass
-class View:
-    """What the attention of one forward reads of its queries and keys, worked out once for every layer.
+class ChunkPlan:
+    """A chunk: the ``(rows, cols)`` of the chunk that are written, into ``slots`` (all ``[N]``)."""
 
-    Queries: ``q_a``/``q_f``/``q_v`` ``[B, C]`` (anchored and free tokens seen so far, virtual position). Decode
-    (``from_buffer``): the keys are the buffer itself; ``visible`` is ``[B, K]``. Chunk: the keys are the buffer ⧺
-    the chunk; ``visible`` is ``[B, C, K]`` and ``k_a``/``k_f``/``k_o`` ``[B, K]`` are the keys' own counts and
-    virtual positions (for re-rotating the anchored keys, at ``anchor_idx``, to each query's slot distance).
-    """
-
-    q_a: Tensor
-    q_f: Tensor
-    q_v: Tensor
-    from_buffer: bool  # True: keys are the buffer itself (decode); False: buffer ⧺ chunk
-    visible: Tensor  # (B, K) for decode, (B, C, K) for a chunk: what each query may attend to
-    window: int  # W of the stream this view belongs to
-    k_a: Tensor | None = None  # chunk path: anchored tokens seen by each key
-    k_f: Tensor | None = None  # chunk path: free tokens seen by each key
-    k_o: Tensor | None = None  # chunk path: virtual position each key was rotated at
-    anchor_idx: Tensor | None = None  # chunk path: key positions holding anchored tokens
-    # Decode: the rotation of each anchored key to its slot distance, as rotate_pairs factors (B, 1, A, r).
-    anchor_c: Tensor | None = None
-    anchor_s: Tensor | None = None
-    # Decode, known on the host: every slot holds a visible token (the anchors have all arrived and the ring is
-    # full, no padding): an eager attention can then skip the mask.
-    all_visible: bool = False
-    # Chunk path: what every layer sharing this view attends over, worked out once per chunk by the first
-    # layer's attention (:func:`sinklab.stream.attention.chunk_layout`); None until then.
-    chunk_layout: object | None = None
-    _slot_shift: Tensor | None = None
-
-    @property
-    def slot_shift(self) -> Tensor:
-        """Rotation taking each query from its virtual position to its own cache-slot position (kept tokens it
-        sees − 1), ``[B, C]``. Only a kv-bias slot's score needs it: worked out on first use, once per forward."""
-        if self._slot_shift is None:
-            self._slot_shift = self.q_a + torch.clamp(self.q_f, max=self.window) - 1 - self.q_v
-        return self._slot_shift
+    rows: Tensor
+    cols: Tensor
+    slots: Tensor
 
 
-def free_step(n_real: Tensor, n_anchor: Tensor, n_free: Tensor, base: Tensor, s_valid: Tensor, s_sidx: Tensor,
-              s_a: Tensor, s_f: Tensor, s_o: Tensor, rope, start_position: int, anchor_capacity: int,
-              window: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+#: Where one forward's new columns go in the buffers, worked out once by :class:`StreamState` for every layer.
+StepPlan = UniformStepPlan | DecodePlan | ChunkPlan
+
+
+class RowTensors(NamedTuple):
+    """The per-row tensors of a :class:`StreamState` (first dimension ``B``; ``[B, K]`` for the slot metadata)."""
+
+    n_real: Tensor
+    n_anchor: Tensor
+    n_free: Tensor
+    base: Tensor
+    s_valid: Tensor
+    s_sidx: Tensor
+    s_a: Tensor
+    s_f: Tensor
+    s_o: Tensor
+
+
+class Geometry(NamedTuple):
+    """What a decode step reads of a stream besides its tensors: the rotation of the cached keys (None: NoPE), the
+    first token's position, the anchored slots ``S + P`` and the window ``W``."""
+
+    rope: RopeSpec | None
+    start_position: int
+    anchor_capacity: int
+    window: int
+
+
+def free_step(rows: RowTensors, geometry: Geometry) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """The tensor work of a decode step where every row decodes a real, free token into the same slot.
 
-    Writes the new column's metadata into the buffers (at row 0's slot, every row's), advances ``n_real`` and
-    ``n_free`` in place, and returns ``(q_v, slot, visible, anchor_c, anchor_s)``: the
+    Writes the new column's metadata into the buffers of ``rows`` (at row 0's slot, every row's), advances
+    ``n_real`` and ``n_free`` in place, and returns ``(q_v, slot, visible, anchor_c, anchor_s)``: the
     virtual position of the new token (``[B]``), its ring slot (``[B]``), what it may see
     (``[B, K]``), the rotation of each anchored key to its slot distance (the factors of
     :func:`sinklab.rope.rotate_pairs`, ``[B, 1, A, r]`` float32; None without RoPE or anchors). A pure tensor
     function of its arguments (no value read back, no branch on one), so it can run eagerly or compiled
     (:func:`compiled_free_step`).
     """
-    t = n_real.clone()
-    q_f = n_free + 1
-    q_v = start_position + t - base
-    slot = anchor_capacity + n_free % window
+    rope, start_position, anchor_capacity, window = geometry
+    t = rows.n_real.clone()
+    q_f = rows.n_free + 1
+    q_v = start_position + t - rows.base
+    slot = anchor_capacity + rows.n_free % window
     slot1 = slot[:1]  # (1,): the slot of every row
-    s_valid.index_fill_(1, slot1, True)
-    for buf, value in ((s_sidx, t), (s_a, n_anchor), (s_f, q_f), (s_o, q_v)):
+    rows.s_valid.index_fill_(1, slot1, True)
+    for buf, value in ((rows.s_sidx, t), (rows.s_a, rows.n_anchor), (rows.s_f, q_f), (rows.s_o, q_v)):
         buf.index_copy_(1, slot1, value[:, None])
     # The ring holds exactly the W most recent free tokens, so every valid slot is visible; anchored keys
     # are re-rotated to their slot distance from this query (O(S + P) per layer).
-    visible = s_valid.clone()
+    visible = rows.s_valid.clone()
     c = s = None
     if anchor_capacity and rope is not None:
-        c, s = _anchor_rotation(rope, n_anchor, q_f, q_v, s_a, s_f, s_o, anchor_capacity, window)
-    n_real += 1
-    n_free += 1
+        c, s = _anchor_rotation(rope, rows.n_anchor, q_f, q_v, rows, anchor_capacity, window)
+    rows.n_real.add_(1)
+    rows.n_free.add_(1)
     return q_v, slot, visible, c, s
 
 
-def _anchor_rotation(rope, q_a: Tensor, q_f: Tensor, q_v: Tensor, s_a: Tensor, s_f: Tensor, s_o: Tensor, n: int,
+def _anchor_rotation(rope: RopeSpec, q_a: Tensor, q_f: Tensor, q_v: Tensor, rows: RowTensors, n: int,
                      window: int) -> tuple[Tensor, Tensor]:
     """A decode query's rotation of each of the ``n`` anchored keys to its slot distance, as the factors
     ``c``, ``s`` ``[B, 1, n, r]`` of :func:`sinklab.rope.rotate_pairs` (worked out once, applied by every layer)."""
-    dist = q_a[:, None] - s_a[:, :n] + torch.clamp(q_f[:, None] - s_f[:, :n], max=window)
-    cos, sin = angles(rope, q_v[:, None] - dist - s_o[:, :n])  # (B, n, r/2)
+    dist = q_a[:, None] - rows.s_a[:, :n] + torch.clamp(q_f[:, None] - rows.s_f[:, :n], max=window)
+    cos, sin = angles(rope, q_v[:, None] - dist - rows.s_o[:, :n])  # (B, n, r/2)
     return pair_factors(cos.float()[:, None], sin.float()[:, None], rope.interleaved)
 
 
@@ -147,8 +160,8 @@ def compiled_free_step():
     """:func:`free_step` through ``torch.compile`` (fixed shapes, one graph), created on first use.
 
     On an accelerator a decode step's bookkeeping (the whole eager pre-hook) is some forty small kernels
-    launched one by one from the host: 0.8–0.9 ms per token measured on an H200, against a 2.1 ms compiled
-    SmolLM2 step with transformers' StaticCache. Compiled, the free step is a few fused kernels."""
+    launched one by one from the host (docs/stream.md, "Compiling the step plan", has the timings). Compiled,
+    the free step is a few fused kernels."""
     return torch.compile(free_step, dynamic=False, fullgraph=True)
 
 
@@ -276,6 +289,8 @@ class StreamBudget:
 class StreamState(StreamBudget):
     """Counters, buffer metadata and position plan for one stream (all layers share it)."""
 
+    view: DecodeView | ChunkView | None  # the current forward's (a decode step's or a chunk's)
+
     def __init__(self, num_sinks: int, window: int, pinned=None, start_position: int = 0,
                  rebase_every: int | None = None, rope=None, compile_plan: bool = False, attn_rope=None) -> None:
         super().__init__(num_sinks, window, pinned, start_position, rebase_every, rope, attn_rope)
@@ -309,8 +324,12 @@ class StreamState(StreamBudget):
 
     def per_row(self) -> dict[str, Tensor]:
         """The per-row tensors (first dimension ``B``), by attribute name."""
-        names = ("n_real", "n_anchor", "n_free", "base", "s_valid", "s_sidx", "s_a", "s_f", "s_o")
-        return {n: getattr(self, n) for n in names}
+        return {n: getattr(self, n) for n in RowTensors._fields}
+
+    def row_tensors(self) -> RowTensors:
+        """The per-row tensors as one :class:`RowTensors` (the same tensors, not copies)."""
+        return RowTensors(self.n_real, self.n_anchor, self.n_free, self.base, self.s_valid, self.s_sidx, self.s_a,
+                          self.s_f, self.s_o)
 
     def select_rows(self, index: Tensor) -> None:
         """Keep/reorder/repeat batch rows: row ``i`` becomes old row ``index[i]`` (beams, batch expansion)."""
@@ -368,7 +387,7 @@ class StreamState(StreamBudget):
         rows = self._rows
         for buf, value in ((self.s_valid, valid), (self.s_sidx, t), (self.s_a, q_a), (self.s_f, q_f), (self.s_o, q_v)):
             buf[rows, slot] = torch.where(valid, value, buf[rows, slot])  # a padding column writes nothing
-        self.plan = StepPlan(rows, slot=slot, valid=valid, anchored=anchored)
+        self.plan = DecodePlan(rows, slot, valid, anchored, self.anchor_capacity)
         self._step_view(valid, q_a, q_f, q_v)
         self.n_real += valid.long()
         self.n_anchor += anchored.long()
@@ -382,8 +401,7 @@ class StreamState(StreamBudget):
         ``index_copy_`` at row 0's slot (every row's), and the layers write their keys/values the same way
         (fewer ops per token). With :attr:`compile_plan` it runs compiled.
         """
-        args = (self.n_real, self.n_anchor, self.n_free, self.base, self.s_valid, self.s_sidx, self.s_a, self.s_f,
-                self.s_o, self.rope, self.start_position, self.anchor_capacity, self.window)
+        args = (self.row_tensors(), Geometry(self.rope, self.start_position, self.anchor_capacity, self.window))
         try:
             out = (compiled_free_step() if self.compile_plan else free_step)(*args)
         except torch._dynamo.exc.TorchDynamoException as exc:  # only compiling raises it, before anything ran
@@ -394,22 +412,20 @@ class StreamState(StreamBudget):
             out = free_step(*args)
         q_v, slot, visible, anchor_c, anchor_s = out
         q_a, q_f = self.n_anchor, self.n_free  # n_free already counts the new token
-        self.plan = StepPlan(self._rows, slot=slot, slot1=slot[:1], uniform=True)  # one slot: no per-row masks
-        self.view = View(q_a[:, None], q_f[:, None], q_v[:, None], from_buffer=True, visible=visible,
-                         window=self.window, anchor_c=anchor_c, anchor_s=anchor_s,
-                         all_visible=self.columns + 1 >= self.capacity)
+        self.plan = UniformStepPlan(slot[:1], self.anchor_capacity)  # one slot: no per-row masks
+        self.view = DecodeView(q_a[:, None], q_f[:, None], q_v[:, None], self.window, self.attn_rope, visible,
+                               anchor_c, anchor_s, all_visible=self.columns + 1 >= self.capacity)
         return q_v[:, None]
 
     def _step_view(self, valid: Tensor, q_a: Tensor, q_f: Tensor, q_v: Tensor) -> None:
-        """The :class:`View` of a decode step (``[B]`` query metadata; the buffer already holds the new column)."""
+        """The :class:`DecodeView` of a decode step (``[B]`` query metadata; the buffer already holds the new column)."""
         # The ring holds exactly the W most recent free tokens, so every valid slot is visible; anchored
         # keys are re-rotated to their slot distance from this query (O(S + P) per layer).
-        view = View(q_a[:, None], q_f[:, None], q_v[:, None], from_buffer=True, visible=self.s_valid & valid[:, None],
-                    window=self.window)
+        c = s = None
         if self.anchor_capacity and self.rope is not None:
-            view.anchor_c, view.anchor_s = _anchor_rotation(self.rope, q_a, q_f, q_v, self.s_a, self.s_f,
-                                                                self.s_o, self.anchor_capacity, self.window)
-        self.view = view
+            c, s = _anchor_rotation(self.rope, q_a, q_f, q_v, self.row_tensors(), self.anchor_capacity, self.window)
+        self.view = DecodeView(q_a[:, None], q_f[:, None], q_v[:, None], self.window, self.attn_rope,
+                               self.s_valid & valid[:, None], c, s)
 
     def _begin_chunk(self, valid: Tensor) -> Tensor:
         """Plan a multi-column forward (prefill; eager): keys are the buffer as it was, then the chunk."""
@@ -428,17 +444,16 @@ class StreamState(StreamBudget):
         last_f = q_f[:, -1:]
         write = anchored | (free & (q_f > last_f - self.window))
         rows, cols = write.nonzero(as_tuple=True)
-        self.plan = StepPlan(rows, cols=cols, slots=slot[rows, cols])
+        self.plan = plan = ChunkPlan(rows, cols, slot[rows, cols])
         k_sidx, k_f = torch.cat([self.s_sidx, sidx], 1), torch.cat([self.s_f, q_f], 1)
         k_valid, k_anchored = torch.cat([self.s_valid, valid], 1), torch.cat([self.s_anchored, anchored], 1)
         causal = k_sidx[:, None, :] <= sidx[:, :, None]  # (B, C, K)
         recent = (q_f[:, :, None] - k_f[:, None, :]) < self.window
-        view = View(q_a, q_f, q_v, from_buffer=False,
-                    visible=k_valid[:, None, :] & valid[:, :, None] & causal & (k_anchored[:, None, :] | recent),
-                    window=self.window, k_a=torch.cat([self.s_a, q_a], 1), k_f=k_f, k_o=torch.cat([self.s_o, q_v], 1),
-                    anchor_idx=k_anchored.any(0).nonzero()[:, 0])
-        self.view = view
-        slots = self.plan.slots
+        self.view = ChunkView(q_a, q_f, q_v, self.window, self.attn_rope,
+                              k_valid[:, None, :] & valid[:, :, None] & causal & (k_anchored[:, None, :] | recent),
+                              k_a=torch.cat([self.s_a, q_a], 1), k_f=k_f, k_o=torch.cat([self.s_o, q_v], 1),
+                              anchor_idx=k_anchored.any(0).nonzero()[:, 0])
+        slots = plan.slots
         self.s_valid[rows, slots] = True
         self.s_sidx[rows, slots] = sidx[rows, cols]
         self.s_a[rows, slots] = q_a[rows, cols]

@@ -11,7 +11,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..attention import attend
+from ..attention import AttendSpec, attend
 
 __all__ = ["SynthConfig", "SynthModel", "SynthResult", "fit", "task_settings"]
 
@@ -50,8 +50,8 @@ def eager_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value
     ``query``/``key``/``value`` ``[B, H, T, dh]`` → output ``[B, T, H, dh]`` and weights ``[B, H, T, T]``. A boolean
     ``attention_mask`` says what each query sees, a float one is added to the scores."""
     is_bool = attention_mask is not None and attention_mask.dtype == torch.bool
-    out, probs = attend(query, key, value, attention_mask if is_bool else None, scale=scaling,
-                        bias=None if is_bool else attention_mask, weights=True)
+    spec = AttendSpec(scale=scaling, bias=None if is_bool else attention_mask)
+    out, probs = attend(query, key, value, attention_mask if is_bool else None, spec, weights=True)
     return out.transpose(1, 2).contiguous(), probs
 
 
