@@ -203,3 +203,22 @@ def test_crop_takes_tokens_back_until_something_is_evicted(llama, policy):
         s.feed(ids[:, :3])  # 15 tokens through a budget of 12: evicted
         with pytest.raises(InputError, match="already evicted"):
             s.cache.crop(-1)
+
+
+def test_chat_with_policy_auto_survives_save_and_load(tmp_path):
+    """`sinklab chat --policy auto`: /save, /reset, /load resumes the scored stream where it was (the same transcript
+    as a chat that never stopped), its plan and policy read back from the file."""
+    import sinklab
+    from tests.test_chat import _cli
+
+    loaded = sinklab.load_model("builtin:tiny-lm")
+    plan = _plan(loaded.model, 4, 8)
+    plan_path = plan.save(tmp_path / "plan.json")
+    saved = tmp_path / "chat.safetensors"
+    common = ("--window", "8", "--max-new-tokens", "6", "--policy", "auto", "--plan", plan_path)
+    straight = _cli(*common, input="Return the value\nWhat next?\n")
+    around = _cli(*common, input=f"Return the value\n/save {saved}\n/reset\n/load {saved}\nWhat next?\n")
+    assert straight.exit_code == 0 and around.exit_code == 0, around.output
+    assert straight.stdout == around.stdout and around.stdout.count("assistant:") == 2
+    resumed = StreamSession.load(loaded.model, saved)
+    assert resumed.config.plan == plan.with_budget(4, 8) and resumed.sink.policy.scored
