@@ -66,7 +66,7 @@ def stream(
         # --pin-prompt: the prompt's tokens are kept forever (pins are fixed when the stream starts).
         n_prompt = len(loaded.tokenizer(texts[0])["input_ids"]) if texts[0] else 0
         pinned = [(0, n_prompt)] if pin_prompt and n_prompt else None
-        config = StreamConfig(num_sinks=sinks, window=window, pinned=pinned or (),
+        config = StreamConfig(num_sinks=sinks, window=window, pinned=tuple(pinned or ()),
                               **retention(loaded, policy, plan, sinks, window))
         options = {"backend": compile_backend} | ({"mode": compile_mode} if compile_mode else {})
         session = StreamSession(loaded.model, config=config, chunk_size=chunk_size,
