@@ -166,37 +166,15 @@ class SinkCache(Cache):
         A causal LM whose positions are rotary (any pairing, direction or rotated width; latent attention; layers
         without positions too) — measured on the model by :func:`sinklab._compat.layer_rotations`, which refuses
         what streaming cannot reproduce (transformers ``PreTrainedModel``).
-    num_sinks:
-        ``S``, the first real tokens kept forever (0 gives the window-only baseline).
-    window:
-        ``W ≥ 1``, the most recent tokens each query sees, itself included (StreamingLLM's ``recent_size``).
-        Default 1020.
-    pinned:
-        Half-open ``(start, end)`` stream-token ranges kept forever after the sinks (e.g. a system prompt);
-        not counted in ``W``.
-    start_position:
-        Absolute position of the stream's first token (a stream resumed deep into a text); positions stay
-        slot-based and float32-exact whatever its value.
-    sliding_sinks:
-        Also give the model's own sliding-window layers the sinks and pinned spans (default: they keep their
-        native last-``w`` window).
-    check_every:
-        On an accelerator, single decoded columns are checked (token ids in range, finite hidden states) on
-        the device and read back every ``check_every`` columns (1: every token, a device synchronisation
-        each). Chunks, and every forward on the CPU, are checked at once.
-    window_length, num_sink_tokens:
-        transformers' old ``SinkCache`` names (deprecated): ``window = window_length − num_sinks``.
-    kv_bits, kv_group_size:
-        Store the window packed at 2, 3, 4 or 8 bits (scale and zero point per token and group of
-        ``kv_group_size`` channels); sinks and pinned spans stay exact (:mod:`sinklab.stream.quantized`).
-    compile_plan:
-        Run each decode step's bookkeeping (slot, virtual position, visibility, anchor re-rotation) as one
-        ``torch.compile``'d function instead of some forty small eager ops — for a compiled forward on an
-        accelerator, where those ops are kernel launches between the graphs (the eager bookkeeping measured
-        0.8–0.9 ms per token on an H200). Off by default: its effect there is not measured yet, and on a CPU
-        the eager bookkeeping is about 0.2 % of a step. Compiled once per budget on the first decode step
-        (same numbers as eager: tests/test_stream_compile.py); where it cannot be compiled it runs eagerly,
-        with a warning.
+    num_sinks, window:
+        ``S``, the first real tokens kept forever, and ``W``, the newest tokens each query sees (default 1020).
+    config:
+        A :class:`~sinklab.stream.config.StreamConfig` (each setting explained there), or instead:
+    settings:
+        Its fields as keywords (``pinned``, ``start_position``, ``rebase_every``, ``sliding_sinks``, ``check_every``,
+        ``kv_bits``, ``kv_group_size``, ``compile_plan``, ``policy``, ``plan`` — also a scan, a diagnosis or a saved
+        plan's path —, ``positions``) and transformers' old ``window_length``/``num_sink_tokens`` (deprecated:
+        ``window = window_length − num_sinks``).
     """
 
     is_sinklab_stream = True

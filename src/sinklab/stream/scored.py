@@ -113,7 +113,7 @@ class ScoredLayer(StreamLayerBase):
     """One layer's score-based cache (see the module docstring); all layers of a stream share a :class:`ScoredState`."""
 
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # until a head evicts (SinkCache.crop says why not after)
     is_sliding = False
     state: ScoredState
     # the buffers, allocated by lazy_initialization before any read (None until then, as in CacheLayerMixin)
