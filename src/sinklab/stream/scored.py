@@ -127,8 +127,8 @@ class ScoredLayer(StreamLayerBase):
         self.rope = rope
         # The model's own sliding window on this layer (None: full attention): a query never sees a token that far
         # back, so such tokens are evicted first. Its sinks and pinned spans are kept only with sliding_sinks (the
-        # model's local layers never saw a token beyond their window: Gemma 3 270M loses 2.5× in perplexity when
-        # its first tokens stay in sight of them after a dense prefill).
+        # model's local layers never saw a token beyond their window; docs/retention.md measures what keeping the
+        # first tokens in sight of them costs).
         self.sliding = sliding
         self.keeps_anchors = sliding is None or bool(sliding_sinks)
         self.plan_budgets = budgets  # per key-value head (a plan); None: the state's capacity for every head
