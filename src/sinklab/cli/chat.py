@@ -145,13 +145,14 @@ def chat(
     tok/s). Ctrl-C stops the current answer, Ctrl-D (end of input) leaves. With --script, or with input piped
     in, the chat runs without prompts and prints the transcript."""
     from ..stream.chat import ChatStream
+    from ..stream.config import StreamConfig
 
     with user_errors():
         turns = list(script_turns(script)) if script is not None else None
         loaded = load_for_command(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, device_map=device_map)
-        engine = ChatStream(loaded.model, loaded.tokenizer, system=system, num_sinks=sinks, window=window,
-                            chunk_size=chunk_size, max_new_tokens=max_new_tokens, temperature=temperature,
-                            top_k=top_k, seed=seed, **retention(loaded, policy, plan, sinks, window))
+        config = StreamConfig(num_sinks=sinks, window=window, **retention(loaded, policy, plan, sinks, window))
+        engine = ChatStream(loaded.model, loaded.tokenizer, system=system, config=config, chunk_size=chunk_size,
+                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
         if not engine.own_template:
             err.print(f"[yellow]note:[/yellow] {model}'s tokenizer has no chat template; using a plain "
                       "'User: … / Assistant:' layout", highlight=False)

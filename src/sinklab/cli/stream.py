@@ -47,6 +47,7 @@ def stream(
     import time
 
     from ..stream import StreamSession, stream_generate
+    from ..stream.config import StreamConfig
 
     with user_errors():
         texts = read_texts(prompt, file, option="--prompt")
@@ -65,10 +66,11 @@ def stream(
         # --pin-prompt: the prompt's tokens are kept forever (pins are fixed when the stream starts).
         n_prompt = len(loaded.tokenizer(texts[0])["input_ids"]) if texts[0] else 0
         pinned = [(0, n_prompt)] if pin_prompt and n_prompt else None
-        kept = retention(loaded, policy, plan, sinks, window)
-        session = StreamSession(loaded.model, num_sinks=sinks, window=window, pinned=pinned, chunk_size=chunk_size,
-                                **kept, compile=({"backend": compile_backend} | ({"mode": compile_mode} if compile_mode else {}))
-                                if compile else None, freeze=freeze)
+        config = StreamConfig(num_sinks=sinks, window=window, pinned=tuple(pinned or ()),
+                              **retention(loaded, policy, plan, sinks, window))
+        options = {"backend": compile_backend} | ({"mode": compile_mode} if compile_mode else {})
+        session = StreamSession(loaded.model, config=config, chunk_size=chunk_size,
+                                compile=options if compile else None, freeze=freeze)
         start = time.perf_counter()
         count = 0
         with session:

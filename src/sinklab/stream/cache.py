@@ -29,52 +29,26 @@ evicted, so the whole model runs in constant memory; only the attention layers k
 from __future__ import annotations
 
 import math
-import warnings
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from transformers.cache_utils import Cache
 
 from .. import _compat
 from ..checks import check_model
-from ..errors import InputError, ModelWeightsError, UnsupportedModelError, check_int, is_int
+from ..errors import InputError, ModelWeightsError, UnsupportedModelError
 from .activation import streams_of
+from .config import KV_GROUP_SIZE, StreamConfig, stream_config
 from .layer import SinkWindowLayer
-from .plan import RetentionPlan, load_plan, plan_from_scan
-from .policy import RetentionPolicy, SnapKV, get_policy
+from .plan import RetentionPlan
+from .policy import RetentionPolicy
+from .quantized import QuantizedSinkWindowLayer
 from .scored import ScoredLayer, ScoredState
 from .state import StreamState
 
-__all__ = ["SinkCache"]
-
-
-#: Channels per scale and zero point of a quantized window (``SinkCache(kv_bits=...)``) unless given; the one place
-#: this default is written.
-KV_GROUP_SIZE = 16
-
-
-def _legacy_sizes(num_sinks: int, window: int | None, window_length: int | None,
-                  num_sink_tokens: int | None) -> tuple[int, int]:
-    """Map transformers' old ``SinkCache(window_length, num_sink_tokens)`` names onto ``(num_sinks, window)``.
-
-    The old ``window_length`` was the whole cache: the sinks plus the recent tokens, the new token included
-    (``len(key_cache) == window_length`` after each update), so ``window = window_length − num_sinks``.
-    """
-    if num_sink_tokens is not None:
-        num_sinks = num_sink_tokens
-    if window_length is not None:
-        if window is not None:
-            raise InputError("give window (sinklab) or window_length (transformers' old SinkCache), not both")
-        if not is_int(window_length):
-            raise InputError(f"window_length must be an integer, got {window_length!r}")
-        if window_length <= num_sinks:
-            raise InputError(f"window_length ({window_length!r}) counts the {num_sinks} sinks too; it must exceed them")
-        window = window_length - num_sinks
-    if window_length is not None or num_sink_tokens is not None:
-        warnings.warn(f"window_length/num_sink_tokens are transformers' old names: this is "
-                      f"SinkCache(model, num_sinks={num_sinks}, window={window}) (window_length counted the sinks)",
-                      FutureWarning, stacklevel=3)
-    return num_sinks, (1020 if window is None else window)
+__all__ = ["KV_GROUP_SIZE", "LAYER_KINDS", "LayerSpec", "SinkCache", "build_layers"]
 
 
 def _real_columns(mask, b: int, c: int, device: torch.device) -> torch.Tensor:
@@ -98,31 +72,89 @@ def _real_columns(mask, b: int, c: int, device: torch.device) -> torch.Tensor:
     return torch.ones(b, c, dtype=torch.bool, device=device)
 
 
-def _policy_and_plan(policy, plan, model, num_sinks: int, window: int,
-                     sized: bool) -> tuple[RetentionPolicy, RetentionPlan | None]:
-    """The retention policy and, for ``auto``, its plan: a :class:`RetentionPlan`, the path of a saved one, or a
-    scan / diagnosis to make it from (at ``num_sinks + window`` tokens per head). A saved plan given with an explicit
-    window is re-budgeted to it (the same local heads)."""
-    scan = getattr(plan, "scan", plan)  # a Diagnosis holds its scan
-    if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
-        plan = load_plan(plan)
-    elif hasattr(scan, "local_mass"):
-        plan = plan_from_scan(model, scan, num_sinks=num_sinks, window=window)
-    elif plan is not None and not isinstance(plan, RetentionPlan):
-        raise InputError(f"plan is a sinklab.stream.plan.RetentionPlan, the path of a saved one, or a scan or "
-                         f"diagnosis to make one from; got {type(plan).__name__}")
-    if policy == "auto":
-        if plan is None:
-            raise InputError("policy='auto' needs a plan: plan=scan_or_diagnosis (sinklab.scan / sinklab.diagnose of "
-                             "this model), a RetentionPlan, or the retention_plan.json that `sinklab diagnose` saves")
-        plan.check_model(model)
-        if sized and (num_sinks, window) != (plan.num_sinks, plan.window):
-            plan = plan.with_budget(num_sinks, window)
-        return SnapKV(recent=plan.recent), plan
-    if plan is not None:
-        raise InputError(f"a plan sets per-head budgets for policy='auto'; policy={policy!r} keeps one budget for "
-                         "every head")
-    return get_policy(policy), None
+@dataclass(frozen=True)
+class LayerSpec:
+    """What the factory knows of one attention layer when it makes the layer's cache (``cls.for_stream(state, spec)``).
+    """
+
+    index: int
+    rotation: Any  # how the layer rotates its keys (sinklab._compat.layer_rotations)
+    sliding: int | None  # the model's own sliding window on this layer (None: full attention)
+    config: StreamConfig
+    shared: dict  # what the layers of one stream share, by the state's id (the packed layers' PackShared)
+
+
+#: Which state and cache-layer classes hold an attention layer: (score-based policy, packed window) → the classes.
+#: Each class makes itself from the config (``for_stream``); a score-based policy over a packed window is refused by
+#: :class:`StreamConfig`.
+LAYER_KINDS: dict[tuple[bool, bool], tuple[Any, Any]] = {
+    (False, False): (StreamState, SinkWindowLayer),
+    (False, True): (StreamState, QuantizedSinkWindowLayer),
+    (True, False): (ScoredState, ScoredLayer),
+}
+
+
+def _budget(own: int | None, config: StreamConfig) -> tuple[bool, int, int, tuple]:
+    """``(score-based, sinks, window, pinned)`` of an attention layer whose own sliding window is ``own``: a native
+    window ``w ≤ S + W`` keeps its last ``w`` tokens by recency, without sinks or pins unless ``sliding_sinks``."""
+    native = own is not None and own <= config.num_sinks + config.window
+    if native and not config.sliding_sinks:
+        return False, 0, own, ()  # type: ignore[return-value]  # (native: own is set)
+    return config.policy.scored, config.num_sinks, own if native else config.window, config.pinned  # type: ignore[return-value]
+
+
+def _layer_layout(model: nn.Module) -> tuple[list, list[int | None]]:
+    """Each layer's measured rotation (:func:`sinklab._compat.layer_rotations`, which refuses what the stream cannot
+    reproduce) and the model's own sliding window on it (None: full attention)."""
+    rotations = _compat.layer_rotations(model)
+    if not any(r.is_attention for r in rotations):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no softmax-attention layer: every layer keeps a fixed-size recurrent "
+            "state, which its own cache already holds in constant memory; sinks and a window have nothing to act on "
+            "(generate with the model's own cache)")
+    windows = _compat.layer_sliding_windows(model)
+    if len(rotations) != len(windows):  # blocks with several attention modules
+        if any(w is not None for w in windows):
+            raise UnsupportedModelError(
+                f"{type(model).__name__} has {len(rotations)} attention layers in {len(windows)} blocks and sliding "
+                "windows per block; sinklab cannot tell which attention layer each window belongs to")
+        windows = [None] * len(rotations)
+    return rotations, windows
+
+
+def build_layers(model: nn.Module, config: StreamConfig, rotations: list,
+                 windows: list[int | None]) -> tuple[list, list]:
+    """The stream's cache layers and each one's state (None for a layer that is not attention). Attention layers of
+    the same rotation and budget share one state; :data:`LAYER_KINDS` picks the classes. A hybrid's other layers are
+    fresh layers of the class the model's own cache uses for them (transformers' ``LinearAttentionLayer``, holding the
+    convolution and recurrent states exactly as that cache would; a ``DummyLayer`` for a block without state)."""
+    own_layers = _compat.model_cache_layers(model) if not all(r.is_attention for r in rotations) else []
+    groups: dict[tuple, Any] = {}
+    shared: dict = {}
+    states: list = []
+    layers: list = []
+    for i, (rotation, own) in enumerate(zip(rotations, windows)):
+        if not rotation.is_attention:
+            if i >= len(own_layers) or _compat.cache_layer_kind(own_layers[i]) != rotation.kind:
+                raise UnsupportedModelError(  # the probe measured this very cache: the config changed since
+                    f"{type(model).__name__}: layer {i} is a {rotation.kind} layer, but the model's own cache has no "
+                    "such layer for it; create the SinkCache again")
+            states.append(None)
+            layers.append(own_layers[i])
+            continue
+        scored, *sizes = _budget(own, config)
+        state_cls, layer_cls = LAYER_KINDS[scored, config.kv_bits is not None]
+        if scored and not rotation.caches_attended_keys:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: the {config.policy.name!r} policy re-rotates the keys it keeps, and this "
+                "model's cached tensor is not the rotated key the attention reads (latent attention or a rotary part "
+                "stored apart); stream it with the default policy (streaming)")
+        key = (id(rotation), scored, *sizes)
+        if key not in groups:
+            groups[key] = state_cls.for_stream(config, *sizes, rotation=rotation)
+        states.append(groups[key])
+        layers.append(layer_cls.for_stream(groups[key], LayerSpec(i, rotation, own, config, shared)))
+    return states, layers
 
 
 class SinkCache(Cache):
@@ -134,160 +166,67 @@ class SinkCache(Cache):
         A causal LM whose positions are rotary (any pairing, direction or rotated width; latent attention; layers
         without positions too) — measured on the model by :func:`sinklab._compat.layer_rotations`, which refuses
         what streaming cannot reproduce (transformers ``PreTrainedModel``).
-    num_sinks:
-        ``S``, the first real tokens kept forever (0 gives the window-only baseline).
-    window:
-        ``W ≥ 1``, the most recent tokens each query sees, itself included (StreamingLLM's ``recent_size``).
-        Default 1020.
-    pinned:
-        Half-open ``(start, end)`` stream-token ranges kept forever after the sinks (e.g. a system prompt);
-        not counted in ``W``.
-    start_position:
-        Absolute position of the stream's first token (a stream resumed deep into a text); positions stay
-        slot-based and float32-exact whatever its value.
-    sliding_sinks:
-        Also give the model's own sliding-window layers the sinks and pinned spans (default: they keep their
-        native last-``w`` window).
-    check_every:
-        On an accelerator, single decoded columns are checked (token ids in range, finite hidden states) on
-        the device and read back every ``check_every`` columns (1: every token, a device synchronisation
-        each). Chunks, and every forward on the CPU, are checked at once.
-    window_length, num_sink_tokens:
-        transformers' old ``SinkCache`` names (deprecated): ``window = window_length − num_sinks``.
-    kv_bits, kv_group_size:
-        Store the window packed at 2, 3, 4 or 8 bits (scale and zero point per token and group of
-        ``kv_group_size`` channels); sinks and pinned spans stay exact (:mod:`sinklab.stream.quantized`).
-    compile_plan:
-        Run each decode step's bookkeeping (slot, virtual position, visibility, anchor re-rotation) as one
-        ``torch.compile``'d function instead of some forty small eager ops — for a compiled forward on an
-        accelerator, where those ops are kernel launches between the graphs (the eager bookkeeping measured
-        0.8–0.9 ms per token on an H200). Off by default: its effect there is not measured yet, and on a CPU
-        the eager bookkeeping is about 0.2 % of a step. Compiled once per budget on the first decode step
-        (same numbers as eager: tests/test_stream_compile.py); where it cannot be compiled it runs eagerly,
-        with a warning.
+    num_sinks, window:
+        ``S``, the first real tokens kept forever, and ``W``, the newest tokens each query sees (default 1020).
+    config:
+        A :class:`~sinklab.stream.config.StreamConfig` (each setting explained there), or instead:
+    settings:
+        Its fields as keywords (``pinned``, ``start_position``, ``rebase_every``, ``sliding_sinks``, ``check_every``,
+        ``kv_bits``, ``kv_group_size``, ``compile_plan``, ``policy``, ``plan`` — also a scan, a diagnosis or a saved
+        plan's path —, ``positions``) and transformers' old ``window_length``/``num_sink_tokens`` (deprecated:
+        ``window = window_length − num_sinks``).
     """
 
     is_sinklab_stream = True
 
-    def __init__(self, model: nn.Module, num_sinks: int = 4, window: int | None = None, pinned=None,
-                 start_position: int = 0, rebase_every: int | None = None, *, sliding_sinks: bool = False,
-                 check_every: int = 64, window_length: int | None = None, num_sink_tokens: int | None = None,
-                 kv_bits: int | None = None, kv_group_size: int = KV_GROUP_SIZE, compile_plan: bool = False,
-                 policy: str | RetentionPolicy | None = None, plan: RetentionPlan | str | None = None,
-                 positions: str = "slot") -> None:
+    def __init__(self, model: nn.Module, num_sinks: int | None = None, window: int | None = None, *,
+                 config: StreamConfig | None = None, **settings) -> None:
         check_model(model, "SinkCache")
         _compat.check_stream(model)  # features the stream cannot reproduce, refused with what would lift it
-        sized = window is not None or window_length is not None
-        num_sinks, window = _legacy_sizes(num_sinks, window, window_length, num_sink_tokens)
-        if not isinstance(compile_plan, bool):
-            raise InputError(f"compile_plan is True or False, got {compile_plan!r}")
-        self.policy, self.plan = _policy_and_plan(policy, plan, model, num_sinks, window, sized)
-        if self.plan is not None:
-            num_sinks, window = self.plan.num_sinks, self.plan.window
-        if self.policy.scored and kv_bits is not None:
-            raise InputError(f"kv_bits packs the recency policy's ring buffer; the {self.policy.name!r} policy keeps "
-                             "its tokens unpacked (use policy='streaming' with kv_bits)")
+        if config is None:
+            config = stream_config(model, num_sinks, window, **settings)
+        elif num_sinks is not None or window is not None or settings:
+            raise InputError("give the stream's settings either as config=StreamConfig(...) or as keywords, not both")
+        if config.plan is not None:
+            config.plan.check_model(model)
+        self.config = config
         self.model = model
-        self.sliding_sinks = bool(sliding_sinks)
-        main = StreamState(num_sinks, window, pinned, start_position, rebase_every)
-        self.layer_windows = _compat.layer_sliding_windows(model)
-        # How each layer rotates its keys, measured on the model (pairing, direction, rotated dimensions, which
-        # cached tensor; none on NoPE layers; a hybrid's recurrent layers: not attention): _compat.layer_rotations
-        # refuses what it cannot reproduce.
-        self.layer_rotations = _compat.layer_rotations(model)
-        attention = [r.is_attention for r in self.layer_rotations]
-        if not any(attention):
-            raise UnsupportedModelError(
-                f"{type(model).__name__} has no softmax-attention layer: every layer keeps a fixed-size recurrent "
-                "state, which its own cache already holds in constant memory; sinks and a window have nothing to act on "
-                "(generate with the model's own cache)")
+        self.layer_rotations, self.layer_windows = _layer_layout(model)
         #: A hybrid model's layers that are not attention, kept in the model's own cache-layer class: those with a
         #: recurrent / convolution state (kept whole), and those without state (MLP/MoE blocks).
         self.recurrent_layers = [i for i, r in enumerate(self.layer_rotations) if r.kind == "recurrent"]
         self.stateless_layers = [i for i, r in enumerate(self.layer_rotations) if r.kind == "stateless"]
-        if len(self.layer_rotations) != len(self.layer_windows):  # blocks with several attention modules
-            if any(w is not None for w in self.layer_windows):
-                raise UnsupportedModelError(
-                    f"{type(model).__name__} has {len(self.layer_rotations)} attention layers in "
-                    f"{len(self.layer_windows)} blocks and sliding windows per block; sinklab cannot tell which "
-                    "attention layer each window belongs to")
-            self.layer_windows = [None] * len(self.layer_rotations)
-        groups: dict[tuple, StreamState] = {}
-        self.layer_states: list[StreamState | None] = []  # None: a recurrent layer (no keys, no budget)
-        for rotation, own in zip(self.layer_rotations, self.layer_windows):
-            if not rotation.is_attention:
-                self.layer_states.append(None)
-                continue
-            native = own is not None and own <= num_sinks + window
-            sizes: tuple[int, int, tuple[tuple[int, int], ...]]  # (sinks, window, pinned); native: own is set
-            if native and not sliding_sinks:
-                sizes = (0, own, ())  # type: ignore[assignment]
-            else:
-                sizes = (num_sinks, own if native else window, tuple(main.pinned))  # type: ignore[assignment]
-            scored = self.policy.scored and not (native and not sliding_sinks)
-            key = (id(rotation), scored, *sizes)
-            if key not in groups and scored:
-                if not rotation.caches_attended_keys:
-                    raise UnsupportedModelError(
-                        f"{type(model).__name__}: the {self.policy.name!r} policy re-rotates the keys it keeps, and this "
-                        "model's cached tensor is not the rotated key the attention reads (latent attention or a "
-                        "rotary part stored apart); stream it with the default policy (streaming)")
-                # (a ScoredState stands in for a StreamState: the layers use what both have; a scored policy)
-                groups[key] = ScoredState(self.policy, sizes[0], sizes[1], list(sizes[2]),  # type: ignore[assignment, arg-type]
-                                          start_position,
-                                          rebase_every, rope=rotation.cache_rope, positions=positions)
-            elif key not in groups:
-                groups[key] = StreamState(sizes[0], sizes[1], list(sizes[2]), start_position, rebase_every,
-                                          rope=rotation.cache_rope, attn_rope=rotation.attn_rope,
-                                          compile_plan=compile_plan)
-            self.layer_states.append(groups[key])
-        self.states = list(groups.values())
+        self.layer_states, layers = build_layers(model, config, self.layer_rotations, self.layer_windows)
+        self.states = list(dict.fromkeys(s for s in self.layer_states if s is not None))
         # Every group re-bases at the same steps by the same amount, so all layers share one virtual position.
         keep = max(s.capacity if s.scored else s.window for s in self.states)
         for st in self.states:
-            st.set_rebase(rebase_every, keep)
-        full = [s for s in self.states if (s.num_sinks, s.window) == (num_sinks, window) and s.scored == self.policy.scored]
+            st.set_rebase(config.rebase_every, keep)
+        full = [s for s in self.states if (s.num_sinks, s.window) == (config.num_sinks, config.window)
+                and s.scored == config.policy.scored]
         self.state = full[0] if full else self.states[0]  # the sinks + window budget (what cache_tokens reports)
         self.rope = self.state.rope
         self.closed = False
         self._vocab = _compat.embedding_rows(model)
-        self.check_every = check_int("check_every", check_every, 1)
+        self.check_every = config.check_every
         self._pending_ids: torch.Tensor | bool = False
         self._pending_hidden: torch.Tensor | bool = False
         self._checked = 0  # columns checked so far
-        if kv_bits is None and kv_group_size != KV_GROUP_SIZE:
-            raise InputError(f"kv_group_size={kv_group_size!r} sets the groups of a quantized window; it needs kv_bits")
-        swapped = [r.rotated == "values" for r in self.layer_rotations]  # latent attention: see SinkWindowLayer
-        if kv_bits is None:
-            def attention_layer(s, v: bool, i: int):
-                if s.scored:
-                    return ScoredLayer(s, s.rope, self.plan.budgets[i] if self.plan is not None else None,
-                                       sliding=self.layer_windows[i], sliding_sinks=self.sliding_sinks)
-                return SinkWindowLayer(s, s.rope, rotates_values=v)
-        else:
-            from .quantized import PackShared, QuantizedSinkWindowLayer
-
-            packs: dict[int, PackShared] = {}  # one per stream state: the layers that pack together
-
-            def attention_layer(s, v: bool, i: int):
-                return QuantizedSinkWindowLayer(s, s.rope, kv_bits, kv_group_size, rotates_values=v,
-                                                shared=packs.setdefault(id(s), PackShared()))
-        # A hybrid's other layers: fresh layers of the class the model's own cache uses for them (transformers'
-        # LinearAttentionLayer, which holds the convolution and recurrent states exactly as that cache would; a
-        # DummyLayer for a block without state).
-        own_layers = _compat.model_cache_layers(model) if not all(attention) else []
-        layers = []
-        for i, (s, v, rotation) in enumerate(zip(self.layer_states, swapped, self.layer_rotations)):
-            if s is not None:
-                layers.append(attention_layer(s, v, i))
-            elif i < len(own_layers) and _compat.cache_layer_kind(own_layers[i]) == rotation.kind:
-                layers.append(own_layers[i])
-            else:  # the probe measured this very cache; a mismatch means the config changed since
-                raise UnsupportedModelError(f"{type(model).__name__}: layer {i} is a {rotation.kind} layer, but the "
-                                            "model's own cache has no such layer for it; create the SinkCache again")
         super().__init__(layers=layers)
         self._streams = streams_of(model)
         self._streams.add(self)
+
+    @property
+    def policy(self) -> RetentionPolicy:
+        return self.config.policy
+
+    @property
+    def plan(self) -> RetentionPlan | None:
+        return self.config.plan
+
+    @property
+    def sliding_sinks(self) -> bool:
+        return self.config.sliding_sinks
 
     # ------------------------------------------------------------------ lifetime
     def __enter__(self) -> SinkCache:
@@ -442,9 +381,6 @@ class SinkCache(Cache):
             raise InputError(f"SinkCache.crop takes minus the number of columns to remove (transformers ≥ 5), "
                              f"got {tokens_to_remove}")
         n = -int(tokens_to_remove)
-        if n and self.policy.scored:
-            raise InputError(f"SinkCache cannot take back tokens under the {self.policy.name!r} policy: its evictions "
-                             "depend on every token seen (assisted decoding needs a DynamicCache or policy='streaming')")
         recording = [self.layers[i] for i in self.recurrent_layers if getattr(self.layers[i], "record_past", False)]
         if n and self.recurrent_layers and len(recording) < len(self.recurrent_layers):
             raise InputError(
@@ -459,7 +395,7 @@ class SinkCache(Cache):
         if n > self.state.columns:
             raise InputError(f"cannot remove {n} columns from a stream of {self.state.columns}")
         for state in self.states:
-            if bool((state.n_free > state.window).any()):
+            if state.evicted():
                 raise InputError(
                     f"SinkCache cannot take back the last {n} tokens: the stream has already evicted tokens from its "
                     f"{state.window}-token window, and those are gone (a cropped stream would differ from one that "
@@ -486,3 +422,73 @@ class SinkCache(Cache):
         """Decoding is compileable (fixed shapes; a packed ``kv_bits`` ring is not); transformers' ``generate``
         compiles a compileable cache under a CompileConfig."""
         return all(layer.is_compileable for layer in self.layers)
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict:
+        """Everything the stream holds, nested: each state's and each layer's own ``state_dict`` by index (a hybrid's
+        recurrent layers: :func:`recurrent_state_dict`), and which layers are recurrent. A cache made with the same
+        config on the same model continues exactly after :meth:`load_state_dict`."""
+        return {"states": {str(g): s.state_dict() for g, s in enumerate(self.states)},
+                "layers": {str(i): self._layer_state(i) for i in range(len(self.layers))},
+                "recurrent": list(self.recurrent_layers)}
+
+    def _layer_state(self, i: int) -> dict:
+        if i in self.recurrent_layers:
+            return recurrent_state_dict(self.layers[i])
+        layer: Any = self.layers[i]  # a stream layer, or a stateless one of the model's own cache
+        return layer.state_dict() if self.layer_states[i] is not None else {}
+
+    def check_state_dict(self, saved: dict, source: str = "the saved stream") -> None:
+        """InputError unless ``saved`` (a :meth:`state_dict`) fits this cache's layers and budgets."""
+        if len(saved.get("states", {})) != len(self.states):
+            raise InputError(f"{source} was saved from a model with {len(saved.get('states', {}))} layer budgets; "
+                             f"this one has {len(self.states)} — load it with the model that wrote it")
+        if sorted(saved.get("recurrent", [])) != sorted(self.recurrent_layers) \
+                or len(saved.get("layers", {})) != len(self.layers):
+            raise InputError(f"{source} holds {len(saved.get('layers', {}))} layers, recurrent ones "
+                             f"{sorted(saved.get('recurrent', []))}; this model has {len(self.layers)}, recurrent "
+                             f"{sorted(self.recurrent_layers)} — load it with the model that wrote it")
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Put back what :meth:`state_dict` returned (checked by :meth:`check_state_dict`)."""
+        self.check_state_dict(saved)
+        for g, state in enumerate(self.states):
+            state.load_state_dict(saved["states"][str(g)])
+        layers: list[Any] = list(self.layers)
+        for i, layer in enumerate(layers):
+            if i in self.recurrent_layers:
+                load_recurrent_state_dict(layer, saved["layers"][str(i)])
+            elif self.layer_states[i] is not None:
+                layer.load_state_dict(saved["layers"][str(i)])
+        self._checked = self.state.columns
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def recurrent_state_dict(layer: object) -> dict:
+    """A hybrid's recurrent cache layer (transformers' linear-attention layer: per-state dicts of conv / recurrent
+    tensors and flags, a length counter) as a nested dict: each tensor or plain attribute as it is, each dict
+    attribute as ``{"items": {key: value}, "int_keys": bool}``."""
+    out: dict = {}
+    for name, value in vars(layer).items():
+        if isinstance(value, (Tensor, *_PLAIN)):
+            out[name] = value
+        elif isinstance(value, dict):
+            items = {str(k): v for k, v in value.items() if isinstance(v, (Tensor, *_PLAIN))}
+            out[name] = {"items": items, "int_keys": all(isinstance(k, int) for k in value)}
+    return out
+
+
+def load_recurrent_state_dict(layer: Any, saved: dict) -> None:
+    """Put back what :func:`recurrent_state_dict` took from a layer of the same class."""
+    tensors = []
+    for name, value in saved.items():
+        if isinstance(value, dict):
+            cast = int if value["int_keys"] else str
+            value = {cast(k): v for k, v in value["items"].items()}
+            tensors += [(name != "conv_states", v) for v in value.values() if isinstance(v, Tensor)]
+        setattr(layer, name, value)
+    first = min(tensors, key=lambda t: t[0], default=None)  # transformers takes the layer's dtype and device from
+    if first is not None and hasattr(layer, "device"):  # its conv state
+        layer.device, layer.dtype = first[1].device, first[1].dtype

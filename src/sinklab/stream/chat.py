@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ from ..atomic import atomic_file
 from ..errors import InputError, check_int
 from ..variants import register_count
 from .session import StreamSession, TextPieces, check_chunk_size, check_sampling, sample_token
-from .state import StreamState
+from .config import StreamConfig, stream_config
 
 __all__ = ["PLAIN_TEMPLATE", "ChatStream", "Meter", "Turn"]
 
@@ -88,27 +88,31 @@ class ChatStream:
         A RoPE causal LM and its tokenizer (its ``chat_template``, else :data:`PLAIN_TEMPLATE`).
     system:
         An optional system prompt, pinned: its tokens are kept forever, outside the window.
-    num_sinks, window, chunk_size, rebase_every:
-        The stream's settings (see :class:`~sinklab.stream.SinkCache`).
+    config, stream:
+        The stream's settings: a :class:`~sinklab.stream.config.StreamConfig`, or the keywords of
+        :class:`~sinklab.stream.SinkCache` (``num_sinks``, ``window`` — 1020 unless given —, ``rebase_every``,
+        ``policy``, ``plan`` …); ``chunk_size`` (prompt tokens per prefill forward) goes with either.
     max_new_tokens, temperature, top_k, seed:
         Per answer: the length limit; greedy when ``temperature`` is 0, else sampling (one generator
         seeded once per chat, so a scripted chat is reproducible).
     """
 
-    def __init__(self, model: nn.Module, tokenizer, *, system: str | None = None, num_sinks: int = 4,
-                 window: int = 1020, chunk_size: int = 256, rebase_every: int | None = None,
+    def __init__(self, model: nn.Module, tokenizer, *, system: str | None = None, config: StreamConfig | None = None,
                  max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
-                 policy=None, plan=None) -> None:
+                 **stream) -> None:
         check_sampling(max_new_tokens, temperature, top_k, seed)
         check_int("max_new_tokens", max_new_tokens, 1)
-        StreamState(num_sinks, window, rebase_every=rebase_every)  # sizes checked now, not at the first answer
-        check_chunk_size(chunk_size)
+        self.chunk_size = stream.pop("chunk_size", 256)
+        if config is None:
+            config = stream_config(model, stream.pop("num_sinks", None), stream.pop("window", 1020), **stream)
+        elif stream:
+            raise InputError("give the stream's settings either as config=StreamConfig(...) or as keywords, not both")
+        check_chunk_size(self.chunk_size)
         if tokenizer is None:
             raise InputError("chat needs a tokenizer (this checkpoint has none)")
         self.model, self.tokenizer = model, tokenizer
         self.system = system or None
-        self.settings = dict(num_sinks=num_sinks, window=window, chunk_size=chunk_size, rebase_every=rebase_every,
-                             policy=policy, plan=plan)
+        self.config = config
         self.max_new_tokens, self.temperature, self.top_k, self.seed = max_new_tokens, temperature, top_k, seed
         self.template = getattr(tokenizer, "chat_template", None) or PLAIN_TEMPLATE
         self.own_template = self.template is not PLAIN_TEMPLATE
@@ -131,11 +135,11 @@ class ChatStream:
         self.rendered = ""  # every character the stream has consumed, as text
         self.turns: list[Turn] = []
         self.pinned_tokens = 0
-        pinned = None
+        config = self.config
         if self.system:
             n = len(self._encode(self._render(self.messages, False), True)) + register_count(self.model)
-            pinned, self.pinned_tokens = [(0, n)], n
-        self._session = StreamSession(self.model, pinned=pinned, **self.settings)
+            config, self.pinned_tokens = replace(config, pinned=(*config.pinned, (0, n))), n
+        self._session = StreamSession(self.model, config=config, chunk_size=self.chunk_size)
         self._gen = torch.Generator().manual_seed(self.seed)
 
     def __enter__(self) -> ChatStream:

@@ -201,3 +201,23 @@ class SinkWindowLayer(StreamLayerBase):
             shift = delta.to(self.keys.device)[:, None, None]  # (B, 1, 1) broadcast over heads and slots
             self.keys[:, :, ring] = rotate(self.keys[:, :, ring], self.rope, shift)
 
+    # ------------------------------------------------------------------ construction and persistence
+    @classmethod
+    def for_stream(cls, state: StreamState, spec) -> SinkWindowLayer:
+        """The layer :func:`sinklab.stream.cache.build_layers` makes for ``spec`` (a ``LayerSpec``)."""
+        return cls(state, state.rope, rotates_values=spec.rotation.rotated == "values")
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The buffers (empty before the first forward); :meth:`load_state_dict` puts them back."""
+        if not self.is_initialized:
+            return {}
+        return {"keys": self.keys, "values": self.values, "anchor_keys": self.anchor_keys}
+
+    def load_state_dict(self, saved: dict[str, Tensor]) -> None:
+        if saved:
+            self.keys, self.values, self.anchor_keys = saved["keys"], saved["values"], saved["anchor_keys"]
+            self.device, self.dtype = self.keys.device, self.keys.dtype
+            self._partner = None
+            self.mark_static()
+            self.is_initialized = True
+

@@ -72,6 +72,7 @@ class RetentionPolicy:
         return self.name
 
 
+@dataclass
 class Recency(RetentionPolicy):
     """StreamingLLM (Xiao et al., 2024): the sinks, the pinned spans and the most recent tokens; no scores."""
 

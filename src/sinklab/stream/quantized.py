@@ -216,21 +216,35 @@ class QuantizedSinkWindowLayer(SinkWindowLayer):
         ring_k, ring_v = self._ring_parts()
         return dequantize(ring_k), dequantize(ring_v)
 
-    def state_tensors(self) -> dict[str, Tensor]:
-        """What :class:`~sinklab.stream.session.StreamSession` saves: the packed ring and the exact anchors."""
+    # ------------------------------------------------------------------ construction and persistence
+    @classmethod
+    def for_stream(cls, state: StreamState, spec) -> QuantizedSinkWindowLayer:
+        """The layer :func:`sinklab.stream.cache.build_layers` makes for ``spec`` (its stream's layers share one
+        :class:`PackShared`)."""
+        config = spec.config
+        return cls(state, state.rope, config.kv_bits, config.kv_group_size,
+                   rotates_values=spec.rotation.rotated == "values",
+                   shared=spec.shared.setdefault(id(state), PackShared()))
+
+    def state_dict(self) -> dict:
+        """The packed ring, the exact anchors and the key head width (empty before the first forward)."""
+        if not self.is_initialized:
+            return {}
         self._flush()
         return {"ring_packed": self.ring.packed, "ring_scale": self.ring.scale, "ring_zero": self.ring.zero,
-                "anchor_keys": self.anchor_keys, "anchor_values": self.anchor_values}
+                "anchor_keys": self.anchor_keys, "anchor_values": self.anchor_values, "head_dim": self.dh}
 
-    def load_state_tensors(self, tensors: dict[str, Tensor], dh: int) -> None:
-        """Inverse of :meth:`state_tensors` (``dh``: the key head width)."""
-        packed, scale = tensors["ring_packed"], tensors["ring_scale"]
-        self.anchor_keys, self.anchor_values = tensors["anchor_keys"], tensors["anchor_values"]
+    def load_state_dict(self, saved: dict) -> None:
+        """Inverse of :meth:`state_dict`."""
+        if not saved:
+            return
+        packed, scale, dh = saved["ring_packed"], saved["ring_scale"], int(saved["head_dim"])
+        self.anchor_keys, self.anchor_values = saved["anchor_keys"], saved["anchor_values"]
         self.device, self.dtype, self.dh = packed.device, self.anchor_keys.dtype, dh
         b, hkv, w, _ = scale.shape
         self.group = min(self.group_size, dh, self.anchor_values.shape[-1])
         width = scale.shape[-1] * self.group
-        self.ring = QuantizedTensor(packed, scale, tensors["ring_zero"], self.bits, self.group, 3, (b, hkv, w, width),
+        self.ring = QuantizedTensor(packed, scale, saved["ring_zero"], self.bits, self.group, 3, (b, hkv, w, width),
                                     self.dtype)
         self._bind_buffer(b, hkv, dh, width - dh)
         self.is_initialized = True

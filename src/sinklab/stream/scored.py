@@ -103,16 +103,34 @@ class ScoredState(StreamBudget):
         sizes = [layer.kept_tokens().float().mean(-1).max() for layer in self.layers if layer.is_initialized]
         return int(round(float(torch.stack(sizes).mean()))) if sizes else 0
 
-    def settings(self) -> dict:
-        return {"policy": self.policy.name, "num_sinks": self.num_sinks, "window": self.window, "pinned": self.pinned,
-                "start_position": self.start_position, "positions": self.positions}
+    def per_row(self) -> dict[str, Tensor]:
+        """The per-row tensors (first dimension ``B``), by attribute name."""
+        return {"n_real": self.n_real, "base": self.base}
+
+    def evicted(self) -> bool:
+        """Whether any head of any layer has let go of a token it saw (host read)."""
+        return any(layer.evicted() for layer in self.layers)
+
+    def drop_last(self, n: int) -> None:
+        """Forget each row's last ``n`` tokens (the caller checked that no head evicted any; they are real)."""
+        for layer in self.layers:
+            layer.drop_last(self.n_real - n)
+        self.n_real = self.n_real - n
+        self.columns -= n
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def for_stream(cls, config, num_sinks: int, window: int, pinned, rotation) -> ScoredState:
+        """The state :func:`sinklab.stream.cache.build_layers` makes for one budget of ``config`` (a ``StreamConfig``)."""
+        return cls(config.policy, num_sinks, window, list(pinned), config.start_position, config.rebase_every,
+                   rope=rotation.cache_rope, positions=config.positions)
 
 
 class ScoredLayer(StreamLayerBase):
     """One layer's score-based cache (see the module docstring); all layers of a stream share a :class:`ScoredState`."""
 
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # until a head evicts (SinkCache.crop says why not after)
     is_sliding = False
     state: ScoredState
     # the buffers, allocated by lazy_initialization before any read (None until then, as in CacheLayerMixin)
@@ -126,8 +144,8 @@ class ScoredLayer(StreamLayerBase):
         self.rope = rope
         # The model's own sliding window on this layer (None: full attention): a query never sees a token that far
         # back, so such tokens are evicted first. Its sinks and pinned spans are kept only with sliding_sinks (the
-        # model's local layers never saw a token beyond their window: Gemma 3 270M loses 2.5× in perplexity when
-        # its first tokens stay in sight of them after a dense prefill).
+        # model's local layers never saw a token beyond their window; docs/retention.md measures what keeping the
+        # first tokens in sight of them costs).
         self.sliding = sliding
         self.keeps_anchors = sliding is None or bool(sliding_sinks)
         self.plan_budgets = budgets  # per key-value head (a plan); None: the state's capacity for every head
@@ -239,6 +257,38 @@ class ScoredLayer(StreamLayerBase):
             index = index.to(self.keys.device)
             self.keys, self.values, self.sidx, self.pos = (t.index_select(0, index) for t in
                                                            (self.keys, self.values, self.sidx, self.pos))
+
+    # ------------------------------------------------------------------ construction, crop and persistence
+    @classmethod
+    def for_stream(cls, state: ScoredState, spec) -> ScoredLayer:
+        """The layer :func:`sinklab.stream.cache.build_layers` makes for ``spec`` (its budgets from the plan)."""
+        config = spec.config
+        budgets = config.plan.budgets[spec.index] if config.plan is not None else None
+        return cls(state, state.rope, budgets, sliding=spec.sliding, sliding_sinks=config.sliding_sinks)
+
+    def evicted(self) -> bool:
+        """Whether any head of any row has let go of a token it saw (host read)."""
+        return self.is_initialized and bool((self.kept_tokens() < self.state.n_real[:, None]).any())
+
+    def drop_last(self, first: Tensor) -> None:
+        """Forget the tokens from stream index ``first`` ``[B]`` on (the caller checked that nothing was evicted, so
+        each head holds every token in stream order and the dropped ones are its last)."""
+        if self.is_initialized:
+            self.sidx = torch.where(self.sidx >= first[:, None, None], torch.full_like(self.sidx, -1), self.sidx)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The kept keys and values, their stream indices, positions and each head's budget (empty before the first
+        forward); :meth:`load_state_dict` puts them back."""
+        if not self.is_initialized:
+            return {}
+        return {"keys": self.keys, "values": self.values, "sidx": self.sidx, "pos": self.pos, "budgets": self.budgets}
+
+    def load_state_dict(self, saved: dict[str, Tensor]) -> None:
+        if saved:
+            self.keys, self.values, self.sidx, self.pos = saved["keys"], saved["values"], saved["sidx"], saved["pos"]
+            self.budgets = saved["budgets"]
+            self.device, self.dtype = self.keys.device, self.keys.dtype
+            self.is_initialized = True
 
 
 def _later_count(flags: Tensor, order: Tensor) -> Tensor:

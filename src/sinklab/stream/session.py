@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,13 @@ from .. import _compat
 from ..atomic import atomic_file
 from ..errors import InputError, check_int, is_int
 from ..variants import register_count
-from .cache import KV_GROUP_SIZE, SinkCache
+from .cache import SinkCache
+from .config import StreamConfig
 
 __all__ = ["StreamSession", "TextPieces", "check_chunk_size", "check_sampling", "compile_options", "sample_token",
            "stream_generate"]
 
-_FORMAT = "sinklab.stream/1"
+_FORMAT = "sinklab.stream/2"
 
 
 def _describe(value) -> str:
@@ -116,11 +118,12 @@ class StreamSession:
     ...     logits = s.step(logits.argmax(-1))   # one new token per row
     """
 
-    def __init__(self, model: nn.Module, num_sinks: int = 4, window: int = 1020, pinned=None,
-                 start_position: int = 0, chunk_size: int = 256, rebase_every: int | None = None, *,
-                 sliding_sinks: bool = False, compile: bool | dict | None = None, kv_bits: int | None = None,
-                 kv_group_size: int = KV_GROUP_SIZE, compile_plan: bool = False, freeze: bool | None = None,
-                 policy=None, plan=None, positions: str = "slot") -> None:
+    def __init__(self, model: nn.Module, num_sinks: int | None = None, window: int | None = None, *,
+                 config: StreamConfig | None = None, chunk_size: int = 256, compile: bool | dict | None = None,
+                 freeze: bool | None = None, **settings) -> None:
+        """``config`` (or the keywords of :class:`~sinklab.stream.SinkCache`; the window defaults to 1020, and a
+        plan is re-budgeted to it) sets the stream; ``chunk_size``: tokens per prefill forward; ``compile``: decode
+        through ``torch.compile`` (True or its options); ``freeze``: inductor's freezing (None: on a CPU)."""
         from ..checks import check_model, check_weights
 
         check_model(model, "StreamSession")
@@ -131,24 +134,24 @@ class StreamSession:
         check_weights(model)  # NaN/inf weights: one clear error now, not garbage tokens later
         self.model = model
         self.chunk_size = chunk_size
-        self.sink = SinkCache(model, num_sinks, window, pinned, start_position, rebase_every,
-                              sliding_sinks=sliding_sinks, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                              compile_plan=compile_plan, policy=policy, plan=plan, positions=positions)
-        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        if config is None and window is None:
+            window = 1020
+        self.sink = SinkCache(model, num_sinks, window, config=config, **settings)
+        self.config: StreamConfig = self.sink.config
+        self._given = {"compile": compile, "freeze": freeze}  # what save() writes, for load() to rebuild
         self.cache: Any = None  # the open SinkCache (set by __enter__)
         self._cache_kwarg = _compat.cache_kwarg_name(model)
         self._device = _compat.input_device(model)
         self.tokens_seen = 0
-        self._restore: dict[str, Tensor] | None = None
-        self._restore_recurrent: dict[str, dict] = {}  # saved recurrent layers' plain fields (StreamSession.load)
+        self._restore: dict | None = None  # a loaded stream's state, put back on __enter__
         # Decoding (``step``) through torch.compile; chunks (``feed``) stay eager. Compiled once per model forward.
         self.compile_options = options  # what torch.compile was given for step() (None: eager)
         compiled, options = options is not None, options or {}
         # freeze=None: on a CPU with inductor and no inductor options of the caller's, freeze — the weights become
-        # constants of the graph and the projections prepacked matrices: SmolLM2 59.0 → 47.2–51.5 ms per token,
-        # Gemma 3 270M 102.3 → 65.0–71.7 ms on a 2-core CPU VM, for a second, prepacked copy of the weights in memory
-        # (docs/stream.md). A mode keeps it: mode="max-autotune-no-cudagraphs" lets inductor pick its C++ GEMM
-        # templates for the frozen weights. The compiled forward holds the weights as they were when it was compiled.
+        # constants of the graph and the projections prepacked matrices (faster per token for a second, prepacked
+        # copy of the weights in memory: docs/stream.md). A mode keeps it: mode="max-autotune-no-cudagraphs" lets
+        # inductor pick its C++ GEMM templates for the frozen weights. The compiled forward holds the weights as they
+        # were when it was compiled.
         inductor = options.get("backend", "inductor") == "inductor"
         if freeze and not (compiled and inductor):
             raise InputError("freeze=True needs compile with torch.compile's inductor backend (freezing is one of "
@@ -162,7 +165,7 @@ class StreamSession:
     def __enter__(self) -> StreamSession:
         self.cache = self.sink.__enter__()
         if self._restore is not None:
-            self._load_tensors(self._restore)
+            self.sink.load_state_dict(self._restore)
             self._restore = None
         return self
 
@@ -172,6 +175,14 @@ class StreamSession:
     @property
     def state(self):
         return self.sink.state
+
+    @property
+    def kv_bits(self) -> int | None:
+        return self.config.kv_bits
+
+    @property
+    def kv_group_size(self) -> int:
+        return self.config.kv_group_size
 
     def _forward(self, ids: Tensor, mask: Tensor | None, forward=None) -> Tensor:
         kwargs = {"input_ids": ids, "use_cache": True, self._cache_kwarg: self.cache}
@@ -228,109 +239,49 @@ class StreamSession:
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path) -> Path:
-        """Write the cache and position counters to a safetensors file (resume with :meth:`load`)."""
+        """Write the stream to a safetensors file: its :class:`StreamConfig`, the session's own settings and every
+        state's and layer's ``state_dict`` (tensors in the file, the rest in its metadata); :meth:`load` resumes it.
+        """
         self._check_open()
-        if self.sink.policy.scored:
-            raise InputError(f"saving a stream is supported for the recency policy (streaming); the "
-                             f"{self.sink.policy.name!r} policy's per-head token sets are not saved yet")
         if self.state.batch is None:
             raise InputError("nothing to save yet: feed the stream first")
         path = Path(path)
         if path.is_dir():
             raise InputError(f"{path} is a folder; give a file name (e.g. {path / 'stream.safetensors'})")
-        tensors = {}
-        for g, state in enumerate(self.sink.states):
-            prefix = "" if g == 0 else f"group{g}."
-            tensors.update({prefix + k: v for k, v in state.state_dict().items()})
-        for i, layer in enumerate(self.cache.layers):
-            if i in self.sink.recurrent_layers or not hasattr(layer, "is_initialized"):
-                continue  # recurrent layers below; stateless ones hold nothing
-            if layer.is_initialized and self.kv_bits is not None:  # the packed ring and the exact anchors
-                tensors.update({f"layer.{i}.{k}": v.contiguous() for k, v in layer.state_tensors().items()})
-                tensors[f"layer.{i}.head_dim"] = torch.tensor(layer.dh)
-            elif layer.is_initialized:
-                tensors[f"layer.{i}.keys"] = layer.keys.contiguous()
-                tensors[f"layer.{i}.values"] = layer.values.contiguous()
-                tensors[f"layer.{i}.anchor_keys"] = layer.anchor_keys.contiguous()
-        recurrent = {}
-        for i in self.sink.recurrent_layers:  # a hybrid's linear-attention / state-space / conv state, whole
-            kept, recurrent[str(i)] = _recurrent_state(self.cache.layers[i])
-            tensors.update({f"layer.{i}.recurrent.{k}": v.contiguous() for k, v in kept.items()})
-        meta = {"format": _FORMAT, "settings": self._settings(),
-                "columns": self.state.columns, "recurrent": recurrent,
-                "tokens_seen": self.tokens_seen, "chunk_size": self.chunk_size}
+        tensors, plain = split_tree(self.sink.state_dict())
+        meta = {"format": _FORMAT, "config": self.config.to_json(), "chunk_size": self.chunk_size,
+                **self._saved_compile(), "tokens_seen": self.tokens_seen, "state": plain}
         with atomic_file(path) as tmp:  # a failed or interrupted save leaves the previous file (or none)
-            save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(tmp), metadata={"sinklab": json.dumps(meta)})
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp),
+                      metadata={"sinklab": json.dumps(meta)})
         return path
+
+    def _saved_compile(self) -> dict:
+        """``compile``/``freeze`` as given, for the file; options JSON cannot hold (a callable backend) are left out,
+        with a warning (the resumed stream decodes eagerly)."""
+        try:
+            json.dumps(self._given)
+            return dict(self._given)
+        except TypeError:
+            warnings.warn("the compile options hold a callable, which a stream file cannot: the resumed stream "
+                          "decodes eagerly (pass compile= again after StreamSession.load)", UserWarning, stacklevel=3)
+            return {"compile": None, "freeze": None}
 
     @classmethod
     def load(cls, model: nn.Module, path: str | Path) -> StreamSession:
-        """A session that resumes the saved stream when entered (``with StreamSession.load(m, p) as s:``)."""
-        from safetensors import SafetensorError, safe_open
-
-        if not Path(path).is_file():
-            raise InputError(f"{path}: no such stream file" + (" (it is a folder)" if Path(path).is_dir() else ""))
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                raw = (f.metadata() or {}).get("sinklab")
-        except SafetensorError as exc:
-            raise InputError(f"{path} is not a safetensors file written by StreamSession.save ({exc})") from exc
-        if raw is None:
-            raise InputError(f"{path} is not a sinklab stream file (no sinklab metadata)")
-        meta = json.loads(raw)
-        if meta.get("format") != _FORMAT:
-            raise InputError(f"{path}: unsupported stream format {meta.get('format')!r}")
-        s = meta["settings"]
-        session = cls(model, s["num_sinks"], s["window"], [tuple(p) for p in s["pinned"]], s["start_position"],
-                      meta["chunk_size"], s["rebase_every"], sliding_sinks=s.get("sliding_sinks", False),
-                      kv_bits=s.get("kv_bits"), kv_group_size=s.get("kv_group_size", KV_GROUP_SIZE))
-        if len(session.sink.states) != s.get("groups", 1):
-            raise InputError(f"{path} was saved from a model with {s.get('groups', 1)} layer budgets; this one has "
-                             f"{len(session.sink.states)} — load it with the model that wrote it")
+        """A session that resumes the saved stream when entered (``with StreamSession.load(m, p) as s:``), made with
+        every setting the saved one had."""
+        meta = _read_meta(path)
+        session = cls(model, config=StreamConfig.from_json(meta["config"]), chunk_size=meta["chunk_size"],
+                      compile=meta["compile"], freeze=meta["freeze"])
         # Cloned: tensors read from the file sit wherever its header puts them, and a misaligned buffer changes
         # the summation order of vectorised kernels (a resumed stream would differ in the last bit).
         tensors = {k: v.clone() for k, v in load_file(str(path), device=str(_compat.input_device(model))).items()}
-        tensors["__columns__"] = torch.tensor(meta["columns"])
-        saved = sorted(int(i) for i in meta.get("recurrent", {}))
-        if saved != sorted(session.sink.recurrent_layers):
-            raise InputError(f"{path} holds the recurrent state of layers {saved}; this model's recurrent layers are "
-                             f"{sorted(session.sink.recurrent_layers)} — load it with the model that wrote it")
-        session._restore_recurrent = meta.get("recurrent", {})
-        session._restore = tensors
+        saved = join_tree(tensors, meta["state"])
+        session.sink.check_state_dict(saved, f"{path}")
+        session._restore = saved
         session.tokens_seen = meta["tokens_seen"]
         return session
-
-    def _load_tensors(self, tensors: dict[str, Tensor]) -> None:
-        for key, fields in self._restore_recurrent.items():
-            prefix = f"layer.{key}.recurrent."
-            _restore_recurrent_state(self.cache.layers[int(key)], fields,
-                                     {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
-        for g, state in enumerate(self.sink.states):
-            prefix = "state." if g == 0 else f"group{g}.state."
-            state.load_state_dict({k[len(prefix) - 6:]: v for k, v in tensors.items() if k.startswith(prefix)},
-                                  int(tensors["__columns__"]))
-        for i, layer in enumerate(self.cache.layers):
-            if i in self.sink.recurrent_layers:
-                continue
-            if f"layer.{i}.ring_packed" in tensors:
-                prefix = f"layer.{i}."
-                layer.load_state_tensors({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
-                                         int(tensors[prefix + "head_dim"]))
-            elif f"layer.{i}.keys" in tensors:
-                layer.keys = tensors[f"layer.{i}.keys"]
-                layer.values = tensors[f"layer.{i}.values"]
-                layer.anchor_keys = tensors[f"layer.{i}.anchor_keys"]
-                layer.device, layer.dtype = layer.keys.device, layer.keys.dtype
-                layer.mark_static()
-                layer.is_initialized = True
-
-    def _settings(self) -> dict:
-        """What :meth:`load` needs to rebuild this session's cache (the main state's budget; the others follow)."""
-        main = self.sink.state
-        return {"num_sinks": main.num_sinks, "window": main.window, "pinned": main.pinned,
-                "start_position": main.start_position, "rebase_every": main.rebase_every,
-                "sliding_sinks": self.sink.sliding_sinks, "groups": len(self.sink.states),
-                "kv_bits": self.kv_bits, "kv_group_size": self.kv_group_size}
 
     def cache_tokens(self) -> int:
         """Kept tokens per row (the cache's size in tokens, at most ``S + P + W``; a score-based policy: the mean over
@@ -338,44 +289,54 @@ class StreamSession:
         return self.state.kept_tokens() if self.state.batch is not None else 0
 
 
-def _recurrent_state(layer: object) -> tuple[dict[str, Tensor], dict]:
-    """A recurrent cache layer's state (transformers' linear-attention layer: per-state dicts of conv / recurrent
-    tensors and flags, a length counter) as tensors ``{"field" | "field.key": tensor}`` and JSON fields."""
-    tensors, fields = {}, {}
-    for name, value in vars(layer).items():
+def _read_meta(path: str | Path) -> dict:
+    """The sinklab metadata of a stream file, or an InputError that says what the file is not."""
+    from safetensors import SafetensorError, safe_open
+
+    if not Path(path).is_file():
+        raise InputError(f"{path}: no such stream file" + (" (it is a folder)" if Path(path).is_dir() else ""))
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get("sinklab")
+    except SafetensorError as exc:
+        raise InputError(f"{path} is not a safetensors file written by StreamSession.save ({exc})") from exc
+    if raw is None:
+        raise InputError(f"{path} is not a sinklab stream file (no sinklab metadata)")
+    meta = json.loads(raw)
+    if meta.get("format") == "sinklab.stream/1":
+        raise InputError(f"{path} is a stream file of format sinklab.stream/1, written by an earlier sinklab "
+                         f"(before the stream configuration); this sinklab reads {_FORMAT}: start the stream again and save it anew")
+    if meta.get("format") != _FORMAT:
+        raise InputError(f"{path}: unsupported stream format {meta.get('format')!r} (this sinklab reads {_FORMAT})")
+    return meta
+
+
+def split_tree(tree: dict, prefix: str = "") -> tuple[dict[str, Tensor], dict]:
+    """A nested ``state_dict`` as its tensors by dotted key (what a safetensors file holds) and the rest, nested as
+    it was (JSON: counters, flags); :func:`join_tree` is the inverse."""
+    tensors: dict[str, Tensor] = {}
+    plain: dict = {}
+    for key, value in tree.items():
         if isinstance(value, Tensor):
-            tensors[name] = value
+            tensors[prefix + key] = value
         elif isinstance(value, dict):
-            plain = {}
-            for key, item in value.items():
-                if isinstance(item, Tensor):
-                    tensors[f"{name}.{key}"] = item
-                elif item is None or isinstance(item, (bool, int, float, str)):
-                    plain[str(key)] = item
-            fields[name] = {"dict": plain, "int_keys": all(isinstance(k, int) for k in value)}
-        elif value is None or isinstance(value, (bool, int, float, str)):
-            fields[name] = {"value": value}
-    return tensors, fields
+            inner, plain[key] = split_tree(value, f"{prefix}{key}.")
+            tensors.update(inner)
+        else:
+            plain[key] = value
+    return tensors, plain
 
 
-def _restore_recurrent_state(layer: Any, fields: dict, tensors: dict[str, Tensor]) -> None:
-    """Put back what :func:`_recurrent_state` took from a layer of the same class."""
-    for name, field in fields.items():
-        if "value" in field:
-            setattr(layer, name, field["value"])
-            continue
-        cast = int if field["int_keys"] else str
-        restored = {cast(k): v for k, v in field["dict"].items()}
-        prefix = f"{name}."
-        restored.update({cast(k[len(prefix):]): v for k, v in tensors.items() if k.startswith(prefix)})
-        setattr(layer, name, restored)
-    for name, value in tensors.items():
-        if "." not in name:
-            setattr(layer, name, value)
-    first = next((v for k, v in sorted(tensors.items(), key=lambda kv: not kv[0].startswith("conv_states."))
-                  if "." in k), None)  # transformers takes the layer's dtype and device from its conv state
-    if first is not None and hasattr(layer, "device"):
-        layer.device, layer.dtype = first.device, first.dtype
+def join_tree(tensors: dict[str, Tensor], plain: dict) -> dict:
+    """Put the tensors of :func:`split_tree` back into (a copy of) the nested rest."""
+    tree = json.loads(json.dumps(plain))
+    for key, value in tensors.items():
+        *parents, leaf = key.split(".")
+        node = tree
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    return tree
 
 
 def sample_token(logits: Tensor, temperature: float, top_k: int, gen: torch.Generator | None) -> Tensor:
@@ -481,8 +442,8 @@ def stream_generate(model: nn.Module, tokenizer, prompt: str | list[str], *, num
     if session is not None:
         session._check_open()
     own = session is None
-    session = session or StreamSession(model, num_sinks, window, pinned, chunk_size=chunk_size, compile=compile,
-                                       freeze=freeze)
+    session = session or StreamSession(model, num_sinks, window, pinned=pinned, chunk_size=chunk_size,
+                                       compile=compile, freeze=freeze)
     # Everything above runs at the call (bad arguments raise there); the tokens come as the caller iterates.
     return _pieces(session, own, ids, mask, encoded, tokenizer, batch, max_new_tokens, temperature, top_k, seed,
                    stop_at_eos)

@@ -285,6 +285,29 @@ class StreamBudget:
         """Turn what the layers store back by ``delta`` ``[B]`` positions (the base moves forward by it)."""
         raise NotImplementedError
 
+    def per_row(self) -> dict[str, Tensor]:
+        """The per-row tensors (first dimension ``B``), by attribute name."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict:
+        """The per-row tensors and the host-side counters (empty before the first forward); a state made with the same
+        settings takes them back with :meth:`load_state_dict` and continues exactly."""
+        if self.batch is None:
+            return {}
+        return {**{n: v.contiguous() for n, v in self.per_row().items()}, "columns": self.columns, "span": self.span,
+                "rebases": self.rebases, "rows_alike": self.rows_alike}
+
+    def load_state_dict(self, saved: dict) -> None:
+        if not saved:
+            return
+        rows = saved["n_real"]
+        self._init_rows(rows.shape[0], rows.device)
+        for name in self.per_row():
+            getattr(self, name).copy_(saved[name])
+        self.columns, self.span, self.rebases = int(saved["columns"]), int(saved["span"]), int(saved["rebases"])
+        self.rows_alike = bool(saved["rows_alike"])
+
 
 class StreamState(StreamBudget):
     """Counters, buffer metadata and position plan for one stream (all layers share it)."""
@@ -474,16 +497,13 @@ class StreamState(StreamBudget):
         """The most tokens any row keeps."""
         return int(self.s_valid.sum(1).max())
 
-    # ------------------------------------------------------------------ persistence
-    def state_dict(self) -> dict[str, Tensor]:
-        return {f"state.{n}": v.contiguous() for n, v in self.per_row().items()}
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def for_stream(cls, config, num_sinks: int, window: int, pinned, rotation) -> StreamState:
+        """The state :func:`sinklab.stream.cache.build_layers` makes for one budget of ``config`` (a ``StreamConfig``)."""
+        return cls(num_sinks, window, list(pinned), config.start_position, config.rebase_every,
+                   rope=rotation.cache_rope, attn_rope=rotation.attn_rope, compile_plan=config.compile_plan)
 
-    def load_state_dict(self, tensors: dict[str, Tensor], columns: int) -> None:
-        b = tensors["state.n_real"].shape[0]
-        self._init_rows(b, tensors["state.n_real"].device)
-        for key, value in tensors.items():
-            if key.startswith("state."):
-                getattr(self, key[6:]).copy_(value)
-        self.columns = columns
-        self.span = int((self.start_position + self.n_real - self.base).max())
-        self.rows_alike = bool((self.n_real == columns).all())
+    def evicted(self) -> bool:
+        """Whether any row's window has let go of a token (host read)."""
+        return self.batch is not None and bool((self.n_free > self.window).any())
