@@ -93,6 +93,12 @@ class RetentionPlan:
         budgets = allocate(self.local, num_sinks, window, self.local_window)
         return replace(self, num_sinks=num_sinks, window=window, budgets=budgets)
 
+    def uniform(self) -> RetentionPlan:
+        """The same plan with every budgeted head at the uniform ``num_sinks + window`` tokens (an ablation: what
+        the per-head budgets add)."""
+        b = self.num_sinks + self.window
+        return replace(self, budgets=[None if row is None else [b] * len(row) for row in self.budgets])
+
     def to_json(self) -> dict:
         return {"format": FORMAT, **asdict(self), "summary": self.summary()}
 
