@@ -28,8 +28,9 @@ layers (``Σ heads × min(B, what the layer holds dense)``) is nearest that targ
 (of the dense entries) and ``kept_bytes`` (entries × (key + value width) × element size).
 
 Methods: ``dense``; sinklab (``SinkCache(model, policy=…)``): ``streaming``, ``snapkv``, ``tova``, ``knorm``,
-``auto`` (per-head budgets and scorers from a scan: :mod:`sinklab.stream.plan`) and ``auto_uniform`` (the auto
-plan's scorers with every head at the uniform budget: what the diagnosis itself adds). sinklab's budget holds at
+``auto`` (per-head budgets from a scan, fitted on a calibration text — the standard library's docstrings, not the
+grid's filler — at the cell's context length: :func:`sinklab.stream.plan.calibrate_plan`) and ``auto_uniform``
+(the auto plan's scorer with every head at the uniform budget: what the fitted budgets themselves add). sinklab's budget holds at
 every step, the question and answer included. kvpress 0.5.5 (transformers 5.2.0, in a throwaway virtualenv:
 ``benchmarks/_kvpress_env.py``; the worker ``_kvpress_worker.py``): ``streaming``, ``snapkv``, ``tova``,
 ``expected_attention``, ``kvzip`` (refuses Gemma 3), ``adakv_expected_attention`` (its per-head Ada-KV wrapper)
@@ -74,6 +75,7 @@ ANSWER_TOKENS = 10
 PPL_TOKENS = 256
 NUM_SINKS = 4
 SCAN_SEED = 1  # the auto plan's scan windows (tokenize_windows' seed): not the grid's prompts
+CALIBRATION_LATER = 256  # tokens after the calibration context whose attention the auto plan's budgets keep
 WORDS = ("amber", "basalt", "cobalt", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kelp",
          "lumen", "marble", "nectar", "onyx", "pepper", "quartz", "raven", "saffron", "tundra")
 
@@ -422,7 +424,7 @@ def grid_model(args, res: Results, name: str, context: int, sources: set[str], k
         if key["source"] == "kvpress":
             outcomes = kvpress_outcomes(args, kvpython, loaded, key, cs)
         else:
-            plan = _auto_plan(model, tok, key["method"], budget, plans)
+            plan = _auto_plan(model, tok, key["method"], budget, context, plans)
             new_cache = functools.partial(make_cache, model, key["method"], budget, plan)
             outcomes = []
             for cell in cs:
@@ -436,16 +438,36 @@ def grid_model(args, res: Results, name: str, context: int, sources: set[str], k
         res.add(row)
 
 
-def _auto_plan(model, tok, method: str, budget: int | None, plans: dict):
-    """The auto plan at ``budget`` tokens per head (``auto_uniform``: the same plan, every head at ``budget``)."""
+def calibration_ids(tokenizer, context: int) -> list[int]:
+    """The calibration text of the auto plan: the first ``context + CALIBRATION_LATER`` tokens of the standard
+    library's docstrings (:func:`sinklab.corpus.stdlib_corpus` past its pydoc topics, the grid's filler)."""
+    from pydoc_data.topics import topics
+
+    from sinklab.corpus import stdlib_corpus
+
+    skip = sum(len(" ".join(t.split())) for t in topics.values())
+    texts = stdlib_corpus(max_chars=skip + 20 * (context + CALIBRATION_LATER))[len(topics):]
+    ids = tokenizer(" ".join(texts), add_special_tokens=False)["input_ids"]
+    return ids[:context + CALIBRATION_LATER]
+
+
+def _auto_plan(model, tok, method: str, budget: int | None, context: int, plans: dict):
+    """The auto plan at ``budget`` tokens per head: made from the scan, its budgets fitted on the calibration text
+    (:func:`sinklab.stream.plan.calibrate_plan`); ``auto_uniform``: the same plan, every head at ``budget``."""
     if method not in ("auto", "auto_uniform"):
         return None
-    from sinklab.stream.plan import plan_from_scan
+    from sinklab.stream.plan import calibrate_plan, plan_from_scan
 
     if "scan" not in plans:
         plans["scan"] = scan_for_plan(model, tok)
     plan = plan_from_scan(model, plans["scan"], num_sinks=NUM_SINKS, window=budget - NUM_SINKS)  # type: ignore[operator]
-    return plan.uniform() if method == "auto_uniform" else plan
+    if method == "auto_uniform":
+        return plan.uniform()
+    if budget not in plans:
+        t0 = time.perf_counter()
+        plans[budget] = calibrate_plan(model, plan, calibration_ids(tok, context), context)
+        plans[budget].source["calibration"]["seconds"] = round(time.perf_counter() - t0, 1)
+    return plans[budget]
 
 
 def kvpress_outcomes(args, python: Path | None, loaded, key: dict, cells: list[dict]) -> list[dict]:
