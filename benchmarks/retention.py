@@ -424,18 +424,27 @@ def grid_model(args, res: Results, name: str, context: int, sources: set[str], k
         if key["source"] == "kvpress":
             outcomes = kvpress_outcomes(args, kvpython, loaded, key, cs)
         else:
-            plan = _auto_plan(model, tok, key["method"], budget, context, plans)
-            new_cache = functools.partial(make_cache, model, key["method"], budget, plan)
-            outcomes = []
-            for cell in cs:
-                try:
-                    outcomes.append(run_prompt(model, cell, key["regime"], new_cache))
-                except Exception as exc:  # noqa: BLE001 - a method that cannot run is a row with its error
-                    outcomes.append({"error": f"{type(exc).__name__}: {exc}"})
+            outcomes = sinklab_outcomes(model, tok, key, budget, cs, plans)
         row = cell_row(key, cs, outcomes, tok, dense_entries)
         row["budget"] = budget
         row["wall_s"] = round(time.time() - t0, 1)
         res.add(row)
+
+
+def sinklab_outcomes(model, tok, key: dict, budget: int | None, cells: list[dict], plans: dict) -> list[dict]:
+    """One sinklab method on every prompt of a cell: the outcomes :func:`cell_row` reads (a failure: its error)."""
+    try:
+        plan = _auto_plan(model, tok, key["method"], budget, key["context"], plans)
+    except Exception as exc:  # noqa: BLE001 - a plan that cannot be made is a row with its error
+        return [{"error": f"{type(exc).__name__}: {exc}"} for _ in cells]
+    new_cache = functools.partial(make_cache, model, key["method"], budget, plan)
+    outcomes = []
+    for cell in cells:
+        try:
+            outcomes.append(run_prompt(model, cell, key["regime"], new_cache))
+        except Exception as exc:  # noqa: BLE001 - a method that cannot run is a row with its error
+            outcomes.append({"error": f"{type(exc).__name__}: {exc}"})
+    return outcomes
 
 
 def calibration_ids(tokenizer, context: int) -> list[int]:
