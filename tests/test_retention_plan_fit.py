@@ -12,7 +12,7 @@ import torch
 from sinklab.models import tiny_llama
 from sinklab.scan import scan_inputs
 from sinklab.stream import SinkCache
-from sinklab.stream.plan import calibrate_plan, fit_budgets, plan_from_scan, recall_curves
+from sinklab.stream.plan import calibrate_plan, fit_budgets, load_plan, plan_from_scan, recall_curves
 from sinklab.stream.policy import SnapKV
 from tests.retention_reference import RetentionReference
 
@@ -70,7 +70,7 @@ def test_fit_budgets_finds_the_best_split_of_concave_curves():
     assert value(fitted) == pytest.approx(best, rel=1e-12)
 
 
-def test_a_plan_fitted_twice_is_the_same_and_keeps_the_total():
+def test_a_plan_fitted_twice_is_the_same_and_keeps_the_total(tmp_path):
     model = tiny_llama(seed=1)
     plan = _plan(model)
     text = _ids(200, seed=4)
@@ -81,6 +81,10 @@ def test_a_plan_fitted_twice_is_the_same_and_keeps_the_total():
     assert a.budgets != plan.budgets  # the fit moves budget between heads
     assert min(x for row in a.budgets for x in row) >= plan.num_sinks + plan.recent
     assert a.source["calibration"]["context"] == 150
+    assert a.summary()["calibrated"] and not plan.summary()["calibrated"]
+    assert load_plan(a.save(tmp_path / "plan.json")) == a  # the fitted budgets are saved in the plan
+    flat = [x for row in a.uniform().budgets for x in row]
+    assert set(flat) == {plan.num_sinks + plan.window}  # the ablation: same plan, uniform budgets
 
 
 def test_auto_with_fitted_budgets_matches_the_float64_reference():

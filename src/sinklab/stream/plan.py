@@ -11,6 +11,13 @@ heads share the rest of the total ``layers × heads × (S + W)`` equally, so the
 tokens as a uniform budget of ``S + W`` would. Far heads keep their tokens by SnapKV scores
 (:class:`~sinklab.stream.policy.SnapKV`). The plan is JSON (:meth:`RetentionPlan.save` / :func:`load_plan`),
 saved beside the report it came from and reloadable with ``SinkCache(model, policy="auto", plan=path)``.
+
+A plan's budgets can also be fitted on a calibration text (:func:`calibrate_plan`, one forward): for each key-value
+head, what its output would lose at each budget under SnapKV — the later queries' squared attention on the keys it
+drops, times the spread of its values (:func:`recall_curves`) — and the same total shared out greedily where it
+loses the least (:func:`fit_budgets`). The fitted budgets are saved in the plan (``source["calibration"]`` says
+what they were fitted on) and hold for prompts of about the calibration's context length; :meth:`RetentionPlan.uniform`
+gives the same plan at uniform budgets (the ablation).
 """
 
 from __future__ import annotations
@@ -87,9 +94,11 @@ class RetentionPlan:
                if not f]
         near = [b for row, flags in zip(self.budgets, self.local) if row is not None
                 for b, f in zip(row, flags) if f]  # type: ignore[arg-type]
+        every = [b for row in self.budgets if row is not None for b in row]
         return {"heads": len(heads), "local_heads": sum(heads), "local_budget": near[0] if near else None,
                 "far_budget": far[0] if far else None, "total_tokens": self.total_tokens,
-                "uniform_budget": self.num_sinks + self.window}
+                "uniform_budget": self.num_sinks + self.window, "least_budget": min(every, default=None),
+                "most_budget": max(every, default=None), "calibrated": "calibration" in self.source}
 
     def with_budget(self, num_sinks: int, window: int) -> RetentionPlan:
         """The same local heads at another uniform budget of ``num_sinks + window`` tokens per head."""
