@@ -66,7 +66,7 @@ from sinklab.report.figures import save_png
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 OUT = RESULTS / "retention_grid.json"
-SINKLAB_METHODS = ("streaming", "snapkv", "tova", "knorm", "auto", "auto_uniform")
+SINKLAB_METHODS = ("auto", "auto_uniform", "snapkv", "streaming", "tova", "knorm")
 KVPRESS_METHODS = ("streaming", "snapkv", "tova", "expected_attention", "kvzip", "adakv_expected_attention",
                    "pyramidkv")
 TASKS = ("needle", "multikey", "vartrack", "ppl")
@@ -337,7 +337,7 @@ def main() -> None:
     ap.add_argument("--models", default="builtin:smollm2,builtin:gemma3")
     ap.add_argument("--contexts", default="2048,4096")
     ap.add_argument("--fractions", default="0.25,0.5")
-    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--tasks", default="ppl,needle,multikey,vartrack", help="in the order they are run")
     ap.add_argument("--regimes", default=",".join(REGIMES))
     ap.add_argument("--prompts", type=int, default=10, help="contexts per cell")
     ap.add_argument("--methods", default=",".join(("dense",) + SINKLAB_METHODS), help="sinklab's methods")
