@@ -85,6 +85,14 @@ def test_a_plan_fitted_twice_is_the_same_and_keeps_the_total(tmp_path):
     assert load_plan(a.save(tmp_path / "plan.json")) == a  # the fitted budgets are saved in the plan
     flat = [x for row in a.uniform().budgets for x in row]
     assert set(flat) == {plan.num_sinks + plan.window}  # the ablation: same plan, uniform budgets
+    wider = a.with_budget(4, 120)  # a fitted plan re-budgeted keeps each head's share, scaled
+    old = [x for row in a.budgets for x in row]
+    new = [x for row in wider.budgets for x in row]
+    assert sum(new) == len(new) * 124
+    for x, y, bx, by in zip(old, new, old[1:], new[1:]):
+        assert abs(y - x * sum(new) / sum(old)) <= 2
+        if bx > x + 1:
+            assert by >= y
 
 
 def test_auto_with_fitted_budgets_matches_the_float64_reference():

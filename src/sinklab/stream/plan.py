@@ -38,7 +38,7 @@ from ..atomic import write_json
 from ..errors import InputError, UnsupportedModelError, check_int
 from .policy import Observation, ScoredPolicy, SnapKV
 
-__all__ = ["RetentionPlan", "plan_from_scan", "load_plan", "head_coverage", "allocate", "calibrate_plan",
+__all__ = ["RetentionPlan", "plan_from_scan", "load_plan", "head_coverage", "allocate", "rescale", "calibrate_plan",
            "recall_curves", "fit_budgets"]
 
 FORMAT = "sinklab-retention-plan/1"
@@ -101,8 +101,12 @@ class RetentionPlan:
                 "most_budget": max(every, default=None), "calibrated": "calibration" in self.source}
 
     def with_budget(self, num_sinks: int, window: int) -> RetentionPlan:
-        """The same local heads at another uniform budget of ``num_sinks + window`` tokens per head."""
-        budgets = allocate(self.local, num_sinks, window, self.local_window)
+        """The plan at another uniform budget of ``num_sinks + window`` tokens per head: the same local heads, or,
+        for budgets fitted on a calibration text, each head's fitted budget scaled to the new total."""
+        if "calibration" not in self.source:
+            budgets = allocate(self.local, num_sinks, window, self.local_window)
+        else:
+            budgets = rescale(self.budgets, num_sinks + window, num_sinks + self.recent)
         return replace(self, num_sinks=num_sinks, window=window, budgets=budgets)
 
     def uniform(self) -> RetentionPlan:
@@ -145,6 +149,26 @@ def allocate(local: list[list[bool] | None], num_sinks: int, window: int, local_
     pool = n_heads * (num_sinks + window)
     far = math.floor((pool - n_local * short) / (n_heads - n_local)) if n_heads > n_local else short
     return [None if row is None else [short if f else far for f in row] for row in local]
+
+
+def rescale(budgets: list[list[int] | None], per_head: int, least: int) -> list[list[int] | None]:
+    """``budgets`` scaled to a total of ``per_head`` tokens per budgeted head, none below ``least``: each budget in
+    proportion (rounded down), then the tokens left over one each to the largest budgets (the first of equals
+    first), or the excess taken one each from them."""
+    flat = [b for row in budgets if row is not None for b in row]
+    target, old = per_head * len(flat), sum(flat)
+    new = [max(least, b * target // old) for b in flat]
+    order = sorted(range(len(flat)), key=lambda i: -flat[i])
+    k = 0
+    while sum(new) != target and k < 4 * len(flat) * max(1, per_head):
+        i = order[k % len(order)]
+        if sum(new) < target:
+            new[i] += 1
+        elif new[i] > least:
+            new[i] -= 1
+        k += 1
+    it = iter(new)
+    return [None if row is None else [next(it) for _ in row] for row in budgets]
 
 
 def load_plan(path: str | Path) -> RetentionPlan:
