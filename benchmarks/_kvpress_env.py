@@ -76,20 +76,22 @@ def _note(info: dict) -> str:
     return f"kvpress {info['kvpress']}, transformers {info['transformers']}, torch {info['torch']}"
 
 
-def kvpress_python(venv: Path = DEFAULT_VENV) -> tuple[Path | None, str]:
+def kvpress_python(venv: Path = DEFAULT_VENV, build: bool = True) -> tuple[Path | None, str]:
     """The Python of a venv with kvpress 0.5.5 on CPU torch, built on first use, and a note of its versions.
 
     Creates ``venv`` if needed (``python -m venv``, then ``pip install torch==2.13.0``, then
     ``pip install kvpress==0.5.5``, which brings transformers 5.2.0, accelerate, peft and datasets), checks that
     ``import kvpress, transformers`` works there and returns ``(python, "kvpress 0.5.5, transformers 5.2.0, torch
     2.13.0+cpu")``. Never raises: returns ``(None, reason)`` when the venv cannot be built, including when pip would
-    have to fetch a CUDA build of torch.
+    have to fetch a CUDA build of torch. ``build=False`` only looks: ``(None, reason)`` when the venv is not ready.
     """
     venv = Path(venv)
     python = venv / "bin" / "python"
     info = _probe(python)
     if info is not None:
         return python, _note(info)
+    if not build:
+        return None, f"no working kvpress venv at {venv} (build it with --build-kvpress)"
     try:
         if not python.exists():
             res = _run([sys.executable, "-m", "venv", str(venv)], timeout=600)

@@ -5,13 +5,16 @@ Usage: ``python _kvpress_worker.py JOB.json`` where the job is::
     {"model_dir": str, "threads": int,
      "presses": [{"method": str, "kv_fraction": float}],
      "items": [{"id": str, "kind": "generate", "context_ids": [int], "question_ids": [int], "max_new_tokens": int}
+               | {"id": str, "kind": "generate", "context_ids": [int], "questions": [[int]], "max_new_tokens": int}
                | {"id": str, "kind": "ppl", "context_ids": [int], "continuation_ids": [int]}],
      "sliding_layers": "compress" | "skip"}          # optional, default "compress"; only for models with them
 
 For each press x item, as kvpress's own pipeline does for a context/question split: prefill ``context_ids`` under the
 press (it compresses each layer's cache once, at the end of the prefill), then, with no press active, either feed
 ``question_ids`` and greedily decode exactly ``max_new_tokens`` tokens (no EOS stop), or feed ``continuation_ids`` in
-one forward and score every one of them (the first from the prefill's last logits). ``kv_fraction`` is the fraction
+one forward and score every one of them (the first from the prefill's last logits). With ``questions`` the context is
+compressed once and each question (an empty one: decode from the prompt's last logits) is asked of a copy of the
+compressed cache. ``kv_fraction`` is the fraction
 of the context's KV entries kept: ``compression_ratio = 1 - kv_fraction``.
 
 One JSON line per press x item on stdout, nothing else there (logs and progress go to stderr)::
@@ -19,14 +22,16 @@ One JSON line per press x item on stdout, nothing else there (logs and progress 
     {"id", "kind", "method", "kv_fraction", "compression_ratio", "context_len",
      "kept_tokens",      # KV entries kept after prefill, mean over layers and KV heads (KVzip: unmasked entries)
      "kept_by_layer",    # the same per layer
-     "generated_ids" | ("nll_sum", "n_scored"),   # ppl = exp(nll_sum / n_scored)
+     "kept_entries", "kept_bytes",   # KV entries summed over layers and KV heads, and their bytes (key + value)
+     "generated_ids" | "generated" | ("nll_sum", "n_scored"),   # ppl = exp(nll_sum / n_scored)
      "prefill_s", "post_s", "total_s", "attn_implementation", "patches", ["sliding_layers"]}
     or {"id", "kind", "method", "kv_fraction", "error"} when that press fails on that item.
 
 Presses (kvpress 0.5.5 classes, ``compression_ratio=1 - kv_fraction``): dense (none), streaming
 (``StreamingLLMPress(n_sink=4)``), snapkv (``SnapKVPress``), tova (``TOVAPress``), expected_attention
 (``ExpectedAttentionPress``), knorm (``KnormPress``), kvzip (``KVzipPress``; masks entries instead of shrinking the
-cache, refuses Gemma 3). All run with SDPA attention: SnapKV and TOVA recompute the window's attention themselves when
+cache, refuses Gemma 3), adakv_expected_attention (``AdaKVPress(ExpectedAttentionPress)``: per-head budgets, masks
+entries too), adakv_snapkv (``AdaKVPress(SnapKVPress)``), pyramidkv (``PyramidKVPress``: per-layer budgets). All run with SDPA attention: SnapKV and TOVA recompute the window's attention themselves when
 the layer returns no weights, and KVzip asserts a non-eager implementation.
 
 Where this worker departs from calling ``with press(model): model(...)`` and then the model as it stands, and why
@@ -57,6 +62,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import contextlib  # noqa: E402
+import copy  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
@@ -84,6 +90,9 @@ PRESSES: dict[str, Callable[[float], kvpress.BasePress] | None] = {
     "expected_attention": lambda ratio: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
     "knorm": lambda ratio: kvpress.KnormPress(compression_ratio=ratio),
     "kvzip": lambda ratio: kvpress.KVzipPress(compression_ratio=ratio),
+    "adakv_expected_attention": lambda ratio: kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=ratio)),
+    "adakv_snapkv": lambda ratio: kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio)),
+    "pyramidkv": lambda ratio: kvpress.PyramidKVPress(compression_ratio=ratio),
 }
 # None of these needs the layers' attention weights (see the module docstring); KVzip must not run eager.
 ATTN_IMPLEMENTATION = {method: "sdpa" for method in PRESSES}
@@ -269,6 +278,17 @@ def kept_counts(model: nn.Module, cache: DynamicCache) -> list[float]:
     return out
 
 
+def kept_totals(model: nn.Module, cache: DynamicCache) -> tuple[int, int]:
+    """KV entries held over every layer and KV head (masked ones not counted) and their bytes (key + value)."""
+    entries = nbytes = 0
+    for attn, layer in zip(_attentions(model), cache.layers):
+        masked = getattr(attn, "masked_key_indices", None)
+        n = layer.keys.shape[1] * layer.keys.shape[2] - (len(masked[0]) if masked is not None else 0)
+        entries += n
+        nbytes += n * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+    return entries, nbytes
+
+
 def _nll_sum(first_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, chunk: int = 256) -> float:
     """Summed -log p of every target: the first from ``first_logits``, target i from ``logits[i - 1]``."""
     preds = torch.cat([first_logits.unsqueeze(0), logits[:-1]])
@@ -314,7 +334,27 @@ def run_item(model: nn.Module, method: str, kv_fraction: float, item: dict, slid
             if tracker is not None:
                 tracker.after_prefill(cache, c_len)
             t1 = time.perf_counter()
-            if item["kind"] == "generate":
+            entries, nbytes = kept_totals(model, cache)
+            row.update(kept_entries=entries, kept_bytes=nbytes)
+            if item["kind"] == "generate" and "questions" in item:
+                row["generated"] = []
+                for question in item["questions"]:
+                    saved, fresh = tracker.positions if tracker is not None else None, copy.deepcopy(cache)
+                    cache, original = fresh, cache
+                    try:
+                        logits = forward(list(question), c_len, False)[-1] if question else last
+                        pos, generated = c_len + len(question), []
+                        for step in range(int(item["max_new_tokens"])):
+                            generated.append(int(logits.argmax()))
+                            if step + 1 < int(item["max_new_tokens"]):
+                                logits = forward([generated[-1]], pos, False)[-1]
+                                pos += 1
+                    finally:
+                        cache = original
+                        if tracker is not None:
+                            tracker.positions = saved
+                    row["generated"].append(generated)
+            elif item["kind"] == "generate":
                 question = list(item.get("question_ids", []))
                 logits = forward(question, c_len, False)[-1] if question else last
                 pos, generated = c_len + len(question), []

@@ -1,34 +1,54 @@
-"""Recall and perplexity at equal KV budgets: sinklab's retention policies against kvpress's presses.
+"""A retention grid that separates methods: recall and perplexity at equal KV entries, resumable.
 
-    python benchmarks/retention.py                       # both real models, the default grid
-    python benchmarks/retention.py --models builtin:smollm2 --contexts 1024 --samples 2 --no-kvpress
-    python benchmarks/retention.py --table               # print the table of what is measured so far
+    python benchmarks/retention.py                       # the whole grid; a killed run resumes where it stopped
+    python benchmarks/retention.py --models builtin:smollm2 --contexts 2048 --sources sinklab
+    python benchmarks/retention.py --table               # the table of what is measured so far
+    python benchmarks/retention.py --figure out.png      # accuracy / perplexity against the KV share kept
 
-Tasks, generated here from the Python documentation's own prose as filler (no dataset download), in the style of
-RULER (Hsieh et al., 2024): ``needle`` (one "special magic number" sentence at a random depth), ``multikey`` (four
-such sentences with different keys, one asked for) and ``vartrack`` (a chain of variable assignments scattered
-through the text, the last variable asked for); ``ppl``: perplexity of the 128 tokens that follow a context of
-real text. Each prompt is a context (compressed) followed by a question; an answer is right when the greedy
-continuation (10 tokens) contains the number.
+Tasks, generated here in the style of RULER (Hsieh et al., 2024) over the Python documentation's own prose as
+filler (no download; :func:`make_cell`, deterministic for a seed): ``needle`` (one "special magic number" sentence
+at a random depth), ``multikey`` (four such sentences with different keys; each key is one question),
+``vartrack`` (a chain of three variable assignments scattered through the text, ``VAR A = 12345 … VAR B = VAR A …
+VAR C = VAR B``, asked as ``VAR C = VAR B =``: two hops back to the number; a longer chain is beyond SmolLM2 even
+with the whole context) and
+``ppl`` (perplexity of the 256 tokens that follow the context). An answer is right when the greedy continuation
+(10 tokens) contains the number. Two regimes per recall task:
 
-Methods at equal KV budgets (``kv_fraction`` of the context's tokens, per key-value head):
+* ``agnostic`` — the context is compressed before any question is seen; it is compressed once per (prompt,
+  method, fraction) and every question the context holds is asked of a copy of that compressed cache (as
+  kvpress's pipeline does);
+* ``aware`` — the question is inside the compressed prompt (one question per context, the one drawn by its seed).
 
-* ``dense`` — the whole context;
-* sinklab (``SinkCache(model, policy=…)``): ``streaming``, ``snapkv``, ``tova``, ``knorm`` and ``auto`` (per-head
-  budgets from a scan of the model, :mod:`sinklab.stream.plan`) — the budget holds at every step, the question and
-  the answer included;
-* kvpress 0.5.5 (transformers 5.2.0, in a throwaway virtualenv: ``benchmarks/_kvpress_env.py``) — its presses
-  compress the context once, at prefill; the question and the answer are then appended uncompressed (so they hold
-  up to ~40 tokens more than the budget).
+Budgets are equal in KV entries **counted over every layer and key-value head, sliding-window layers included**:
+a fraction ``f`` keeps ``f`` × the entries the model's own dense cache holds after the context (Gemma 3's sliding
+layers hold only their window). sinklab's policies get the uniform per-head budget ``B`` whose total over the
+layers (``Σ heads × min(B, what the layer holds dense)``) is nearest that target; kvpress presses each layer to
+``f`` of what it holds. Every row records what was actually held after the compression, measured on the cache:
+``kept_entries`` (KV entries summed over layers and key-value heads, mean over the prompts), ``kept_share``
+(of the dense entries) and ``kept_bytes`` (entries × (key + value width) × element size).
 
-Every measured cell is one row of ``benchmarks/results/retention.json``: ``{model, method, source, kv_fraction,
-task, context, accuracy, ppl, n}``. Rows are appended as they are measured (``--resume`` skips cells already
-there), so a long run can be stopped and taken up again.
+Methods: ``dense``; sinklab (``SinkCache(model, policy=…)``): ``streaming``, ``snapkv``, ``tova``, ``knorm``,
+``auto`` (per-head budgets from a scan, fitted on a calibration text — the standard library's docstrings, not the
+grid's filler — at the cell's context length: :func:`sinklab.stream.plan.calibrate_plan`) and ``auto_uniform``
+(the auto plan's scorer with every head at the uniform budget: what the fitted budgets themselves add). sinklab's budget holds at
+every step, the question and answer included. kvpress 0.5.5 (transformers 5.2.0, in a throwaway virtualenv:
+``benchmarks/_kvpress_env.py``; the worker ``_kvpress_worker.py``): ``streaming``, ``snapkv``, ``tova``,
+``expected_attention``, ``kvzip`` (refuses Gemma 3), ``adakv_expected_attention`` (its per-head Ada-KV wrapper)
+and ``pyramidkv`` (per-layer budgets); its presses compress the prompt once, at prefill, and the question and
+answer are then appended uncompressed.
+
+Every cell is one row of ``benchmarks/results/retention_grid.json`` under ``"rows"``: ``{model, method, source,
+kv_fraction, task, context, regime, accuracy, interval, ppl, n, prompts, kept_entries, dense_entries, kept_share,
+kept_bytes, seconds}`` — ``n`` questions over ``prompts`` contexts, ``interval`` the 95 % Wilson interval of the
+accuracy, ``seconds`` the compression time (prefill + scoring) per prompt. A row is written (atomically, the whole
+file) as soon as its cell finishes; a rerun skips the cells already there (``--restart`` starts afresh).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 import math
 import os
@@ -40,25 +60,29 @@ from pathlib import Path
 
 import torch
 
-from sinklab.stream.policy import policy_names
 from sinklab.atomic import write_json
 from sinklab.report.figures import save_png
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-OUT = RESULTS / "retention.json"
-SINKLAB_METHODS = tuple(policy_names())  # every policy in sinklab.stream.policy.POLICIES, then "auto"
-KVPRESS_METHODS = ("streaming", "snapkv", "tova", "knorm", "expected_attention")
+OUT = RESULTS / "retention_grid.json"
+SINKLAB_METHODS = ("auto", "auto_uniform", "snapkv", "streaming", "tova", "knorm")
+KVPRESS_METHODS = ("streaming", "snapkv", "tova", "expected_attention", "kvzip", "adakv_expected_attention",
+                   "pyramidkv")
 TASKS = ("needle", "multikey", "vartrack", "ppl")
+REGIMES = ("agnostic", "aware")
 ANSWER_TOKENS = 10
-PPL_TOKENS = 128
+PPL_TOKENS = 256
 NUM_SINKS = 4
+SCAN_SEED = 1  # the auto plan's scan windows (tokenize_windows' seed): not the grid's prompts
+CALIBRATION_LATER = 256  # tokens after the calibration context whose attention the auto plan's budgets keep
 WORDS = ("amber", "basalt", "cobalt", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kelp",
          "lumen", "marble", "nectar", "onyx", "pepper", "quartz", "raven", "saffron", "tundra")
 
 
 # ----------------------------------------------------------------------------- tasks
-def _filler_ids(tokenizer) -> list[int]:
+def filler_ids(tokenizer) -> list[int]:
+    """The filler text's token ids: the Python documentation's prose (:func:`sinklab.texts.default_texts`)."""
     from sinklab.texts import default_texts
 
     return tokenizer(" ".join(default_texts()), add_special_tokens=False)["input_ids"]
@@ -72,314 +96,441 @@ def _boundary(tokenizer, ids: list[int], at: int) -> int:
     return at
 
 
-def make_item(tokenizer, filler: list[int], task: str, context: int, seed: int) -> dict:
-    """One prompt: ``context_ids`` (``context`` tokens, special prefix included), ``question_ids`` and the answer
-    (or, for ``ppl``, ``continuation_ids``)."""
+def make_cell(tokenizer, filler: list[int], task: str, context: int, seed: int) -> dict:
+    """One prompt of a cell, the same for the same arguments: ``context_ids`` (``context`` tokens, the tokenizer's
+    special prefix included) and either ``questions`` (``[{question_ids, answer}]``, every question the context
+    holds) with ``aware`` (the index of the one asked in the query-aware regime), or ``continuation_ids``
+    (``ppl``: the ``PPL_TOKENS`` tokens of text that follow the context)."""
     from sinklab.texts import special_affixes
 
-    rng = random.Random(f"{task}-{context}-{seed}")
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; the tasks are {', '.join(TASKS)}")
+    rng = random.Random(f"{task}-{context}-{seed}")  # a str seed: the same draw in every process
     prefix = special_affixes(tokenizer)[0]
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    if len(filler) < context + PPL_TOKENS + 2:
+        raise ValueError(f"the filler holds {len(filler)} tokens; a {context}-token context needs more")
     start = rng.randrange(0, len(filler) - context - PPL_TOKENS - 1)
     if task == "ppl":
         body = filler[start:start + context - len(prefix)]
-        return {"context_ids": prefix + body, "continuation_ids": filler[start + len(body):start + len(body) + PPL_TOKENS]}
-    if task == "needle":
-        keys = [rng.choice(WORDS)]
-        facts = [(keys[0], str(rng.randrange(1_000_000, 9_999_999)))]
-        inserts = [f" The special magic number for {k} is {v}." for k, v in facts]
-        asked = 0
-    elif task == "multikey":
-        keys = rng.sample(WORDS, 4)
+        cont = filler[start + len(body):start + len(body) + PPL_TOKENS]
+        return {"context_ids": prefix + body, "continuation_ids": cont}
+    if task in ("needle", "multikey"):
+        keys = rng.sample(WORDS, 1 if task == "needle" else 4)
         facts = [(k, str(rng.randrange(1_000_000, 9_999_999))) for k in keys]
         inserts = [f" The special magic number for {k} is {v}." for k, v in facts]
-        asked = rng.randrange(4)
-    else:  # vartrack: VAR A = 12345, VAR B = VAR A, … ; the last variable's value is asked for
-        names = ["".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(5)) for _ in range(4)]
+        asked = rng.randrange(len(facts))
+        depths = sorted(rng.uniform(0.1, 0.9) for _ in inserts)
+        questions = [(f"\n\nAnswer: the special magic number for {k} is", v) for k, v in facts]
+    else:  # vartrack: VAR A = 12345, VAR B = VAR A, VAR C = VAR B; asked "VAR C = VAR B =" (two hops back)
+        names = ["".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(5)) for _ in range(3)]
         value = str(rng.randrange(10_000, 99_999))
-        inserts = [f" VAR {names[0]} = {value}."] + [f" VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, 4)]
-        facts = [(names[-1], value)]
+        inserts = [f" VAR {names[0]} = {value}."] + [f" VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, 3)]
+        depths = [0.1 + 0.8 * i / len(inserts) + rng.uniform(0, 0.1) for i in range(len(inserts))]
+        questions = [(f"\n\nAnswer: VAR {names[2]} = VAR {names[1]} = ", value)]
         asked = 0
     pieces = [enc(s) for s in inserts]
-    n_body = context - len(prefix) - sum(len(p) for p in pieces)
-    body = filler[start:start + n_body]
-    depths = sorted(rng.uniform(0.1, 0.9) for _ in pieces) if task != "vartrack" else \
-        [0.1 + 0.8 * i / len(pieces) + rng.uniform(0, 0.1) for i in range(len(pieces))]
+    body = filler[start:start + context - len(prefix) - sum(len(p) for p in pieces)]
     cuts = [_boundary(tokenizer, body, max(1, int(d * len(body)))) for d in depths]
     ids, last = list(prefix), 0
-    order = sorted(range(len(pieces)), key=lambda i: cuts[i])
-    for i in order:
+    for i in sorted(range(len(pieces)), key=lambda i: cuts[i]):
         ids += body[last:cuts[i]] + pieces[i]
         last = cuts[i]
     ids += body[last:]
-    key, value = facts[asked]
-    if task == "vartrack":
-        question = f"\n\nAnswer: following the chain of VAR assignments above, the value of VAR {key} is"
-    else:
-        question = f"\n\nAnswer: the special magic number for {key} is"
-    return {"context_ids": ids[:context], "question_ids": enc(question), "answer": value}
+    return {"context_ids": ids[:context], "questions": [{"question_ids": enc(q), "answer": a} for q, a in questions],
+            "aware": asked}
+
+
+def wilson(hits: int, n: int, z: float = 1.959964) -> list[float] | None:
+    """The 95 % Wilson score interval of ``hits`` successes in ``n`` trials (None for ``n = 0``)."""
+    if n == 0:
+        return None
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return [round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4)]
+
+
+# ----------------------------------------------------------------------------- what a cache holds
+def held(cache) -> tuple[int, int]:
+    """``(entries, bytes)`` a cache holds now, summed over its attention layers and key-value heads (batch row 0):
+    a score-based layer's kept tokens per head, a recency layer's tokens in its ring, a dense layer's length."""
+    entries = nbytes = 0
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
+            continue  # not initialised, or a recurrent layer
+        width = (keys.shape[-1] + values.shape[-1]) * keys.element_size()  # type: ignore[union-attr]
+        if callable(getattr(layer, "kept_tokens", None)):  # sinklab ScoredLayer: [B, Hkv]
+            n = int(layer.kept_tokens()[0].sum())
+        elif hasattr(getattr(layer, "state", None), "kept_tokens"):  # sinklab SinkWindowLayer
+            n = int(layer.state.kept_tokens()) * keys.shape[1]
+        else:  # transformers' own layers
+            n = keys.shape[1] * keys.shape[2]
+        entries += n
+        nbytes += n * width
+    return entries, nbytes
+
+
+def layer_holds(cache) -> list[tuple[int, int]]:
+    """``(key-value heads, tokens)`` per attention layer of a dense cache after a prompt."""
+    return [(layer.keys.shape[1], layer.keys.shape[2]) for layer in cache.layers
+            if isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.dim() == 4]
+
+
+def uniform_budget(holds: list[tuple[int, int]], target: float) -> int:
+    """The per-head budget ``B`` whose total ``Σ heads × min(B, tokens)`` is nearest ``target`` entries."""
+    total = lambda b: sum(h * min(b, t) for h, t in holds)  # noqa: E731
+    lo, hi = 1, max(t for _, t in holds)
+    while lo < hi:  # the least B reaching the target
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if total(mid) < target else (lo, mid)
+    return lo if lo == 1 or abs(total(lo) - target) <= abs(total(lo - 1) - target) else lo - 1
 
 
 # ----------------------------------------------------------------------------- sinklab
-def _plan(model, tokenizer, budget: int, cache: dict):
-    """The auto plan at a per-head budget of ``budget`` tokens, from one scan of the model (cached)."""
+def scan_for_plan(model, tokenizer):
+    """The scan the auto plan is made from: 8 windows of 512 tokens of the filler text."""
     from sinklab.scan import scan_inputs
-    from sinklab.stream.plan import plan_from_scan
-    from sinklab.texts import tokenize_windows, default_texts
+    from sinklab.texts import default_texts, tokenize_windows
 
-    if "scan" not in cache:
-        batch = tokenize_windows(tokenizer, default_texts(), 512, 8, seed=1)
-        cache["scan"] = scan_inputs(model, [{"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}],
-                                    batch.tokens, split=False)
-    return plan_from_scan(model, cache["scan"], num_sinks=NUM_SINKS, window=budget - NUM_SINKS, recent=32)
+    batch = tokenize_windows(tokenizer, default_texts(), 512, 8, seed=SCAN_SEED)
+    return scan_inputs(model, [{"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}], batch.tokens,
+                       split=False)
 
 
-@torch.no_grad()
-def run_sinklab(model, item: dict, method: str, budget: int | None, plan=None) -> dict:
+def make_cache(model, method: str, budget: int | None, plan=None):
+    """A fresh cache for ``method`` at ``budget`` tokens per head (the plan for ``auto``/``auto_uniform``)."""
     from sinklab.stream import SinkCache
 
     if method == "dense":
         from transformers import DynamicCache
 
-        cache, closing = DynamicCache(config=model.config), None
-    elif method == "auto":
-        cache = closing = SinkCache(model, policy="auto", plan=plan)
-    else:
-        cache = closing = SinkCache(model, num_sinks=NUM_SINKS, window=budget - NUM_SINKS, policy=method)
+        return DynamicCache(config=model.config)
+    if method in ("auto", "auto_uniform"):
+        return SinkCache(model, policy="auto", plan=plan)
+    return SinkCache(model, num_sinks=NUM_SINKS, window=budget - NUM_SINKS, policy=method)  # type: ignore[operator]
+
+
+def _close(cache) -> None:
+    if hasattr(cache, "close"):
+        cache.close()
+
+
+def _greedy(model, cache, logits: torch.Tensor, steps: int) -> list[int]:
+    """``steps`` greedy tokens from ``logits`` (the next token's), fed into ``cache`` as they come."""
+    out = []
+    for step in range(steps):
+        out.append(int(logits.argmax()))
+        if step + 1 < steps:
+            logits = model(input_ids=torch.tensor([[out[-1]]]), cache=cache, logits_to_keep=1).logits[0, -1]
+    return out
+
+
+@torch.no_grad()
+def run_prompt(model, cell: dict, regime: str, new_cache) -> dict:
+    """Compress one prompt with ``new_cache()`` and answer it: ``{seconds, entries, bytes}`` plus ``generated``
+    (one id list per question asked) or ``nll``/``count`` (``ppl``)."""
+    cache = new_cache()
     try:
-        ctx = torch.tensor([item["context_ids"]])
-        out = model(input_ids=ctx, cache=cache, logits_to_keep=1)
-        kept = _kept(cache)
-        if "continuation_ids" in item:
-            cont = torch.tensor([item["continuation_ids"]])
-            logits = torch.cat([out.logits[:, -1:], model(input_ids=cont[:, :-1], cache=cache).logits], 1)
-            nll = torch.nn.functional.cross_entropy(logits[0].double(), cont[0], reduction="sum")
-            return {"nll": float(nll), "count": cont.shape[1], "kept_tokens": kept}
-        out = model(input_ids=torch.tensor([item["question_ids"]]), cache=cache, logits_to_keep=1)
-        generated = []
-        for _ in range(ANSWER_TOKENS):
-            tok = int(out.logits[0, -1].argmax())
-            generated.append(tok)
-            out = model(input_ids=torch.tensor([[tok]]), cache=cache, logits_to_keep=1)
-        return {"generated_ids": generated, "kept_tokens": kept}
+        prompt = list(cell["context_ids"])
+        if regime == "aware":
+            prompt += cell["questions"][cell["aware"]]["question_ids"]
+        t0 = time.perf_counter()
+        last = model(input_ids=torch.tensor([prompt]), cache=cache, logits_to_keep=1).logits[0, -1]
+        out: dict = {"seconds": time.perf_counter() - t0}
+        out["entries"], out["bytes"] = held(cache)
+        if "continuation_ids" in cell:
+            cont = torch.tensor(cell["continuation_ids"])
+            logits = model(input_ids=cont[None, :-1], cache=cache).logits[0]
+            preds = torch.cat([last[None], logits]).double()
+            out["nll"] = float(torch.nn.functional.cross_entropy(preds, cont, reduction="sum"))
+            out["count"] = int(cont.shape[0])
+        elif regime == "aware":
+            out["generated"] = [_greedy(model, cache, last, ANSWER_TOKENS)]
+        else:  # every question of the context, each on a copy of the compressed cache
+            out["generated"] = []
+            for q in cell["questions"]:
+                fork = copy.deepcopy(cache, {id(model): model})  # the model is shared, never copied
+                try:
+                    logits = model(input_ids=torch.tensor([q["question_ids"]]), cache=fork,
+                                   logits_to_keep=1).logits[0, -1]
+                    out["generated"].append(_greedy(model, fork, logits, ANSWER_TOKENS))
+                finally:
+                    _close(fork)
+        return out
     finally:
-        if closing is not None:
-            closing.close()
+        _close(cache)
 
 
-def _kept(cache) -> float:
-    """Mean KV entries per attention layer and key-value head after the context."""
-    sizes = []
-    for layer in cache.layers:
-        if hasattr(layer, "kept_tokens"):
-            sizes.append(float(layer.kept_tokens().float().mean()))
-        elif hasattr(layer, "state") and getattr(layer.state, "s_valid", None) is not None:
-            sizes.append(float(layer.state.s_valid.sum(1).float().mean()))
-        elif isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.dim() == 4:
-            sizes.append(float(layer.keys.shape[2]))
-    return sum(sizes) / max(1, len(sizes))
+# ----------------------------------------------------------------------------- rows
+def answers_of(cell: dict, regime: str) -> list[str]:
+    if regime == "aware":
+        return [cell["questions"][cell["aware"]]["answer"]]
+    return [q["answer"] for q in cell["questions"]]
 
 
-# ----------------------------------------------------------------------------- bookkeeping
-def _load_rows() -> list[dict]:
-    if OUT.exists():
-        return json.loads(OUT.read_text()).get("rows", [])
-    return []
-
-
-def _load_meta() -> dict:
-    """The results file's meta (a resumed run adds to it: the kvpress note of an earlier run stays)."""
-    if OUT.exists():
-        return json.loads(OUT.read_text()).get("meta", {})
-    return {}
-
-
-def _save(rows: list[dict], meta: dict) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    write_json(OUT, {"meta": meta, "rows": rows})
-
-
-def _cell_row(model: str, method: str, source: str, fraction: float, task: str, context: int,
-              outcomes: list[dict], answers: list[str | None], tokenizer, seconds: float) -> dict:
+def cell_row(key: dict, cells: list[dict], outcomes: list[dict], tokenizer, dense_entries: int | None) -> dict:
+    """One grid row from the outcomes of its prompts (``outcomes[i]`` for ``cells[i]``; ``{"error": …}`` for a
+    prompt that failed)."""
+    ok = [(c, o) for c, o in zip(cells, outcomes) if "error" not in o]
+    row = {**key, "accuracy": None, "interval": None, "ppl": None, "n": 0, "prompts": len(ok), "kept_entries": None,
+           "dense_entries": dense_entries, "kept_share": None, "kept_bytes": None, "seconds": None}
     errors = [o["error"] for o in outcomes if "error" in o]
-    ok = [(o, a) for o, a in zip(outcomes, answers) if "error" not in o]
-    row = {"model": model, "method": method, "source": source, "kv_fraction": fraction, "task": task,
-           "context": context, "accuracy": None, "ppl": None, "n": len(ok),
-           "kept_tokens": round(sum(o["kept_tokens"] for o, _ in ok) / len(ok), 1) if ok else None,
-           "seconds": round(seconds, 1)}
     if errors:
         row["error"] = errors[0][:300]
     if not ok:
         return row
-    if task == "ppl":
-        row["ppl"] = round(math.exp(sum(o["nll"] for o, _ in ok) / sum(o["count"] for o, _ in ok)), 3)
-    else:
-        hits = [a in tokenizer.decode(o["generated_ids"]) for o, a in ok]
-        row["accuracy"] = round(sum(hits) / len(hits), 3)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    row["kept_entries"] = round(mean([o["entries"] for _, o in ok]), 1)
+    row["kept_bytes"] = round(mean([o["bytes"] for _, o in ok]))
+    row["seconds"] = round(mean([o["seconds"] for _, o in ok]), 3)
+    if dense_entries:
+        row["kept_share"] = round(row["kept_entries"] / dense_entries, 4)
+    if key["task"] == "ppl":
+        row["ppl"] = round(math.exp(sum(o["nll"] for _, o in ok) / sum(o["count"] for _, o in ok)), 4)
+        row["n"] = sum(o["count"] for _, o in ok)
+        return row
+    hits = [a in tokenizer.decode(g) for c, o in ok for a, g in zip(answers_of(c, key["regime"]), o["generated"])]
+    row["n"], row["accuracy"] = len(hits), round(sum(hits) / len(hits), 4)
+    row["interval"] = wilson(sum(hits), len(hits))
     return row
+
+
+def _key(row: dict) -> tuple:
+    return (row["model"], row["method"], row["source"], row["kv_fraction"], row["task"], row["context"],
+            row["regime"])
+
+
+class Results:
+    """The results file: its rows and meta, each new row written at once (atomically, the whole file)."""
+
+    def __init__(self, path: Path, restart: bool) -> None:
+        self.path = path
+        data = json.loads(path.read_text()) if path.exists() and not restart else {}
+        self.meta: dict = data.get("meta", {})
+        self.rows: list[dict] = data.get("rows", [])
+        self.done = {_key(r) for r in self.rows if r.get("prompts")}
+        self.rows = [r for r in self.rows if r.get("prompts")]  # a cell that failed outright is tried again
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self.done.add(_key(row))
+        self.save()
+        print(json.dumps(row), flush=True)
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(self.path, {"meta": self.meta, "rows": self.rows})
+
+
+# ----------------------------------------------------------------------------- the grid
+def _kvpress(args) -> tuple[Path | None, str]:
+    sys.path.insert(0, str(HERE))
+    from _kvpress_env import kvpress_python
+
+    return kvpress_python(build=args.build_kvpress)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="builtin:smollm2,builtin:gemma3")
-    ap.add_argument("--contexts", default="1024,2048,4096")
-    ap.add_argument("--fractions", default="0.25,0.125")
-    ap.add_argument("--tasks", default=",".join(TASKS))
-    ap.add_argument("--samples", type=int, default=4)
-    ap.add_argument("--methods", default=",".join(("dense",) + SINKLAB_METHODS))
+    ap.add_argument("--contexts", default="2048,4096")
+    ap.add_argument("--fractions", default="0.25,0.5")
+    ap.add_argument("--tasks", default="ppl,needle,multikey,vartrack", help="in the order they are run")
+    ap.add_argument("--regimes", default=",".join(REGIMES))
+    ap.add_argument("--prompts", type=int, default=10, help="contexts per cell")
+    ap.add_argument("--methods", default=",".join(("dense",) + SINKLAB_METHODS), help="sinklab's methods")
     ap.add_argument("--kvpress-methods", default=",".join(KVPRESS_METHODS))
-    ap.add_argument("--no-kvpress", action="store_true")
-    ap.add_argument("--resume", action="store_true", help="skip cells already in the results file")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sources", default="sinklab,kvpress", help="sinklab (dense included), kvpress, or both")
+    ap.add_argument("--build-kvpress", action="store_true", help="build the kvpress venv if it is missing")
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--restart", action="store_true", help="discard the rows already in --out")
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--table", action="store_true", help="only print the table of the results file")
     ap.add_argument("--figure", type=Path, default=None, help="only draw the results file's figure into this PNG")
     args = ap.parse_args()
-    if args.table:
-        print_table(_load_rows())
-        return
-    if args.figure is not None:
-        figure(_load_rows(), args.figure)
+    if args.table or args.figure is not None:
+        rows = Results(args.out, False).rows
+        print_table(rows) if args.table else figure(rows, args.figure)
         return
     torch.set_num_threads(args.threads)
-    from sinklab.models import load_model
-
-    rows = _load_rows() if args.resume else []
-    done = {(r["model"], r["method"], r["source"], r["kv_fraction"], r["task"], r["context"]) for r in rows}
-    meta = _load_meta() if args.resume else {}
-    meta |= {"machine": f"{platform.node()}: {os.cpu_count()} CPUs, {args.threads} threads", "torch": torch.__version__,
-            "python": platform.python_version(), "samples": args.samples, "answer_tokens": ANSWER_TOKENS,
-            "ppl_tokens": PPL_TOKENS, "num_sinks": NUM_SINKS}
     import transformers
 
-    meta["transformers"] = transformers.__version__
+    from sinklab import provenance
+
+    res = Results(args.out, args.restart)
+    res.meta |= {"machine": f"{platform.node()}: {os.cpu_count()} CPUs, {args.threads} threads",
+                 "torch": torch.__version__, "transformers": transformers.__version__,
+                 "python": platform.python_version(), "answer_tokens": ANSWER_TOKENS, "ppl_tokens": PPL_TOKENS,
+                 "num_sinks": NUM_SINKS, "versions": provenance.versions()}
+    sources = set(args.sources.split(","))
     kvpython = None
-    if not args.no_kvpress:
-        sys.path.insert(0, str(HERE))
-        from _kvpress_env import kvpress_python
-
-        kvpython, note = kvpress_python()
-        meta["kvpress"] = note
+    if "kvpress" in sources:
+        kvpython, note = _kvpress(args)
+        res.meta["kvpress"] = note
         print(f"kvpress: {note}", flush=True)
-    contexts = [int(c) for c in args.contexts.split(",")]
+    res.save()
+    for context in [int(c) for c in args.contexts.split(",")]:
+        for name in args.models.split(","):
+            grid_model(args, res, name, context, sources, kvpython)
+    print_table(res.rows)
+
+
+def grid_model(args, res: Results, name: str, context: int, sources: set[str], kvpython: Path | None) -> None:
+    """Every missing cell of one model at one context length: dense, then per fraction sinklab's methods and then
+    kvpress's."""
+    from sinklab.models import load_model
+
     fractions = [float(f) for f in args.fractions.split(",")]
-    tasks = args.tasks.split(",")
-    methods = [m for m in args.methods.split(",") if m]
-    for name in args.models.split(","):
-        loaded = load_model(name)
-        model, tok = loaded.model.eval(), loaded.tokenizer
-        meta.setdefault("converted_folders", {})[name] = loaded.notes.get("converted_folder")
-        filler = _filler_ids(tok)
-        scans: dict = {}
-        for context in contexts:
-            for task in tasks:
-                items = [make_item(tok, filler, task, context, s) for s in range(args.samples)]
-                answers = [it.get("answer") for it in items]
-                cells = [("dense", None)] + [(m, f) for m in methods if m != "dense" for f in fractions]
-                for method, fraction in cells:
-                    key = (name, method, "dense" if method == "dense" else "sinklab", fraction or 1.0, task, context)
-                    if key in done:
-                        continue
-                    t0 = time.time()
-                    budget = None if fraction is None else max(NUM_SINKS + 33, round(fraction * context))
-                    plan = _plan(model, tok, budget, scans) if method == "auto" else None
-                    outcomes = []
-                    for it in items:
-                        try:
-                            outcomes.append(run_sinklab(model, it, method, budget, plan))
-                        except Exception as exc:  # noqa: BLE001 - a method that cannot run is a row with its error
-                            outcomes.append({"error": f"{type(exc).__name__}: {exc}"})
-                    row = _cell_row(name, method, key[2], key[3], task, context, outcomes, answers, tok,
-                                    time.time() - t0)
-                    rows.append(row)
-                    _save(rows, meta)
-                    print(json.dumps(row), flush=True)
-                if kvpython is not None:
-                    _kvpress_cells(args, kvpython, loaded, name, task, context, items, answers, fractions, rows,
-                                   done, meta, tok)
-    print_table(rows)
+    tasks = [t for t in args.tasks.split(",") if t]
+    regimes = [r for r in args.regimes.split(",") if r]
+    methods = [m for m in args.methods.split(",") if m] if "sinklab" in sources else []
+    presses = [m for m in args.kvpress_methods.split(",") if m] if kvpython is not None else []
+
+    def keys():
+        for fraction in [1.0] + fractions:
+            for source, names in (("sinklab", methods), ("kvpress", presses)):
+                for task in tasks:
+                    for regime in (["agnostic"] if task == "ppl" else regimes):
+                        for method in names:
+                            if (method == "dense") != (fraction == 1.0) or (source == "kvpress" and fraction == 1.0):
+                                continue
+                            src = "dense" if method == "dense" else source
+                            yield {"model": name, "method": method, "source": src, "kv_fraction": fraction,
+                                   "task": task, "context": context, "regime": regime}
+
+    todo = [k for k in keys() if _key(k) not in res.done]
+    if not todo:
+        return
+    loaded = load_model(name)
+    model, tok = loaded.model.eval(), loaded.tokenizer
+    res.meta.setdefault("converted_folders", {})[name] = loaded.notes.get("converted_folder")
+    filler = filler_ids(tok)
+    cells = {t: [make_cell(tok, filler, t, context, s) for s in range(args.prompts)] for t in tasks}
+    dense = make_cache(model, "dense", None)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([cells[tasks[0]][0]["context_ids"]]), cache=dense, logits_to_keep=1)
+    holds = layer_holds(dense)
+    dense_entries = sum(h * t for h, t in holds)
+    del dense
+    res.meta.setdefault("dense_entries", {})[f"{name}@{context}"] = dense_entries
+    plans: dict = {}
+    for key in todo:
+        fraction = key["kv_fraction"]
+        budget = None if fraction == 1.0 else uniform_budget(holds, fraction * dense_entries)
+        cs = cells[key["task"]]
+        t0 = time.time()
+        if key["source"] == "kvpress":
+            outcomes = kvpress_outcomes(args, kvpython, loaded, key, cs)
+        else:
+            outcomes = sinklab_outcomes(model, tok, key, budget, cs, plans)
+        row = cell_row(key, cs, outcomes, tok, dense_entries)
+        row["budget"] = budget
+        row["wall_s"] = round(time.time() - t0, 1)
+        res.add(row)
 
 
-def _kvpress_cells(args, python, loaded, name, task, context, items, answers, fractions, rows, done, meta,
-                   tok) -> None:
+def sinklab_outcomes(model, tok, key: dict, budget: int | None, cells: list[dict], plans: dict) -> list[dict]:
+    """One sinklab method on every prompt of a cell: the outcomes :func:`cell_row` reads (a failure: its error)."""
+    try:
+        plan = _auto_plan(model, tok, key["method"], budget, key["context"], plans)
+    except Exception as exc:  # noqa: BLE001 - a plan that cannot be made is a row with its error
+        return [{"error": f"{type(exc).__name__}: {exc}"} for _ in cells]
+    new_cache = functools.partial(make_cache, model, key["method"], budget, plan)
+    outcomes = []
+    for cell in cells:
+        try:
+            outcomes.append(run_prompt(model, cell, key["regime"], new_cache))
+        except Exception as exc:  # noqa: BLE001 - a method that cannot run is a row with its error
+            outcomes.append({"error": f"{type(exc).__name__}: {exc}"})
+    return outcomes
+
+
+def calibration_ids(tokenizer, context: int) -> list[int]:
+    """The calibration text of the auto plan: the first ``context + CALIBRATION_LATER`` tokens of the standard
+    library's docstrings (:func:`sinklab.corpus.stdlib_corpus` past its pydoc topics, the grid's filler)."""
+    from pydoc_data.topics import topics
+
+    from sinklab.corpus import stdlib_corpus
+
+    skip = sum(len(" ".join(t.split())) for t in topics.values())
+    texts = stdlib_corpus(max_chars=skip + 20 * (context + CALIBRATION_LATER))[len(topics):]
+    ids = tokenizer(" ".join(texts), add_special_tokens=False)["input_ids"]
+    return ids[:context + CALIBRATION_LATER]
+
+
+def _auto_plan(model, tok, method: str, budget: int | None, context: int, plans: dict):
+    """The auto plan at ``budget`` tokens per head: made from the scan, its budgets fitted on the calibration text
+    (:func:`sinklab.stream.plan.calibrate_plan`); ``auto_uniform``: the same plan, every head at ``budget``."""
+    if method not in ("auto", "auto_uniform"):
+        return None
+    from sinklab.stream.plan import calibrate_plan, plan_from_scan
+
+    if "scan" not in plans:
+        plans["scan"] = scan_for_plan(model, tok)
+    plan = plan_from_scan(model, plans["scan"], num_sinks=NUM_SINKS, window=budget - NUM_SINKS)  # type: ignore[operator]
+    if method == "auto_uniform":
+        return plan.uniform()
+    if budget not in plans:
+        t0 = time.perf_counter()
+        plans[budget] = calibrate_plan(model, plan, calibration_ids(tok, context), context)
+        plans[budget].source["calibration"]["seconds"] = round(time.perf_counter() - t0, 1)
+    return plans[budget]
+
+
+def kvpress_outcomes(args, python: Path | None, loaded, key: dict, cells: list[dict]) -> list[dict]:
+    """One press on every prompt of a cell, in the kvpress venv: the outcomes :func:`cell_row` reads."""
     from _kvpress_env import run_worker
 
-    presses = [{"method": m, "kv_fraction": f} for m in args.kvpress_methods.split(",") for f in fractions
-               if (name, m, "kvpress", f, task, context) not in done]
-    if not presses:
-        return
-    job_items = []
-    for i, it in enumerate(items):
-        entry = {"id": str(i), "context_ids": it["context_ids"]}
-        if "continuation_ids" in it:
-            entry.update(kind="ppl", continuation_ids=it["continuation_ids"])
+    items = []
+    for i, c in enumerate(cells):
+        item: dict = {"id": str(i), "context_ids": c["context_ids"]}
+        if "continuation_ids" in c:
+            item.update(kind="ppl", continuation_ids=c["continuation_ids"])
+        elif key["regime"] == "aware":
+            item.update(kind="generate", context_ids=c["context_ids"] + c["questions"][c["aware"]]["question_ids"],
+                        questions=[[]], max_new_tokens=ANSWER_TOKENS)
         else:
-            entry.update(kind="generate", question_ids=it["question_ids"], max_new_tokens=ANSWER_TOKENS)
-        job_items.append(entry)
-    t0 = time.time()
-    out = run_worker(python, {"model_dir": loaded.notes["converted_folder"], "threads": args.threads,
-                              "presses": presses, "items": job_items}, timeout=6 * 3600)
-    seconds = (time.time() - t0) / len(presses)
-    for press in presses:
-        got = {r["id"]: r for r in out if r["method"] == press["method"] and r["kv_fraction"] == press["kv_fraction"]}
-        outcomes = [got.get(str(i), {"error": "no result"}) for i in range(len(items))]
-        for o in outcomes:  # the worker's names for the summed NLL and its count
-            if "nll_sum" in o:
-                o["nll"], o["count"] = o["nll_sum"], o["n_scored"]
-        row = _cell_row(name, press["method"], "kvpress", press["kv_fraction"], task, context, outcomes, answers, tok,
-                        seconds)
-        rows.append(row)
-        _save(rows, meta)
-        print(json.dumps(row), flush=True)
+            item.update(kind="generate", questions=[q["question_ids"] for q in c["questions"]],
+                        max_new_tokens=ANSWER_TOKENS)
+        items.append(item)
+    job = {"model_dir": loaded.notes["converted_folder"], "threads": args.threads,
+           "presses": [{"method": key["method"], "kv_fraction": key["kv_fraction"]}], "items": items}
+    try:
+        got = {r["id"]: r for r in run_worker(python, job, timeout=6 * 3600)}  # type: ignore[arg-type]
+    except RuntimeError as exc:
+        return [{"error": str(exc)[-300:]} for _ in cells]
+    out = []
+    for i in range(len(cells)):
+        r = got.get(str(i), {"error": "no result"})
+        if "error" in r:
+            out.append({"error": r["error"]})
+            continue
+        o = {"seconds": r["prefill_s"], "entries": r["kept_entries"], "bytes": r["kept_bytes"]}
+        if "nll_sum" in r:
+            o.update(nll=r["nll_sum"], count=r["n_scored"])
+        else:
+            o["generated"] = r["generated"]
+        out.append(o)
+    return out
 
 
+# ----------------------------------------------------------------------------- reading the results
 def print_table(rows: list[dict]) -> None:
-    """One table per model and task: methods down, (context, fraction) across; accuracy or perplexity."""
-    for model in sorted({r["model"] for r in rows}):
-        for task in [t for t in TASKS if any(r["task"] == t and r["model"] == model for r in rows)]:
-            sel = [r for r in rows if r["model"] == model and r["task"] == task]
-            cols = sorted({(r["context"], r["kv_fraction"]) for r in sel if r["source"] != "dense"})
-            dense = {r["context"]: r for r in sel if r["source"] == "dense"}
-            value = "ppl" if task == "ppl" else "accuracy"
-            print(f"\n{model} · {task} ({value}; n = samples per cell)")
-            head = "method".ljust(28) + "".join(f"{c}@{f:g}".rjust(12) for c, f in cols)
-            print(head)
-            print("dense".ljust(28) + "".join(_fmt(dense.get(c), value).rjust(12) for c, _ in cols))
-            methods = sorted({(r["source"], r["method"]) for r in sel if r["source"] != "dense"})
-            for source, method in methods:
-                cells = {(r["context"], r["kv_fraction"]): r for r in sel if (r["source"], r["method"]) == (source, method)}
-                print(f"{source}:{method}".ljust(28) + "".join(_fmt(cells.get(c), value).rjust(12) for c in cols))
-
-
-def figure(rows: list[dict], path: Path) -> None:
-    """Accuracy (recall tasks) and perplexity against the KV fraction kept: one panel per model and task, one line
-    per method (sinklab solid, kvpress dashed, dense a horizontal line)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = sorted({(r["model"], r["task"], r["context"]) for r in rows if r["source"] != "dense"})
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.2), squeeze=False)
-    for ax, (model, task, context) in zip(axes[0], panels):
+    """One table per model, context, task and regime: methods down, fractions across; accuracy [95 % interval]
+    or perplexity, and the share of the dense entries held."""
+    groups = sorted({(r["model"], r["context"], r["task"], r["regime"]) for r in rows},
+                    key=lambda g: (g[0], g[1], TASKS.index(g[2]), g[3]))
+    for model, context, task, regime in groups:
+        sel = [r for r in rows if (r["model"], r["context"], r["task"], r["regime"]) == (model, context, task, regime)]
+        fracs = sorted({r["kv_fraction"] for r in sel}, reverse=True)
         value = "ppl" if task == "ppl" else "accuracy"
-        sel = [r for r in rows if (r["model"], r["task"], r["context"]) == (model, task, context)]
-        for r in sel:
-            if r["source"] == "dense" and r[value] is not None:
-                ax.axhline(r[value], color="black", lw=1, label="dense")
-        for source, method in sorted({(r["source"], r["method"]) for r in sel if r["source"] != "dense"}):
-            pts = sorted((r["kv_fraction"], r[value]) for r in sel
-                         if (r["source"], r["method"]) == (source, method) and r[value] is not None)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", ls="-" if source == "sinklab" else "--", label=f"{source}:{method}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("KV fraction kept")
-        ax.set_ylabel(value)
-        ax.set_title(f"{model.split(':')[-1]} · {task} · {context} tokens", fontsize=9)
-    axes[0][-1].legend(fontsize=6, loc="best")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_png(fig, path, dpi=110)
-    print(f"wrote {path}")
+        print(f"\n{model} · {context} tokens · {task} · {regime} ({value}; kept share of dense entries)")
+        print("method".ljust(34) + "".join(f"{f:g}".rjust(26) for f in fracs))
+        for source, method in sorted({(r["source"], r["method"]) for r in sel}, key=lambda m: (m[0] != "dense", m)):
+            cells = {r["kv_fraction"]: r for r in sel if (r["source"], r["method"]) == (source, method)}
+            print(f"{source}:{method}".ljust(34) + "".join(_fmt(cells.get(f), value).rjust(26) for f in fracs))
 
 
 def _fmt(row: dict | None, value: str) -> str:
@@ -387,7 +538,46 @@ def _fmt(row: dict | None, value: str) -> str:
         return "—"
     if row.get(value) is None:
         return "error"
-    return f"{row[value]:.3f}" if value == "ppl" else f"{row[value]:.2f}"
+    share = f" ({row['kept_share']:.3f})" if row.get("kept_share") is not None else ""
+    if value == "ppl":
+        return f"{row['ppl']:.3f}{share}"
+    lo, hi = row["interval"]
+    return f"{row['accuracy']:.2f} [{lo:.2f},{hi:.2f}]{share}"
+
+
+def figure(rows: list[dict], path: Path) -> None:
+    """Accuracy (recall tasks) and perplexity against the measured share of dense KV entries kept: one panel per
+    model, context, task and regime, one line per method (sinklab solid, kvpress dashed, dense a horizontal line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["model"], r["context"], r["task"], r["regime"]) for r in rows if r["source"] != "dense"})
+    cols = min(4, len(panels))
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 3.2 * nrows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        model, context, task, regime = panel
+        value = "ppl" if task == "ppl" else "accuracy"
+        sel = [r for r in rows if (r["model"], r["context"], r["task"], r["regime"]) == panel]
+        for r in sel:
+            if r["source"] == "dense" and r[value] is not None:
+                ax.axhline(r[value], color="black", lw=1, label="dense")
+        for source, method in sorted({(r["source"], r["method"]) for r in sel if r["source"] != "dense"}):
+            pts = sorted((r["kept_share"], r[value]) for r in sel if (r["source"], r["method"]) == (source, method)
+                         and r[value] is not None and r.get("kept_share") is not None)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", ls="-" if source == "sinklab" else "--", label=f"{source}:{method}")
+        ax.set_xlabel("share of dense KV entries held")
+        ax.set_ylabel(value)
+        ax.set_title(f"{model.split(':')[-1]} · {context} · {task} · {regime}", fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=5, loc="best")
+    fig.tight_layout()
+    save_png(fig, path, dpi=110)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -91,18 +91,22 @@ class RetentionReference:
             out[:, g * rep:(g + 1) * rep] = probs @ vals
             weights_by_group.append(probs[0].mean(0))  # (c, n)
         for g in range(hkv):
-            self._evict(heads[g], weights_by_group[g])
+            self._evict(heads[g], weights_by_group[g], self._budget(layer, g))
         return out.transpose(1, 2), None
 
-    def _evict(self, store: list, weights: torch.Tensor) -> None:
+    def _budget(self, layer: int, head: int) -> int:
+        """A number: every head's budget; a list of lists: per layer and key-value head (a plan's)."""
+        return self.budget if isinstance(self.budget, int) else self.budget[layer][head]
+
+    def _evict(self, store: list, weights: torch.Tensor, budget: int) -> None:
         n = len(store)
-        if n <= self.budget:
+        if n <= budget:
             return
         newest = store[-1][0]
         score = SCORES[self.policy](self, store, weights)
         protected = [e[0] < self.sinks or e[0] > newest - self.recent for e in store]
         ranked = sorted(range(n), key=lambda j: (not protected[j], -score[j], -store[j][0]))
-        keep = set(ranked[: self.budget])
+        keep = set(ranked[:budget])
         store[:] = [e for j, e in enumerate(store) if j in keep]
 
     @torch.no_grad()

@@ -11,10 +11,18 @@ heads share the rest of the total ``layers × heads × (S + W)`` equally, so the
 tokens as a uniform budget of ``S + W`` would. Far heads keep their tokens by SnapKV scores
 (:class:`~sinklab.stream.policy.SnapKV`). The plan is JSON (:meth:`RetentionPlan.save` / :func:`load_plan`),
 saved beside the report it came from and reloadable with ``SinkCache(model, policy="auto", plan=path)``.
+
+A plan's budgets can also be fitted on a calibration text (:func:`calibrate_plan`, one forward): for each key-value
+head, what its output would lose at each budget under SnapKV — the later queries' squared attention on the keys it
+drops, times the spread of its values (:func:`recall_curves`) — and the same total shared out greedily where it
+loses the least (:func:`fit_budgets`). The fitted budgets are saved in the plan (``source["calibration"]`` says
+what they were fitted on) and hold for prompts of about the calibration's context length; :meth:`RetentionPlan.uniform`
+gives the same plan at uniform budgets (the ablation).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
@@ -22,14 +30,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from .. import _compat
 from .._version import __version__
 from ..atomic import write_json
 from ..errors import InputError, UnsupportedModelError, check_int
+from .policy import Observation, ScoredPolicy, SnapKV
 
-__all__ = ["RetentionPlan", "plan_from_scan", "load_plan", "head_coverage", "allocate"]
+__all__ = ["RetentionPlan", "plan_from_scan", "load_plan", "head_coverage", "allocate", "rescale", "calibrate_plan",
+           "recall_curves", "fit_budgets"]
 
 FORMAT = "sinklab-retention-plan/1"
 
@@ -84,14 +94,26 @@ class RetentionPlan:
                if not f]
         near = [b for row, flags in zip(self.budgets, self.local) if row is not None
                 for b, f in zip(row, flags) if f]  # type: ignore[arg-type]
+        every = [b for row in self.budgets if row is not None for b in row]
         return {"heads": len(heads), "local_heads": sum(heads), "local_budget": near[0] if near else None,
                 "far_budget": far[0] if far else None, "total_tokens": self.total_tokens,
-                "uniform_budget": self.num_sinks + self.window}
+                "uniform_budget": self.num_sinks + self.window, "least_budget": min(every, default=None),
+                "most_budget": max(every, default=None), "calibrated": "calibration" in self.source}
 
     def with_budget(self, num_sinks: int, window: int) -> RetentionPlan:
-        """The same local heads at another uniform budget of ``num_sinks + window`` tokens per head."""
-        budgets = allocate(self.local, num_sinks, window, self.local_window)
+        """The plan at another uniform budget of ``num_sinks + window`` tokens per head: the same local heads, or,
+        for budgets fitted on a calibration text, each head's fitted budget scaled to the new total."""
+        if "calibration" not in self.source:
+            budgets = allocate(self.local, num_sinks, window, self.local_window)
+        else:
+            budgets = rescale(self.budgets, num_sinks + window, num_sinks + self.recent)
         return replace(self, num_sinks=num_sinks, window=window, budgets=budgets)
+
+    def uniform(self) -> RetentionPlan:
+        """The same plan with every budgeted head at the uniform ``num_sinks + window`` tokens (an ablation: what
+        the per-head budgets add)."""
+        b = self.num_sinks + self.window
+        return replace(self, budgets=[None if row is None else [b] * len(row) for row in self.budgets])
 
     def to_json(self) -> dict:
         return {"format": FORMAT, **asdict(self), "summary": self.summary()}
@@ -127,6 +149,26 @@ def allocate(local: list[list[bool] | None], num_sinks: int, window: int, local_
     pool = n_heads * (num_sinks + window)
     far = math.floor((pool - n_local * short) / (n_heads - n_local)) if n_heads > n_local else short
     return [None if row is None else [short if f else far for f in row] for row in local]
+
+
+def rescale(budgets: list[list[int] | None], per_head: int, least: int) -> list[list[int] | None]:
+    """``budgets`` scaled to a total of ``per_head`` tokens per budgeted head, none below ``least``: each budget in
+    proportion (rounded down), then the tokens left over one each to the largest budgets (the first of equals
+    first), or the excess taken one each from them."""
+    flat = [b for row in budgets if row is not None for b in row]
+    target, old = per_head * len(flat), sum(flat)
+    new = [max(least, b * target // old) for b in flat]
+    order = sorted(range(len(flat)), key=lambda i: -flat[i])
+    k = 0
+    while sum(new) != target and k < 4 * len(flat) * max(1, per_head):
+        i = order[k % len(order)]
+        if sum(new) < target:
+            new[i] += 1
+        elif new[i] > least:
+            new[i] -= 1
+        k += 1
+    it = iter(new)
+    return [None if row is None else [next(it) for _ in row] for row in budgets]
 
 
 def load_plan(path: str | Path) -> RetentionPlan:
@@ -202,3 +244,125 @@ def plan_from_scan(model: nn.Module, scan, *, num_sinks: int = 4, window: int = 
               "seq_len": scan.meta.get("seq_len")}
     return RetentionPlan(kind, layers, kv, num_sinks, window, recent, w_local, float(threshold), budgets, cov, flags,
                          source)
+
+
+# ----------------------------------------------------------------------------- calibration
+class _Recorder(ScoredPolicy):
+    """Scores nothing (every candidate alike) and keeps, per scored layer in call order, the attention weights of
+    the forward's last ``window`` queries (``[Hkv, w, N]``, candidates in stream order)."""
+
+    name = "calibration"
+    needs_weights = True
+
+    def __init__(self, window: int) -> None:
+        super().__init__(recent=1, window=window)
+        self.weights: list[Tensor] = []
+        self.spread: list[Tensor] = []  # per layer (Hkv,): the values' mean squared distance from their mean
+
+    def score(self, obs: Observation) -> Tensor:
+        w = obs.weights[0]  # type: ignore[index]  # (Hkv, w, N); needs_weights: given
+        real = int(obs.real[0, 0].sum())  # the real candidates come first in stream order; then empty slots
+        self.weights.append(w.gather(-1, obs.order[0][:, None, :].expand_as(w))[..., :real].double())
+        v = obs.values[0].double()[:, obs.order[0, 0, :real]]  # (Hkv, real, dv) (every head holds every token)
+        self.spread.append((v - v.mean(1, keepdim=True)).pow(2).sum(-1).mean(1))
+        return torch.zeros(obs.real.shape, dtype=torch.float32, device=obs.real.device)
+
+
+def recall_curves(weights: Tensor, context: int, observe: int, scorer: ScoredPolicy, num_sinks: int,
+                  power: int = 1) -> Tensor:
+    """``[Hkv, context]``: for each key-value head, the share of the later queries' attention on the context that a
+    head keeping ``b`` context tokens (entry ``b − 1``) still holds, when it keeps its ``num_sinks`` sinks and the
+    ``scorer.recent`` newest context tokens, then the best-scored by ``scorer`` from the ``observe`` queries that
+    end the context. ``power=2``: the kept sum of squared weights instead, not normalised — what a head's output
+    loses when it drops keys whose values scatter independently around its output is the dropped sum of ``a²``
+    (times the values' spread), so a broad head (many small weights) loses little per dropped key.
+
+    ``weights`` ``[Hkv, Q, N]``: the attention of the last ``Q`` queries of a text of ``N`` tokens (float64, keys in
+    stream order), the first ``observe`` of them ending the ``context`` (``N − Q + observe == context``), the rest
+    after it."""
+    hkv, q, n = weights.shape
+    if n - q + observe != context:
+        raise InputError(f"{q} queries over {n} tokens do not end a {context}-token context after {observe} of them")
+    seen = weights[:, :observe, :context]  # (Hkv, observe, context): the scorer's window
+    later = weights[:, observe:, :context].pow(power).sum(1)  # (Hkv, context): per context key, over later queries
+    idx = torch.arange(context)
+    obs = Observation(seen[None].float(), torch.zeros(1, hkv, context, 1), torch.zeros(1, hkv, context, 1),
+                      torch.ones(1, hkv, context, dtype=torch.bool), idx.expand(1, hkv, context).contiguous())
+    scores = scorer.score(obs)[0].double()  # (Hkv, context)
+    protected = (idx < num_sinks) | (idx >= context - scorer.recent)
+    prio = torch.where(protected, torch.full_like(scores, float("inf")), scores)
+    newest_first = idx.flip(0).expand(hkv, context)  # ties go to the newer token, as the stream breaks them
+    ranked = newest_first.gather(-1, torch.argsort(prio.gather(-1, newest_first), dim=-1, descending=True,
+                                                   stable=True))
+    kept = later.gather(-1, ranked).cumsum(-1)
+    return kept / later.sum(-1, keepdim=True).clamp_min(1e-300) if power == 1 else kept
+
+
+def fit_budgets(curves: list[Tensor], total: int, least: int, step: int = 8) -> list[int]:
+    """Budgets (tokens per head, ``least`` at the fewest, at most each curve's length) that sum to ``total`` and
+    take, ``step`` tokens at a time, where the recall curve ``curves[h]`` (``[n_h]``: recall at ``b`` tokens, entry
+    ``b − 1``) gains the most — a greedy fit of ``Σ_h recall_h(b_h)``. Deterministic: ties go to the lower head."""
+    sizes = [int(c.shape[0]) for c in curves]
+    budgets = [min(least, n) for n in sizes]
+    left = total - sum(budgets)
+    if left < 0:
+        raise InputError(f"a total of {total} tokens cannot give {len(curves)} heads {least} each")
+    at = lambda h, b: float(curves[h][b - 1]) if b > 0 else 0.0  # noqa: E731
+    while left > 0:
+        best, gain = -1, -1.0
+        for h in range(len(curves)):
+            if budgets[h] >= sizes[h]:
+                continue
+            nxt = min(sizes[h], budgets[h] + step, budgets[h] + left)
+            g = (at(h, nxt) - at(h, budgets[h])) / (nxt - budgets[h])
+            if g > gain:
+                best, gain = h, g
+        if best < 0:  # every head holds its whole context
+            break
+        nxt = min(sizes[best], budgets[best] + step, budgets[best] + left)
+        left -= nxt - budgets[best]
+        budgets[best] = nxt
+    return budgets
+
+
+@torch.no_grad()
+def calibrate_plan(model: nn.Module, plan: RetentionPlan, ids: Tensor | list[int], context: int, *,
+                   observe: int = 32) -> RetentionPlan:
+    """The plan with its budgets fitted on a calibration text: per key-value head, how much of the later queries'
+    attention on a ``context``-token prefix survives at each budget under the plan's scorer (SnapKV, the sinks and
+    the newest tokens kept) — as the kept sum of squared weights times the spread of the head's values, the part of
+    its output a dropped key would have moved —, then the total the plan holds shared out where it keeps the most
+    (:func:`recall_curves` with ``power=2``, :func:`fit_budgets`). One forward of ``ids`` (``context`` + the later
+    tokens).
+
+    A layer the stream keeps in its own sliding window keeps its budget. The fitted budgets hold for prompts of about
+    ``context`` tokens; ``source["calibration"]`` records what they were fitted on."""
+    from .cache import SinkCache  # (the cache reads plans: imported here, not at the top)
+
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
+    n = int(ids.shape[1])
+    check_int("context", context, plan.num_sinks + plan.recent + observe)
+    check_int("observe", observe, 1)
+    if n <= context:
+        raise InputError(f"the calibration text ({n} tokens) must run past its context ({context} tokens)")
+    plan.check_model(model)
+    recorder = _Recorder(window=n - context + observe)
+    cache = SinkCache(model, num_sinks=plan.num_sinks, window=n, policy=recorder)
+    try:
+        model(input_ids=ids, cache=cache, logits_to_keep=1)
+        scored = [i for i, s in enumerate(cache.layer_states) if s is not None and s.scored]
+    finally:
+        cache.close()
+    scorer = SnapKV(recent=plan.recent)
+    layers = [i for i in scored if plan.budgets[i] is not None]
+    curves = {i: recall_curves(w, context, observe, scorer, plan.num_sinks, power=2) * spread[:, None]
+              for i, w, spread in zip(scored, recorder.weights, recorder.spread) if i in layers}
+    flat = [c for i in layers for c in curves[i]]
+    total = sum(b for i in layers for b in plan.budgets[i] or ())
+    fitted = fit_budgets(flat, total, plan.num_sinks + plan.recent)
+    budgets = [list(b) if b is not None else None for b in plan.budgets]
+    for k, i in enumerate(layers):
+        budgets[i] = fitted[k * plan.kv_heads:(k + 1) * plan.kv_heads]
+    calibration = {"tokens": n, "context": context, "observe": observe, "layers": layers, "objective": "a² × spread",
+                   "ids_sha1": hashlib.sha1(json.dumps(ids[0].tolist()).encode()).hexdigest()[:12]}
+    return replace(plan, budgets=budgets, source={**plan.source, "calibration": calibration})
