@@ -113,7 +113,8 @@ class Configuration:
 CONFIGURATIONS: tuple[Configuration, ...] = (
     Configuration("llama", layers=1, why="a one-layer model through scan, stream, diagnose and circuit"),
     Configuration("ergo", layers=1, prefer_full=False,
-                  why="one sliding-window layer (a window of its own below sinks + window), streamed past eviction"),
+                  why="one sliding-window layer with RoPE: its own window kept natively by the stream, and "
+                      "streamed past eviction (the type's row evicts a global layer without positions)"),
     Configuration("ergo", layers=4, why="three sliding layers with RoPE, one global layer without positions"),
     Configuration("gemma3_text", layers=4, why="three local layers, one global layer, one rotary table per kind"),
     Configuration("gpt_oss", layers=3, why="learned sinks over two sliding layers and one full layer"),
