@@ -27,6 +27,7 @@ the sources the cells exercise, which the suite compares with the code under tes
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import math
@@ -562,10 +563,13 @@ def _imports(path: Path, module: str, package: bool) -> set[str]:
     return found
 
 
-def source_files(root: str = FINGERPRINT_ROOT) -> list[Path]:
+@functools.lru_cache(maxsize=None)
+def source_files(root: str = FINGERPRINT_ROOT) -> tuple[Path, ...]:
     """The ``sinklab`` source files the matrix exercises: ``root`` and every sinklab module it imports, directly
     or through others (read statically, so a function-level import counts), with the ``__init__`` of each package
-    on the way (but the top-level facade, which imports the whole library). Sorted."""
+    on the way (but the top-level facade, which imports the whole library). Sorted; worked out once per process
+    (the import graph of the installed sources does not change under a running process; their bytes are read
+    afresh by :func:`source_fingerprint`)."""
     src = Path(__file__).resolve().parents[1]  # .../sinklab
 
     def locate(module: str) -> tuple[Path, bool] | None:
@@ -590,7 +594,7 @@ def source_files(root: str = FINGERPRINT_ROOT) -> list[Path]:
         parts = module.split(".")
         todo += [".".join(parts[:i]) for i in range(2, len(parts))]  # the packages on the way
         todo += sorted(_imports(path, module, package))
-    return sorted(set(seen.values()))
+    return tuple(sorted(set(seen.values())))
 
 
 def source_fingerprint(root: str = FINGERPRINT_ROOT) -> str:
