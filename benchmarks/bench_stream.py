@@ -39,6 +39,7 @@ import sys
 from pathlib import Path
 
 import torch
+from _common import run_metadata, write_result
 from sinklab.atomic import write_json
 
 HERE = Path(__file__).resolve().parent
@@ -296,13 +297,10 @@ def main() -> None:
     for name, m in mapping.items():
         print(f"size mapping, S 4 + W 64 (HF window_length 68): {name}: keys kept per layer {m['kept_keys']}, "
               f"first query off dense: stream index {m['first_query_off_dense']}")
-    out = {"benchmark": "stream", "machine": {"platform": platform.platform(), "python": platform.python_version(),
-           "torch": torch.__version__, "threads": torch.get_num_threads()}, "model": "SmolLM2-135M-Instruct (Q4_1 dequantised)" if args.smollm2 else "tiny random Llama",
-           "rows": rows, "logits": compare, "mapping": mapping,
-           "long_stream": long}
-    name = args.json or ("bench_stream_smollm2.json" if args.smollm2 else "bench_stream.json")
-    write_json((RESULTS / name), out)
-    print(f"wrote {RESULTS / name}")
+    model = "SmolLM2-135M-Instruct (Q4_1 dequantised)" if args.smollm2 else "tiny random Llama"
+    out = {"benchmark": "stream", "meta": run_metadata(model=model), "model": model, "rows": rows, "logits": compare,
+           "mapping": mapping, "long_stream": long}
+    write_result(args.json or ("bench_stream_smollm2.json" if args.smollm2 else "bench_stream.json"), out)
 
 
 if __name__ == "__main__":

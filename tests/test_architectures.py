@@ -212,3 +212,35 @@ def test_fingerprint_covers_what_the_cells_run_and_changes_with_it(monkeypatch):
     target = src / "stream" / "attention.py"
     monkeypatch.setattr(Path, "read_bytes", lambda self: read(self) + (b" " if self == target else b""))
     assert arch.source_fingerprint() != before
+
+
+def test_nothing_imports_benchmarks_and_benchmarks_import_no_tests():
+    """The matrix is library code: nothing in ``src/`` or ``tests/`` imports a ``benchmarks/`` script or edits
+    ``sys.path``, and no benchmark imports a ``tests/`` module (they share code through ``sinklab.testing``)."""
+    import ast
+
+    bench = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+    tests = {p.stem for p in (ROOT / "tests").glob("*.py")} | {"tests"}
+
+    def offences(path: Path, forbidden: set[str]) -> list[str]:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found = []
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: imports {n}" for n in names
+                      if n.split(".")[0] in forbidden]
+            if (isinstance(node, ast.Attribute) and node.attr in ("insert", "append", "extend")
+                    and isinstance(node.value, ast.Attribute) and node.value.attr == "path"
+                    and isinstance(node.value.value, ast.Name) and node.value.value.id == "sys"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: edits sys.path")
+            if isinstance(node, ast.Attribute) and node.attr in ("spec_from_file_location", "run_path") and any(
+                    isinstance(c, ast.Constant) and c.value == "benchmarks" for c in ast.walk(tree)):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: loads a file by path beside 'benchmarks'")
+        return found
+
+    library = [*sorted((ROOT / "src").rglob("*.py")), *sorted((ROOT / "tests").rglob("*.py")),
+               *sorted((ROOT / "docs" / "examples").glob("*.py"))]
+    bad = [o for p in library for o in offences(p, bench)]
+    bad += [o for p in sorted((ROOT / "benchmarks").glob("*.py")) for o in offences(p, tests) if "sys.path" not in o]
+    assert not bad, "\n".join(bad)

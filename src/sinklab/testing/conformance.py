@@ -27,6 +27,7 @@ the sources the cells exercise, which the suite compares with the code under tes
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import math
@@ -113,7 +114,8 @@ class Configuration:
 CONFIGURATIONS: tuple[Configuration, ...] = (
     Configuration("llama", layers=1, why="a one-layer model through scan, stream, diagnose and circuit"),
     Configuration("ergo", layers=1, prefer_full=False,
-                  why="one sliding-window layer (a window of its own below sinks + window), streamed past eviction"),
+                  why="one sliding-window layer with RoPE: its own window kept natively by the stream, and "
+                      "streamed past eviction (the type's row evicts a global layer without positions)"),
     Configuration("ergo", layers=4, why="three sliding layers with RoPE, one global layer without positions"),
     Configuration("gemma3_text", layers=4, why="three local layers, one global layer, one rotary table per kind"),
     Configuration("gpt_oss", layers=3, why="learned sinks over two sliding layers and one full layer"),
@@ -561,10 +563,13 @@ def _imports(path: Path, module: str, package: bool) -> set[str]:
     return found
 
 
-def source_files(root: str = FINGERPRINT_ROOT) -> list[Path]:
+@functools.lru_cache(maxsize=None)
+def source_files(root: str = FINGERPRINT_ROOT) -> tuple[Path, ...]:
     """The ``sinklab`` source files the matrix exercises: ``root`` and every sinklab module it imports, directly
     or through others (read statically, so a function-level import counts), with the ``__init__`` of each package
-    on the way (but the top-level facade, which imports the whole library). Sorted."""
+    on the way (but the top-level facade, which imports the whole library). Sorted; worked out once per process
+    (the import graph of the installed sources does not change under a running process; their bytes are read
+    afresh by :func:`source_fingerprint`)."""
     src = Path(__file__).resolve().parents[1]  # .../sinklab
 
     def locate(module: str) -> tuple[Path, bool] | None:
@@ -589,7 +594,7 @@ def source_files(root: str = FINGERPRINT_ROOT) -> list[Path]:
         parts = module.split(".")
         todo += [".".join(parts[:i]) for i in range(2, len(parts))]  # the packages on the way
         todo += sorted(_imports(path, module, package))
-    return sorted(set(seen.values()))
+    return tuple(sorted(set(seen.values())))
 
 
 def source_fingerprint(root: str = FINGERPRINT_ROOT) -> str:
