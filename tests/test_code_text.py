@@ -43,11 +43,6 @@ ALLOWED = {
     ("recommend.py", "≥ 25 %"): "the confidence rule's written thresholds",
 }
 
-#: Parts of the package that were being rewritten on other branches when the rule came in: still checked (below),
-#: a part that still quotes a measurement xfails with the list of them, a clean one passes. Empty it once merged.
-PENDING = ("stream", "attention.py", "capture", "testing")
-
-
 def code_text(path: Path) -> list[tuple[int, str]]:
     """``(line, text)`` of every comment and every module/class/function docstring line of ``path``."""
     source = path.read_text(encoding="utf-8")
@@ -74,12 +69,7 @@ def measurements(path: Path) -> list[str]:
     return hits
 
 
-def _pending(path: Path) -> bool:
-    rel = path.relative_to(SRC)
-    return any(rel.as_posix() == p or rel.parts[0] == p for p in PENDING)
-
-
-FILES = sorted(p for p in SRC.rglob("*.py") if not _pending(p))
+FILES = sorted(SRC.rglob("*.py"))
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.relative_to(SRC).as_posix())
@@ -87,18 +77,6 @@ def test_no_measurement_in_comments_or_docstrings(path):
     hits = measurements(path)
     assert not hits, ("a measurement in code text (move it to docs/ or benchmarks/results/; a definition goes into "
                       "ALLOWED of tests/test_code_text.py with its reason):\n" + "\n".join(hits))
-
-
-@pytest.mark.parametrize("part", PENDING)
-def test_pending_parts_are_listed_while_they_still_quote_measurements(part):
-    """The parts left out above are checked too: while they quote measurements the test xfails and lists them (with
-    ``-rx``); once clean, it passes like the test above."""
-    target = SRC / part
-    if not target.exists():
-        pytest.skip(f"src/sinklab/{part} is not on this branch")
-    hits = [h for p in ([target] if target.is_file() else sorted(target.rglob("*.py"))) for h in measurements(p)]
-    if hits:
-        pytest.xfail(f"{len(hits)} measurement(s) in src/sinklab/{part}:\n" + "\n".join(hits))
 
 
 def test_every_allowed_phrase_is_still_in_its_file():
