@@ -55,6 +55,7 @@ from .layout import (
     cache_kwarg_name,
     output_cache,
     cache_argument,
+    route_cache_argument,
     offloaded_weights,
     named_weights,
 )
@@ -98,6 +99,7 @@ __all__ = [
     "cache_kwarg_name",
     "output_cache",
     "cache_argument",
+    "route_cache_argument",
     "offloaded_weights",
     "named_weights",
     "LayerRotation",

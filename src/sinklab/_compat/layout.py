@@ -6,6 +6,8 @@ sliding-window specs, the architecture tables, and where the cache argument goes
 
 from __future__ import annotations
 
+import functools
+import inspect
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -440,6 +442,27 @@ def cache_argument(kwargs: dict) -> tuple[str | None, Any]:
         if kwargs.get(key) is not None:
             return key, kwargs[key]
     return None, None
+
+
+@functools.cache
+def _forward_parameters(cls: type) -> frozenset[str]:
+    return frozenset(inspect.signature(cls.forward).parameters)
+
+
+def route_cache_argument(module: nn.Module, kwargs: dict) -> None:
+    """Hand the cache in ``kwargs`` to ``module``'s forward under the name that forward reads.
+
+    A causal LM's head passes the caller's ``past_key_values=`` down to its decoder stack through ``**kwargs``;
+    a stack that takes only the new name (``cache``) would ignore it and build a cache of its own, and the other way
+    round. Renamed in place when the forward names one of the two and not the other; untouched otherwise.
+    """
+    key, cache = cache_argument(kwargs)
+    if key is None:
+        return
+    other = "cache" if key == "past_key_values" else "past_key_values"
+    names = _forward_parameters(type(module))
+    if key not in names and other in names:
+        kwargs[other] = kwargs.pop(key)
 
 
 @contextmanager

@@ -130,6 +130,7 @@ class ModelStreams:
                                      "(cache=cache, or past_key_values=cache)")
                 self.release()
             return None
+        _compat.route_cache_argument(module, kwargs)  # a stack that reads only `cache=` ignores `past_key_values=`
         stack[-1] = (self._bind(cache), cache)
         return cache.plan_forward(args, kwargs)
 
