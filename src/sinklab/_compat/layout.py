@@ -445,8 +445,8 @@ def cache_argument(kwargs: dict) -> tuple[str | None, Any]:
 
 
 @functools.cache
-def _forward_parameters(cls: type) -> frozenset[str]:
-    return frozenset(inspect.signature(cls.forward).parameters)
+def _forward_parameters(forward: Any) -> frozenset[str]:
+    return frozenset(inspect.signature(forward).parameters)
 
 
 def route_cache_argument(module: nn.Module, kwargs: dict) -> None:
@@ -460,7 +460,7 @@ def route_cache_argument(module: nn.Module, kwargs: dict) -> None:
     if key is None:
         return
     other = "cache" if key == "past_key_values" else "past_key_values"
-    names = _forward_parameters(type(module))
+    names = _forward_parameters(type(module).forward)
     if key not in names and other in names:
         kwargs[other] = kwargs.pop(key)
 
