@@ -101,13 +101,13 @@ def test_plan_rejects_a_text_too_short_to_evict():
 
 def test_auto_stride_bounds_recompute_and_is_one_without_it():
     assert EvalPlan(cache_size=100).positions(1101).tolist() == list(range(101, 1101, 8))  # ≤ 128 windows
-    assert EvalPlan(methods="dense,sinks", cache_size=100).resolved_stride(1101) == 1
+    assert EvalPlan(methods=("dense", "sinks"), cache_size=100).resolved_stride(1101) == 1
 
 
 # ------------------------------------------------------------------------------------------------ references
 def test_dense_equals_one_full_forward(two_layer, ids):
     """Chunked dense prefill (chunks not aligned with the scored positions) = one causal forward's cross-entropy."""
-    result = evaluate_stream(two_layer, ids, EvalPlan(methods="dense", cache_size=12, stride=2, chunk_size=7))
+    result = evaluate_stream(two_layer, ids, EvalPlan(methods=("dense",), cache_size=12, stride=2, chunk_size=7))
     with torch.no_grad():
         logits = two_layer(input_ids=ids[None], use_cache=False).logits[0]  # (N, V)
     pos = result.positions
@@ -120,7 +120,7 @@ def test_one_layer_streams_equal_a_forward_over_exactly_the_kept_tokens(ids):
     forward over its kept tokens re-positioned 0 … n−1: the last C for the window, ids[:S] ⧺ the last W for sinks."""
     model = llama(1)
     c, s = 12, 3
-    result = evaluate_stream(model, ids, EvalPlan(methods="window,recompute,sinks", sinks=(s,), cache_size=c,
+    result = evaluate_stream(model, ids, EvalPlan(methods=("window", "recompute", "sinks"), sinks=(s,), cache_size=c,
                                                   stride=5, chunk_size=8))
     window_ref, sinks_ref = [], []
     for t in result.positions.tolist():
@@ -145,7 +145,7 @@ def test_sinks_chunked_equal_token_by_token_decoding(two_layer, ids):
     """Multi-layer: the chunked stream's NLL equals decoding one token at a time (the stream's own step path)."""
     s, c = 2, 12
     short = ids[:40]
-    result = evaluate_stream(two_layer, short, EvalPlan(methods="sinks", sinks=(s,), cache_size=c, chunk_size=9))
+    result = evaluate_stream(two_layer, short, EvalPlan(methods=("sinks",), sinks=(s,), cache_size=c, chunk_size=9))
     step = []
     with StreamSession(two_layer, num_sinks=s, window=c - s) as session:
         for t in range(int(result.positions[-1])):
@@ -154,7 +154,7 @@ def test_sinks_chunked_equal_token_by_token_decoding(two_layer, ids):
     ref = _ce(logits[result.positions - 1], short[result.positions])
     torch.testing.assert_close(result.curve(f"sinks S={s}").nll.double(), ref, atol=1e-4, rtol=0)
     # … and differs from dense attention once tokens are evicted (two layers carry evicted context).
-    dense = evaluate_stream(two_layer, short, EvalPlan(methods="dense", cache_size=c, chunk_size=9)).curve("dense")
+    dense = evaluate_stream(two_layer, short, EvalPlan(methods=("dense",), cache_size=c, chunk_size=9)).curve("dense")
     assert (dense.nll - result.curve(f"sinks S={s}").nll).abs().max() > 1e-2
 
 
