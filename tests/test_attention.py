@@ -221,6 +221,11 @@ def test_a_spec_object_is_the_keyword_form_and_keywords_override_it(fast):
     assert spec.scale == scale  # the spec itself is unchanged
     out, probs = attend(q, k, v, visible, spec, fast=False, weights=True)
     assert torch.allclose(out.double(), ref, atol=2e-6, rtol=1e-5) and probs.shape == (B, 4, C, K)
+    # the path: fused unless there is a softcap or the weights are asked for
+    assert AttendSpec().fused(False) is True and AttendSpec(softcap=2.0).fused(False) is False
+    assert AttendSpec().fused(True) is False and AttendSpec(fast=False).fused(False) is False
+    wide = attend(q, k, v, visible, spec, gate=gate.double())  # a float64 gate: the output keeps the query's dtype
+    assert wide.dtype == torch.float32 and torch.allclose(wide.double(), ref, atol=2e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="no softcap"):
         AttendSpec(softcap=2.0, fast=True)
     with pytest.raises(ValueError, match="weights come from the manual path"):

@@ -81,3 +81,35 @@ def test_a_scored_policy_plans_a_scored_view():
     assert isinstance(view, ScoredView)
     assert view.sidx.tolist() == [[-1, 0, 1, 2]] and view.q_v[0, 1:].tolist() == [0, 1, 2]
     cache.close()
+
+
+def test_a_packed_rings_masked_decode_step_equals_each_row_streamed_alone():
+    """A left-padded batch decodes through the per-row :class:`DecodePlan` (the packed ring reads its ring slots and
+    the rows to keep from it): row 0 (one real prompt token) decodes its second sink while row 1 decodes a window
+    token, so one row keeps its ring slot. Each row's logits equal the same row streamed alone, up to eviction and
+    past it (S = 2, W = 4: six steps)."""
+    model = build("llama-gqa")
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, 64, (2, 4), generator=g)
+    follow = torch.randint(0, 64, (6, 2), generator=g)
+    mask = torch.ones(2, 4, dtype=torch.long)
+    mask[0, :3] = 0
+    cache = SinkCache(model, num_sinks=2, window=4, kv_bits=4)
+    got = []
+    with torch.no_grad():
+        model(input_ids=prompt, attention_mask=mask, cache=cache)
+        for step in follow:
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+            got.append(model(input_ids=step[:, None], attention_mask=mask, cache=cache).logits[:, -1])
+            assert isinstance(cache.state.plan, DecodePlan)
+            if len(got) == 1:
+                assert cache.state.plan.any_anchored and cache.state.plan.ring_keep[:, 0, 0].tolist() == [True, False]
+    cache.close()
+    for row, start in ((0, 3), (1, 0)):
+        alone = SinkCache(model, num_sinks=2, window=4, kv_bits=4)
+        with torch.no_grad():
+            model(input_ids=prompt[row:row + 1, start:], cache=alone)
+            for i, step in enumerate(follow):
+                logits = model(input_ids=step[row].view(1, 1), cache=alone).logits[0, -1]
+                torch.testing.assert_close(got[i][row], logits, rtol=1e-4, atol=1e-5)
+        alone.close()

@@ -312,8 +312,6 @@ class StreamBudget:
 class StreamState(StreamBudget):
     """Counters, buffer metadata and position plan for one stream (all layers share it)."""
 
-    view: DecodeView | ChunkView | None  # the current forward's (a decode step's or a chunk's)
-
     def __init__(self, num_sinks: int, window: int, pinned=None, start_position: int = 0,
                  rebase_every: int | None = None, rope=None, compile_plan: bool = False, attn_rope=None) -> None:
         super().__init__(num_sinks, window, pinned, start_position, rebase_every, rope, attn_rope)
