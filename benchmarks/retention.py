@@ -576,7 +576,7 @@ def figure(rows: list[dict], path: Path) -> None:
         ax.axis("off")
     axes.flat[0].legend(fontsize=5, loc="best")
     fig.tight_layout()
-    save_png(fig, path, dpi=110)
+    save_png(fig, path)
     print(f"wrote {path}")
 
 
