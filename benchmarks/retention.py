@@ -557,6 +557,8 @@ def figure(rows: list[dict], path: Path) -> None:
     cols = min(4, len(panels))
     nrows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 3.2 * nrows), squeeze=False)
+    names = sorted({(r["source"], r["method"]) for r in rows if r["source"] != "dense"})
+    colour = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(names)}  # one colour per method, every panel
     for ax, panel in zip(axes.flat, panels):
         model, context, task, regime = panel
         value = "ppl" if task == "ppl" else "accuracy"
@@ -568,7 +570,8 @@ def figure(rows: list[dict], path: Path) -> None:
             pts = sorted((r["kept_share"], r[value]) for r in sel if (r["source"], r["method"]) == (source, method)
                          and r[value] is not None and r.get("kept_share") is not None)
             if pts:
-                ax.plot(*zip(*pts), marker="o", ls="-" if source == "sinklab" else "--", label=f"{source}:{method}")
+                ax.plot(*zip(*pts), marker="o", ls="-" if source == "sinklab" else "--", label=f"{source}:{method}",
+                        color=colour[(source, method)])
         ax.set_xlabel("share of dense KV entries held")
         ax.set_ylabel(value)
         ax.set_title(f"{model.split(':')[-1]} · {context} · {task} · {regime}", fontsize=8)
