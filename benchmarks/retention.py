@@ -427,6 +427,10 @@ def grid_model(args, res: Results, name: str, context: int, sources: set[str], k
             outcomes = sinklab_outcomes(model, tok, key, budget, cs, plans)
         row = cell_row(key, cs, outcomes, tok, dense_entries)
         row["budget"] = budget
+        if key["method"] == "auto" and budget in plans:  # the fitted budgets' range and what the fit cost
+            summary, fit = plans[budget].summary(), plans[budget].source["calibration"]
+            row["plan"] = {"least_budget": summary["least_budget"], "most_budget": summary["most_budget"],
+                           "calibration_seconds": fit["seconds"]}
         row["wall_s"] = round(time.time() - t0, 1)
         res.add(row)
 
