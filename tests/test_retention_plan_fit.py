@@ -133,7 +133,7 @@ def test_sliding_window_layers_are_fitted_too():
     fitted = calibrate_plan(model, plan, _ids(120, seed=4), context=90)
     assert fitted.source["calibration"]["layers"] == [0, 1]
     assert fitted.total_tokens == plan.total_tokens and fitted.budgets != plan.budgets
-    assert max(fitted.budgets[0]) <= 24 + 8  # past its window a sliding head gains nothing (one greedy step over)
+    assert max(fitted.budgets[0]) <= 24  # a sliding head never holds more than its window
     prompt = torch.tensor([_ids(60, seed=5)])
     with torch.no_grad():
         dense = model(prompt).logits

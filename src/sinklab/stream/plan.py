@@ -366,7 +366,8 @@ def calibrate_plan(model: nn.Module, plan: RetentionPlan, ids: Tensor | list[int
     # (a sliding layer keeps no sinks: SinkCache's default, sliding_sinks=False)
     curves = {i: recall_curves(w, context, observe, scorer, plan.num_sinks if windows[i] is None else 0, power=2)
               * spread[:, None] for i, w, spread in zip(scored, recorder.weights, recorder.spread) if i in layers}
-    flat = [c for i in layers for c in curves[i]]
+    # a sliding head never holds more than its window: its curve (and so its budget) stops there
+    flat = [c if windows[i] is None else c[:windows[i]] for i in layers for c in curves[i]]
     total = sum(b for i in layers for b in plan.budgets[i] or ())
     fitted = fit_budgets(flat, total, plan.num_sinks + plan.recent)
     budgets = [list(b) if b is not None else None for b in plan.budgets]
