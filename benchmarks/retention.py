@@ -427,6 +427,10 @@ def grid_model(args, res: Results, name: str, context: int, sources: set[str], k
             outcomes = sinklab_outcomes(model, tok, key, budget, cs, plans)
         row = cell_row(key, cs, outcomes, tok, dense_entries)
         row["budget"] = budget
+        if key["method"] == "auto" and budget in plans:  # the fitted budgets' range and what the fit cost
+            summary, fit = plans[budget].summary(), plans[budget].source["calibration"]
+            row["plan"] = {"least_budget": summary["least_budget"], "most_budget": summary["most_budget"],
+                           "calibration_seconds": fit["seconds"]}
         row["wall_s"] = round(time.time() - t0, 1)
         res.add(row)
 
@@ -557,6 +561,8 @@ def figure(rows: list[dict], path: Path) -> None:
     cols = min(4, len(panels))
     nrows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 3.2 * nrows), squeeze=False)
+    names = sorted({(r["source"], r["method"]) for r in rows if r["source"] != "dense"})
+    colour = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(names)}  # one colour per method, every panel
     for ax, panel in zip(axes.flat, panels):
         model, context, task, regime = panel
         value = "ppl" if task == "ppl" else "accuracy"
@@ -568,7 +574,8 @@ def figure(rows: list[dict], path: Path) -> None:
             pts = sorted((r["kept_share"], r[value]) for r in sel if (r["source"], r["method"]) == (source, method)
                          and r[value] is not None and r.get("kept_share") is not None)
             if pts:
-                ax.plot(*zip(*pts), marker="o", ls="-" if source == "sinklab" else "--", label=f"{source}:{method}")
+                ax.plot(*zip(*pts), marker="o", ls="-" if source == "sinklab" else "--", label=f"{source}:{method}",
+                        color=colour[(source, method)])
         ax.set_xlabel("share of dense KV entries held")
         ax.set_ylabel(value)
         ax.set_title(f"{model.split(':')[-1]} · {context} · {task} · {regime}", fontsize=8)
@@ -576,7 +583,7 @@ def figure(rows: list[dict], path: Path) -> None:
         ax.axis("off")
     axes.flat[0].legend(fontsize=5, loc="best")
     fig.tight_layout()
-    save_png(fig, path, dpi=110)
+    save_png(fig, path)
     print(f"wrote {path}")
 
 

@@ -112,3 +112,30 @@ def test_auto_with_fitted_budgets_matches_the_float64_reference():
         for i, layer in enumerate(cache.layers):
             assert layer.kept_indices() == [sorted(h) for h in ref.kept(i)], f"layer {i}"
             assert layer.kept_tokens()[0].tolist() == [min(b, 170) for b in plan.budgets[i]]
+
+
+def test_sliding_window_layers_are_fitted_too():
+    """A Gemma-3-like model (a sliding layer of 24 tokens, then a full one) at 16 tokens per head: both layers are
+    fitted, the total is kept, no sliding head gets more than its window can use, and the prompt's forward under the
+    fitted plan is still the model's own."""
+    import transformers as tf
+
+    cfg = tf.Gemma3TextConfig(vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=24,
+                              layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = tf.Gemma3ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 30000, (2, 160), generator=torch.Generator().manual_seed(0))
+    scan = scan_inputs(model, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}],
+                       [[str(i) for i in range(160)]] * 2, split=False)
+    plan = plan_from_scan(model, scan, num_sinks=4, window=12, recent=4)
+    assert all(row is not None for row in plan.budgets)  # the sliding layer is budgeted at 16 < 24
+    fitted = calibrate_plan(model, plan, _ids(120, seed=4), context=90)
+    assert fitted.source["calibration"]["layers"] == [0, 1]
+    assert fitted.total_tokens == plan.total_tokens and fitted.budgets != plan.budgets
+    assert max(fitted.budgets[0]) <= 24  # a sliding head never holds more than its window
+    prompt = torch.tensor([_ids(60, seed=5)])
+    with torch.no_grad():
+        dense = model(prompt).logits
+        with SinkCache(model, policy="auto", plan=fitted) as cache:
+            torch.testing.assert_close(model(input_ids=prompt, cache=cache).logits, dense, rtol=1e-4, atol=1e-4)

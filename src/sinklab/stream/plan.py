@@ -335,8 +335,9 @@ def calibrate_plan(model: nn.Module, plan: RetentionPlan, ids: Tensor | list[int
     (:func:`recall_curves` with ``power=2``, :func:`fit_budgets`). One forward of ``ids`` (``context`` + the later
     tokens).
 
-    A layer the stream keeps in its own sliding window keeps its budget. The fitted budgets hold for prompts of about
-    ``context`` tokens; ``source["calibration"]`` records what they were fitted on."""
+    Sliding-window layers the plan budgets are fitted with the others (their queries see only their window, so a
+    budget past it gains nothing). The fitted budgets hold for prompts of about ``context`` tokens;
+    ``source["calibration"]`` records what they were fitted on."""
     from .cache import SinkCache  # (the cache reads plans: imported here, not at the top)
 
     ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
@@ -347,7 +348,14 @@ def calibrate_plan(model: nn.Module, plan: RetentionPlan, ids: Tensor | list[int
         raise InputError(f"the calibration text ({n} tokens) must run past its context ({context} tokens)")
     plan.check_model(model)
     recorder = _Recorder(window=n - context + observe)
-    cache = SinkCache(model, num_sinks=plan.num_sinks, window=n, policy=recorder)
+    # Every layer the plan budgets is scored, a sliding one too: the calibration window is below the narrowest
+    # budgeted sliding window (a prompt in one forward sees all of itself, so the budget changes no weight).
+    windows = _compat.layer_sliding_windows(model)
+    sliding = [w for w, b in zip(windows, plan.budgets) if w is not None and b is not None]
+    window = min([n] + [w - plan.num_sinks - 1 for w in sliding])
+    if window < 1:
+        raise InputError(f"a sliding window of {min(sliding)} tokens leaves no room beside {plan.num_sinks} sinks")
+    cache = SinkCache(model, num_sinks=plan.num_sinks, window=window, policy=recorder)
     try:
         model(input_ids=ids, cache=cache, logits_to_keep=1)
         scored = [i for i, s in enumerate(cache.layer_states) if s is not None and s.scored]
@@ -355,9 +363,11 @@ def calibrate_plan(model: nn.Module, plan: RetentionPlan, ids: Tensor | list[int
         cache.close()
     scorer = SnapKV(recent=plan.recent)
     layers = [i for i in scored if plan.budgets[i] is not None]
-    curves = {i: recall_curves(w, context, observe, scorer, plan.num_sinks, power=2) * spread[:, None]
-              for i, w, spread in zip(scored, recorder.weights, recorder.spread) if i in layers}
-    flat = [c for i in layers for c in curves[i]]
+    # (a sliding layer keeps no sinks: SinkCache's default, sliding_sinks=False)
+    curves = {i: recall_curves(w, context, observe, scorer, plan.num_sinks if windows[i] is None else 0, power=2)
+              * spread[:, None] for i, w, spread in zip(scored, recorder.weights, recorder.spread) if i in layers}
+    # a sliding head never holds more than its window: its curve (and so its budget) stops there
+    flat = [c if windows[i] is None else c[:windows[i]] for i in layers for c in curves[i]]
     total = sum(b for i in layers for b in plan.budgets[i] or ())
     fitted = fit_budgets(flat, total, plan.num_sinks + plan.recent)
     budgets = [list(b) if b is not None else None for b in plan.budgets]
