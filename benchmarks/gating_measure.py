@@ -17,7 +17,7 @@ import torch
 from _common import run_metadata, write_result
 
 import sinklab
-from sinklab.stream.evaluate import recompute_nll, stream_nll
+from sinklab.evaluation.stream import recompute_nll, stream_nll
 from sinklab.report.figures import save_png
 
 SCAN = dict(seq_len=64, samples=32, batch_size=16)

@@ -55,7 +55,7 @@ def main() -> None:
         return merge(args.tag or "long")
 
     import sinklab
-    from sinklab.stream.evaluate import EvalPlan, evaluate_stream
+    from sinklab.evaluation.stream import EvalPlan, evaluate_stream
     from sinklab.texts import default_texts
 
     compare = args.experiment == "compare"
@@ -105,7 +105,7 @@ def main() -> None:
 def publish(data: dict, name: str) -> None:
     """Figures into results/ and (small) docs/img/, the split at the trained length, and the printed table."""
     from sinklab.report.stream_figures import TABLE_HEADER, eval_stream_figures, table_rows
-    from sinklab.stream.evaluate import binned_nll
+    from sinklab.evaluation.stream import binned_nll
 
     pos = torch.tensor(data["scored_positions"])
     for c in data["curves"].values():  # one bin per 8 scored tokens (at most 48), also for merged runs

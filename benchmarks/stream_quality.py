@@ -1,4 +1,4 @@
-"""Documented runs (not tests): what a stream forgets and whether it stays fluent (sinklab.stream.quality).
+"""Documented runs (not tests): what a stream forgets and whether it stays fluent (sinklab.evaluation.quality).
 
 Three experiments on ``builtin:smollm2`` (SmolLM2-135M-Instruct), each in its own process so they can run side
 by side, each writing ``benchmarks/results/quality_<name>.json`` (rewritten as it goes, so a run cut short
@@ -64,7 +64,7 @@ def main() -> None:
     if args.experiment == "report":
         return report()
     import sinklab
-    from sinklab.stream import quality
+    from sinklab.evaluation import quality
 
     loaded = sinklab.load_model(f"builtin:{args.model if args.experiment != 'recall' else 'smollm2'}")
     model, tok = loaded.model.requires_grad_(False), loaded.tokenizer

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from sinklab.errors import InputError
 from sinklab.stream import StreamSession
-from sinklab.stream.evaluate import EvalPlan, evaluate_stream, recompute_nll
+from sinklab.evaluation.stream import EvalPlan, evaluate_stream, recompute_nll
 
 V = 97
 
@@ -248,7 +248,7 @@ def test_cli_rejects_bad_input_before_loading_the_model(cli, tmp_path, no_model)
 
 def test_cli_leaves_nothing_behind_on_failure_or_interrupt(cli, tmp_path, monkeypatch):
     import sinklab.report.stream_figures as figures
-    from sinklab.stream import evaluate
+    from sinklab.evaluation import stream as evaluate
 
     args = ("builtin:tiny-lm", "--tokens", 120, "--window", 28, "--methods", "window")
     monkeypatch.setattr(figures, "render_eval_stream", lambda *a: 1 / 0)  # fails while writing the report
@@ -271,7 +271,7 @@ def test_cli_quality_measures_match_independent_runs(cli, tmp_path):
     from transformers import DynamicCache
 
     from sinklab._compat import cache_kwarg_name
-    from sinklab.stream import quality
+    from sinklab.evaluation import quality
     from sinklab.stream.session import sample_token
 
     out = tmp_path / "q"

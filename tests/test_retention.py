@@ -256,7 +256,7 @@ def test_cli_stream_with_a_policy_and_bad_policies():
 
 
 def test_eval_stream_scores_policies_beside_the_sinks():
-    from sinklab.stream.evaluate import EvalPlan, evaluate_stream
+    from sinklab.evaluation.stream import EvalPlan, evaluate_stream
 
     model = _model()
     ids = torch.tensor(_ids(90))

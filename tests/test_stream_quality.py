@@ -1,4 +1,4 @@
-"""Stream quality measures (sinklab.stream.quality) against closed forms and transformers' own generate()."""
+"""Stream quality measures (sinklab.evaluation.quality) against closed forms and transformers' own generate()."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from transformers import DynamicCache
 import sinklab
 from sinklab._compat import cache_kwarg_name
 from sinklab.report.quality_figures import quality_figures, quality_tables
-from sinklab.stream import quality
+from sinklab.evaluation import quality
 from sinklab.stream.session import sample_token
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -76,7 +76,7 @@ def eval_stream(
     With --quality, also what the stream forgets (recall), whether it stays fluent (endless) and many prompts
     through one stream, into the same JSON and report."""
     from ..report import save
-    from ..stream.evaluate import evaluate_stream
+    from ..evaluation.stream import evaluate_stream
 
     with user_errors():
         plan = _eval_plan(methods, sinks, window, cache_size, stride, chunk_size, policy, tokens)
@@ -127,9 +127,9 @@ def comma_ints(text: str, option: str, example: str) -> list[int]:
 
 def _eval_plan(methods: str, sinks: str, window: int, cache_size: int | None, stride: int | None, chunk_size: int,
                policy: str, tokens: int):
-    """The :class:`~sinklab.stream.evaluate.EvalPlan` of the command line; ``--tokens`` must reach past the first
+    """The :class:`~sinklab.evaluation.stream.EvalPlan` of the command line; ``--tokens`` must reach past the first
     eviction."""
-    from ..stream.evaluate import EvalPlan, check_sinks
+    from ..evaluation.stream import EvalPlan, check_sinks
 
     check_int("--window", window, 1)
     if stride is not None:
@@ -163,10 +163,10 @@ def _encode(tok, text: str, tokens: int, first: int, c: int):
 
 
 def _run_quality(model, tok, qplan, text: str, model_name: str) -> dict:
-    """The ``--quality`` measures (:func:`sinklab.stream.quality.evaluate_quality`), filler text from ``text``."""
+    """The ``--quality`` measures (:func:`sinklab.evaluation.quality.evaluate_quality`), filler text from ``text``."""
     import torch
 
-    from ..stream.quality import evaluate_quality
+    from ..evaluation.quality import evaluate_quality
 
     longest = max(qplan.recall_distances()) if "recall" in qplan.measures else 0
     filler = torch.tensor(tok(text[: longest * 16 + 64], add_special_tokens=False, verbose=False)["input_ids"])
@@ -188,7 +188,7 @@ _OWNER = {"facts": "recall", "recall_distances": "recall", "endless_tokens": "en
 def _quality_plan(measures: str | None, num_sinks: int, window: int, chunk_size: int, **options):
     """The :class:`QualityPlan` of ``--quality`` (``None`` without it); its options without it, or without the
     measure they belong to, are an error."""
-    from ..stream.quality import QualityPlan, parse_quality
+    from ..evaluation.quality import QualityPlan, parse_quality
 
     given = {k: v for k, v in options.items() if v is not None}
     flag = lambda k: "--" + k.replace("_", "-").replace("facts", "recall-facts")  # noqa: E731

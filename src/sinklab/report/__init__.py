@@ -3,7 +3,7 @@
 ``sinklab.report.save(result, out)`` writes any sinklab result — a :class:`~sinklab.scan.ScanResult`, a
 :class:`~sinklab.diagnose.Diagnosis` (with the recommendation it carries), a
 :class:`~sinklab.circuit.CircuitResult`, a :class:`~sinklab.circuit.sweep.SweepResult`, a
-:class:`~sinklab.stream.evaluate.StreamEval` or a :class:`~sinklab.kvquant.evaluate.KvQuantResult` — as its JSON file, PNG figures and a self-contained
+:class:`~sinklab.evaluation.stream.StreamEval` or a :class:`~sinklab.kvquant.evaluate.KvQuantResult` — as its JSON file, PNG figures and a self-contained
 ``report.html`` into the folder ``out``, atomically (:func:`sinklab.atomic.atomic_dir`). Results are data;
 the renderers here only render them.
 """
@@ -19,7 +19,7 @@ from ..diagnose import Diagnosis
 from ..errors import InputError
 from ..kvquant.evaluate import KvQuantResult
 from ..scan import ScanResult
-from ..stream.evaluate import StreamEval
+from ..evaluation.stream import StreamEval
 
 __all__ = ["save", "WRITERS"]
 

@@ -1,8 +1,8 @@
-"""Figures and Markdown tables of the stream quality runs (:mod:`sinklab.stream.quality`), from their JSON."""
+"""Figures and Markdown tables of the stream quality runs (:mod:`sinklab.evaluation.quality`), from their JSON."""
 
 from __future__ import annotations
 
-from ..stream.quality import block_length, block_stats
+from ..evaluation.quality import block_length, block_stats
 
 __all__ = ["endless_block", "quality_figures", "quality_tables"]
 
@@ -11,7 +11,7 @@ _NAMES = {"dense": "dense", "sinks": "sinks + window", "window": "window only", 
 
 
 def endless_block(n: int) -> int:
-    """Block length for an endless run of ``n`` tokens (:func:`sinklab.stream.quality.block_length`)."""
+    """Block length for an endless run of ``n`` tokens (:func:`sinklab.evaluation.quality.block_length`)."""
     return block_length(n)
 
 

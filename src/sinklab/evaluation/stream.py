@@ -32,8 +32,8 @@ from torch import Tensor, nn
 
 from .. import _compat
 from ..errors import InputError, check_int, is_int
-from .cache import SinkCache
-from .policy import POLICIES
+from ..stream.cache import SinkCache
+from ..stream.policy import POLICIES
 
 __all__ = ["METHODS", "METHOD_TABLE", "Curve", "EvalPlan", "Method", "Run", "StreamEval", "binned_nll", "dense_nll",
            "check_methods", "check_sinks", "evaluate_stream", "recompute_nll", "stream_nll"]
@@ -243,7 +243,7 @@ class StreamEval:
     curves: list[Curve]
     trained_positions: int | None = None  # the model's max_position_embeddings, if it has one
     meta: dict = field(default_factory=dict)
-    quality: dict = field(default_factory=dict)  # sinklab.stream.quality.evaluate_quality's tables, when run
+    quality: dict = field(default_factory=dict)  # sinklab.evaluation.quality.evaluate_quality's tables, when run
 
     def curve(self, label: str) -> Curve:
         return next(c for c in self.curves if c.run.label == label)

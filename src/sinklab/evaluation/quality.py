@@ -26,8 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import InputError, check_int, is_int
-from .chat import ChatStream
-from .session import StreamSession, sample_token
+from ..stream.chat import ChatStream
+from ..stream.session import StreamSession, sample_token
 
 __all__ = ["ENDLESS_PROMPT", "FACTS", "PROMPTS", "QUALITY_MEASURES", "RECALL_METHODS", "EndlessRun", "EndlessStream",
            "PromptAnswer", "QualityPlan", "RecallResult", "block_length", "block_stats", "distinct_ngram_ratio", "endless_generation",
