@@ -9,6 +9,8 @@ sources the cells exercise (``conformance.source_fingerprint``); ``tests/test_ar
 committed table was made from other sources than the code under test. Regenerate it with ``make architectures``:
 
     PYTHONPATH=src python benchmarks/architectures.py [--types llama gpt2 …] [--jobs 2] [--timeout 120]
+
+``--types`` alone writes to a temporary folder (printed at the end); ``--types … --merge`` updates the committed table.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -299,11 +302,17 @@ def main(argv: list[str] | None = None) -> int:
                                                    "e.g. llama gpt2 bert@base")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes at a time")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per row before its worker is killed")
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
-    parser.add_argument("--docs", type=Path, default=DEFAULT_DOCS)
+    parser.add_argument("--json", type=Path, default=None,
+                        help=f"where the JSON goes (default: {DEFAULT_JSON.relative_to(RESULTS.parent.parent)} for the whole matrix or "
+                             "--merge; a temporary folder for --types alone, so a look at a few types never "
+                             "replaces the committed table)")
+    parser.add_argument("--docs", type=Path, default=None, help="where the Markdown page goes (same defaults)")
     parser.add_argument("--merge", action="store_true",
                         help="with --types: replace those rows in the existing --json and keep the others")
     args = parser.parse_args(argv)
+    scratch = Path(tempfile.mkdtemp(prefix="sinklab-architectures-")) if args.types and not args.merge else None
+    args.json = args.json or (scratch / "architectures.json" if scratch else DEFAULT_JSON)
+    args.docs = args.docs or (scratch / "architectures.md" if scratch else DEFAULT_DOCS)
     names = conformance.row_names()
     if args.types:
         known = {conformance.configuration(n).type for n in names}

@@ -240,3 +240,23 @@ def test_tampered_checkpoints_refuse_to_load(tmp_path):
     weights.write_bytes(weights.read_bytes()[:-100])
     with pytest.raises(ModelWeightsError, match="corrupt or truncated"):
         load(tmp_path / "good")
+
+
+def test_gates_of_several_variants_multiply(monkeypatch):
+    """Two gating variants on one module: the output is scaled by both gates (the first one alone was returned)."""
+    import sinklab.variants as variants
+
+    g1 = torch.full((1, 2, 4, 1), 0.5)
+    g2 = torch.rand(1, 2, 4, 8)
+
+    class Gate:
+        def __init__(self, g):
+            self.g = g
+
+        def gate(self, module, heads):
+            return self.g
+
+    monkeypatch.setattr(variants, "active_variants", lambda config: [Gate(g1), Gate(None), Gate(g2)])
+    torch.testing.assert_close(variants.variant_gate(torch.nn.Identity(), 4), g1 * g2, rtol=0, atol=0)
+    monkeypatch.setattr(variants, "active_variants", lambda config: [Gate(None)])
+    assert variants.variant_gate(torch.nn.Identity(), 4) is None

@@ -267,12 +267,13 @@ def variant_has_columns(module: nn.Module) -> bool:
 def variant_gate(module: nn.Module, heads: int) -> Tensor | None:
     """The output gate ``σ(X W)`` of one attention module for its current input, ``[B, Tq, H, dh | 1]``
     (float32, or float64 for a float64 model), or None without a gate. Multiply each head's attention output
-    by it before ``o_proj``."""
+    by it before ``o_proj``. Several gating variants compose: their gates multiply."""
+    out = None
     for variant in active_variants(getattr(module, "sinklab_variant", None)):
         gate = variant.gate(module, heads)
         if gate is not None:
-            return gate
-    return None
+            out = gate if out is None else out * gate
+    return out
 
 
 # ----------------------------------------------------------------------------- applying
