@@ -275,3 +275,21 @@ def test_warnings_print_as_one_yellow_line_and_errors_exit_2():
     assert "SinklabWarning" not in result.output  # not Python's file:line: Category: format
     result = runner.invoke(mini, ["--fail"])
     assert result.exit_code == 2 and "error: bad input here" in result.output
+
+
+#: Options a command checks before its model (so that the model is what the error is about).
+REQUIRED = {"stream": ("--prompt", "x")}
+
+
+def _commands() -> dict:
+    return typer.main.get_command(app).commands  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", sorted(_commands()))
+def test_every_command_has_help_and_refuses_a_missing_model_in_one_line(name, tmp_path):
+    """Picked up from the app itself: a new command is covered without editing a list."""
+    result, text = run(name, "--help")
+    assert result.exit_code == 0 and "Usage:" in text, text
+    takes_model = any(p.name == "model" for p in _commands()[name].params)
+    if takes_model:  # the options a command needs before it looks at the model
+        fails([name, tmp_path / "no-such-model", *REQUIRED.get(name, ())], 2, "no such file or directory")

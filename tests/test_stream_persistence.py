@@ -222,3 +222,20 @@ def test_chat_with_policy_auto_survives_save_and_load(tmp_path):
     assert straight.stdout == around.stdout and around.stdout.count("assistant:") == 2
     resumed = StreamSession.load(loaded.model, saved)
     assert resumed.config.plan == plan.with_budget(4, 8) and resumed.sink.policy.scored
+
+
+def test_every_config_field_is_round_tripped_and_documented():
+    """A new `StreamConfig` field is picked up here: the round-trip configs above set every field to a value other
+    than its default, and docs/stream.md's settings list names each one."""
+    import inspect
+    from pathlib import Path
+
+    source = inspect.getsource(test_the_config_round_trips_through_json)
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "stream.md").read_text()
+    section = docs[docs.index("## One configuration, saved streams"):]
+    section = section[:section.index("\n## ", 5)]
+    names = {"num_sinks": "sinks", "window": "window", "pinned": "pinned", "start_position": "start position",
+             "rebase_every": "re-base", "policy": "policy", "plan": "plan"}
+    for f in dataclasses.fields(StreamConfig):
+        assert f"{f.name}=" in source, f"set StreamConfig.{f.name} in test_the_config_round_trips_through_json"
+        assert names.get(f.name, f.name) in section, f"name StreamConfig.{f.name} in docs/stream.md's settings list"
