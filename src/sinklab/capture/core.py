@@ -404,9 +404,7 @@ class AttentionCapture:
             attention_mask, is_causal = (None, True) if plain else (attention_mask[..., :tk], is_causal)
         stats = None
         if self.statistics:
-            stats = ColumnStats(b, h, tq, tk, qmask, candidates=cfg.candidates, map_len=cfg.map_len,
-                                route_threshold=cfg.route_threshold, has_sink=has_columns,
-                                row_stats=cfg.row_stats, local_window=cfg.local_window)
+            stats = ColumnStats(b, h, tq, tk, qmask, cfg, has_sink=has_columns)
         out = chunked_attention(query, k, v, attention_mask, qmask, is_causal=is_causal, scale=scale,
                                 chunk_elements=cfg.chunk_elements, softcap=softcap,
                                 columns=columns if has_columns else None, bias=kwargs.get("position_bias"), drop=drop,

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ..attention import AttendSpec, Columns, attend, mask_rows
+from .types import CaptureConfig
 
 __all__ = ["ColumnStats", "chunked_attention"]
 
@@ -25,10 +26,11 @@ class ColumnStats:
     positions, ``K`` candidate positions, ``m`` attention-map side.
     """
 
-    def __init__(self, b: int, h: int, tq: int, tk: int, qmask: Tensor, *, candidates: tuple[int, ...],
-                 map_len: int, route_threshold: float, has_sink: bool, local_window: int,
-                 row_stats: bool = False) -> None:
+    def __init__(self, b: int, h: int, tq: int, tk: int, qmask: Tensor, config: CaptureConfig, *,
+                 has_sink: bool) -> None:
         dev = qmask.device
+        candidates, map_len, route_threshold = config.candidates, config.map_len, config.route_threshold
+        local_window, row_stats = config.local_window, config.row_stats
         self.qmask = qmask
         self.candidates = list(candidates)
         self.route_threshold = route_threshold
