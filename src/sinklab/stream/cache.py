@@ -6,24 +6,12 @@
     with sinklab.SinkCache(model, num_sinks=4, window=1020) as cache:      # the same, closed on exit
         model.generate(input_ids, cache=cache, max_new_tokens=20_000)
 
-The cache is a transformers ``Cache`` whose layers are :class:`SinkWindowLayer`. On first use it switches
-the model's attention implementation to sinklab's stream attention (no mask function is registered, so
-transformers builds no mask; the attention masks by cache metadata), and a forward pre-hook on the
-decoder stack replaces ``position_ids`` by virtual slot positions, whoever computed them (``generate()``
-or a hand-written loop). ``close()``, the end of the ``with`` block or garbage collection undo it all
-(:mod:`sinklab.stream.activation`).
-
-Per-layer budgets: a layer of the model's own sliding-window attention (Mistral's ``sliding_window``,
-``sliding_attention`` entries of ``layer_types`` in gpt-oss, Gemma 2/3) whose window ``w ≤ S + W`` keeps
-its native semantics — the last ``w`` tokens, no sinks, no pinned spans (``sliding_sinks=True`` adds them) —
-so the stream equals the model's own forward until the full-attention layers start evicting. Every other
-layer keeps ``S`` sinks, the pinned spans and a window of ``W``.
-
-Hybrid models (Qwen3-Next, Qwen3.5, Jamba, Bamba, LFM2 …): a layer that is not attention — linear attention,
-state-space, short convolution — and that the model's own cache holds as a linear-attention layer keeps its
-convolution and recurrent states in that same transformers cache-layer class (``LinearAttentionLayer``), reached
-through ``Cache.get_conv_state`` / ``update_recurrent_state`` … as usual. Those states are fixed-size and never
-evicted, so the whole model runs in constant memory; only the attention layers keep sinks + a window.
+The cache's layers come from :func:`build_layers`. On first use it switches the model's attention to sinklab's
+stream attention (no mask function: the attention masks by cache metadata), and a pre-hook on the decoder stack
+replaces ``position_ids`` by virtual slot positions, whoever computed them; ``close()``, the end of the ``with``
+block or garbage collection undo it all (:mod:`sinklab.stream.activation`). Per-layer budgets for the model's own
+sliding-window layers and the recurrent layers of hybrid models: docs/stream.md ("The model's own sliding-window
+layers", "Architectures").
 """
 
 from __future__ import annotations

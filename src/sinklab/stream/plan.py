@@ -1,23 +1,10 @@
 """Per-head KV budgets from sinklab's own scan: the ``auto`` retention policy's plan.
 
-A head whose queries put nearly all their attention on the sinks and on their last few keys (a *local* head, the
-sink-dominated heads the scan finds) loses nothing by keeping only those; the budget it does not need goes to the
-heads that reach far back. The scan measures both shares per head (:attr:`sinklab.scan.ScanResult.local_mass`,
-the attention on each query's last ``local_window`` keys, and the attention on the first positions); a key-value
-head is local when every query head that reads it covers at least ``threshold`` of its attention that way.
-
-Budgets (tokens kept per key-value head, sinks included): a local head keeps ``S + min(local_window, W)``; the far
-heads share the rest of the total ``layers × heads × (S + W)`` equally, so the whole cache holds exactly as many
-tokens as a uniform budget of ``S + W`` would. Far heads keep their tokens by SnapKV scores
-(:class:`~sinklab.stream.policy.SnapKV`). The plan is JSON (:meth:`RetentionPlan.save` / :func:`load_plan`),
-saved beside the report it came from and reloadable with ``SinkCache(model, policy="auto", plan=path)``.
-
-A plan's budgets can also be fitted on a calibration text (:func:`calibrate_plan`, one forward): for each key-value
-head, what its output would lose at each budget under SnapKV — the later queries' squared attention on the keys it
-drops, times the spread of its values (:func:`recall_curves`) — and the same total shared out greedily where it
-loses the least (:func:`fit_budgets`). The fitted budgets are saved in the plan (``source["calibration"]`` says
-what they were fitted on) and hold for prompts of about the calibration's context length; :meth:`RetentionPlan.uniform`
-gives the same plan at uniform budgets (the ablation).
+A *local* key-value head (its queries put nearly all their attention on the sinks and their last few keys, by the
+scan's :attr:`~sinklab.scan.ScanResult.local_mass`) keeps ``S + min(local_window, W)`` tokens; the far heads share
+the rest of the uniform total ``layers × heads × (S + W)`` and keep their tokens by SnapKV scores.
+:func:`calibrate_plan` fits the budgets on a calibration text instead (:func:`recall_curves`, :func:`fit_budgets`).
+The plan is JSON (:meth:`RetentionPlan.save` / :func:`load_plan`). The rules in full: docs/retention.md.
 """
 
 from __future__ import annotations
