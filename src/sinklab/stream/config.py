@@ -33,23 +33,8 @@ FORMAT = "sinklab.stream-config/1"
 @dataclass(frozen=True)
 class StreamConfig:
     """A stream's settings. Frozen: a stream's settings are fixed when it starts (``dataclasses.replace(config,
-    window=...)`` makes another). Besides the one-line comments below:
-
-    * ``window``: StreamingLLM's ``recent_size``; the model's own sliding-window layers keep their native last ``w``
-      tokens (no sinks, no pins) unless ``sliding_sinks``;
-    * ``pinned``: not counted in ``W`` (e.g. a system prompt); ``start_position``: a stream resumed deep into a text
-      (positions stay slot-based and float32-exact whatever its value);
-    * ``check_every``: on an accelerator, single decoded columns are checked (token ids in range, finite hidden states)
-      on the device and read back every ``check_every`` columns (1: a synchronisation per token); chunks, and every
-      forward on a CPU, are checked at once;
-    * ``kv_bits``: scale and zero point per token and group of ``kv_group_size`` channels; sinks and pinned spans stay
-      exact (:mod:`sinklab.stream.quantized`); the recency policy only;
-    * ``compile_plan``: each decode step's bookkeeping (slot, virtual position, visibility, anchor re-rotation) as one
-      ``torch.compile``'d function instead of some forty small eager ops, for a compiled forward on an accelerator,
-      where those ops are kernel launches between graphs (docs/stream.md has the measurements); compiled once per
-      budget on the first decode step, eager with a warning where it cannot be compiled;
-    * ``policy``: a name of :data:`~sinklab.stream.policy.POLICIES`, ``"auto"`` (with a ``plan``) or a policy object;
-      stored as the object.
+    window=...)`` makes another). Each field has a one-line comment below; what each does in full: docs/stream.md
+    ("One configuration, saved streams").
     """
 
     num_sinks: int = 4  # S: the first real tokens kept forever (0: the window-only baseline)

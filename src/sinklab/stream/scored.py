@@ -60,8 +60,6 @@ class ScoredState(StreamBudget):
                  rebase_every: int | None = None, rope: RopeSpec | None = None, positions: str = "slot") -> None:
         super().__init__(num_sinks, window, pinned, start_position, rebase_every, rope,
                          window_meaning=" (the tokens each head keeps besides its sinks and pinned spans)")
-        if positions not in ("slot", "original"):
-            raise InputError(f"positions is 'slot' (positions by cache slot) or 'original', got {positions!r}")
         self.policy = policy
         self.positions = positions
         self.set_rebase(rebase_every, self.capacity)  # kept keys reach back a whole budget
