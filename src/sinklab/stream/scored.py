@@ -128,12 +128,7 @@ class ScoredLayer(StreamLayerBase):
     """One layer's score-based cache (see the module docstring); all layers of a stream share a :class:`ScoredState`."""
 
     is_compileable = False
-    is_croppable = True  # until a head evicts (SinkCache.crop says why not after)
-    is_sliding = False
     state: ScoredState
-    # the buffers, allocated by lazy_initialization before any read (None until then, as in CacheLayerMixin)
-    keys: Tensor
-    values: Tensor
 
     def __init__(self, state: ScoredState, rope: RopeSpec | None, budgets: list[int] | None = None,
                  sliding: int | None = None, sliding_sinks: bool = False) -> None:

@@ -179,9 +179,10 @@ class StreamSession:
                              "saved stream with StreamSession.load")
 
     # ------------------------------------------------------------------ persistence
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, metadata: dict[str, str] | None = None) -> Path:
         """Write the stream to a safetensors file: its :class:`StreamConfig`, the session's own settings and every
         state's and layer's ``state_dict`` (tensors in the file, the rest in its metadata); :meth:`load` resumes it.
+        ``metadata``: more string entries for the file's metadata (a chat's conversation).
         """
         self._check_open()
         if self.state.batch is None:
@@ -194,7 +195,7 @@ class StreamSession:
                 **self._saved_compile(), "tokens_seen": self.tokens_seen, "state": plain}
         with atomic_file(path) as tmp:  # a failed or interrupted save leaves the previous file (or none)
             save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp),
-                      metadata={"sinklab": json.dumps(meta)})
+                      metadata={**(metadata or {}), "sinklab": json.dumps(meta)})
         return path
 
     def _saved_compile(self) -> dict:
