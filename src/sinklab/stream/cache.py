@@ -28,7 +28,7 @@ from .. import _compat
 from ..checks import check_model
 from ..errors import InputError, ModelWeightsError, UnsupportedModelError
 from .activation import streams_of
-from .config import KV_GROUP_SIZE, StreamConfig, stream_config
+from .config import KV_GROUP_SIZE, StreamConfig, resolve_config
 from .layer import SinkWindowLayer
 from .plan import RetentionPlan
 from .policy import RetentionPolicy
@@ -171,10 +171,7 @@ class SinkCache(Cache):
                  config: StreamConfig | None = None, **settings) -> None:
         check_model(model, "SinkCache")
         _compat.check_stream(model)  # features the stream cannot reproduce, refused with what would lift it
-        if config is None:
-            config = stream_config(model, num_sinks, window, **settings)
-        elif num_sinks is not None or window is not None or settings:
-            raise InputError("give the stream's settings either as config=StreamConfig(...) or as keywords, not both")
+        config = resolve_config(model, config, num_sinks, window, settings)
         if config.plan is not None:
             config.plan.check_model(model)
         self.config = config

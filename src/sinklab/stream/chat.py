@@ -26,7 +26,7 @@ from torch import nn
 from ..errors import InputError, check_int
 from ..variants import register_count
 from .session import StreamSession, TextPieces, check_chunk_size, check_sampling, sample_token
-from .config import StreamConfig, stream_config
+from .config import StreamConfig, resolve_config
 
 __all__ = ["PLAIN_TEMPLATE", "ChatStream", "Meter", "Turn"]
 
@@ -102,10 +102,8 @@ class ChatStream:
         check_sampling(max_new_tokens, temperature, top_k, seed)
         check_int("max_new_tokens", max_new_tokens, 1)
         self.chunk_size = stream.pop("chunk_size", 256)
-        if config is None:
-            config = stream_config(model, stream.pop("num_sinks", None), stream.pop("window", 1020), **stream)
-        elif stream:
-            raise InputError("give the stream's settings either as config=StreamConfig(...) or as keywords, not both")
+        window = stream.pop("window", 1020 if config is None else None)
+        config = resolve_config(model, config, stream.pop("num_sinks", None), window, stream)
         check_chunk_size(self.chunk_size)
         if tokenizer is None:
             raise InputError("chat needs a tokenizer (this checkpoint has none)")

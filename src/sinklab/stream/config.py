@@ -23,7 +23,7 @@ from .plan import RetentionPlan, load_plan, plan_from_scan
 from .policy import POLICIES, Recency, RetentionPolicy, SnapKV, get_policy
 from .state import check_pinned
 
-__all__ = ["KV_GROUP_SIZE", "StreamConfig", "stream_config"]
+__all__ = ["KV_GROUP_SIZE", "StreamConfig", "resolve_config", "stream_config"]
 
 #: Channels per scale and zero point of a quantized window (``kv_bits``) unless given; the one place it is written.
 KV_GROUP_SIZE = 16
@@ -194,3 +194,13 @@ def stream_config(model, num_sinks: int | None = None, window: int | None = None
         if not sized:
             sinks, width = plan.num_sinks, plan.window
     return StreamConfig(num_sinks=sinks, window=width, plan=plan, **settings)
+
+
+def resolve_config(model, config: StreamConfig | None, num_sinks: int | None, window: int | None,
+                   settings: dict) -> StreamConfig:
+    """``config`` itself, or the one its keywords make (:func:`stream_config`); an InputError for both."""
+    if config is None:
+        return stream_config(model, num_sinks, window, **settings)
+    if num_sinks is not None or window is not None or settings:
+        raise InputError("give the stream's settings either as config=StreamConfig(...) or as keywords, not both")
+    return config
