@@ -41,15 +41,10 @@ __all__ = ["KV_GROUP_SIZE", "LAYER_KINDS", "LayerSpec", "SinkCache", "build_laye
 
 def _real_columns(mask, b: int, c: int, device: torch.device) -> torch.Tensor:
     """Which of the ``c`` new columns are real tokens, ``[B, C]`` bool (left padding: each row's sinks are its
-    own first real tokens). From a 2-D padding mask, or from a 4-D one that ``generate()`` prepared (a
-    compileable cache gets its masks built before the forward):
-
-    * the stream's own (:func:`~sinklab.stream.attention.stream_mask`, ``[B, 1, 1, C]``): the real new columns;
-    * one built by the model's own mask function (the first forward of ``generate()``, before the stream is
-      switched on: sdpa/eager, causal or sliding-window): ``[B, 1|H, C, K]`` whose last ``C`` key columns are the
-      new tokens (:meth:`SinkWindowLayer.get_mask_sizes`); query ``i`` sees key ``i`` of them exactly when that
-      column is real (every causal, sliding or chunked pattern keeps the diagonal), so the diagonal is read —
-      not the last query's row, which a sliding window, or the keys past it, would cut short.
+    own first real tokens), from a 2-D padding mask or a 4-D one ``generate()`` prepared: the stream's own
+    (:func:`~sinklab.stream.attention.stream_mask`, ``[B, 1, 1, C]``), or the model's own ``[B, 1|H, C, K]``, read on
+    the diagonal of its last ``C`` keys (:meth:`SinkWindowLayer.get_mask_sizes` says why) — every causal, sliding or
+    chunked pattern keeps the diagonal; the last query's row, which a sliding window cuts short, would not do.
     """
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         return mask[:, -c:].bool()
