@@ -29,7 +29,7 @@ layers (``Σ heads × min(B, what the layer holds dense)``) is nearest that targ
 
 Methods: ``dense``; sinklab (``SinkCache(model, policy=…)``): ``streaming``, ``snapkv``, ``tova``, ``knorm``,
 ``auto`` (per-head budgets from a scan, fitted on a calibration text — the standard library's docstrings, not the
-grid's filler — at the cell's context length: :func:`sinklab.stream.plan.calibrate_plan`) and ``auto_uniform``
+grid's filler — at the cell's context length: :func:`sinklab.evaluation.calibration.calibrate_plan`) and ``auto_uniform``
 (the auto plan's scorer with every head at the uniform budget: what the fitted budgets themselves add). sinklab's budget holds at
 every step, the question and answer included. kvpress 0.5.5 (transformers 5.2.0, in a throwaway virtualenv:
 ``benchmarks/_kvpress_env.py``; the worker ``_kvpress_worker.py``): ``streaming``, ``snapkv``, ``tova``,
@@ -466,10 +466,11 @@ def calibration_ids(tokenizer, context: int) -> list[int]:
 
 def _auto_plan(model, tok, method: str, budget: int | None, context: int, plans: dict):
     """The auto plan at ``budget`` tokens per head: made from the scan, its budgets fitted on the calibration text
-    (:func:`sinklab.stream.plan.calibrate_plan`); ``auto_uniform``: the same plan, every head at ``budget``."""
+    (:func:`sinklab.evaluation.calibration.calibrate_plan`); ``auto_uniform``: the same plan, every head at ``budget``."""
     if method not in ("auto", "auto_uniform"):
         return None
-    from sinklab.stream.plan import calibrate_plan, plan_from_scan
+    from sinklab.evaluation.calibration import calibrate_plan
+    from sinklab.stream.plan import plan_from_scan
 
     if "scan" not in plans:
         plans["scan"] = scan_for_plan(model, tok)

@@ -12,7 +12,8 @@ import torch
 from sinklab.models import tiny_llama
 from sinklab.scan import scan_inputs
 from sinklab.stream import SinkCache
-from sinklab.stream.plan import calibrate_plan, fit_budgets, load_plan, plan_from_scan, recall_curves
+from sinklab.evaluation.calibration import calibrate_plan, fit_budgets, recall_curves
+from sinklab.stream.plan import load_plan, plan_from_scan
 from sinklab.stream.policy import SnapKV
 from tests.retention_reference import RetentionReference
 

@@ -6,24 +6,12 @@
     with sinklab.SinkCache(model, num_sinks=4, window=1020) as cache:      # the same, closed on exit
         model.generate(input_ids, cache=cache, max_new_tokens=20_000)
 
-The cache is a transformers ``Cache`` whose layers are :class:`SinkWindowLayer`. On first use it switches
-the model's attention implementation to sinklab's stream attention (no mask function is registered, so
-transformers builds no mask; the attention masks by cache metadata), and a forward pre-hook on the
-decoder stack replaces ``position_ids`` by virtual slot positions, whoever computed them (``generate()``
-or a hand-written loop). ``close()``, the end of the ``with`` block or garbage collection undo it all
-(:mod:`sinklab.stream.activation`).
-
-Per-layer budgets: a layer of the model's own sliding-window attention (Mistral's ``sliding_window``,
-``sliding_attention`` entries of ``layer_types`` in gpt-oss, Gemma 2/3) whose window ``w ≤ S + W`` keeps
-its native semantics — the last ``w`` tokens, no sinks, no pinned spans (``sliding_sinks=True`` adds them) —
-so the stream equals the model's own forward until the full-attention layers start evicting. Every other
-layer keeps ``S`` sinks, the pinned spans and a window of ``W``.
-
-Hybrid models (Qwen3-Next, Qwen3.5, Jamba, Bamba, LFM2 …): a layer that is not attention — linear attention,
-state-space, short convolution — and that the model's own cache holds as a linear-attention layer keeps its
-convolution and recurrent states in that same transformers cache-layer class (``LinearAttentionLayer``), reached
-through ``Cache.get_conv_state`` / ``update_recurrent_state`` … as usual. Those states are fixed-size and never
-evicted, so the whole model runs in constant memory; only the attention layers keep sinks + a window.
+The cache's layers come from :func:`build_layers`. On first use it switches the model's attention to sinklab's
+stream attention (no mask function: the attention masks by cache metadata), and a pre-hook on the decoder stack
+replaces ``position_ids`` by virtual slot positions, whoever computed them; ``close()``, the end of the ``with``
+block or garbage collection undo it all (:mod:`sinklab.stream.activation`). Per-layer budgets for the model's own
+sliding-window layers and the recurrent layers of hybrid models: docs/stream.md ("The model's own sliding-window
+layers", "Architectures").
 """
 
 from __future__ import annotations
@@ -40,7 +28,7 @@ from .. import _compat
 from ..checks import check_model
 from ..errors import InputError, ModelWeightsError, UnsupportedModelError
 from .activation import streams_of
-from .config import KV_GROUP_SIZE, StreamConfig, stream_config
+from .config import KV_GROUP_SIZE, StreamConfig, resolve_config
 from .layer import SinkWindowLayer
 from .plan import RetentionPlan
 from .policy import RetentionPolicy
@@ -53,15 +41,10 @@ __all__ = ["KV_GROUP_SIZE", "LAYER_KINDS", "LayerSpec", "SinkCache", "build_laye
 
 def _real_columns(mask, b: int, c: int, device: torch.device) -> torch.Tensor:
     """Which of the ``c`` new columns are real tokens, ``[B, C]`` bool (left padding: each row's sinks are its
-    own first real tokens). From a 2-D padding mask, or from a 4-D one that ``generate()`` prepared (a
-    compileable cache gets its masks built before the forward):
-
-    * the stream's own (:func:`~sinklab.stream.attention.stream_mask`, ``[B, 1, 1, C]``): the real new columns;
-    * one built by the model's own mask function (the first forward of ``generate()``, before the stream is
-      switched on: sdpa/eager, causal or sliding-window): ``[B, 1|H, C, K]`` whose last ``C`` key columns are the
-      new tokens (:meth:`SinkWindowLayer.get_mask_sizes`); query ``i`` sees key ``i`` of them exactly when that
-      column is real (every causal, sliding or chunked pattern keeps the diagonal), so the diagonal is read —
-      not the last query's row, which a sliding window, or the keys past it, would cut short.
+    own first real tokens), from a 2-D padding mask or a 4-D one ``generate()`` prepared: the stream's own
+    (:func:`~sinklab.stream.attention.stream_mask`, ``[B, 1, 1, C]``), or the model's own ``[B, 1|H, C, K]``, read on
+    the diagonal of its last ``C`` keys (:meth:`SinkWindowLayer.get_mask_sizes` says why) — every causal, sliding or
+    chunked pattern keeps the diagonal; the last query's row, which a sliding window cuts short, would not do.
     """
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         return mask[:, -c:].bool()
@@ -183,10 +166,7 @@ class SinkCache(Cache):
                  config: StreamConfig | None = None, **settings) -> None:
         check_model(model, "SinkCache")
         _compat.check_stream(model)  # features the stream cannot reproduce, refused with what would lift it
-        if config is None:
-            config = stream_config(model, num_sinks, window, **settings)
-        elif num_sinks is not None or window is not None or settings:
-            raise InputError("give the stream's settings either as config=StreamConfig(...) or as keywords, not both")
+        config = resolve_config(model, config, num_sinks, window, settings)
         if config.plan is not None:
             config.plan.check_model(model)
         self.config = config

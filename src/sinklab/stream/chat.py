@@ -23,11 +23,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..atomic import atomic_file
 from ..errors import InputError, check_int
 from ..variants import register_count
 from .session import StreamSession, TextPieces, check_chunk_size, check_sampling, sample_token
-from .config import StreamConfig, stream_config
+from .config import StreamConfig, resolve_config
 
 __all__ = ["PLAIN_TEMPLATE", "ChatStream", "Meter", "Turn"]
 
@@ -103,10 +102,8 @@ class ChatStream:
         check_sampling(max_new_tokens, temperature, top_k, seed)
         check_int("max_new_tokens", max_new_tokens, 1)
         self.chunk_size = stream.pop("chunk_size", 256)
-        if config is None:
-            config = stream_config(model, stream.pop("num_sinks", None), stream.pop("window", 1020), **stream)
-        elif stream:
-            raise InputError("give the stream's settings either as config=StreamConfig(...) or as keywords, not both")
+        window = stream.pop("window", 1020 if config is None else None)
+        config = resolve_config(model, config, stream.pop("num_sinks", None), window, stream)
         check_chunk_size(self.chunk_size)
         if tokenizer is None:
             raise InputError("chat needs a tokenizer (this checkpoint has none)")
@@ -228,24 +225,15 @@ class ChatStream:
                      tok_s=n / last.seconds if last and last.seconds > 0 else 0.0)
 
     def save(self, path: str | Path) -> Path:
-        """Write the stream (``StreamSession.save``) with the conversation in its metadata; atomic."""
-        from safetensors import safe_open
-        from safetensors.torch import load_file, save_file
-
+        """Write the stream (``StreamSession.save``, atomic) with the conversation in its metadata."""
         path = Path(path)
         if path.is_dir():
             raise InputError(f"{path} is a folder; give a file name such as chat.safetensors")
         if not path.parent.exists():
             raise InputError(f"cannot save to {path}: folder {path.parent} does not exist")
-        with atomic_file(path) as tmp:
-            self.session.save(tmp)  # type: ignore[union-attr]  # (a closed chat fails here, as before)
-            with safe_open(str(tmp), framework="pt") as f:
-                meta = dict(f.metadata() or {})
-            meta[_CHAT_KEY] = json.dumps({"messages": self.messages, "rendered": self.rendered,
-                                          "system": self.system, "pinned_tokens": self.pinned_tokens,
-                                          "template": self.template})
-            save_file(load_file(str(tmp)), str(tmp), metadata=meta)
-        return path
+        chat = json.dumps({"messages": self.messages, "rendered": self.rendered, "system": self.system,
+                           "pinned_tokens": self.pinned_tokens, "template": self.template})
+        return self.session.save(path, {_CHAT_KEY: chat})  # type: ignore[union-attr]  # (a closed chat fails here)
 
     def load(self, path: str | Path) -> None:
         """Continue the chat saved in ``path`` (its stream settings come with it)."""

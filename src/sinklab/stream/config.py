@@ -23,7 +23,7 @@ from .plan import RetentionPlan, load_plan, plan_from_scan
 from .policy import POLICIES, Recency, RetentionPolicy, SnapKV, get_policy
 from .state import check_pinned
 
-__all__ = ["KV_GROUP_SIZE", "StreamConfig", "stream_config"]
+__all__ = ["KV_GROUP_SIZE", "StreamConfig", "resolve_config", "stream_config"]
 
 #: Channels per scale and zero point of a quantized window (``kv_bits``) unless given; the one place it is written.
 KV_GROUP_SIZE = 16
@@ -33,23 +33,8 @@ FORMAT = "sinklab.stream-config/1"
 @dataclass(frozen=True)
 class StreamConfig:
     """A stream's settings. Frozen: a stream's settings are fixed when it starts (``dataclasses.replace(config,
-    window=...)`` makes another). Besides the one-line comments below:
-
-    * ``window``: StreamingLLM's ``recent_size``; the model's own sliding-window layers keep their native last ``w``
-      tokens (no sinks, no pins) unless ``sliding_sinks``;
-    * ``pinned``: not counted in ``W`` (e.g. a system prompt); ``start_position``: a stream resumed deep into a text
-      (positions stay slot-based and float32-exact whatever its value);
-    * ``check_every``: on an accelerator, single decoded columns are checked (token ids in range, finite hidden states)
-      on the device and read back every ``check_every`` columns (1: a synchronisation per token); chunks, and every
-      forward on a CPU, are checked at once;
-    * ``kv_bits``: scale and zero point per token and group of ``kv_group_size`` channels; sinks and pinned spans stay
-      exact (:mod:`sinklab.stream.quantized`); the recency policy only;
-    * ``compile_plan``: each decode step's bookkeeping (slot, virtual position, visibility, anchor re-rotation) as one
-      ``torch.compile``'d function instead of some forty small eager ops, for a compiled forward on an accelerator,
-      where those ops are kernel launches between graphs (docs/stream.md has the measurements); compiled once per
-      budget on the first decode step, eager with a warning where it cannot be compiled;
-    * ``policy``: a name of :data:`~sinklab.stream.policy.POLICIES`, ``"auto"`` (with a ``plan``) or a policy object;
-      stored as the object.
+    window=...)`` makes another). Each field has a one-line comment below; what each does in full: docs/stream.md
+    ("One configuration, saved streams").
     """
 
     num_sinks: int = 4  # S: the first real tokens kept forever (0: the window-only baseline)
@@ -209,3 +194,13 @@ def stream_config(model, num_sinks: int | None = None, window: int | None = None
         if not sized:
             sinks, width = plan.num_sinks, plan.window
     return StreamConfig(num_sinks=sinks, window=width, plan=plan, **settings)
+
+
+def resolve_config(model, config: StreamConfig | None, num_sinks: int | None, window: int | None,
+                   settings: dict) -> StreamConfig:
+    """``config`` itself, or the one its keywords make (:func:`stream_config`); an InputError for both."""
+    if config is None:
+        return stream_config(model, num_sinks, window, **settings)
+    if num_sinks is not None or window is not None or settings:
+        raise InputError("give the stream's settings either as config=StreamConfig(...) or as keywords, not both")
+    return config

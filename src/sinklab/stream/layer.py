@@ -24,7 +24,12 @@ class StreamLayerBase(CacheLayerMixin):
     """What every cache layer of a stream shares: the stream's column count, no maximum length, and the row and
     crop operations that belong to the whole stream (called on the :class:`~sinklab.stream.SinkCache`)."""
 
+    is_croppable = True  # until the stream evicts (SinkCache.crop says why not after)
+    is_sliding = False
     state: StreamBudget  # shared by every layer of the stream (set by the subclass)
+    # the buffers, allocated by lazy_initialization before any read (None until then, as in CacheLayerMixin)
+    keys: Tensor
+    values: Tensor
 
     def get_seq_length(self, *args, **kwargs) -> int:
         return self.state.columns
@@ -74,12 +79,7 @@ class SinkWindowLayer(StreamLayerBase):
     """One layer's StreamingLLM cache; all layers of a stream share one :class:`StreamState`."""
 
     is_compileable = True
-    is_croppable = True  # until the window evicts (SinkCache.crop says why not after)
-    is_sliding = False
     state: StreamState
-    # the buffers, allocated by lazy_initialization before any read (None until then, as in CacheLayerMixin)
-    keys: Tensor
-    values: Tensor
 
     def __init__(self, state: StreamState, rope: RopeSpec | None, *, rotates_values: bool = False) -> None:
         super().__init__()

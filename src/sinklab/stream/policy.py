@@ -1,19 +1,11 @@
 """What each attention head of a stream keeps: retention policies behind one contract.
 
-A policy says which of a head's tokens survive once the head holds more than its budget. Two kinds:
-
-* **recency** (StreamingLLM, :class:`Recency`): the ``S`` sinks, the pinned spans and the ``W`` most recent tokens.
-  It needs no score, so it runs on the O(1) ring buffer of :class:`~sinklab.stream.state.StreamState` (and its
-  compiled decode step);
-* **score-based** (:class:`ScoredPolicy`): the sinks and pinned spans are kept exactly, so are the ``recent`` newest
-  tokens; of the others, each head keeps the best-scored up to its budget
-  (:class:`~sinklab.stream.scored.ScoredState`). Scores are computed after every forward from what
-  :class:`Observation` holds: the attention weights of the forward's last queries (for policies with
-  ``needs_weights``), the keys and values.
-
-A new policy: one subclass of :class:`ScoredPolicy` with ``name``, ``needs_weights`` and :meth:`ScoredPolicy.score`,
-and one row in :data:`POLICIES`. ``sinklab.SinkCache(model, policy=NAME_OR_OBJECT)`` and the CLI's ``--policy`` read
-the table. Scores are per key-value head: grouped-query heads sharing one key-value head average their weights.
+A policy says which of a head's tokens survive once the head holds more than its budget: **recency**
+(StreamingLLM, :class:`Recency`: the sinks, the pinned spans and the ``W`` newest tokens, on the ring buffer of
+:class:`~sinklab.stream.state.StreamState`), or **score-based** (:class:`ScoredPolicy`: the sinks, pinned spans and
+``recent`` newest tokens exactly, the best-scored others up to the budget, from an :class:`Observation` of each
+forward; :class:`~sinklab.stream.scored.ScoredState`). A new policy: one subclass of :class:`ScoredPolicy` and one
+row in :data:`POLICIES` (docs/retention.md).
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """``QuantizedSinkWindowLayer``: a stream layer whose window is stored packed; sinks and pinned spans stay exact.
 
-``SinkCache(model, kv_bits=4)`` builds these instead of :class:`~sinklab.stream.layer.SinkWindowLayer`.
-What is stored per layer:
-
-* anchored tokens (sinks, pinned spans): keys as first rotated and values, in the model's dtype, never
-  quantized — bit-exact through eviction and re-basing;
-* the ring of ``W`` window tokens: one packed tensor ``[B, Hkv, W, dk + dv]`` (a token's key then its value)
-  with a float16 scale and zero point per token and group of ``G`` channels (:mod:`sinklab.kvquant.codec`).
-  Keys are quantized **per token** here, not per channel over blocks as in the dense cache (KIVI): the ring
-  overwrites one slot at a time in each row, so a per-channel block would mix evicted and live tokens.
-
-At each forward the layer dequantizes its ring straight into one full-precision buffer
-``[B, Hkv, S + P + W, dk + dv]`` shared by every layer of the stream (layers run one after the other; its two
-halves are the key and value tensors attention reads), lets the parent layer update it, and packs what that
-update wrote. A
-decoded token is packed with fixed-shape tensor maths (no host read, one quantization for its key and
-value together). On the usual decode step (every row a window token in one slot) each layer only sets its
-new column aside (``B × Hkv × (dk + dv)`` floats); the first layer of the next forward (or anything that
-reads a ring) packs the columns of all layers at once — the same codes, one quantization per step instead
-of one per layer. So the window costs ``bits`` per element plus metadata per layer, plus one buffer for
-the whole model; each forward pays one dequantization of ``W`` tokens per layer (three plain passes over
-the buffer: codes, × scale, + zero). A re-base rotates the
-ring's keys: they are dequantized, rotated and packed again (values and anchored keys are not touched).
+``SinkCache(model, kv_bits=4)`` builds these instead of :class:`~sinklab.stream.layer.SinkWindowLayer`: anchored
+tokens in the model's dtype, never quantized; the ring of ``W`` window tokens one packed tensor
+``[B, Hkv, W, dk + dv]`` with a float16 scale and zero point per token and group of ``G`` channels
+(:mod:`sinklab.kvquant.codec`). Each forward dequantizes the ring into one full-precision buffer
+``[B, Hkv, S + P + W, dk + dv]`` shared by the stream's layers, lets the parent layer update it and packs what the
+update wrote (a decode step's column is set aside and packed with every layer's by the next forward). Why per token,
+the costs and re-basing: docs/kv-quant.md ("Streaming form").
 """
 
 from __future__ import annotations

@@ -60,8 +60,6 @@ class ScoredState(StreamBudget):
                  rebase_every: int | None = None, rope: RopeSpec | None = None, positions: str = "slot") -> None:
         super().__init__(num_sinks, window, pinned, start_position, rebase_every, rope,
                          window_meaning=" (the tokens each head keeps besides its sinks and pinned spans)")
-        if positions not in ("slot", "original"):
-            raise InputError(f"positions is 'slot' (positions by cache slot) or 'original', got {positions!r}")
         self.policy = policy
         self.positions = positions
         self.set_rebase(rebase_every, self.capacity)  # kept keys reach back a whole budget
@@ -130,12 +128,7 @@ class ScoredLayer(StreamLayerBase):
     """One layer's score-based cache (see the module docstring); all layers of a stream share a :class:`ScoredState`."""
 
     is_compileable = False
-    is_croppable = True  # until a head evicts (SinkCache.crop says why not after)
-    is_sliding = False
     state: ScoredState
-    # the buffers, allocated by lazy_initialization before any read (None until then, as in CacheLayerMixin)
-    keys: Tensor
-    values: Tensor
 
     def __init__(self, state: ScoredState, rope: RopeSpec | None, budgets: list[int] | None = None,
                  sliding: int | None = None, sliding_sinks: bool = False) -> None:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from .. import _compat
 from ..atomic import atomic_file
+from ..compile import compile_options, frozen
 from ..errors import InputError, check_int, is_int
 from ..variants import register_count
 from .cache import SinkCache
@@ -45,69 +46,9 @@ def check_chunk_size(chunk_size) -> None:
     check_int("chunk_size", chunk_size, 1)
 
 
-def _frozen(forward):
-    """``forward`` (a ``torch.compile``'d function) compiled with inductor's freezing: the setting is global and
-    read when a graph is compiled (``torch.compile(..., options={"freezing": True})`` does not reach it), so
-    every call — any compilation happens inside one — runs with it set."""
-    import torch._inductor.config as inductor_config
-
-    def call(*args, **kwargs):
-        with inductor_config.patch(freezing=True):
-            return forward(*args, **kwargs)
-
-    return call
-
-
-def compile_options(compile: bool | dict | None) -> dict | None:
-    """Check ``compile`` (None/False: eager; True: ``torch.compile``'s defaults; a dict: its options) and return
-    the ``torch.compile`` keyword arguments, or None for an eager step. Every mistake is one clear InputError
-    here, not a compiler traceback at the first decoded token."""
-    if compile is None or compile is False:
-        return None
-    if compile is True:
-        return {}
-    if not isinstance(compile, dict):
-        raise InputError(f"compile is True, False/None or a dict of torch.compile options, got {compile!r}")
-    allowed = [n for n in inspect.signature(torch.compile).parameters if n != "model"]
-    unknown = sorted(set(compile) - set(allowed))
-    if unknown:
-        raise InputError(f"compile: unknown torch.compile option(s) {', '.join(map(repr, unknown))}; "
-                         f"it takes {', '.join(allowed)}")
-    options = dict(compile)
-    if options.get("fullgraph"):
-        raise InputError("compile: fullgraph=True cannot hold for a stream — the stream's bookkeeping runs eagerly "
-                         "at the decoder stack's entry and exit (one deliberate graph break); leave fullgraph out")
-    for name in ("dynamic", "disable"):
-        if options.get(name) is not None and not isinstance(options[name], bool):
-            raise InputError(f"compile: {name} is True or False, got {options[name]!r}")
-    backend = options.get("backend", "inductor")
-    if not callable(backend):
-        known = torch._dynamo.list_backends(exclude_tags=())
-        if not isinstance(backend, str) or backend not in known:
-            raise InputError(f"compile: unknown backend {backend!r}; torch.compile knows {', '.join(known)} "
-                             "(or pass a callable)")
-    inductor = backend == "inductor"
-    if "mode" in options and options["mode"] is not None:
-        modes = list(torch._inductor.list_mode_options())
-        if not inductor:
-            raise InputError(f"compile: mode is an inductor setting; backend {backend!r} would ignore it")
-        if options["mode"] not in modes:
-            raise InputError(f"compile: unknown mode {options['mode']!r}; inductor's modes are {', '.join(modes)}")
-    if options.get("options") is not None:
-        extra = options["options"]
-        if not isinstance(extra, dict):
-            raise InputError(f"compile: options is a dict of inductor settings, got {extra!r}")
-        if options.get("mode") is not None:
-            raise InputError("compile: give either mode or options, not both (torch.compile takes one)")
-        if not inductor:
-            raise InputError(f"compile: options are inductor settings; backend {backend!r} would ignore them")
-        wrong = sorted(set(extra) - set(torch._inductor.list_options()))
-        if wrong:
-            raise InputError(f"compile: {', '.join(map(repr, wrong))} are not inductor settings "
-                             "(torch._inductor.list_options() lists them)")
-    if options.get("disable"):
-        return None  # torch.compile(disable=True) is the eager function itself
-    return options
+#: Why ``compile={"fullgraph": True}`` is refused for a stream's decode step.
+_NO_FULLGRAPH = ("a stream — the stream's bookkeeping runs eagerly at the decoder stack's entry and exit "
+                 "(one deliberate graph break)")
 
 
 class StreamSession:
@@ -128,7 +69,7 @@ class StreamSession:
 
         check_model(model, "StreamSession")
         check_chunk_size(chunk_size)
-        options = compile_options(compile)
+        options = compile_options(compile, _NO_FULLGRAPH)
         if freeze is not None and not isinstance(freeze, bool):
             raise InputError(f"freeze is True, False or None (automatic), got {freeze!r}")
         check_weights(model)  # NaN/inf weights: one clear error now, not garbage tokens later
@@ -160,7 +101,7 @@ class StreamSession:
             compiled and inductor and self._device.type == "cpu" and "options" not in options)
         self._step_forward = torch.compile(model.forward, **options) if compiled else model.forward
         if self.freezing:
-            self._step_forward = _frozen(self._step_forward)
+            self._step_forward = frozen(self._step_forward)
 
     def __enter__(self) -> StreamSession:
         self.cache = self.sink.__enter__()
@@ -238,9 +179,10 @@ class StreamSession:
                              "saved stream with StreamSession.load")
 
     # ------------------------------------------------------------------ persistence
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, metadata: dict[str, str] | None = None) -> Path:
         """Write the stream to a safetensors file: its :class:`StreamConfig`, the session's own settings and every
         state's and layer's ``state_dict`` (tensors in the file, the rest in its metadata); :meth:`load` resumes it.
+        ``metadata``: more string entries for the file's metadata (a chat's conversation).
         """
         self._check_open()
         if self.state.batch is None:
@@ -253,7 +195,7 @@ class StreamSession:
                 **self._saved_compile(), "tokens_seen": self.tokens_seen, "state": plain}
         with atomic_file(path) as tmp:  # a failed or interrupted save leaves the previous file (or none)
             save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp),
-                      metadata={"sinklab": json.dumps(meta)})
+                      metadata={**(metadata or {}), "sinklab": json.dumps(meta)})
         return path
 
     def _saved_compile(self) -> dict:
