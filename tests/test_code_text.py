@@ -30,6 +30,7 @@ MEASUREMENT = re.compile(
 
 #: (file relative to src/sinklab, phrase): a number with a unit that is a definition, not a measurement.
 ALLOWED = {
+    ("evaluation/retention.py", "The 95 %"): "the Wilson interval's definition (its default z is the 95 % quantile)",
     ("attention.py", "= 77 %"): "a closed-form worked example (e³ / (e³ + 6)), computed, not measured",
     ("capture/loss.py", "16 MB in float32"): "the chunk's size, computed from its entry count",
     ("diagnose.py", "90 %/0.5"): "the relaxed sink rule's definition (share of queries / weight)",

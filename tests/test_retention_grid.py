@@ -1,25 +1,20 @@
-"""benchmarks/retention.py's grid: its prompts are the same for the same seed, its interval is Wilson's, its budgets
-and held entries are counted over every layer and head, and one compressed cache answers every question as a fresh
+"""The retention grid's cells (sinklab.evaluation.retention, run by benchmarks/retention.py): its prompts are the
+same for the same seed, its interval is Wilson's, its budgets and held entries are counted over every layer and head, and one compressed cache answers every question as a fresh
 compression would."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import DynamicCache
 
+from sinklab.evaluation import retention as grid
 from sinklab.models import tiny_llama
 from sinklab.stream import SinkCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-_SPEC = importlib.util.spec_from_file_location("retention_grid", Path(__file__).parents[1] / "benchmarks" / "retention.py")
-grid = importlib.util.module_from_spec(_SPEC)  # type: ignore[arg-type]
-_SPEC.loader.exec_module(grid)  # type: ignore[union-attr]
 
 
 @pytest.fixture(scope="module")
