@@ -98,6 +98,16 @@ PRESSES: dict[str, Callable[[float], kvpress.BasePress] | None] = {
 ATTN_IMPLEMENTATION = {method: "sdpa" for method in PRESSES}
 
 
+def _greedy(forward, logits, pos: int, steps: int) -> list[int]:
+    """``steps`` greedy tokens from ``logits`` (the next token's), each fed back through ``forward`` at ``pos`` on."""
+    generated: list[int] = []
+    for step in range(steps):
+        generated.append(int(logits.argmax()))
+        if step + 1 < steps:
+            logits = forward([generated[-1]], pos, False)[-1]
+            pos += 1
+    return generated
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -343,12 +353,7 @@ def run_item(model: nn.Module, method: str, kv_fraction: float, item: dict, slid
                     cache, original = fresh, cache
                     try:
                         logits = forward(list(question), c_len, False)[-1] if question else last
-                        pos, generated = c_len + len(question), []
-                        for step in range(int(item["max_new_tokens"])):
-                            generated.append(int(logits.argmax()))
-                            if step + 1 < int(item["max_new_tokens"]):
-                                logits = forward([generated[-1]], pos, False)[-1]
-                                pos += 1
+                        generated = _greedy(forward, logits, c_len + len(question), int(item["max_new_tokens"]))
                     finally:
                         cache = original
                         if tracker is not None:
@@ -357,12 +362,7 @@ def run_item(model: nn.Module, method: str, kv_fraction: float, item: dict, slid
             elif item["kind"] == "generate":
                 question = list(item.get("question_ids", []))
                 logits = forward(question, c_len, False)[-1] if question else last
-                pos, generated = c_len + len(question), []
-                for step in range(int(item["max_new_tokens"])):
-                    generated.append(int(logits.argmax()))
-                    if step + 1 < int(item["max_new_tokens"]):
-                        logits = forward([generated[-1]], pos, False)[-1]
-                        pos += 1
+                generated = _greedy(forward, logits, c_len + len(question), int(item["max_new_tokens"]))
                 row["generated_ids"] = generated
             elif item["kind"] == "ppl":
                 cont = list(item["continuation_ids"])
