@@ -20,9 +20,10 @@ case "${1:-}" in
     "tests/test_stream_generate_modes.py", "tests/test_stream_rotary_layouts.py", "tests/test_mutants_state.py",
     "tests/test_stream_compile.py::test_step_plan_that_cannot_compile_runs_eagerly_with_a_warning",
     "tests/test_variants_everywhere.py::test_sinkcache_stream_matches_float64_reference",
-    "tests/test_kvquant_stream.py"' ;;
+    "tests/test_kvquant_stream.py", "tests/test_stream_plans.py"' ;;
   layer)     src=src/sinklab/stream/layer.py;  tests='"tests/test_stream.py", "tests/test_stream_checks.py",
-    "tests/test_stream_generate_modes.py", "tests/test_stream_rotary_layouts.py", "tests/test_mutants_layer.py"' ;;
+    "tests/test_stream_generate_modes.py", "tests/test_stream_rotary_layouts.py", "tests/test_mutants_layer.py",
+    "tests/test_stream_plans.py"' ;;
   *) echo "usage: $0 codec|rope|attention|diagnose|state|layer" >&2; exit 2 ;;
 esac
 work=${MUTATION_DIR:-/tmp/sinklab-mutation}/$1
