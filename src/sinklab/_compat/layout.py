@@ -399,12 +399,15 @@ def base_model(model: nn.Module) -> nn.Module:
     return base
 
 
+@functools.cache
+def _forward_parameters(forward: Any) -> frozenset[str]:
+    """The parameter names of a module class's ``forward`` (read once per class)."""
+    return frozenset(inspect.signature(forward).parameters)
+
+
 def cache_kwarg_name(model: nn.Module) -> str:
     """``cache`` on transformers versions that renamed it, else ``past_key_values``."""
-    import inspect
-
-    params = inspect.signature(base_model(model).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    return "cache" if "cache" in _forward_parameters(type(base_model(model)).forward) else "past_key_values"
 
 
 def output_cache(output: Any) -> Any:
@@ -442,11 +445,6 @@ def cache_argument(kwargs: dict) -> tuple[str | None, Any]:
         if kwargs.get(key) is not None:
             return key, kwargs[key]
     return None, None
-
-
-@functools.cache
-def _forward_parameters(forward: Any) -> frozenset[str]:
-    return frozenset(inspect.signature(forward).parameters)
 
 
 def route_cache_argument(module: nn.Module, kwargs: dict) -> None:
