@@ -1,16 +1,10 @@
 """Which stream a model is running: the forward hooks that switch a model into a ``SinkCache`` and back.
 
-One :class:`ModelStreams` per model, created by the first ``SinkCache`` on it. While any of its caches is
-alive it holds a forward pre-hook and an always-called forward hook on the decoder stack:
-
-* a forward whose cache argument is a ``SinkCache`` *activates* that cache (the model's attention
-  backend becomes sinklab's stream attention, installed by a :class:`sinklab._compat.ModelPatch` — once, not per call — and the pre-hook plans the
-  forward: virtual positions, token-id check); the stream is set for this call's thread, so
-  ``generate()`` in a background thread (``TextIteratorStreamer``) works too;
-* any other forward first *releases* an implicitly activated cache (the model's own attention comes
-  back); inside ``with SinkCache(...)`` it is an error instead (the user opened the block on purpose);
-* closing (``close()``, leaving the ``with`` block, or garbage collection) releases the model and, with the
-  last cache, removes the hooks: nothing of sinklab stays on the model.
+One :class:`ModelStreams` per model, made by its first ``SinkCache``, holds a pre-hook and an always-called hook on
+the decoder stack while any of its caches is alive. A forward given a ``SinkCache`` activates it (sinklab's stream
+attention installed once through :class:`sinklab._compat.ModelPatch`; the pre-hook plans the forward), per thread;
+any other forward releases an implicitly activated cache (inside ``with SinkCache(...)`` it is an error). Closing
+the last cache, or garbage collection, removes the hooks: nothing of sinklab stays on the model.
 """
 
 from __future__ import annotations
@@ -49,13 +43,8 @@ class ModelStreams:
         self._backend: _compat.ModelPatch | None = None  # the stream attention, while a cache is active
         self._local = threading.local()
         base = _compat.base_model(model)
-        # The hooks run eagerly even inside a torch.compile'd forward (one deliberate graph break at the
-        # decoder-stack entry and exit): they hold the stream's host bookkeeping (Python ints, no tensor read
-        # back per token); the decoder stack in between — cache writes, re-rotation, masks, attention — is
-        # one graph with fixed shapes.
-        # A forward the cache planned before calling the model (:meth:`SinkCache.planned_forward`, what
-        # ``StreamSession.step`` does) sets ``planned``: the hooks then return at once, and a compiled forward
-        # traces through them — one graph, no break.
+        # The hooks run eagerly even inside a compiled forward (a graph break at the decoder stack's entry and exit);
+        # a forward the cache planned itself (SinkCache.planned_forward) sets ``planned`` and they stand aside.
         self.planned = False
         self._hooks = _compat.ModelPatch(base)  # not the model: the registry must not keep it alive
         eager_pre, eager_post = torch.compiler.disable(self._pre_hook), torch.compiler.disable(self._post_hook)

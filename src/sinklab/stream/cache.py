@@ -6,12 +6,8 @@
     with sinklab.SinkCache(model, num_sinks=4, window=1020) as cache:      # the same, closed on exit
         model.generate(input_ids, cache=cache, max_new_tokens=20_000)
 
-The cache's layers come from :func:`build_layers`. On first use it switches the model's attention to sinklab's
-stream attention (no mask function: the attention masks by cache metadata), and a pre-hook on the decoder stack
-replaces ``position_ids`` by virtual slot positions, whoever computed them; ``close()``, the end of the ``with``
-block or garbage collection undo it all (:mod:`sinklab.stream.activation`). Per-layer budgets for the model's own
-sliding-window layers and the recurrent layers of hybrid models: docs/stream.md ("The model's own sliding-window
-layers", "Architectures").
+The cache's layers come from :func:`build_layers`; :mod:`sinklab.stream.activation` switches the model's attention
+while the cache is in use and plans each forward's positions. Sliding-window and hybrid models: docs/stream.md.
 """
 
 from __future__ import annotations
@@ -40,12 +36,9 @@ __all__ = ["KV_GROUP_SIZE", "LAYER_KINDS", "LayerSpec", "SinkCache", "build_laye
 
 
 def _real_columns(mask, b: int, c: int, device: torch.device) -> torch.Tensor:
-    """Which of the ``c`` new columns are real tokens, ``[B, C]`` bool (left padding: each row's sinks are its
-    own first real tokens), from a 2-D padding mask or a 4-D one ``generate()`` prepared: the stream's own
-    (:func:`~sinklab.stream.attention.stream_mask`, ``[B, 1, 1, C]``), or the model's own ``[B, 1|H, C, K]``, read on
-    the diagonal of its last ``C`` keys (:meth:`SinkWindowLayer.get_mask_sizes` says why) — every causal, sliding or
-    chunked pattern keeps the diagonal; the last query's row, which a sliding window cuts short, would not do.
-    """
+    """Which of the ``c`` new columns are real tokens, ``[B, C]`` bool, from a 2-D padding mask or a prepared 4-D
+    one: the stream's own ``[B, 1, 1, C]``, or the model's own read on the diagonal of its last ``C`` keys (which every
+    causal, sliding or chunked pattern keeps; :meth:`StreamLayerBase.get_mask_sizes`)."""
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         return mask[:, -c:].bool()
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:
@@ -57,8 +50,7 @@ def _real_columns(mask, b: int, c: int, device: torch.device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """What the factory knows of one attention layer when it makes the layer's cache (``cls.for_stream(state, spec)``).
-    """
+    """What the factory knows of one attention layer when it makes the layer's cache (``cls.for_stream(state, spec)``)."""
 
     index: int
     rotation: Any  # how the layer rotates its keys (sinklab._compat.layer_rotations)
@@ -141,24 +133,12 @@ def build_layers(model: nn.Module, config: StreamConfig, rotations: list,
 
 
 class SinkCache(Cache):
-    """A transformers ``Cache`` that streams ``model`` with attention sinks + a sliding window.
+    """A transformers ``Cache`` that streams ``model`` (a causal LM with rotary positions or none, as
+    :func:`sinklab._compat.layer_rotations` measures it) with ``num_sinks`` attention sinks + a ``window``.
 
-    Parameters
-    ----------
-    model:
-        A causal LM whose positions are rotary (any pairing, direction or rotated width; latent attention; layers
-        without positions too) — measured on the model by :func:`sinklab._compat.layer_rotations`, which refuses
-        what streaming cannot reproduce (transformers ``PreTrainedModel``).
-    num_sinks, window:
-        ``S``, the first real tokens kept forever, and ``W``, the newest tokens each query sees (default 1020).
-    config:
-        A :class:`~sinklab.stream.config.StreamConfig` (each setting explained there), or instead:
-    settings:
-        Its fields as keywords (``pinned``, ``start_position``, ``rebase_every``, ``sliding_sinks``, ``check_every``,
-        ``kv_bits``, ``kv_group_size``, ``compile_plan``, ``policy``, ``plan`` — also a scan, a diagnosis or a saved
-        plan's path —, ``positions``) and transformers' old ``window_length``/``num_sink_tokens`` (deprecated:
-        ``window = window_length − num_sinks``).
-    """
+    ``config`` is a :class:`~sinklab.stream.config.StreamConfig`; or give its fields as keywords (:func:`stream_config`:
+    ``plan`` may also be a scan, a diagnosis or a saved plan's path; transformers' old ``window_length`` /
+    ``num_sink_tokens`` are mapped, deprecated)."""
 
     is_sinklab_stream = True
 
@@ -252,15 +232,9 @@ class SinkCache(Cache):
         return args, kwargs
 
     def planned_forward(self, forward, **kwargs):
-        """``forward(**kwargs)`` — the model's forward or a ``torch.compile``'d one, given ``input_ids`` and this
-        cache (``past_key_values=`` or ``cache=``) — with the forward planned here, eagerly, before the call, not
-        in the decoder-stack hooks, which stand aside.
-
-        The same computation as calling ``forward`` directly; what changes is where the host's bookkeeping runs.
-        Inside a compiled ``forward`` nothing of the stream leaves the graph: a compiled decode step is one dynamo
-        frame and one graph (the hooks' eager work is otherwise a graph break at the decoder stack's entry and
-        exit). The finite-values check then runs on the returned logits. ``StreamSession.step`` decodes this way.
-        """
+        """``forward(**kwargs)`` (the model's forward or a compiled one, given this cache) planned here, eagerly, before
+        the call, while the decoder-stack hooks stand aside: a compiled decode step is then one graph, no break. The
+        finite-values check runs on the returned logits. ``StreamSession.step`` decodes this way."""
         token = self._streams.enter_planned(self)
         try:
             _, planned = self.plan_forward((), kwargs)
@@ -288,25 +262,17 @@ class SinkCache(Cache):
                              "the ids come from a different tokenizer or were corrupted")
 
     def check_hidden(self, hidden: torch.Tensor) -> None:
-        """Called after each forward with the decoder stack's output ``[B, C, D]``: NaN/inf → ModelWeightsError.
-
-        A chunk, or any forward on the CPU, is checked at once (the values are on the host already); single
-        columns on an accelerator are accumulated on the device and read back every ``check_every`` columns.
-        """
-        state = self.state
-        if hidden.device.type == "cpu":
-            # On the host already: one float64 sum, read at once (NaN and ±inf carry through it; finite
-            # float32/16 values cannot overflow it).
+        """Called after each forward with the decoder stack's output ``[B, C, D]``: NaN/inf → ModelWeightsError, at once
+        for a chunk or on the CPU; single columns on an accelerator are read back every ``check_every`` columns."""
+        columns = self.state.columns
+        if hidden.device.type == "cpu":  # one float64 sum (NaN and ±inf carry through it, finite values cannot overflow)
             if not math.isfinite(float(hidden.sum(dtype=torch.float64))):
                 self._pending_hidden = torch.ones((), dtype=torch.bool)
-            self.flush_checks(state.columns - hidden.shape[1])
-            return
-        bad = ~torch.isfinite(hidden).all()
-        if hidden.shape[1] == 1 and state.columns - self._checked < self.check_every:  # one column, on a device
-            self._pending_hidden = bad | self._pending_hidden
-            return
-        self._pending_hidden = bad | self._pending_hidden
-        self.flush_checks(state.columns - hidden.shape[1])
+        else:
+            self._pending_hidden = ~torch.isfinite(hidden).all() | self._pending_hidden
+            if hidden.shape[1] == 1 and columns - self._checked < self.check_every:  # one column, on a device
+                return
+        self.flush_checks(columns - hidden.shape[1])
 
     def flush_checks(self, first: int | None = None) -> None:
         """Read the accumulated checks back (one host read) and raise for what they found."""
@@ -349,14 +315,8 @@ class SinkCache(Cache):
             self._select_rows(torch.as_tensor(indices, device=self.state.device).long())
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Take back the last ``-tokens_to_remove`` columns (assisted decoding, prompt lookup).
-
-        Exact only while nothing has been evicted: a token that pushed another out of the window cannot be
-        taken back (the one it replaced is gone). Past that point this raises; use a DynamicCache for assisted
-        decoding, or a window larger than the whole generation. A hybrid's recurrent layers are cropped by
-        transformers' own layers, which can take tokens back only while they record their past states
-        (``activate_past_recording``, as ``generate()`` does for assisted decoding).
-        """
+        """Take back the last ``-tokens_to_remove`` columns (assisted decoding, prompt lookup): exact only while nothing
+        was evicted (else an InputError), and for a hybrid's recurrent layers only while they record their past."""
         if tokens_to_remove > 0:
             raise InputError(f"SinkCache.crop takes minus the number of columns to remove (transformers ≥ 5), "
                              f"got {tokens_to_remove}")

@@ -1,9 +1,6 @@
-"""``SinkWindowLayer``: a transformers cache *layer* holding sinks, pinned spans and a ring-buffer window.
-
-Storage is preallocated at the first update (``[B, Hkv, S + P + W, dh]``); a decoded token is written
-into its slot in O(1) and the buffer itself is handed to attention (no copy, no reordering: the
-attention function masks by metadata, and softmax does not care about slot order). A multi-token
-chunk is attended over ``buffer ⧺ chunk`` and then written, so the buffer never exceeds its budget.
+"""``SinkWindowLayer``: a transformers cache *layer* holding sinks, pinned spans and a ring-buffer window, preallocated
+``[B, Hkv, S + P + W, dh]``; a decoded token is written into its slot and the buffer itself handed to attention, a
+chunk is attended over ``buffer ⧺ chunk`` and then written (docs/stream.md, "How it works").
 """
 
 from __future__ import annotations
@@ -35,14 +32,9 @@ class StreamLayerBase(CacheLayerMixin):
         return self.state.columns
 
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
-        """``(kv_length, kv_offset)`` of the mask transformers builds for the next forward (queries at
-        :meth:`SinkCache.get_query_offset` on).
-
-        The stream's own mask function ignores it. A mask built by the model's own mask function — ``generate()``
-        prepares the first forward's before the stream is switched on — then spans the stream columns up to the
-        new ones: its last ``q`` keys are the new tokens, each on its own query's diagonal, where
-        ``SinkCache.plan_forward`` reads which are real. At most ``S + P + W`` earlier columns are spanned; inside a
-        compiled forward the size is fixed (reading the host counter there would specialise the graph on it)."""
+        """``(kv_length, kv_offset)`` of the mask transformers builds for the next forward: a mask of the model's own
+        (``generate()`` prepares the first forward's) then ends with the new tokens on its diagonal, where
+        ``SinkCache.plan_forward`` reads which are real; a fixed size inside a compiled forward."""
         q = query_length if isinstance(query_length, int) else 1
         if torch.compiler.is_compiling():
             return self.state.capacity + q, 0
@@ -100,17 +92,15 @@ class SinkWindowLayer(StreamLayerBase):
             self.keys = torch.zeros(b, hkv, cap, dh, dtype=key_states.dtype, device=key_states.device)
             self.values = torch.zeros(b, hkv, cap, value_states.shape[-1], dtype=value_states.dtype,
                                       device=value_states.device)
-        # Anchored keys as first rotated (at virtual position o); the buffer's anchored slots hold them
-        # re-rotated for the current query.
+        # Anchored keys as first rotated; the buffer's anchored slots hold them re-rotated for the current query.
         self.anchor_keys = torch.zeros(b, hkv, self.state.anchor_capacity, dh, dtype=key_states.dtype,
                                        device=key_states.device)
         self.mark_static()
         self.is_initialized = True
 
     def mark_static(self) -> None:
-        """Tell torch.compile the buffers keep their address while they are written in place (as transformers'
-        StaticCache does): CUDA graphs (``mode="reduce-overhead"``) then replay over them instead of being skipped
-        for mutated inputs. Called again whenever the buffers are replaced (rows selected, a stream loaded)."""
+        """Tell torch.compile the buffers keep their address while written in place (as transformers' StaticCache
+        does), so CUDA graphs replay over them; called again whenever the buffers are replaced."""
         if not torch.compiler.is_compiling():
             for t in (self.keys, self.values, self.anchor_keys):
                 torch._dynamo.mark_static_address(t)
@@ -142,9 +132,8 @@ class SinkWindowLayer(StreamLayerBase):
         return keys, values
 
     def _anchors_rotated(self, c: Tensor, s: Tensor) -> Tensor:
-        """The anchored keys rotated by the step's factors (:func:`sinklab.rope.rotate_pairs`). Eagerly, their
-        partner dimensions are kept between steps while the anchored keys do not change (two ops per layer and
-        token); compiled, they are part of the graph."""
+        """The anchored keys rotated by the step's factors (:func:`sinklab.rope.rotate_pairs`); eagerly, their partner
+        dimensions are kept between steps while the anchored keys do not change."""
         keys, interleaved, offset = self.anchor_keys, self.rope.interleaved, self.rope.offset  # type: ignore[union-attr]
         if torch.compiler.is_compiling():
             return rotate_pairs(keys, c, s, interleaved, offset=offset)

@@ -1,12 +1,9 @@
 """``QuantizedSinkWindowLayer``: a stream layer whose window is stored packed; sinks and pinned spans stay exact.
 
-``SinkCache(model, kv_bits=4)`` builds these instead of :class:`~sinklab.stream.layer.SinkWindowLayer`: anchored
-tokens in the model's dtype, never quantized; the ring of ``W`` window tokens one packed tensor
-``[B, Hkv, W, dk + dv]`` with a float16 scale and zero point per token and group of ``G`` channels
-(:mod:`sinklab.kvquant.codec`). Each forward dequantizes the ring into one full-precision buffer
-``[B, Hkv, S + P + W, dk + dv]`` shared by the stream's layers, lets the parent layer update it and packs what the
-update wrote (a decode step's column is set aside and packed with every layer's by the next forward). Why per token,
-the costs and re-basing: docs/kv-quant.md ("Streaming form").
+``SinkCache(model, kv_bits=4)`` builds these: the ring of ``W`` window tokens is one packed tensor
+``[B, Hkv, W, dk + dv]`` (:mod:`sinklab.kvquant.codec`, groups per token), dequantized each forward into a buffer the
+stream's layers share; the parent layer updates it and what it wrote is packed (a decode step's columns set aside and
+packed together by the next forward). docs/kv-quant.md ("Streaming form").
 """
 
 from __future__ import annotations
@@ -14,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..errors import InputError, check_int, is_int
-from ..kvquant.codec import BITS, QuantizedTensor, dequantize, packed_width, quantize
+from ..errors import InputError
+from ..kvquant.codec import QuantizedTensor, dequantize, packed_width, quantize
 from ..rope import rotate
 from .layer import SinkWindowLayer
 from .state import ChunkPlan, DecodePlan, StepPlan, StreamState, UniformStepPlan
@@ -35,15 +32,13 @@ class PackShared:
 
 
 class QuantizedSinkWindowLayer(SinkWindowLayer):
-    """A :class:`SinkWindowLayer` with a ``bits``-bit packed ring (groups of ``group_size`` channels per token)."""
+    """A :class:`SinkWindowLayer` with a ``bits``-bit packed ring (groups of ``group_size`` channels per token; both
+    checked by the :class:`~sinklab.stream.config.StreamConfig`)."""
 
     is_compileable = False
 
     def __init__(self, state: StreamState, rope, bits: int, group_size: int, *,
                  rotates_values: bool = False, shared: PackShared | None = None) -> None:
-        if not is_int(bits) or bits not in BITS:
-            raise InputError(f"kv_bits must be one of {BITS} (or None for full precision), got {bits!r}")
-        check_int("kv_group_size", group_size, 1)
         super().__init__(state, rope, rotates_values=rotates_values)
         self.bits, self.group_size = bits, group_size
         self.shared = shared if shared is not None else PackShared()

@@ -1,18 +1,11 @@
 """Score-based retention: each key-value head keeps its sinks, pinned spans, newest tokens and best-scored others.
 
-Storage per layer (:class:`ScoredLayer`, a transformers cache layer): ``[B, Hkv, cap, dh]`` keys and values with,
-per slot, the token's stream index (``-1``: empty) and the virtual position its key is rotated at. Each head's kept
-tokens sit first, in stream order. A forward attends over ``buffer ⧺ new columns`` (the buffer masked per head by
-what it holds, the new columns causally), then the policy scores every candidate (:class:`~sinklab.stream.policy
-.Observation`) and each head keeps at most its budget (``ScoredLayer.budgets``, one per key-value head: equal for
-a named policy, from a plan for ``auto``).
-
-Positions by cache slot: a kept key is re-rotated so that its distance to any later query is the number of tokens
-its head keeps after it (itself excluded) plus one per later token — the distance it would have if the evicted
-tokens had never been there. Evicting tokens moves every older kept key forward by the number evicted after it
-(one rotation per key and eviction round). ``positions="original"`` keeps each key at its true position instead
-(what kvpress does). Queries sit at the stream's virtual position (``start + t − base``); the base moves forward
-every few thousand tokens like the recency stream's, rotating every stored key once.
+Each layer (:class:`ScoredLayer`) stores ``[B, Hkv, cap, dh]`` keys and values, per slot the token's stream index
+(``-1``: empty) and its key's virtual position; each head's kept tokens first, in stream order. A forward attends over
+``buffer ⧺ new columns``, the policy scores every candidate (:class:`~sinklab.stream.policy.Observation`) and each
+head keeps at most its budget. With ``positions="slot"`` an evicted token's later neighbours move forward (a kept key
+is re-rotated by the number evicted after it); ``"original"`` keeps true positions (what kvpress does).
+docs/retention.md has the whole rule.
 """
 
 from __future__ import annotations
@@ -38,9 +31,8 @@ _LAST = torch.iinfo(torch.long).max
 
 @dataclass
 class ScoredView:
-    """The new columns of one forward of a score-based stream: their stream index ``sidx`` ``[B, C]`` (-1 for
-    padding) and virtual position ``q_v`` ``[B, C]``. Each head keeps its own tokens, so what a query sees is worked
-    out per layer, by :func:`scored_attention`."""
+    """The new columns of one forward of a score-based stream: stream index ``sidx`` ``[B, C]`` (-1: padding) and
+    virtual position ``q_v`` ``[B, C]``; what a query sees is worked out per layer (:func:`scored_attention`)."""
 
     sidx: Tensor
     q_v: Tensor
@@ -64,13 +56,8 @@ class ScoredState(StreamBudget):
         self.positions = positions
         self.set_rebase(rebase_every, self.capacity)  # kept keys reach back a whole budget
 
-    def _init_rows(self, batch: int, device: torch.device) -> None:
-        self.device = device
-        self.batch = batch
-        self.n_real = torch.zeros(batch, dtype=torch.long, device=device)
-        self.base = torch.zeros(batch, dtype=torch.long, device=device)
-        self.span = self.start_position
-        self._rope_to(device)
+    def _allocate_rows(self, batch: int, device: torch.device) -> None:
+        self.n_real, self.base = (torch.zeros(batch, dtype=torch.long, device=device) for _ in range(2))
 
     def begin(self, valid: Tensor, all_valid: bool = False) -> Tensor:
         """Plan a forward over ``valid`` ``[B, C]`` new columns; returns their virtual positions ``[B, C]``."""
@@ -90,11 +77,6 @@ class ScoredState(StreamBudget):
     def _rotate_stored(self, delta: Tensor) -> None:
         for layer in self.layers:
             layer.shift(-delta[:, None, None])
-
-    def select_rows(self, index: Tensor) -> None:
-        index = index.to(self.device)
-        self.n_real, self.base = self.n_real.index_select(0, index), self.base.index_select(0, index)
-        self.batch = int(index.shape[0])
 
     def kept_tokens(self) -> int:
         """Tokens kept per head, the mean over this stream's layers and heads (rounded)."""
@@ -135,10 +117,8 @@ class ScoredLayer(StreamLayerBase):
         super().__init__()
         self.state = state
         self.rope = rope
-        # The model's own sliding window on this layer (None: full attention): a query never sees a token that far
-        # back, so such tokens are evicted first. Its sinks and pinned spans are kept only with sliding_sinks (the
-        # model's local layers never saw a token beyond their window; docs/retention.md measures what keeping the
-        # first tokens in sight of them costs).
+        # The model's own sliding window on this layer (None: full attention): tokens beyond it are evicted first,
+        # its sinks and pinned spans kept only with sliding_sinks (docs/retention.md).
         self.sliding = sliding
         self.keeps_anchors = sliding is None or bool(sliding_sinks)
         self.plan_budgets = budgets  # per key-value head (a plan); None: the state's capacity for every head
@@ -184,10 +164,7 @@ class ScoredLayer(StreamLayerBase):
 
     def keep(self, scores: Tensor, order: Tensor) -> None:
         """Cut ``buffer ⧺ new`` back to each head's budget: sinks, pinned spans and the ``recent`` newest always, then
-        the highest ``scores`` ``[B, Hkv, N]``. ``order``: the candidates in stream order, empty slots last.
-
-        Reads one boolean back to the host per layer and forward (whether any kept key moves): the rotation is skipped
-        while nothing is evicted."""
+        the highest ``scores`` ``[B, Hkv, N]`` (``order``: the candidates in stream order, empty slots last)."""
         keys, values, c_sidx, c_pos = self.pending  # type: ignore[misc]  # stored by update()
         self.pending = None
         state, cap = self.state, self.keys.shape[2]

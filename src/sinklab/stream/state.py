@@ -1,19 +1,11 @@
 """Stream bookkeeping shared by every layer: which tokens are kept, where they live, at what position.
 
-Vocabulary (0-based, per batch row):
-
-* stream index ``t`` — the rank of a real token in its row's stream (padding has none);
-* **anchored** tokens — the first ``S`` (sinks) and those inside a pinned span: kept forever;
-* **free** tokens — the rest; only the ``W`` most recent are kept (the window), in a ring buffer;
-* slot positions — a kept token's position is its rank among the tokens the query keeps, so the
-  distance from query ``i`` to kept token ``j`` is ``D_ij = A_i − A_j + min(W, F_i − F_j)`` with ``A``/``F``
-  the inclusive counts of anchored/free tokens. For window tokens that is the true distance.
-* virtual position ``v = absolute − base`` — what the model's RoPE sees. Window keys are stored rotated at
-  their ``v``; the base is moved forward ("rebase") every few windows, rotating the ring once, so ``v``
-  stays small (float32-exact) at any stream length; anchored keys are scored by rotating them per query.
-
-Buffer layout per row: ``[0, S + P)`` anchored slots in arrival order, ``[S + P, S + P + W)`` the ring
-(free token with count ``F`` lives at ``S + P + (F − 1) mod W``).
+Per batch row, the *anchored* tokens (the first ``S``, sinks, and the pinned spans) are kept forever in the slots
+``[0, S + P)`` in arrival order; of the *free* tokens only the ``W`` newest are kept, in the ring ``[S + P, S + P + W)``
+(free count ``F`` at slot ``S + P + (F − 1) mod W``). Positions are by cache slot: the distance from query ``i`` to
+kept token ``j`` is ``A_i − A_j + min(W, F_i − F_j)`` (``A``/``F``: inclusive anchored/free counts). Keys are stored at
+the virtual position ``v = absolute − base``; the base moves forward every few windows (the ring rotated once), and
+anchored keys are re-rotated per query (docs/stream.md, "How it works").
 """
 
 from __future__ import annotations
@@ -116,16 +108,9 @@ class Geometry(NamedTuple):
 
 
 def free_step(rows: RowTensors, geometry: Geometry) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
-    """The tensor work of a decode step where every row decodes a real, free token into the same slot.
-
-    Writes the new column's metadata into the buffers of ``rows`` (at row 0's slot, every row's), advances
-    ``n_real`` and ``n_free`` in place, and returns ``(q_v, slot, visible, anchor_c, anchor_s)``: the
-    virtual position of the new token (``[B]``), its ring slot (``[B]``), what it may see
-    (``[B, K]``), the rotation of each anchored key to its slot distance (the factors of
-    :func:`sinklab.rope.rotate_pairs`, ``[B, 1, A, r]`` float32; None without RoPE or anchors). A pure tensor
-    function of its arguments (no value read back, no branch on one), so it can run eagerly or compiled
-    (:func:`compiled_free_step`).
-    """
+    """A decode step where every row decodes a real, free token into the same slot: writes the column's metadata,
+    advances ``n_real``/``n_free`` in place and returns ``(q_v, slot, visible, anchor_c, anchor_s)`` (``[B]``, ``[B]``,
+    ``[B, K]``, :func:`_anchor_rotation`'s factors or None). Pure tensor work, so it also runs compiled."""
     rope, start_position, anchor_capacity, window = geometry
     t = rows.n_real.clone()
     q_f = rows.n_free + 1
@@ -157,11 +142,8 @@ def _anchor_rotation(rope: RopeSpec, q_a: Tensor, q_f: Tensor, q_v: Tensor, rows
 
 @functools.cache
 def compiled_free_step():
-    """:func:`free_step` through ``torch.compile`` (fixed shapes, one graph), created on first use.
-
-    On an accelerator a decode step's bookkeeping (the whole eager pre-hook) is some forty small kernels
-    launched one by one from the host (docs/stream.md, "Compiling the step plan", has the timings). Compiled,
-    the free step is a few fused kernels."""
+    """:func:`free_step` through ``torch.compile`` (fixed shapes, one graph), created on first use (docs/stream.md,
+    "Compiling the step plan")."""
     return torch.compile(free_step, dynamic=False, fullgraph=True)
 
 
@@ -192,11 +174,11 @@ class StreamBudget:
     """What every stream state shares, whatever its retention policy: the sizes (sinks, pinned spans, window), the
     host-side counters, which stream indices are anchored, and the re-base that keeps virtual positions small.
 
-    A subclass holds its own per-row tensors (``n_real`` and ``base`` at least, made by ``_init_rows``) and turns what
+    A subclass makes its own per-row tensors (``n_real`` and ``base`` at least: :meth:`_allocate_rows`) and turns what
     its layers store when the base moves (:meth:`_rotate_stored`)."""
 
     scored = False  # a score-based retention policy (sinklab.stream.scored) rather than recency
-    # per row, made by the subclass's ``_init_rows`` on the first forward
+    # per row, made by the subclass's ``_allocate_rows`` on the first forward
     n_real: Tensor
     base: Tensor
     span: int  # host-side bound on the next virtual position
@@ -233,12 +215,6 @@ class StreamBudget:
         self.layers: list = []  # the cache layers of this state, for rebasing
         self.view: View | None = None
 
-    def _rope_to(self, device: torch.device) -> None:
-        """The frequencies on the stream's device once, not copied there every token."""
-        if self.rope is not None:
-            self.rope = replace(self.rope, inv_freq=self.rope.inv_freq.to(device))
-            self.attn_rope = replace(self.attn_rope, inv_freq=self.rope.inv_freq)
-
     def _rows_for(self, b: int, device: torch.device) -> None:
         """Make the per-row state on the first forward; refuse a forward with another number of rows."""
         if self.batch is None:
@@ -263,12 +239,8 @@ class StreamBudget:
         self.rebase_keep = keep
 
     def _maybe_rebase(self, incoming: int) -> None:
-        """Move the base so virtual positions stay at most ``rebase_every`` (the stored keys rotated once).
-
-        Decided on the host from :attr:`span` (no tensor is read): when the newest column of this forward
-        could pass ``rebase_every``, every row moves its base so that its newest ``rebase_keep`` tokens keep
-        virtual positions ``≥ 0`` (a row with nothing to move rotates by 0, exactly).
-        """
+        """Move the base (the stored keys rotated once) when this forward could pass ``rebase_every``, decided on the
+        host from :attr:`span`; each row's newest ``rebase_keep`` tokens keep virtual positions ``≥ 0``."""
         if self.span + incoming - 1 <= self.rebase_every:
             return
         target = self.start_position + torch.clamp(self.n_real - self.rebase_keep, min=0)
@@ -278,7 +250,27 @@ class StreamBudget:
         self.rebases += 1
 
     def _init_rows(self, batch: int, device: torch.device) -> None:
-        """Make the per-row tensors for ``batch`` rows on ``device``."""
+        """Make the per-row tensors for ``batch`` rows on ``device`` (and move the frequencies there, once)."""
+        self.device = device
+        if self.rope is not None:
+            self.rope = replace(self.rope, inv_freq=self.rope.inv_freq.to(device))
+            self.attn_rope = replace(self.attn_rope, inv_freq=self.rope.inv_freq)
+        with buffers_that_fit(self.capacity):
+            self._allocate_rows(batch, device)
+        self._set_rows(batch)
+        self.span = self.start_position  # a host-side bound on every row's next virtual position: no read-back
+
+    def select_rows(self, index: Tensor) -> None:
+        """Keep/reorder/repeat batch rows: row ``i`` becomes old row ``index[i]`` (beams, batch expansion)."""
+        for name, value in self.per_row().items():
+            setattr(self, name, value.index_select(0, index.to(self.device)))
+        self._set_rows(int(index.shape[0]))
+
+    def _set_rows(self, batch: int) -> None:
+        self.batch = batch
+
+    def _allocate_rows(self, batch: int, device: torch.device) -> None:
+        """Set the subclass's per-row tensors."""
         raise NotImplementedError
 
     def _rotate_stored(self, delta: Tensor) -> None:
@@ -320,28 +312,12 @@ class StreamState(StreamBudget):
         self.plan: StepPlan | None = None
 
     # ------------------------------------------------------------------ per-row storage
-    def _init_rows(self, batch: int, device: torch.device) -> None:
-        self.device = device
-        self._rope_to(device)
-        with buffers_that_fit(self.capacity):
-            self._allocate_rows(batch, device)
-
     def _allocate_rows(self, batch: int, device: torch.device) -> None:
-        cap = self.capacity
         long: dict[str, Any] = dict(dtype=torch.long, device=device)
-        self.n_real = torch.zeros(batch, **long)
-        self.n_anchor = torch.zeros(batch, **long)
-        self.n_free = torch.zeros(batch, **long)
-        self.base = torch.zeros(batch, **long)
-        self.s_valid = torch.zeros(batch, cap, dtype=torch.bool, device=device)
-        self.s_sidx = torch.full((batch, cap), -1, **long)
-        self.s_a = torch.zeros(batch, cap, **long)
-        self.s_f = torch.zeros(batch, cap, **long)
-        self.s_o = torch.zeros(batch, cap, **long)
-        self._set_rows(batch)
-        # Host-side upper bound on every row's next virtual position (start + n_real − base): decides rebases
-        # without reading a tensor back (no device synchronisation per token).
-        self.span = self.start_position
+        self.n_real, self.n_anchor, self.n_free, self.base = (torch.zeros(batch, **long) for _ in range(4))
+        self.s_valid = torch.zeros(batch, self.capacity, dtype=torch.bool, device=device)
+        self.s_sidx = torch.full((batch, self.capacity), -1, **long)
+        self.s_a, self.s_f, self.s_o = (torch.zeros(batch, self.capacity, **long) for _ in range(3))
 
     def per_row(self) -> dict[str, Tensor]:
         """The per-row tensors (first dimension ``B``), by attribute name."""
@@ -349,14 +325,7 @@ class StreamState(StreamBudget):
 
     def row_tensors(self) -> RowTensors:
         """The per-row tensors as one :class:`RowTensors` (the same tensors, not copies)."""
-        return RowTensors(self.n_real, self.n_anchor, self.n_free, self.base, self.s_valid, self.s_sidx, self.s_a,
-                          self.s_f, self.s_o)
-
-    def select_rows(self, index: Tensor) -> None:
-        """Keep/reorder/repeat batch rows: row ``i`` becomes old row ``index[i]`` (beams, batch expansion)."""
-        for name, value in self.per_row().items():
-            setattr(self, name, value.index_select(0, index.to(self.device)))
-        self._set_rows(int(index.shape[0]))
+        return RowTensors(**self.per_row())
 
     def _set_rows(self, batch: int) -> None:
         self.batch = batch
@@ -377,12 +346,8 @@ class StreamState(StreamBudget):
 
     # ------------------------------------------------------------------ one forward
     def begin(self, valid: Tensor, all_valid: bool = False) -> Tensor:
-        """Plan a forward over ``valid`` ``[B, C]`` new columns; returns the virtual positions ``[B, C]``.
-
-        Runs on the host before the layers (eagerly, also under ``torch.compile``): Python-int decisions only
-        (re-base or not, decode or chunk, fast or masked write), tensor maths without reading values back.
-        ``all_valid`` says the caller knows on the host that every column is real (no padding mask).
-        """
+        """Plan a forward over ``valid`` ``[B, C]`` new columns (``all_valid``: known on the host to be all real); returns
+        the virtual positions ``[B, C]``. Host decisions on Python ints only, tensor maths without read-backs."""
         b, c = valid.shape
         self._rows_for(b, valid.device)
         valid = valid.to(self.device).bool()
@@ -409,19 +374,19 @@ class StreamState(StreamBudget):
         for buf, value in ((self.s_valid, valid), (self.s_sidx, t), (self.s_a, q_a), (self.s_f, q_f), (self.s_o, q_v)):
             buf[rows, slot] = torch.where(valid, value, buf[rows, slot])  # a padding column writes nothing
         self.plan = DecodePlan(rows, slot, valid, anchored, self.anchor_capacity)
-        self._step_view(valid, q_a, q_f, q_v)
+        c = s = None  # every valid slot is visible; anchored keys re-rotated to their slot distance
+        if self.anchor_capacity and self.rope is not None:
+            c, s = _anchor_rotation(self.rope, q_a, q_f, q_v, self.row_tensors(), self.anchor_capacity, self.window)
+        self.view = DecodeView(q_a[:, None], q_f[:, None], q_v[:, None], self.window, self.attn_rope,
+                               self.s_valid & valid[:, None], c, s)
         self.n_real += valid.long()
         self.n_anchor += anchored.long()
         self.n_free += free.long()
         return q_v[:, None]
 
     def _begin_free_step(self) -> Tensor:
-        """:meth:`_begin_step` where the host knows every row decodes a real, free token into the same slot.
-
-        The same plan, without per-row masking (:func:`free_step`): each buffer takes the new column with one
-        ``index_copy_`` at row 0's slot (every row's), and the layers write their keys/values the same way
-        (fewer ops per token). With :attr:`compile_plan` it runs compiled.
-        """
+        """:meth:`_begin_step` where the host knows every row decodes a real, free token into the same slot: no per-row
+        masks (:func:`free_step`, compiled with :attr:`compile_plan`), one ``index_copy_`` per buffer."""
         args = (self.row_tensors(), Geometry(self.rope, self.start_position, self.anchor_capacity, self.window))
         try:
             out = (compiled_free_step() if self.compile_plan else free_step)(*args)
@@ -438,16 +403,6 @@ class StreamState(StreamBudget):
                                anchor_c, anchor_s, all_visible=self.columns + 1 >= self.capacity)
         return q_v[:, None]
 
-    def _step_view(self, valid: Tensor, q_a: Tensor, q_f: Tensor, q_v: Tensor) -> None:
-        """The :class:`DecodeView` of a decode step (``[B]`` query metadata; the buffer already holds the new column)."""
-        # The ring holds exactly the W most recent free tokens, so every valid slot is visible; anchored
-        # keys are re-rotated to their slot distance from this query (O(S + P) per layer).
-        c = s = None
-        if self.anchor_capacity and self.rope is not None:
-            c, s = _anchor_rotation(self.rope, q_a, q_f, q_v, self.row_tensors(), self.anchor_capacity, self.window)
-        self.view = DecodeView(q_a[:, None], q_f[:, None], q_v[:, None], self.window, self.attn_rope,
-                               self.s_valid & valid[:, None], c, s)
-
     def _begin_chunk(self, valid: Tensor) -> Tensor:
         """Plan a multi-column forward (prefill; eager): keys are the buffer as it was, then the chunk."""
         sidx = self.n_real[:, None] + valid.long().cumsum(1) - 1  # (B, C)
@@ -455,15 +410,12 @@ class StreamState(StreamBudget):
         free = valid & ~anchored
         q_a = self.n_anchor[:, None] + anchored.long().cumsum(1)
         q_f = self.n_free[:, None] + free.long().cumsum(1)
-        absolute = self.start_position + sidx
         # (a padding column's sidx repeats the previous column's; `valid` keeps it out of what is seen and written)
-        q_v = torch.where(valid, absolute - self.base[:, None], torch.zeros_like(sidx))
-
+        q_v = torch.where(valid, self.start_position + sidx - self.base[:, None], torch.zeros_like(sidx))
         # Where each new token goes in the buffer: anchored slots in arrival order; free ones into the
         # ring, keeping only the last W free tokens of this chunk.
         slot = torch.where(anchored, q_a - 1, self.anchor_capacity + (q_f - 1) % self.window)
-        last_f = q_f[:, -1:]
-        write = anchored | (free & (q_f > last_f - self.window))
+        write = anchored | (free & (q_f > q_f[:, -1:] - self.window))
         rows, cols = write.nonzero(as_tuple=True)
         self.plan = plan = ChunkPlan(rows, cols, slot[rows, cols])
         k_sidx, k_f = torch.cat([self.s_sidx, sidx], 1), torch.cat([self.s_f, q_f], 1)
@@ -474,12 +426,8 @@ class StreamState(StreamBudget):
                               k_valid[:, None, :] & valid[:, :, None] & causal & (k_anchored[:, None, :] | recent),
                               k_a=torch.cat([self.s_a, q_a], 1), k_f=k_f, k_o=torch.cat([self.s_o, q_v], 1),
                               anchor_idx=k_anchored.any(0).nonzero()[:, 0])
-        slots = plan.slots
-        self.s_valid[rows, slots] = True
-        self.s_sidx[rows, slots] = sidx[rows, cols]
-        self.s_a[rows, slots] = q_a[rows, cols]
-        self.s_f[rows, slots] = q_f[rows, cols]
-        self.s_o[rows, slots] = q_v[rows, cols]
+        for buf, value in ((self.s_valid, valid), (self.s_sidx, sidx), (self.s_a, q_a), (self.s_f, q_f), (self.s_o, q_v)):
+            buf[rows, plan.slots] = value[rows, cols]
         self.n_real += valid.sum(1)
         self.n_anchor += anchored.sum(1)
         self.n_free += free.sum(1)

@@ -1,18 +1,10 @@
 """What the stream attention of one forward reads, and the attention each kind of forward runs.
 
-The stream state works out a *view* once per forward for every layer that shares it: the queries' counts and
-virtual positions and what each query may see. A decode step's view (:class:`DecodeView`) attends over the
-buffer itself — its anchored slots were re-rotated in place, so every visible slot is a plain key. A chunk's
-view (:class:`ChunkView`, prefill) attends over ``buffer ⧺ chunk``: a query sees its row's anchored tokens (sinks,
-pinned) up to itself and the ``W`` most recent free tokens up to itself. Window keys sit at their true distance
-already; anchored keys are scored at their slot distance ``D_ij`` by rotating each one by ``a_ij = v_i − D_ij − o_j``
-for each query (exact for every query of a chunk) and enter as extra columns carrying their re-rotated scores
-(:class:`~sinklab.attention.Columns`). Sinks and window share one softmax.
-
-The registered attention (:func:`sinklab.stream.attention.stream_attention`) makes one :class:`StreamCall` of
-what transformers handed it and calls ``view.attend(call, query, key, value)`` on its layer's state's view: the
-view's own attention (a score-based policy's view is :class:`sinklab.stream.scored.ScoredView`). The maths is
-:func:`sinklab.attention.attend` (fused path unless the model softcaps its logits).
+The stream state works out a *view* once per forward for every layer that shares it. A decode step
+(:class:`DecodeView`) attends over the buffer itself, its anchored slots re-rotated in place; a prefill chunk
+(:class:`ChunkView`) attends over ``buffer ⧺ chunk``, each anchored key scored at its slot distance from each query
+as an extra column (:class:`~sinklab.attention.Columns`), in one softmax with the window. The maths is
+:func:`sinklab.attention.attend`; a score-based policy's view is :class:`sinklab.stream.scored.ScoredView`.
 """
 
 from __future__ import annotations
@@ -32,11 +24,8 @@ __all__ = ["ChunkLayout", "ChunkView", "DecodeView", "StreamCall", "View"]
 
 @dataclass
 class StreamCall:
-    """One call of the stream attention: what transformers handed it, read once.
-
-    ``module`` the attention module (its variant's columns and gate), ``stream`` the cache it streams into,
-    ``scale`` the scores' scale, ``softcap`` the model's logit cap, ``s_aux`` the model's own learned sink logits.
-    """
+    """One call of the stream attention: the attention module, the cache, the scores' scale, the model's logit cap
+    and its own learned sink logits (``s_aux``), read once."""
 
     module: nn.Module
     stream: Any
@@ -84,11 +73,8 @@ class _Queries:
         return self._slot_shift
 
     def learned_columns(self, call: StreamCall, q: Tensor) -> list[Columns]:
-        """A sinklab variant's columns (:data:`sinklab.variants.VARIANTS`), or the model's own learned sinks.
-
-        A kv-bias slot's key has no position, so its score depends on where the query is rotated: at the query's
-        own cache-slot position (positions by cache slot), not at the stream's internal virtual position.
-        """
+        """A sinklab variant's columns (:data:`sinklab.variants.VARIANTS`), or the model's own learned sinks; a kv-bias
+        slot is scored with the query at its own cache-slot position, not at its virtual one."""
         def slot_query() -> Tensor:
             return rotate(q, self.rope, self.slot_shift[:, None, :]) if self.rope is not None else q
 
@@ -98,13 +84,9 @@ class _Queries:
 
 @dataclass
 class DecodeView(_Queries):
-    """A decode step: the keys are the buffer itself; ``visible`` ``[B, K]``.
-
-    ``anchor_c``/``anchor_s`` ``[B, 1, A, r]``: the rotation of each anchored key to its slot distance, as
-    :func:`sinklab.rope.rotate_pairs` factors (None without RoPE or anchors; the layers apply it to their anchored
-    slots). ``all_visible``, known on the host: every slot holds a visible token (the anchors have all arrived and
-    the ring is full, no padding), so an eager attention can skip the mask.
-    """
+    """A decode step: the keys are the buffer itself; ``visible`` ``[B, K]``; ``anchor_c``/``anchor_s`` the anchored
+    keys' rotation to their slot distance (:func:`sinklab.rope.rotate_pairs` factors, applied by the layers; None
+    without RoPE or anchors); ``all_visible``: known on the host that every slot is visible (no mask needed)."""
 
     visible: Tensor
     anchor_c: Tensor | None = None
