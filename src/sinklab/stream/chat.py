@@ -1,15 +1,8 @@
 """``ChatStream``: an endless multi-turn chat through one persistent stream (StreamingLLM's chatbot).
 
-Each user turn is rendered with the model's chat template, and only the text the stream has not yet
-consumed is tokenized and fed; the answer is generated token by token into the same cache. The cache
-never grows past ``S + P + W`` tokens (sinks, pinned system prompt, window), however long the chat runs.
-
-    with ChatStream(model, tokenizer, system="You are terse.", window=1020) as chat:
-        for piece in chat.turn("What is a sink token?"):
-            print(piece, end="", flush=True)
-        print(chat.meter())
-
-A tokenizer without a chat template gets a plain ``User: … / Assistant:`` layout (:data:`PLAIN_TEMPLATE`).
+Each user turn is rendered with the model's chat template (:data:`PLAIN_TEMPLATE` without one); only the text the
+stream has not consumed yet is tokenized and fed, and the answer is generated into the same cache, which never grows
+past ``S + P + W`` tokens (sinks, pinned system prompt, window). Usage: docs/chat.md.
 """
 
 from __future__ import annotations
@@ -25,7 +18,7 @@ from torch import nn
 
 from ..errors import InputError, check_int
 from ..variants import register_count
-from .session import StreamSession, TextPieces, check_chunk_size, check_sampling, sample_token
+from .session import StreamSession, TextPieces, check_chunk_size, check_sampling, file_metadata, sample_token
 from .config import StreamConfig, resolve_config
 
 __all__ = ["PLAIN_TEMPLATE", "ChatStream", "Meter", "Turn"]
@@ -81,20 +74,9 @@ def _stop_ids(model: nn.Module, tokenizer) -> set[int]:
 class ChatStream:
     """A chat whose whole history runs through one :class:`StreamSession` (constant memory).
 
-    Parameters
-    ----------
-    model, tokenizer:
-        A RoPE causal LM and its tokenizer (its ``chat_template``, else :data:`PLAIN_TEMPLATE`).
-    system:
-        An optional system prompt, pinned: its tokens are kept forever, outside the window.
-    config, stream:
-        The stream's settings: a :class:`~sinklab.stream.config.StreamConfig`, or the keywords of
-        :class:`~sinklab.stream.SinkCache` (``num_sinks``, ``window`` — 1020 unless given —, ``rebase_every``,
-        ``policy``, ``plan`` …); ``chunk_size`` (prompt tokens per prefill forward) goes with either.
-    max_new_tokens, temperature, top_k, seed:
-        Per answer: the length limit; greedy when ``temperature`` is 0, else sampling (one generator
-        seeded once per chat, so a scripted chat is reproducible).
-    """
+    ``system``: a prompt pinned forever; ``config`` or the keywords of :class:`~sinklab.stream.SinkCache` (and
+    ``chunk_size``): the stream; per answer a length limit, greedy at ``temperature`` 0, else sampled from one
+    generator seeded once per chat (a scripted chat is reproducible)."""
 
     def __init__(self, model: nn.Module, tokenizer, *, system: str | None = None, config: StreamConfig | None = None,
                  max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
@@ -237,16 +219,9 @@ class ChatStream:
 
     def load(self, path: str | Path) -> None:
         """Continue the chat saved in ``path`` (its stream settings come with it)."""
-        from safetensors import safe_open
-
-        path = Path(path)
-        if not path.is_file():
+        if not Path(path).is_file():
             raise InputError(f"{path}: no such file")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                raw = (f.metadata() or {}).get(_CHAT_KEY)
-        except Exception as exc:  # safetensors raises its own error types for a non-safetensors file
-            raise InputError(f"{path} is not a saved chat ({exc})") from exc
+        raw = file_metadata(path).get(_CHAT_KEY)
         if raw is None:
             raise InputError(f"{path} holds a stream but no chat; save chats with /save")
         chat = json.loads(raw)

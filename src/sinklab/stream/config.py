@@ -1,13 +1,6 @@
 """``StreamConfig``: every setting of a stream, checked once, then read by the cache, the session, the CLI and the
-saved files alike.
-
-    config = StreamConfig(num_sinks=4, window=1020, policy="tova")   # InputError for a bad value, here
-    cache = sinklab.SinkCache(model, config=config)                  # or SinkCache(model, num_sinks=4, ...)
-    StreamConfig.from_json(config.to_json()) == config               # what a saved stream holds
-
-The keyword form of :class:`~sinklab.stream.SinkCache` / :class:`~sinklab.stream.StreamSession` builds one through
-:func:`stream_config`, which also maps transformers' old ``SinkCache`` names and makes an ``auto`` plan from a scan
-(that needs the model).
+saved files alike (``StreamConfig.from_json(config.to_json()) == config``). The keyword form of
+:class:`~sinklab.stream.SinkCache` / :class:`~sinklab.stream.StreamSession` builds one through :func:`stream_config`.
 """
 
 from __future__ import annotations
@@ -144,11 +137,8 @@ def _policy_from_json(data) -> RetentionPolicy:
 
 def _legacy_sizes(num_sinks: int, window: int | None, window_length: int | None,
                   num_sink_tokens: int | None) -> tuple[int, int | None]:
-    """Map transformers' old ``SinkCache(window_length, num_sink_tokens)`` names onto ``(num_sinks, window)``.
-
-    The old ``window_length`` was the whole cache: the sinks plus the recent tokens, the new token included
-    (``len(key_cache) == window_length`` after each update), so ``window = window_length − num_sinks``.
-    """
+    """Map transformers' old ``SinkCache(window_length, num_sink_tokens)`` names onto ``(num_sinks, window)``: the old
+    ``window_length`` counted the sinks too, so ``window = window_length − num_sinks``."""
     if num_sink_tokens is not None:
         num_sinks = num_sink_tokens
     if window_length is not None:

@@ -27,6 +27,31 @@ class StreamLayerBase(CacheLayerMixin):
     # the buffers, allocated by lazy_initialization before any read (None until then, as in CacheLayerMixin)
     keys: Tensor
     values: Tensor
+    row_buffers: tuple[str, ...] = ()  # the per-row tensors (first dimension B), by attribute name
+    saved_buffers: tuple[str, ...] = ()  # what state_dict holds
+
+    def select_rows(self, index: Tensor) -> None:
+        """Row ``i`` becomes old row ``index[i]`` (the stream state is re-indexed by the cache, once)."""
+        if self.is_initialized:
+            index = index.to(self.keys.device)
+            for name in self.row_buffers:
+                setattr(self, name, getattr(self, name).index_select(0, index))
+            self._replaced()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The buffers (empty before the first forward); :meth:`load_state_dict` puts them back."""
+        return {name: getattr(self, name) for name in self.saved_buffers} if self.is_initialized else {}
+
+    def load_state_dict(self, saved: dict[str, Tensor]) -> None:
+        if saved:
+            for name in self.saved_buffers:
+                setattr(self, name, saved[name])
+            self.device, self.dtype = self.keys.device, self.keys.dtype
+            self.is_initialized = True
+            self._replaced()
+
+    def _replaced(self) -> None:
+        """Called after the buffers were replaced (rows selected, a stream loaded)."""
 
     def get_seq_length(self, *args, **kwargs) -> int:
         return self.state.columns
@@ -72,6 +97,7 @@ class SinkWindowLayer(StreamLayerBase):
 
     is_compileable = True
     state: StreamState
+    row_buffers = saved_buffers = ("keys", "values", "anchor_keys")
 
     def __init__(self, state: StreamState, rope: RopeSpec | None, *, rotates_values: bool = False) -> None:
         super().__init__()
@@ -176,13 +202,9 @@ class SinkWindowLayer(StreamLayerBase):
                 self.anchor_keys[r, :, sl] = key_states[r, :, c]
                 self._partner = None
 
-    def select_rows(self, index: Tensor) -> None:
-        """Row ``i`` becomes old row ``index[i]`` (the stream state is re-indexed by the cache, once)."""
-        if self.is_initialized:
-            index = index.to(self.keys.device)
-            self.keys, self.values, self.anchor_keys = (t.index_select(0, index) for t in
-                                                        (self.keys, self.values, self.anchor_keys))
-            self.mark_static()
+    def _replaced(self) -> None:
+        self._partner = None
+        self.mark_static()
 
     def rotate_ring(self, ring: slice, delta: Tensor) -> None:
         """Rotate the ring's keys by ``delta`` ``[B]`` positions (used when the stream re-bases)."""
@@ -195,18 +217,4 @@ class SinkWindowLayer(StreamLayerBase):
     def for_stream(cls, state: StreamState, spec) -> SinkWindowLayer:
         """The layer :func:`sinklab.stream.cache.build_layers` makes for ``spec`` (a ``LayerSpec``)."""
         return cls(state, state.rope, rotates_values=spec.rotation.rotated == "values")
-
-    def state_dict(self) -> dict[str, Tensor]:
-        """The buffers (empty before the first forward); :meth:`load_state_dict` puts them back."""
-        if not self.is_initialized:
-            return {}
-        return {"keys": self.keys, "values": self.values, "anchor_keys": self.anchor_keys}
-
-    def load_state_dict(self, saved: dict[str, Tensor]) -> None:
-        if saved:
-            self.keys, self.values, self.anchor_keys = saved["keys"], saved["values"], saved["anchor_keys"]
-            self.device, self.dtype = self.keys.device, self.keys.dtype
-            self._partner = None
-            self.mark_static()
-            self.is_initialized = True
 

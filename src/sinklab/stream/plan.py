@@ -1,10 +1,7 @@
-"""Per-head KV budgets from sinklab's own scan: the ``auto`` retention policy's plan.
-
-A *local* key-value head (its queries put nearly all their attention on the sinks and their last few keys, by the
-scan's :attr:`~sinklab.scan.ScanResult.local_mass`) keeps ``S + min(local_window, W)`` tokens; the far heads share
-the rest of the uniform total ``layers × heads × (S + W)`` and keep their tokens by SnapKV scores.
-:func:`sinklab.evaluation.calibration.calibrate_plan` fits the budgets on a calibration text instead.
-The plan is JSON (:meth:`RetentionPlan.save` / :func:`load_plan`). The rules in full: docs/retention.md.
+"""Per-head KV budgets from sinklab's own scan: the ``auto`` retention policy's plan (JSON: :meth:`RetentionPlan.save`,
+:func:`load_plan`). A *local* key-value head keeps ``S + min(local_window, W)`` tokens, the far heads share the rest
+of the uniform total and keep their tokens by SnapKV scores; the rules, and calibrated budgets
+(:func:`sinklab.evaluation.calibration.calibrate_plan`): docs/retention.md.
 """
 
 from __future__ import annotations
@@ -72,12 +69,11 @@ class RetentionPlan:
         return sum(sum(b) for b in self.budgets if b is not None)
 
     def summary(self) -> dict:
+        """Head counts and budgets at a glance (what the CLI prints and the JSON carries)."""
         heads = [x for row in self.local if row is not None for x in row]
         # (a layer with budgets has its locality flags: the plans sinklab writes hold both or neither)
-        far = [b for row, flags in zip(self.budgets, self.local) if row is not None for b, f in zip(row, flags)  # type: ignore[arg-type]
-               if not f]
-        near = [b for row, flags in zip(self.budgets, self.local) if row is not None
-                for b, f in zip(row, flags) if f]  # type: ignore[arg-type]
+        pairs = [p for row, flags in zip(self.budgets, self.local) if row is not None for p in zip(row, flags)]  # type: ignore[arg-type]
+        far, near = [b for b, f in pairs if not f], [b for b, f in pairs if f]
         every = [b for row in self.budgets if row is not None for b in row]
         return {"heads": len(heads), "local_heads": sum(heads), "local_budget": near[0] if near else None,
                 "far_budget": far[0] if far else None, "total_tokens": self.total_tokens,

@@ -1,11 +1,9 @@
 """What each attention head of a stream keeps: retention policies behind one contract.
 
-A policy says which of a head's tokens survive once the head holds more than its budget: **recency**
-(StreamingLLM, :class:`Recency`: the sinks, the pinned spans and the ``W`` newest tokens, on the ring buffer of
-:class:`~sinklab.stream.state.StreamState`), or **score-based** (:class:`ScoredPolicy`: the sinks, pinned spans and
-``recent`` newest tokens exactly, the best-scored others up to the budget, from an :class:`Observation` of each
-forward; :class:`~sinklab.stream.scored.ScoredState`). A new policy: one subclass of :class:`ScoredPolicy` and one
-row in :data:`POLICIES` (docs/retention.md).
+:class:`Recency` (StreamingLLM: the sinks, the pinned spans and the ``W`` newest, the ring buffer of
+:class:`~sinklab.stream.state.StreamState`) or a :class:`ScoredPolicy` (the sinks, pinned spans and ``recent`` newest,
+then the best-scored others, from an :class:`Observation` of each forward). A new policy: one subclass of
+:class:`ScoredPolicy` and one row in :data:`POLICIES` (docs/retention.md).
 """
 
 from __future__ import annotations
@@ -24,17 +22,10 @@ __all__ = ["Observation", "RetentionPolicy", "Recency", "ScoredPolicy", "SnapKV"
 
 @dataclass
 class Observation:
-    """What a score-based policy sees after a forward, per layer. ``N`` candidates: the layer's kept tokens, then
-    the forward's new ones, ordered by stream index (``order``).
-
-    * ``weights`` ``[B, Hkv, w, N]`` float32 — the attention of the forward's last ``w`` real queries, averaged over
-      the query heads that share each key-value head (None unless the policy ``needs_weights``); a candidate a query
-      could not see has weight 0;
-    * ``keys`` ``[B, Hkv, N, dh]``, ``values`` ``[B, Hkv, N, dv]`` — the candidates as stored (keys rotated);
-    * ``real`` ``[B, Hkv, N]`` — a real token (False: an empty slot or padding);
-    * ``order`` ``[B, Hkv, N]`` — the candidates' positions sorted by stream index (real ones first): a policy that
-      pools over neighbours pools along it (:func:`along_stream`).
-    """
+    """What a score-based policy sees of ``N`` candidates (a layer's kept tokens, then the forward's new ones):
+    ``weights`` ``[B, Hkv, w, N]`` float32, the last ``w`` queries' attention averaged per key-value head (None unless
+    ``needs_weights``); ``keys``/``values`` as stored; ``real`` ``[B, Hkv, N]`` (False: empty or padding); ``order``, the
+    candidates by stream index, real ones first (what :func:`along_stream` pools along)."""
 
     weights: Tensor | None
     keys: Tensor

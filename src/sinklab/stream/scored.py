@@ -111,6 +111,8 @@ class ScoredLayer(StreamLayerBase):
 
     is_compileable = False
     state: ScoredState
+    row_buffers = ("keys", "values", "sidx", "pos")  # each kept token's stream index and key position
+    saved_buffers = (*row_buffers, "budgets")
 
     def __init__(self, state: ScoredState, rope: RopeSpec | None, budgets: list[int] | None = None,
                  sliding: int | None = None, sliding_sinks: bool = False) -> None:
@@ -222,13 +224,7 @@ class ScoredLayer(StreamLayerBase):
             return []
         return [sorted(i for i in head if i >= 0) for head in self.sidx[row].tolist()]
 
-    def select_rows(self, index: Tensor) -> None:
-        if self.is_initialized:
-            index = index.to(self.keys.device)
-            self.keys, self.values, self.sidx, self.pos = (t.index_select(0, index) for t in
-                                                           (self.keys, self.values, self.sidx, self.pos))
-
-    # ------------------------------------------------------------------ construction, crop and persistence
+    # ------------------------------------------------------------------ construction and crop
     @classmethod
     def for_stream(cls, state: ScoredState, spec) -> ScoredLayer:
         """The layer :func:`sinklab.stream.cache.build_layers` makes for ``spec`` (its budgets from the plan)."""
@@ -245,20 +241,6 @@ class ScoredLayer(StreamLayerBase):
         each head holds every token in stream order and the dropped ones are its last)."""
         if self.is_initialized:
             self.sidx = torch.where(self.sidx >= first[:, None, None], torch.full_like(self.sidx, -1), self.sidx)
-
-    def state_dict(self) -> dict[str, Tensor]:
-        """The kept keys and values, their stream indices, positions and each head's budget (empty before the first
-        forward); :meth:`load_state_dict` puts them back."""
-        if not self.is_initialized:
-            return {}
-        return {"keys": self.keys, "values": self.values, "sidx": self.sidx, "pos": self.pos, "budgets": self.budgets}
-
-    def load_state_dict(self, saved: dict[str, Tensor]) -> None:
-        if saved:
-            self.keys, self.values, self.sidx, self.pos = saved["keys"], saved["values"], saved["sidx"], saved["pos"]
-            self.budgets = saved["budgets"]
-            self.device, self.dtype = self.keys.device, self.keys.dtype
-            self.is_initialized = True
 
 
 def _later_count(flags: Tensor, order: Tensor) -> Tensor:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
+import numbers
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -180,10 +182,8 @@ class StreamSession:
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path, metadata: dict[str, str] | None = None) -> Path:
-        """Write the stream to a safetensors file: its :class:`StreamConfig`, the session's own settings and every
-        state's and layer's ``state_dict`` (tensors in the file, the rest in its metadata); :meth:`load` resumes it.
-        ``metadata``: more string entries for the file's metadata (a chat's conversation).
-        """
+        """Write the stream (config, session settings, every ``state_dict``) to a safetensors file, atomically, with
+        ``metadata`` as more string entries; :meth:`load` resumes it."""
         self._check_open()
         if self.state.batch is None:
             raise InputError("nothing to save yet: feed the stream first")
@@ -231,25 +231,28 @@ class StreamSession:
         return self.state.kept_tokens() if self.state.batch is not None else 0
 
 
-def _read_meta(path: str | Path) -> dict:
-    """The sinklab metadata of a stream file, or an InputError that says what the file is not."""
+def file_metadata(path: str | Path) -> dict[str, str]:
+    """The string metadata of a stream file, or an InputError that says what the file is not."""
     from safetensors import SafetensorError, safe_open
 
     if not Path(path).is_file():
         raise InputError(f"{path}: no such stream file" + (" (it is a folder)" if Path(path).is_dir() else ""))
     try:
         with safe_open(str(path), framework="pt") as f:
-            raw = (f.metadata() or {}).get("sinklab")
+            return f.metadata() or {}
     except SafetensorError as exc:
         raise InputError(f"{path} is not a safetensors file written by StreamSession.save ({exc})") from exc
+
+
+def _read_meta(path: str | Path) -> dict:
+    """The sinklab metadata of a stream file, or an InputError that says what the file is not."""
+    raw = file_metadata(path).get("sinklab")
     if raw is None:
         raise InputError(f"{path} is not a sinklab stream file (no sinklab metadata)")
     meta = json.loads(raw)
-    if meta.get("format") == "sinklab.stream/1":
-        raise InputError(f"{path} is a stream file of format sinklab.stream/1, written by an earlier sinklab "
-                         f"(before the stream configuration); this sinklab reads {_FORMAT}: start the stream again and save it anew")
     if meta.get("format") != _FORMAT:
-        raise InputError(f"{path}: unsupported stream format {meta.get('format')!r} (this sinklab reads {_FORMAT})")
+        raise InputError(f"{path}: unsupported stream format {meta.get('format')} (this sinklab reads {_FORMAT}; "
+                         "for a file of an earlier sinklab, start the stream again and save it anew)")
     return meta
 
 
@@ -310,9 +313,6 @@ class TextPieces:
 def check_sampling(max_new_tokens, temperature, top_k, seed) -> None:
     """InputErrors for generation settings: an integer length ≥ 0, a finite temperature ≥ 0 (0: greedy), an
     integer top-k ≥ 0 (0: off) and an integer seed."""
-    import math
-    import numbers
-
     check_int("max_new_tokens", max_new_tokens, 0)
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) \
             or temperature < 0:
