@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 import sinklab
 from sinklab._compat import cache_kwarg_name
 from sinklab.cli import app
-from sinklab.stream.chat import ChatStream, Meter
+from sinklab.chat import ChatStream, Meter
 
 from stream_reference import Reference
 

@@ -13,7 +13,7 @@ import sinklab
 from sinklab.cli import app
 from sinklab.errors import InputError, ModelWeightsError
 from sinklab.stream import SinkCache, StreamSession, stream_generate
-from sinklab.stream.chat import ChatStream
+from sinklab.chat import ChatStream
 
 V = 97
 
@@ -219,13 +219,13 @@ def test_a_window_too_large_for_memory_is_an_input_error(tiny_lm, monkeypatch):
     (lambda: sinklab.kvquant.layer.DynamicQuantizedSinkLayer(residual=-1), "residual must be an integer ≥ 0, got -1"),
     (lambda: sinklab.kvquant.layer.DynamicQuantizedSinkLayer(value_group=0), "value_group must be an integer ≥ 1"),
     (lambda: StreamSession(build("llama-gqa"), 4, 8, chunk_size=True), "chunk_size must be an integer ≥ 1, got True"),
-    (lambda: sinklab.stream.chat.ChatStream(build("llama-gqa"), None, max_new_tokens=0),
+    (lambda: sinklab.chat.ChatStream(build("llama-gqa"), None, max_new_tokens=0),
      "max_new_tokens must be an integer ≥ 1, got 0"),
 ])
 def test_sizes_are_checked_one_way_and_booleans_are_not_sizes(make, message):
     import sinklab.kvquant.layer  # noqa: F401
     import sinklab.kvquant.plan  # noqa: F401
-    import sinklab.stream.chat  # noqa: F401
+    import sinklab.chat  # noqa: F401
     import sinklab.stream.state  # noqa: F401
     import sinklab.variants  # noqa: F401
 

@@ -144,7 +144,7 @@ def chat(
     Tokens print as they come; after each answer one line shows the cache (kept / evicted / pinned tokens,
     tok/s). Ctrl-C stops the current answer, Ctrl-D (end of input) leaves. With --script, or with input piped
     in, the chat runs without prompts and prints the transcript."""
-    from ..stream.chat import ChatStream
+    from ..chat import ChatStream
     from ..stream.config import StreamConfig
 
     with user_errors():

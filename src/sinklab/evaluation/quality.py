@@ -8,7 +8,7 @@
   tokens, the distinct-4-gram ratio and the model's mean NLL of its own tokens (under the stream's logits).
   A stream that has lost its sinks collapses into noise or loops; one with sinks stays flat.
 * :func:`many_prompts` — a list of prompts answered one after another in one chat stream
-  (:class:`~sinklab.stream.chat.ChatStream`); each answer is scored by its mean NLL under a *fresh* dense
+  (:class:`~sinklab.chat.ChatStream`); each answer is scored by its mean NLL under a *fresh* dense
   context of its own prompt, beside the answer a fresh dense context gives itself.
 
 Every method here is a stream: "dense" is a stream whose window holds every token (nothing is evicted,
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import InputError, check_int, is_int
-from ..stream.chat import ChatStream
+from ..chat import ChatStream
 from ..stream.session import StreamSession, sample_token
 
 __all__ = ["ENDLESS_PROMPT", "FACTS", "PROMPTS", "QUALITY_MEASURES", "RECALL_METHODS", "EndlessRun", "EndlessStream",

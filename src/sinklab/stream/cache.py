@@ -1,10 +1,7 @@
 """``sinklab.SinkCache``: StreamingLLM on any RoPE model through transformers' public Cache API.
 
-    cache = sinklab.SinkCache(model, num_sinks=4, window=1020)            # a transformers Cache
-    model.generate(input_ids, past_key_values=cache, max_new_tokens=20_000)  # or cache=cache
-
-    with sinklab.SinkCache(model, num_sinks=4, window=1020) as cache:      # the same, closed on exit
-        model.generate(input_ids, cache=cache, max_new_tokens=20_000)
+    with sinklab.SinkCache(model, num_sinks=4, window=1020) as cache:      # or without `with`: closed when collected
+        model.generate(input_ids, cache=cache, max_new_tokens=20_000)      # or past_key_values=cache
 
 The cache's layers come from :func:`build_layers`; :mod:`sinklab.stream.activation` switches the model's attention
 while the cache is in use and plans each forward's positions. Sliding-window and hybrid models: docs/stream.md.
@@ -327,23 +324,20 @@ class SinkCache(Cache):
                 f"SinkCache cannot take back the last {n} tokens: the recurrent layers of this hybrid model fold every "
                 "token into their state and keep no history unless they record it (cache.activate_past_recording(), "
                 "which generate() calls for assisted decoding)")
-        if n == 0 or self.state.batch is None:
-            if self.state.batch is not None:
-                for layer in recording:  # transformers' own: trims the recorded conv states back to the kernel size
-                    layer.crop(0)  # type: ignore[union-attr]
+        if self.state.batch is None:
             return
         if n > self.state.columns:
             raise InputError(f"cannot remove {n} columns from a stream of {self.state.columns}")
-        for state in self.states:
-            if state.evicted():
-                raise InputError(
-                    f"SinkCache cannot take back the last {n} tokens: the stream has already evicted tokens from its "
-                    f"{state.window}-token window, and those are gone (a cropped stream would differ from one that "
-                    "never saw the removed tokens). Assisted decoding and prompt lookup need a cache that keeps "
-                    "every token (DynamicCache), or a window larger than the whole generation")
-        for layer in recording:
+        evicted = next((state for state in self.states if n and state.evicted()), None)
+        if evicted is not None:
+            raise InputError(
+                f"SinkCache cannot take back the last {n} tokens: the stream has already evicted tokens from its "
+                f"{evicted.window}-token window, and those are gone (a cropped stream would differ from one that "
+                "never saw the removed tokens). Assisted decoding and prompt lookup need a cache that keeps "
+                "every token (DynamicCache), or a window larger than the whole generation")
+        for layer in recording:  # transformers' own (crop(0) trims the recorded conv states to the kernel size)
             layer.crop(-n)  # type: ignore[union-attr]
-        for state in self.states:
+        for state in self.states if n else ():
             state.drop_last(n)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

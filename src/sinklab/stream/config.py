@@ -139,8 +139,9 @@ def _legacy_sizes(num_sinks: int, window: int | None, window_length: int | None,
                   num_sink_tokens: int | None) -> tuple[int, int | None]:
     """Map transformers' old ``SinkCache(window_length, num_sink_tokens)`` names onto ``(num_sinks, window)``: the old
     ``window_length`` counted the sinks too, so ``window = window_length − num_sinks``."""
-    if num_sink_tokens is not None:
-        num_sinks = num_sink_tokens
+    if window_length is None and num_sink_tokens is None:
+        return num_sinks, window
+    num_sinks = num_sinks if num_sink_tokens is None else num_sink_tokens
     if window_length is not None:
         if window is not None:
             raise InputError("give window (sinklab) or window_length (transformers' old SinkCache), not both")
@@ -149,10 +150,9 @@ def _legacy_sizes(num_sinks: int, window: int | None, window_length: int | None,
         if window_length <= num_sinks:
             raise InputError(f"window_length ({window_length!r}) counts the {num_sinks} sinks too; it must exceed them")
         window = window_length - num_sinks
-    if window_length is not None or num_sink_tokens is not None:
-        warnings.warn(f"window_length/num_sink_tokens are transformers' old names: this is "
-                      f"SinkCache(model, num_sinks={num_sinks}, window={window}) (window_length counted the sinks)",
-                      FutureWarning, stacklevel=4)
+    warnings.warn(f"window_length/num_sink_tokens are transformers' old names: this is "
+                  f"SinkCache(model, num_sinks={num_sinks}, window={window}) (window_length counted the sinks)",
+                  FutureWarning, stacklevel=4)
     return num_sinks, window
 
 

@@ -1,4 +1,5 @@
-"""``ChatStream``: an endless multi-turn chat through one persistent stream (StreamingLLM's chatbot).
+"""``ChatStream``: an endless multi-turn chat through one persistent stream (StreamingLLM's chatbot); an application
+above :mod:`sinklab.stream`, which it uses through ``StreamSession``.
 
 Each user turn is rendered with the model's chat template (:data:`PLAIN_TEMPLATE` without one); only the text the
 stream has not consumed yet is tokenized and fed, and the answer is generated into the same cache, which never grows
@@ -16,10 +17,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import InputError, check_int
-from ..variants import register_count
-from .session import StreamSession, TextPieces, check_chunk_size, check_sampling, file_metadata, sample_token
-from .config import StreamConfig, resolve_config
+from .errors import InputError, check_int
+from .stream.config import StreamConfig, resolve_config
+from .stream.session import StreamSession, TextPieces, check_chunk_size, check_sampling, file_metadata, sample_token
+from .variants import register_count
 
 __all__ = ["PLAIN_TEMPLATE", "ChatStream", "Meter", "Turn"]
 
