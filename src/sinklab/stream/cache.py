@@ -149,10 +149,8 @@ class SinkCache(Cache):
         self.config = config
         self.model = model
         self.layer_rotations, self.layer_windows = _layer_layout(model)
-        #: A hybrid model's layers that are not attention, kept in the model's own cache-layer class: those with a
-        #: recurrent / convolution state (kept whole), and those without state (MLP/MoE blocks).
+        #: A hybrid model's layers with a recurrent / convolution state, kept whole in the model's own cache-layer class.
         self.recurrent_layers = [i for i, r in enumerate(self.layer_rotations) if r.kind == "recurrent"]
-        self.stateless_layers = [i for i, r in enumerate(self.layer_rotations) if r.kind == "stateless"]
         self.layer_states, layers = build_layers(model, config, self.layer_rotations, self.layer_windows)
         self.states = list(dict.fromkeys(s for s in self.layer_states if s is not None))
         # Every group re-bases at the same steps by the same amount, so all layers share one virtual position.
@@ -162,7 +160,6 @@ class SinkCache(Cache):
         full = [s for s in self.states if (s.num_sinks, s.window) == (config.num_sinks, config.window)
                 and s.scored == config.policy.scored]
         self.state = full[0] if full else self.states[0]  # the sinks + window budget (what cache_tokens reports)
-        self.rope = self.state.rope
         self.closed = False
         self._vocab = _compat.embedding_rows(model)
         self.check_every = config.check_every
@@ -180,10 +177,6 @@ class SinkCache(Cache):
     @property
     def plan(self) -> RetentionPlan | None:
         return self.config.plan
-
-    @property
-    def sliding_sinks(self) -> bool:
-        return self.config.sliding_sinks
 
     # ------------------------------------------------------------------ lifetime
     def __enter__(self) -> SinkCache:

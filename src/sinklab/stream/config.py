@@ -10,11 +10,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InputError, check_int, is_int
+from ..errors import InputError, check_int, check_spans, is_int
 from ..kvquant.codec import BITS
 from .plan import RetentionPlan, load_plan, plan_from_scan
 from .policy import POLICIES, Recency, RetentionPolicy, SnapKV, get_policy
-from .state import check_pinned
 
 __all__ = ["KV_GROUP_SIZE", "StreamConfig", "resolve_config", "stream_config"]
 
@@ -61,7 +60,7 @@ class StreamConfig:
                              "kv_bits")
         if self.positions not in ("slot", "original"):
             raise InputError(f"positions is 'slot' (positions by cache slot) or 'original', got {self.positions!r}")
-        self._set("pinned", tuple(check_pinned(self.pinned)))
+        self._set("pinned", tuple(check_spans(self.pinned, "pinned")))
         self._set("sliding_sinks", bool(self.sliding_sinks))
         self._set("policy", self._resolved_policy())
         if self.plan is not None and (self.num_sinks, self.window) != (self.plan.num_sinks, self.plan.window):

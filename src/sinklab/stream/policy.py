@@ -51,9 +51,6 @@ class RetentionPolicy:
     scored: bool = False
     needs_weights: bool = False
 
-    def describe(self) -> str:
-        return self.name
-
 
 @dataclass
 class Recency(RetentionPolicy):

@@ -127,19 +127,10 @@ class StreamSession:
     def kv_group_size(self) -> int:
         return self.config.kv_group_size
 
-    def _forward(self, ids: Tensor, mask: Tensor | None, forward=None) -> Tensor:
-        kwargs = {"input_ids": ids, "use_cache": True, self._cache_kwarg: self.cache}
-        if mask is not None:
-            kwargs["attention_mask"] = mask
-        return (forward or self.model)(**kwargs).logits
-
     @torch.no_grad()
     def feed(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, all_logits: bool = False) -> Tensor:
-        """Feed ``[B, T]`` ids (left padding marked by ``attention_mask``) in chunks of ``chunk_size``.
-
-        Returns the logits at the last position ``[B, V]`` (or at every position ``[B, T, V]``); exactly what
-        feeding the ids one by one would give.
-        """
+        """Feed ``[B, T]`` ids (left padding marked by ``attention_mask``) in chunks of ``chunk_size``; the logits at
+        the last position ``[B, V]`` (or at every position ``[B, T, V]``), exactly as when fed one by one."""
         self._check_open()
         if not _token_ids(input_ids):
             raise InputError(f"input_ids must be an integer tensor [batch, tokens], got {_describe(input_ids)}")
@@ -147,11 +138,12 @@ class StreamSession:
             raise InputError(f"input_ids must be [batch, tokens] with at least one token, got {tuple(input_ids.shape)}")
         device = _compat.input_device(self.model)
         input_ids = input_ids.to(device)
-        outs = []
+        outs, kwargs = [], {"use_cache": True, self._cache_kwarg: self.cache}
         for c0 in range(0, input_ids.shape[1], self.chunk_size):
             c1 = min(input_ids.shape[1], c0 + self.chunk_size)
-            mask = None if attention_mask is None else attention_mask[:, c0:c1].to(device)
-            logits = self._forward(input_ids[:, c0:c1], mask)
+            if attention_mask is not None:
+                kwargs["attention_mask"] = attention_mask[:, c0:c1].to(device)
+            logits = self.model(input_ids=input_ids[:, c0:c1], **kwargs).logits
             outs.append(logits if all_logits else logits[:, -1:])
         self.tokens_seen += input_ids.shape[1]
         out = torch.cat(outs, dim=1)

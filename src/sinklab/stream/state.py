@@ -165,11 +165,6 @@ def buffers_that_fit(capacity: int):
         raise
 
 
-def check_pinned(pinned) -> list[tuple[int, int]]:
-    """Pinned spans: sorted, non-overlapping half-open pairs (:func:`sinklab.errors.check_spans`)."""
-    return check_spans(pinned, "pinned")
-
-
 class StreamBudget:
     """What every stream state shares, whatever its retention policy: the sizes (sinks, pinned spans, window), the
     host-side counters, which stream indices are anchored, and the re-base that keeps virtual positions small.
@@ -195,7 +190,7 @@ class StreamBudget:
         self.window = int(window)
         self.rope = rope  # how the cached (rotated) tensor turns with position; None: no position (NoPE)
         self.attn_rope = rope if attn_rope is None else attn_rope  # how the key the attention receives turns
-        self.pinned = check_pinned(pinned)
+        self.pinned = check_spans(pinned, "pinned")
         # Anchored capacity: sinks plus pinned tokens that are not already sinks.
         self.anchor_capacity = num_sinks + sum(max(0, e - max(s, num_sinks)) for s, e in self.pinned)
         self.capacity = self.anchor_capacity + window
