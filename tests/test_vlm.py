@@ -51,7 +51,7 @@ def test_modality_statistics_match_a_float64_loop(models, model_type):
     result = scan_images(model, [vc.test_image()], text_ids=vc.TEXT_IDS, map_len=4096, thresholds={"eps": eps})
     layers = result.num_layers
     assert layers == tiny.LAYERS  # the text decoder's layers, not the vision tower's
-    weights = vc._language_attentions(model, inputs.batches[0], layers)
+    weights = vc.language_attentions(model, inputs.batches[0], layers)
     assert len(weights) == layers
     worst_map, worst_stat = vc.compare(result, weights, inputs.modality[0][0])
     assert worst_map <= 1e-5 and worst_stat <= 1e-6, (worst_map, worst_stat)

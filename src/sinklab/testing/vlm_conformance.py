@@ -60,12 +60,12 @@ def _model_class(model_type: str) -> Any:
     return cls
 
 
-def _token_ids(d: dict, out: dict, taken: list[int]) -> None:
+def _token_ids(d: dict, out: dict, taken: list[tuple[int, int]]) -> None:
     """Multimodal token ids of ``d`` (a config dict) moved into the tiny vocabulary's top rows, one row each."""
     for key in sorted(d):
         value = d[key]
-        if (not key.startswith("_") and key.endswith(("_token_id", "_token_index")) and key not in tiny._TOKEN_KEEP
-                and tiny._int(value)):
+        if (not key.startswith("_") and key.endswith(("_token_id", "_token_index")) and key not in tiny.TOKEN_KEEP
+                and tiny.is_int(value)):
             if value not in {v for v, _ in taken}:
                 taken.append((value, tiny.VOCAB - 1 - len(taken)))
             out[key] = dict(taken)[value]
@@ -74,11 +74,11 @@ def _token_ids(d: dict, out: dict, taken: list[int]) -> None:
 def _vision_sizes(d: dict) -> dict:
     """Vision-tower fields the generic shrink leaves: depth, window and full-attention blocks of windowed towers."""
     out: dict = {}
-    if tiny._int(d.get("depth")):
+    if tiny.is_int(d.get("depth")):
         out["depth"] = tiny.LAYERS
-    if tiny._int(d.get("window_size")) and tiny._int(d.get("spatial_merge_size")):
+    if tiny.is_int(d.get("window_size")) and tiny.is_int(d.get("spatial_merge_size")):
         out["window_size"] = tiny.PATCH * d["spatial_merge_size"] * 2
-    if tiny._int(d.get("out_hidden_size")):
+    if tiny.is_int(d.get("out_hidden_size")):
         out["out_hidden_size"] = tiny.WIDTH  # the projector's output: the text model's width
     if isinstance(d.get("fullatt_block_indexes"), list):
         out["fullatt_block_indexes"] = [tiny.LAYERS - 1]
@@ -109,9 +109,9 @@ def _rope_sections(d: dict, multimodal: bool = False) -> dict:
 
 def _shrunk(d: dict, lists: bool, subs: str) -> dict:
     overrides = tiny.shrink(d, tiny.LAYERS, tiny.OWN_WINDOW, lists=lists, subs=subs)
-    taken: list = []
+    taken: list[tuple[int, int]] = []
     _token_ids(d, overrides, taken)
-    multimodal = tiny._int((d.get("vision_config") or {}).get("temporal_patch_size"))
+    multimodal = tiny.is_int((d.get("vision_config") or {}).get("temporal_patch_size"))
     for key, value in d.items():
         if isinstance(value, dict) and key.endswith("_config"):
             sub = overrides.get(key, {} if subs == "overrides" else dict(value))
@@ -153,7 +153,7 @@ def build(model_type: str) -> tiny.Built:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 config = type(cfg0)(**overrides)
-            size = tiny._parameter_count(cls, config)
+            size = tiny.parameter_count(cls, config)
         except Exception as exc:  # noqa: BLE001
             errors.append(f"config: {tiny.short_error(exc)}")
             continue
@@ -162,7 +162,7 @@ def build(model_type: str) -> tiny.Built:
             continue
         for attn in ("sdpa", "eager"):
             try:
-                model = tiny._instantiate(cls, copy.deepcopy(config), attn)
+                model = tiny.instantiate(cls, copy.deepcopy(config), attn)
                 if not _compat.vision_language(model):
                     raise tiny.NotBuilt("no vision_config and text decoder (get_decoder) sinklab recognises")
                 inputs = vision_inputs.config_inputs(model, test_image(), TEXT_IDS)
@@ -181,12 +181,13 @@ def _eager_twin(model: nn.Module) -> nn.Module:
     """A copy of ``model`` with eager attention everywhere (``output_attentions`` needs it)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        twin = type(model)._from_config(copy.deepcopy(model.config), attn_implementation="eager", dtype=torch.float32)
+        cls: Any = type(model)
+        twin = cls._from_config(copy.deepcopy(model.config), attn_implementation="eager", dtype=torch.float32)
     twin.load_state_dict(model.state_dict())
     return twin.eval()
 
 
-def _language_attentions(model: nn.Module, batch: dict[str, Tensor], layers: int) -> list[Tensor]:
+def language_attentions(model: nn.Module, batch: dict[str, Tensor], layers: int) -> list[Tensor]:
     """The language model's ``[B, H, T, T]`` eager attention weights of ``batch``, one per decoder layer (the model's
     output may hold the vision tower's weights too: the last ``layers`` of matching length are the decoder's)."""
     twin = _eager_twin(model)
@@ -264,7 +265,7 @@ def cell_scan(built: tiny.Built) -> Cell:
     layers = result.num_layers
     if result.attention_layers != list(range(layers)):
         raise NotApplicable("a hybrid decoder: layers without attention have no eager weights to compare")
-    weights = reference("eager output_attentions", lambda: _language_attentions(model, batch.batches[0], layers))
+    weights = reference("eager output_attentions", lambda: language_attentions(model, batch.batches[0], layers))
     if len(weights) != layers:
         raise NotApplicable(f"the eager model returns {len(weights)} decoder attention maps for {layers} layers")
     worst_map, worst_stat = compare(result, weights, batch.modality[0][0])
