@@ -81,6 +81,20 @@ def test_top_sinks_name_the_patch_row_and_column(models):
     assert vision_inputs.patch_label(spans, first - 1) is None
 
 
+def test_image_sink_figure_places_the_patch_grid(models):
+    from sinklab.report.vlm_figures import image_sinks, patch_mass
+
+    model = built(models, "llava").model
+    result = scan_images(model, [vc.test_image()], text_ids=vc.TEXT_IDS)
+    mass, counts = patch_mass(result)
+    positions = vision_inputs.image_spans(result.modality[0], [(4, 4)])[0].positions
+    expected = result.column_mass[0][..., list(positions)].double().nanmean(dim=(0, 1)).reshape(4, 4)
+    assert torch.allclose(torch.from_numpy(mass), expected)
+    dominant = result.dominant_columns()[0].flatten().tolist()
+    assert counts.sum() == sum(p in positions for p in dominant)
+    assert image_sinks(result) is not None
+
+
 def test_the_vision_tower_keeps_its_own_attention(models):
     model = built(models, "gemma3").model
     tower = model.model.vision_tower
@@ -162,6 +176,8 @@ def test_cli_scan_with_an_image(llava_folder, tmp_path):
     assert data["modality"]["positions"]["image"] == 16
     assert data["tokens"][0].count("<image>") == 16
     assert "by modality" in result.output and (out / "report.html").exists()
+    assert (out / "image_sinks.png").exists()  # the image with its sink patches (Llava: a 4 × 4 grid)
+    assert "By modality" in (out / "report.html").read_text()
 
 
 def test_cli_image_errors(llava_folder, tmp_path):

@@ -85,6 +85,7 @@ class ScanResult:
     local_mass: Tensor | None = None  # (S, L, H, T) each query's attention on its last meta["local_window"] keys
     modality: Tensor | None = None  # (S, T) int8 vision_inputs.MODALITIES code per position (−1 padding); None: text
     group_mass: Tensor | None = None  # (S, L, H, T) each key's attention summed over the text queries (with modality)
+    images: list | None = None  # a vision-language scan's PIL images (for its figure; not in the JSON)
 
     # ------------------------------------------------------------------ shape helpers
     @property
@@ -556,8 +557,10 @@ def scan_images(
                       images=len(images), image_token_id=vision_inputs.image_token_id(model.config),
                       image_grids=[[list(g) if g else None for g in grids] for grids in inputs.grids],
                       vision_tower="not scanned: runs on its own attention implementation")
-    return scan_inputs(model, inputs.batches, inputs.tokens, candidates=candidates, map_len=map_len,
-                       thresholds=thresholds, progress=progress, meta=meta, modality=inputs.modality)
+    result = scan_inputs(model, inputs.batches, inputs.tokens, candidates=candidates, map_len=map_len,
+                         thresholds=thresholds, progress=progress, meta=meta, modality=inputs.modality)
+    result.images = list(images)
+    return result
 
 
 def text_batches(model: nn.Module, tokenizer, texts: str | list[str] | None, *, seq_len: int, samples: int,

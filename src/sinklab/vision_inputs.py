@@ -97,7 +97,7 @@ class ImageSpan:
 
 def image_spans(codes: Tensor, grids: Sequence[tuple[int, int] | None] = ()) -> list[ImageSpan]:
     """The runs of image positions in one sample's codes ``[T]``, the ``i``-th run with ``grids[i]`` (rows, cols)
-    when it has that many tokens; a run without a grid but a square number of tokens gets the square grid."""
+    when it has that many tokens (no grid otherwise: rows and columns unknown)."""
     positions = (codes == IMAGE).nonzero().flatten().tolist()
     runs: list[list[int]] = []
     for p in positions:
@@ -110,9 +110,8 @@ def image_spans(codes: Tensor, grids: Sequence[tuple[int, int] | None] = ()) -> 
     spans = []
     for i, run in enumerate(runs):
         grid = grids[i] if i < len(grids) else None
-        if grid is None or grid[0] * grid[1] != len(run):
-            side = math.isqrt(len(run))
-            grid = (side, side) if side * side == len(run) else None
+        if grid is not None and grid[0] * grid[1] != len(run):
+            grid = None
         spans.append(ImageSpan(tuple(run), *(grid or (None, None))))
     return spans
 
@@ -139,11 +138,22 @@ class VisionInputs:
 
 
 def check_vision_model(model: nn.Module, what: str = "--image") -> None:
-    """Refuse a model without a vision tower (a text-only causal LM given images)."""
-    if not _compat.vision_language(model) or image_token_id(model.config) is None:
-        raise InputError(f"{type(model).__name__} has no vision tower (no vision_config and image token in its "
-                         f"config), so it cannot take {what}; give a vision-language model (Llava, Qwen2-VL, "
-                         "Gemma 3, Idefics3/SmolVLM, PaliGemma …) or drop it.")
+    """Refuse a model without a vision tower (a text-only causal LM given images), and a vision-language model whose
+    image positions sinklab cannot find (no image token: the vision features enter some other way)."""
+    if getattr(getattr(model, "config", None), "vision_config", None) is None:
+        raise InputError(f"{type(model).__name__} has no vision tower (no vision_config in its config), so it cannot "
+                         f"take {what}; give a vision-language model (Llava, Qwen2-VL, Gemma 3, Idefics3/SmolVLM, "
+                         "PaliGemma …) or drop it.")
+    if not _compat.vision_language(model):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: sinklab finds no text decoder of its own (get_decoder) beside the vision tower "
+            "(an encoder-decoder or a decoder that is the whole model); scanning it needs the decoder's blocks told "
+            "apart from the vision tower's.")
+    if image_token_id(model.config) is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: its config names no image token (image_token_id / image_token_index): the vision "
+            "features enter the decoder some other way (query tokens, cross-attention, a prefix), so sinklab cannot "
+            "tell image positions from text. Lifting it needs that model's rule for where its image positions are.")
 
 
 def load_images(paths: Sequence[str | Path]) -> list:
@@ -176,7 +186,8 @@ def _pixels(image: Any, size: int) -> Tensor:
 def _layouts(model: nn.Module, image: Any) -> list[tuple[str, dict[str, Tensor], tuple[int, int] | None]]:
     """Pixel-input layouts vision towers take, most common first: (name, inputs of one image, token grid)."""
     vc = _vision_config(model)
-    patch = int(getattr(vc, "patch_size", 14) or 14)
+    patch = getattr(vc, "patch_size", 14) or 14
+    patch = int(patch[0] if isinstance(patch, (list, tuple)) else patch)
     temporal = getattr(vc, "temporal_patch_size", None)
     merge = int(getattr(vc, "spatial_merge_size", 1) or 1)
     size = getattr(vc, "image_size", None)
@@ -194,9 +205,17 @@ def _layouts(model: nn.Module, image: Any) -> list[tuple[str, dict[str, Tensor],
                     (grid // merge, grid // merge)))
     out.append(("square", {"pixel_values": square[None]}, None))
     out.append(("square with sizes", {"pixel_values": square[None], "image_sizes": torch.tensor([[size, size]])}, None))
+    # any-resolution tiling (LLaVA-NeXT, OneVision): the whole image and one tile of it
+    out.append(("tiles with sizes", {"pixel_values": square[None, None].expand(1, 2, -1, -1, -1).contiguous(),
+                                     "image_sizes": torch.tensor([[size, size]])}, None))
     out.append(("image list", {"pixel_values": square[None, None],
                                "pixel_attention_mask": torch.ones(1, 1, size, size, dtype=torch.bool)}, None))
     return out
+
+
+def _square(count: int) -> tuple[int, int] | None:
+    side = math.isqrt(count)
+    return (side, side) if side * side == count else None
 
 
 def _feature_count(output: Any) -> int:
@@ -230,10 +249,9 @@ def _image_pixels(model: nn.Module, image: Any) -> tuple[dict[str, Tensor], int,
         except Exception as exc:  # noqa: BLE001 - a layout this tower does not take
             errors.append(f"{name}: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}")
             continue
-        if grid is None or grid[0] * grid[1] != count:
-            side = math.isqrt(count)
-            grid = (side, side) if side * side == count else None
-        return inputs, count, grid
+        if grid is None and name in ("square", "image list"):  # one picture's features: a square grid if any
+            grid = _square(count)
+        return inputs, count, grid if grid is not None and grid[0] * grid[1] == count else None
     raise UnsupportedModelError(f"{type(model).__name__}: no pixel layout sinklab builds from a config fits its vision "
                                 f"tower ({'; '.join(errors)}); give its processor instead")
 
@@ -298,9 +316,12 @@ def processor_inputs(model: nn.Module, processor: Any, images: Sequence[Any], te
     ids = batch["input_ids"]
     batch.setdefault("attention_mask", torch.ones_like(ids))
     labels = [str(t) for t in tokenizer.convert_ids_to_tokens(ids[0].tolist())]
+    codes = modality_codes(ids, model.config)
     grids: list[tuple[int, int] | None] = []
     thw = batch.get("image_grid_thw")
     if thw is not None:
         merge = int(getattr(_vision_config(model), "spatial_merge_size", 1) or 1)
         grids = [(int(h) // merge, int(w) // merge) for _, h, w in thw.tolist()]
-    return VisionInputs([batch], [labels], [modality_codes(ids, model.config)], [grids])
+    elif getattr(model.config, "image_grid_pinpoints", None) is None:  # no tiling: each run of tokens is one picture
+        grids = [_square(len(span.positions)) for span in image_spans(codes[0])]
+    return VisionInputs([batch], [labels], [codes], [grids])

@@ -60,7 +60,7 @@ _EXPERT_KEYS = {"num_experts", "num_local_experts", "n_routed_experts", "moe_num
 _TOP_K_KEYS = {"num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k"}
 _WINDOW_KEYS = {"sliding_window", "sliding_window_size", "attention_window_size", "local_attention_window_len",
                 "window_size", "attention_chunk_size"}
-_FIXED = {  # other fields by name: small, consistent values
+FIXED = {  # other fields by name: small, consistent values
     "vocab_size": VOCAB, "decoder_vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB,
     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     "qk_head_dim": 16, "o_lora_rank": 16, "rotary_dim": 8, "pretraining_tp": 1,
@@ -169,7 +169,7 @@ def _size_override(key: str, value: int, d: dict, layers: int, window: int) -> i
         expand = d.get("mamba_expand", d.get("expand", 2))
         return WIDTH * int(expand) // HEADS  # SSM heads × head width = expand × width
     if key == "head_dim" and is_int(d.get("qk_rope_head_dim")) and value == d["qk_rope_head_dim"]:
-        return _FIXED["qk_rope_head_dim"]  # MLA: head_dim is the rotary part
+        return FIXED["qk_rope_head_dim"]  # MLA: head_dim is the rotary part
     if key in _HEAD_DIM_KEYS:
         return HEAD_DIM
     if key in _POSITION_KEYS:
@@ -180,8 +180,8 @@ def _size_override(key: str, value: int, d: dict, layers: int, window: int) -> i
         return min(TOP_K, value)
     if key in _WINDOW_KEYS:
         return window
-    if key in _FIXED:
-        return _FIXED[key]
+    if key in FIXED:
+        return FIXED[key]
     if key.endswith("vocab_size"):  # shape_vocab_size, unpadded_vocab_size … (type_vocab_size stays small)
         return min(value, VOCAB)
     if "intermediate" in key or "ffn" in key or key.endswith(("_ff", "d_inner", "dff")):

@@ -35,10 +35,13 @@ TEXT_IDS = list(range(10, 42))  # the text after the image: inside the tiny voca
 IMAGE_PIXELS = (40, 48)  # the drawn image's height and width (resized to each vision config)
 
 #: Per-type config fields on top of the generic shrink, each with why: sizes the generic rules cannot derive.
+_ONE_TILE = {"image_grid_pinpoints": [[tiny.IMAGE_SIZE, tiny.IMAGE_SIZE]]}  # any-resolution tiling: one tile
 OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma3": {"mm_tokens_per_image": 4},  # pooled tokens per image: a square that divides the tiny patch grid
     "gemma3n": {"vision_soft_tokens_per_image": 4},
     "shieldgemma2": {"mm_tokens_per_image": 4},
+    "llava_next": _ONE_TILE, "llava_next_video": _ONE_TILE, "llava_onevision": _ONE_TILE,
+    "vipllava": {"vision_feature_layers": [-2, -1]},  # the vision layers it concatenates: of the tiny tower's two
 }
 
 
@@ -74,6 +77,9 @@ def _token_ids(d: dict, out: dict, taken: list[tuple[int, int]]) -> None:
 def _vision_sizes(d: dict) -> dict:
     """Vision-tower fields the generic shrink leaves: depth, window and full-attention blocks of windowed towers."""
     out: dict = {}
+    for key, tiny_value in (("image_size", tiny.IMAGE_SIZE), ("patch_size", tiny.PATCH)):
+        if isinstance(d.get(key), list) and len(d[key]) == 2:  # (height, width)
+            out[key] = [tiny_value, tiny_value]
     if tiny.is_int(d.get("depth")):
         out["depth"] = tiny.LAYERS
     if tiny.is_int(d.get("window_size")) and tiny.is_int(d.get("spatial_merge_size")):
@@ -100,7 +106,9 @@ def _rope_sections(d: dict, multimodal: bool = False) -> dict:
     sections = rope.get("mrope_section") or (MROPE_DEFAULT if multimodal else None)
     if not isinstance(sections, list):
         return {}
-    half, total = tiny.HEAD_DIM // 2, sum(sections)
+    rotated = tiny.FIXED["qk_rope_head_dim"] if tiny.is_int(d.get("qk_rope_head_dim")) else tiny.HEAD_DIM
+    rotated = int(rotated * float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0))
+    half, total = rotated // 2, sum(sections)
     scaled = [max(1, s * half // total) for s in sections]
     scaled[0] += half - sum(scaled)
     key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
@@ -147,6 +155,7 @@ def build(model_type: str) -> tiny.Built:
         raise tiny.NotBuilt(f"its default config fails: {tiny.short_error(exc)}") from None
     d = cfg0.to_dict()
     errors: list[str] = []
+    fallback: tiny.Built | None = None  # the first model that instantiates, should none run on sinklab's inputs
     for attempt, lists, subs in tiny.ATTEMPTS:
         overrides = {**_shrunk(d, lists, subs), **OVERRIDES.get(model_type, {})}
         try:
@@ -163,16 +172,21 @@ def build(model_type: str) -> tiny.Built:
         for attn in ("sdpa", "eager"):
             try:
                 model = tiny.instantiate(cls, copy.deepcopy(config), attn)
-                if not _compat.vision_language(model):
-                    raise tiny.NotBuilt("no vision_config and text decoder (get_decoder) sinklab recognises")
+            except Exception as exc:  # noqa: BLE001
+                errors.append(f"{attn} model: {tiny.short_error(exc)}")
+                continue
+            built = tiny.Built(model_type, model_type, "vision-language", model, attn, attempt, overrides)
+            fallback = fallback or built
+            try:  # the first variant that also runs on the inputs sinklab builds from the config wins
                 inputs = vision_inputs.config_inputs(model, test_image(), TEXT_IDS)
                 with torch.no_grad(), warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     _compat.base_model(model)(**inputs.batches[0])
-            except Exception as exc:  # noqa: BLE001
-                errors.append(f"{attn} model: {tiny.short_error(exc)}")
+            except Exception:  # noqa: BLE001 - the cell says why (refused, or the model's own forward fails)
                 continue
-            return tiny.Built(model_type, model_type, "vision-language", model, attn, attempt, overrides)
+            return built
+    if fallback is not None:
+        return fallback
     telling = [e for e in errors if "does not support an attention implementation" not in e]
     raise tiny.NotBuilt((telling or errors or ["no attempt built it"])[0])
 
@@ -260,8 +274,12 @@ def cell_scan(built: tiny.Built) -> Cell:
     """Scan the test image and :data:`TEXT_IDS`; compare every decoder layer's map (the whole sequence) and the
     modality statistics with the eager twin's weights (max abs difference ≤ :data:`TOLERANCE`)."""
     model = built.model
+    vision_inputs.check_vision_model(model, "an image")
+    batch = vision_inputs.config_inputs(model, test_image(), TEXT_IDS)  # refused: what sinklab cannot build
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference("the model's own forward on these inputs", lambda: _compat.base_model(model)(**batch.batches[0]))
     result = scan_images(model, [test_image()], text_ids=TEXT_IDS, map_len=4096)
-    batch = vision_inputs.config_inputs(model, test_image(), TEXT_IDS)
     layers = result.num_layers
     if result.attention_layers != list(range(layers)):
         raise NotApplicable("a hybrid decoder: layers without attention have no eager weights to compare")
