@@ -103,7 +103,7 @@ def render_html(result: ScanResult, images: dict[str, bytes]) -> str:
         alpha = 0.0 if mass0[i] != mass0[i] else min(1.0, float(mass0[i]) * 2)
         toks.append(f"<span class='tok' style='background:rgba(220,60,60,{alpha:.2f})' "
                     f"title='position {i}, mean column mass {float(mass0[i]):.3f}'>{esc(tok)}</span>")
-    figs = images_html(images, SCAN_CAPTIONS)
+    figs = images_html(images, {**SCAN_CAPTIONS, **IMAGE_CAPTIONS})
     legend = "".join(f"<dt><b>{esc(r.title)}</b></dt><dd>{esc(r.description)}</dd>" for r in REGISTRY)
     provenance = esc(json.dumps(meta, indent=2, default=str))
     body = f"""<h1>sinklab scan: {esc(str(meta.get('model')))}</h1>
@@ -157,6 +157,9 @@ SCAN_CAPTIONS = {
                     "position usually stands far above 1 (high-norm / massive activations).",
     "sink_rate": "Sink^ε(k): share of layer×head pairs whose column mass at position k exceeds ε (Gu et al.), for "
                  "the first positions. Depends on T: compare scans at the same sequence length.",
+}
+#: The figure a vision-language scan adds.
+IMAGE_CAPTIONS = {
     "image_sinks": "The image with its patches shaded by the mean attention they receive (over layers and heads); "
                    "outlined patches are some head's dominant column, with the number of such heads. The token grid "
                    "is stretched over the image as given: a processor's crop or resize is not undone.",

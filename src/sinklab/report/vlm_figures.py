@@ -68,7 +68,7 @@ def image_sinks(result: ScanResult, sample: int = 0) -> Figure | None:
                 ax.add_patch(Rectangle((c * cw, r * ch), cw, ch, fill=False, edgecolor="#35e0ff", linewidth=2))
                 ax.text((c + 0.5) * cw, (r + 0.5) * ch, str(int(counts[r, c])), color="white", ha="center",
                         va="center", fontsize=8)
-    ax.set_title(f"image patches ({rows}×{cols}): mean attention received; outlined: a head's dominant column")
+    ax.set_title(f"{rows}×{cols} patches: attention received\n(outlined: dominant column of n heads)", fontsize=10)
     ax.set_xticks([])
     ax.set_yticks([])
     fig.colorbar(overlay, ax=ax, fraction=0.046, label="mean column mass")
