@@ -196,13 +196,18 @@ def _layouts(model: nn.Module, image: Any) -> list[tuple[str, dict[str, Tensor],
     size = int(size) if isinstance(size, int) and size > 0 else patch * 4 * merge
     square = _pixels(image, size)
     out: list[tuple[str, dict[str, Tensor], tuple[int, int] | None]] = []
-    if temporal:  # Qwen2-VL family: flattened patches (time × channels × patch × patch each) and their grid
+    if temporal or merge > 1:  # Qwen2-VL family: flattened patches (time × channels × patch × patch) and their grid
+        temporal = temporal or 1
         grid = size // patch
         frames = square[None].expand(int(temporal), -1, -1, -1)  # (t, 3, S, S)
         patches = frames.reshape(int(temporal), 3, grid // merge, merge, patch, grid // merge, merge, patch)
         patches = patches.permute(2, 5, 3, 6, 1, 0, 4, 7).reshape(grid * grid, -1)
-        out.append(("patches", {"pixel_values": patches, "image_grid_thw": torch.tensor([[1, grid, grid]])},
-                    (grid // merge, grid // merge)))
+        thw, cells = torch.tensor([[1, grid, grid]]), (grid // merge, grid // merge)
+        out.append(("patches", {"pixel_values": patches, "image_grid_thw": thw}, cells))
+        if temporal == 1:  # the same patches as small images, unbatched and batched (PaddleOCR-VL, Kimi-VL style)
+            tiles = patches.reshape(grid * grid, 3, patch, patch)
+            out.append(("patch images", {"pixel_values": tiles, "image_grid_thw": thw}, cells))
+            out.append(("batched patch images", {"pixel_values": tiles[None], "image_grid_thw": thw}, cells))
     out.append(("square", {"pixel_values": square[None]}, None))
     out.append(("square with sizes", {"pixel_values": square[None], "image_sizes": torch.tensor([[size, size]])}, None))
     # any-resolution tiling (LLaVA-NeXT, OneVision): the whole image and one tile of it

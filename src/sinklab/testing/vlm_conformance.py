@@ -119,7 +119,8 @@ def _shrunk(d: dict, lists: bool, subs: str) -> dict:
     overrides = tiny.shrink(d, tiny.LAYERS, tiny.OWN_WINDOW, lists=lists, subs=subs)
     taken: list[tuple[int, int]] = []
     _token_ids(d, overrides, taken)
-    multimodal = tiny.is_int((d.get("vision_config") or {}).get("temporal_patch_size"))
+    vision = d.get("vision_config") or {}
+    multimodal = tiny.is_int(vision.get("temporal_patch_size")) or tiny.is_int(vision.get("spatial_merge_size"))
     for key, value in d.items():
         if isinstance(value, dict) and key.endswith("_config"):
             sub = overrides.get(key, {} if subs == "overrides" else dict(value))
@@ -154,6 +155,12 @@ def build(model_type: str) -> tiny.Built:
     except Exception as exc:  # noqa: BLE001 - the type's own defaults are unusable
         raise tiny.NotBuilt(f"its default config fails: {tiny.short_error(exc)}") from None
     d = cfg0.to_dict()
+    vision_class = (getattr(cfg0, "sub_configs", None) or {}).get("vision_config")
+    if d.get("vision_config") is None and isinstance(vision_class, type):  # a default without its vision tower
+        try:
+            d["vision_config"] = vision_class().to_dict()
+        except Exception:  # noqa: BLE001 - no default vision config: the model is built without one
+            pass
     errors: list[str] = []
     fallback: tiny.Built | None = None  # the first model that instantiates, should none run on sinklab's inputs
     for attempt, lists, subs in tiny.ATTEMPTS:
@@ -250,15 +257,18 @@ def modality_reference(weights: list[Tensor], codes: Tensor, eps: float) -> dict
     return out
 
 
-def compare(result: ScanResult, weights: list[Tensor], codes: Tensor) -> tuple[float, float]:
-    """(worst attention-map difference, worst modality-statistic difference) of sample 0 against ``weights``."""
+def compare(result: ScanResult, weights: list[Tensor], codes: Tensor,
+            layers: list[int] | None = None) -> tuple[float, float]:
+    """(worst attention-map difference, worst modality-statistic difference) of sample 0 against ``weights``, the
+    eager weights of decoder ``layers`` (default: every layer; a hybrid's attention layers)."""
     assert result.attention_maps is not None
+    layers = list(range(len(weights))) if layers is None else layers
     maps = result.attention_maps.double()
     m = maps.shape[-1]
-    worst_map = max(float((maps[i] - w[0, :, :m, :m].double()).abs().max()) for i, w in enumerate(weights))
+    worst_map = max(float((maps[i] - w[0, :, :m, :m].double()).abs().max()) for i, w in zip(layers, weights))
     ref = modality_reference(weights, codes, result.meta["thresholds"]["eps"])
-    ours = {"text": result.modality_sink_strength("text")[0], "image": result.modality_sink_strength("image")[0],
-            "share": result.visual_sink_share()[0]}
+    ours = {"text": result.modality_sink_strength("text")[0][layers],
+            "image": result.modality_sink_strength("image")[0][layers], "share": result.visual_sink_share()[0][layers]}
     worst_stat = 0.0
     for name, value in ours.items():
         a, b = value.double(), ref[name]
@@ -280,15 +290,16 @@ def cell_scan(built: tiny.Built) -> Cell:
         warnings.simplefilter("ignore")
         reference("the model's own forward on these inputs", lambda: _compat.base_model(model)(**batch.batches[0]))
     result = scan_images(model, [test_image()], text_ids=TEXT_IDS, map_len=4096)
-    layers = result.num_layers
-    if result.attention_layers != list(range(layers)):
-        raise NotApplicable("a hybrid decoder: layers without attention have no eager weights to compare")
-    weights = reference("eager output_attentions", lambda: language_attentions(model, batch.batches[0], layers))
-    if len(weights) != layers:
-        raise NotApplicable(f"the eager model returns {len(weights)} decoder attention maps for {layers} layers")
-    worst_map, worst_stat = compare(result, weights, batch.modality[0][0])
+    attn = result.attention_layers  # a hybrid's layers without attention have no weights (marked as such)
+    weights = reference("eager output_attentions", lambda: language_attentions(model, batch.batches[0], len(attn)))
+    if len(weights) != len(attn):
+        raise NotApplicable(f"the eager model returns {len(weights)} decoder attention maps for {len(attn)} "
+                            "attention layers")
+    worst_map, worst_stat = compare(result, weights, batch.modality[0][0], attn)
     counts = result.modality_summary()["positions"]
-    msg = (f"{layers} decoder layers, {counts['image']} image + {counts['image-special']} framing + {counts['text']} "
+    others = result.num_layers - len(attn)
+    msg = (f"{len(attn)} decoder attention layers{f' (+{others} recurrent, marked as such)' if others else ''}, "
+           f"{counts['image']} image + {counts['image-special']} framing + {counts['text']} "
            f"text tokens: maps vs eager output_attentions max abs diff {worst_map:.1e}, modality statistics vs "
            f"float64 loop {worst_stat:.1e}")
     return Cell("ok" if max(worst_map, worst_stat) <= TOLERANCE else "wrong", msg)
