@@ -191,3 +191,15 @@ def test_cli_image_errors(llava_folder, tmp_path):
     text = " ".join(result.output.split())
     assert result.exit_code == 2 and "has no vision tower" in text, text
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_committed_sweep_table_matches_its_json():
+    root = Path(__file__).resolve().parents[1]
+    data = json.loads((root / "benchmarks" / "results" / "vlm_architectures.json").read_text())
+    page = (root / "docs" / "vlm_architectures.md").read_text()
+    c = data["counts"]
+    assert c["types"] == len(data["rows"]) == len(vc.all_types())
+    assert (f"**{c['types']} types: {c['built']} built, {c['ok']} ok, {c['wrong']} wrong, {c['crash']} crash, "
+            f"{c['refused']} refused, {c['n/a']} n/a, {c['not built']} not built.**") in page
+    for row in data["rows"]:
+        assert f"| `{row['type']}` | {row['status']} |" in page
