@@ -149,6 +149,11 @@ def check_vision_model(model: nn.Module, what: str = "--image") -> None:
             f"{type(model).__name__}: sinklab finds no text decoder of its own (get_decoder) beside the vision tower "
             "(an encoder-decoder or a decoder that is the whole model); scanning it needs the decoder's blocks told "
             "apart from the vision tower's.")
+    if _compat.config_get(model.config, "cross_attention_layers"):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: its decoder reads the image through cross-attention layers (the image's tokens "
+            "are not in the sequence), and the scan keeps one self-attention map per layer over the sequence. "
+            "Lifting it needs the cross-attention layers' maps kept apart, over the image's tokens.")
     if image_token_id(model.config) is None:
         raise UnsupportedModelError(
             f"{type(model).__name__}: its config names no image token (image_token_id / image_token_index): the vision "
@@ -243,8 +248,9 @@ def _image_pixels(model: nn.Module, image: Any) -> tuple[dict[str, Tensor], int,
     stack = _compat.base_model(model)
     get = getattr(stack, "get_image_features", None) or getattr(model, "get_image_features", None)
     if get is None:
-        raise UnsupportedModelError(f"{type(model).__name__} has no get_image_features; give its processor instead "
-                                    "(sinklab scan MODEL --image loads the model's own processor)")
+        raise UnsupportedModelError(f"{type(model).__name__} has no get_image_features, so sinklab cannot count the "
+                                    "tokens an image fills from the config; give its processor instead (sinklab scan "
+                                    "MODEL --image loads the model's own processor)")
     errors = []
     device = _compat.input_device(model)
     for name, inputs, grid in _layouts(model, image):
@@ -258,7 +264,8 @@ def _image_pixels(model: nn.Module, image: Any) -> tuple[dict[str, Tensor], int,
             grid = _square(count)
         return inputs, count, grid if grid is not None and grid[0] * grid[1] == count else None
     raise UnsupportedModelError(f"{type(model).__name__}: no pixel layout sinklab builds from a config fits its vision "
-                                f"tower ({'; '.join(errors)}); give its processor instead")
+                                f"tower ({'; '.join(errors)}); give its processor instead, or teach "
+                                "sinklab.vision_inputs its layout")
 
 
 def config_inputs(model: nn.Module, image: Any, text_ids: Sequence[int], *, bos: int | None = None) -> VisionInputs:

@@ -20,6 +20,7 @@ from ._common import (
     save_retention_plan,
     trust_remote_code_option,
 )
+from ..errors import InputError
 from ._progress import print_warnings
 
 
@@ -132,6 +133,9 @@ def scan(
 
     with user_errors():
         if image:
+            if device_map is not None:
+                raise InputError("--image scans in one process on one device for now; drop --device-map "
+                                 "(--device places the model)")
             _scan_images(model, image, text, file, out, eps=eps, dtype=dtype, device=device, revision=revision,
                          trust_remote_code=trust_remote_code)
             return

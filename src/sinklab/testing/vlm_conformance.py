@@ -42,6 +42,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "shieldgemma2": {"mm_tokens_per_image": 4},
     "llava_next": _ONE_TILE, "llava_next_video": _ONE_TILE, "llava_onevision": _ONE_TILE,
     "vipllava": {"vision_feature_layers": [-2, -1]},  # the vision layers it concatenates: of the tiny tower's two
+    "mllama": {"text_config": {"cross_attention_layers": [1]}},  # keep a cross-attention layer (the refusal's cause)
 }
 
 
@@ -164,7 +165,9 @@ def build(model_type: str) -> tiny.Built:
     errors: list[str] = []
     fallback: tiny.Built | None = None  # the first model that instantiates, should none run on sinklab's inputs
     for attempt, lists, subs in tiny.ATTEMPTS:
-        overrides = {**_shrunk(d, lists, subs), **OVERRIDES.get(model_type, {})}
+        overrides = _shrunk(d, lists, subs)
+        for key, value in OVERRIDES.get(model_type, {}).items():  # a sub-config's fields merge into it
+            overrides[key] = {**overrides.get(key, {}), **value} if isinstance(value, dict) else value
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
