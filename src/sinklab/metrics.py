@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "modality_sink_strength", "modality_sink_rate", "visual_sink_share",
     "visibility",
     "column_mass",
     "column_min",
@@ -461,3 +462,44 @@ def min_meaningful_length(eps: float, causal: bool = True) -> int:
     while uniform_column_mass(n, causal) > eps / 2:
         n += 1
     return n
+
+
+# ----------------------------------------------------------------------------- modality split (vision-language)
+def modality_sink_strength(column_mass: Tensor, eligible: Tensor, select: Tensor) -> Tensor:
+    """``[S, L, H]`` each head's largest column mass over the eligible keys of one modality (NaN where none).
+
+    ``column_mass`` ``[S, L, H, T]``; ``eligible`` ``[S, L, 1|H, T]`` the keys seen by enough queries to be a
+    dominant column (:func:`eligible_columns`: late keys, averaged over a few queries only, are left out);
+    ``select`` ``[S, T]`` boolean, the positions of the modality (text, or image tokens).
+    """
+    keep = eligible.bool() & select.bool()[:, None, None, :]
+    masked = torch.where(keep, column_mass.double(), -math.inf)
+    best = masked.amax(-1)
+    return torch.where(torch.isfinite(best), best, math.nan)
+
+
+def modality_sink_rate(strength: Tensor, eps: float) -> Tensor:
+    """``[L]`` percent of heads (over samples) whose :func:`modality_sink_strength` ``[S, L, H]`` reaches ``eps``:
+    Sink^ε with the sink anywhere among one modality's keys. Samples without such a key do not count (NaN for a
+    layer where no sample has one)."""
+    seen = torch.isfinite(strength)
+    hits = ((strength >= eps) & seen).double().sum((0, 2))
+    count = seen.double().sum((0, 2))
+    return torch.where(count > 0, 100.0 * hits / count.clamp_min(1), math.nan)
+
+
+def visual_sink_share(group_mass: Tensor, column_mass: Tensor, eligible: Tensor, image: Tensor,
+                      eps: float) -> Tensor:
+    """``[S, L, H]`` the share of the text queries' attention to image tokens that lands on visual sink tokens.
+
+    ``group_mass`` ``[S, L, H, T]``: each key's attention summed over the text queries only; ``column_mass``
+    ``[S, L, H, T]`` over all queries; ``eligible`` ``[S, L, 1|H, T]``; ``image`` ``[S, T]`` the image tokens. A
+    visual sink token of a head is an eligible image token whose column mass reaches ``eps``. NaN where the text
+    queries give the image nothing.
+    """
+    image = image.bool()[:, None, None, :]
+    mass = torch.where(image, group_mass.double(), 0.0).nan_to_num(0.0)
+    sinks = image & eligible.bool() & (column_mass.double() >= eps)
+    total = mass.sum(-1)
+    on_sinks = torch.where(sinks, mass, 0.0).sum(-1)
+    return torch.where(total > 0, on_sinks / total.clamp_min(1e-300), math.nan)

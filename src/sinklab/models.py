@@ -345,3 +345,18 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
     if pooler:
         notes["pooler"] = "not in the checkpoint: the model runs without it (no pooled output)"
     return LoadedModel(model.eval(), tokenizer, name, revision=revision, notes=notes)
+
+
+def load_processor(name: str, *, revision: str | None = None, trust_remote_code: bool = False):
+    """The processor (image preprocessor and tokenizer, which place an image's tokens in the prompt) of a local folder
+    or hub id; one :class:`InputError` when it has none or it cannot be read."""
+    from transformers import AutoProcessor
+
+    local = Path(name).is_dir()
+    try:
+        with _compat.quiet_loading():
+            return AutoProcessor.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code,
+                                                 **({"local_files_only": True} if local else {}))
+    except Exception as exc:  # noqa: BLE001 - any failure is the same user error: no usable processor
+        raise InputError(f"{name}: cannot load its processor (the image preprocessor and tokenizer that place an "
+                         f"image's tokens in the prompt): {_reason(exc)}") from exc

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _compat, distributed, metrics
+from . import _compat, distributed, metrics, vision_inputs
 from ._version import __version__
 from .capture import AttentionCapture, CaptureBatch, CaptureConfig
 from .errors import InputError
@@ -21,7 +21,7 @@ from .registry import REGISTRY, per_layer_table
 from .texts import default_texts, tokenize_windows
 from .variants import register_count, register_labels
 
-__all__ = ["ScanResult", "scan", "scan_inputs", "SCHEMA_VERSION", "DEFAULT_THRESHOLDS", "DOMINANT_RULE", "check_thresholds",
+__all__ = ["ScanResult", "scan", "scan_inputs", "scan_images", "SCHEMA_VERSION", "DEFAULT_THRESHOLDS", "DOMINANT_RULE", "check_thresholds",
            "ShortSequenceWarning", "short_sequence_warnings"]
 
 #: scan.json schema. 2: a head's dominant column must be seen by max(8, ⌈T/8⌉) queries (no end-of-sequence
@@ -83,6 +83,9 @@ class ScanResult:
     gate: Tensor | None = None  # (S, L, H, T) mean output gate per query and head (None: the model has no gate)
     layer_kinds: list[str] = field(default_factory=list)  # per layer: attention | recurrent | feedforward
     local_mass: Tensor | None = None  # (S, L, H, T) each query's attention on its last meta["local_window"] keys
+    modality: Tensor | None = None  # (S, T) int8 vision_inputs.MODALITIES code per position (−1 padding); None: text
+    group_mass: Tensor | None = None  # (S, L, H, T) each key's attention summed over the text queries (with modality)
+    images: list | None = None  # a vision-language scan's PIL images (for its figure; not in the JSON)
 
     # ------------------------------------------------------------------ shape helpers
     @property
@@ -158,6 +161,81 @@ class ScanResult:
         """Registry table: ``{metric: [value per layer]}``."""
         return per_layer_table(self)
 
+    # ------------------------------------------------------------------ modality split (vision-language scans)
+    def _modality(self) -> Tensor:
+        if self.modality is None:
+            raise InputError("this scan has no image positions (scan a vision-language model with images: "
+                             "sinklab.scan.scan_images, or `sinklab scan MODEL --image FILE`)")
+        return self.modality
+
+    def modality_sink_strength(self, modality: str) -> Tensor:
+        """``[S, L, H]`` each head's largest column mass among the eligible keys of ``modality`` (``text``,
+        ``image`` or ``image-special``; :func:`sinklab.metrics.modality_sink_strength`)."""
+        codes = self._modality()
+        select = codes == vision_inputs.MODALITIES.index(modality)
+        return metrics.modality_sink_strength(self.column_mass, self.eligible_columns(), select)
+
+    def modality_sink_rate(self, modality: str, eps: float | None = None) -> Tensor:
+        """``[L]`` percent of heads with an ε-sink among ``modality``'s keys (NaN for layers without attention)."""
+        eps = self.meta["thresholds"]["eps"] if eps is None else eps
+        out = torch.full((self.num_layers,), math.nan, dtype=torch.float64)
+        attn = self.attention_layers
+        out[attn] = metrics.modality_sink_rate(self.modality_sink_strength(modality)[:, attn], eps)
+        return out
+
+    def visual_sink_share(self, eps: float | None = None) -> Tensor:
+        """``[S, L, H]`` share of the text queries' attention to the image that lands on visual sink tokens
+        (:func:`sinklab.metrics.visual_sink_share`)."""
+        eps = self.meta["thresholds"]["eps"] if eps is None else eps
+        if self.group_mass is None:
+            raise InputError("this scan did not keep the text queries' attention (scan with modality codes)")
+        image = self._modality() == vision_inputs.IMAGE
+        return metrics.visual_sink_share(self.group_mass, self.column_mass, self.eligible_columns(), image, eps)
+
+    def top_sinks(self, sample: int = 0, k: int = 5) -> list[dict]:
+        """Sample ``sample``'s ``k`` positions that are the dominant column of the most attention heads, each with
+        its modality and, for an image patch, its index, row and column."""
+        codes = self._modality()[sample]
+        dominant = self.dominant_columns()[sample, self.attention_layers].flatten()  # (L'·H,)
+        counts = torch.bincount(dominant, minlength=self.seq_len)
+        spans = vision_inputs.image_spans(codes, [tuple(g) if g else None for g in
+                                                  self.meta.get("image_grids", [[]] * self.num_samples)[sample]])
+        out = []
+        for pos in counts.argsort(descending=True, stable=True)[:k].tolist():
+            if counts[pos] == 0:
+                break
+            code = int(codes[pos])
+            out.append({"position": pos, "token": self.token_label(sample, pos),
+                        "modality": vision_inputs.MODALITIES[code] if code >= 0 else "padding",
+                        "patch": vision_inputs.patch_label(spans, pos),
+                        "heads": int(counts[pos]), "share": float(counts[pos]) / dominant.numel()})
+        return out
+
+    def modality_summary(self) -> dict:
+        """JSON-ready modality split: token counts, sink rate and mean sink strength per layer for text and image
+        keys, the visual sink share per layer, and sample 0's top sinks."""
+        codes = self._modality()
+        attn = self.attention_layers
+
+        def per_layer(x: Tensor) -> list:  # (S, L, H) → mean over samples and heads per layer
+            return [_finite(float(v)) for v in x.double().nanmean((0, 2))]
+
+        summary: dict[str, Any] = {
+            "positions": {name: int((codes == i).sum()) for i, name in enumerate(vision_inputs.MODALITIES)},
+            "eps": self.meta["thresholds"]["eps"],
+            "sink_rate": {}, "sink_strength": {},
+            "image_grids": self.meta.get("image_grids"),
+        }
+        for name in ("text", "image"):
+            rate = self.modality_sink_rate(name)
+            summary["sink_rate"][name] = {"per_layer": [_finite(float(v)) for v in rate],
+                                          "mean": _finite(float(rate[attn].nanmean()))}
+            summary["sink_strength"][name] = per_layer(self.modality_sink_strength(name))
+        if self.group_mass is not None:
+            summary["visual_sink_share"] = per_layer(self.visual_sink_share())
+        summary["top_sinks"] = self.top_sinks(0)
+        return summary
+
     # ------------------------------------------------------------------ output
     def to_json(self) -> dict:
         """JSON-ready dict: schema, provenance, per-layer registry table, sink rates, per-sample arrays."""
@@ -180,6 +258,7 @@ class ScanResult:
             "layer_kinds": self.layer_kinds or ["attention"] * self.num_layers,
             **({"gate": {name: _nested(value) for name, value in gates.items()}}
                if (gates := self.gate_statistics()) is not None else {}),
+            **({"modality": self.modality_summary()} if self.modality is not None else {}),
         }
 
 
@@ -236,6 +315,8 @@ def _merge(batches: list[CaptureBatch], width: int | None = None) -> dict:
     merged["layer_kinds"] = batches[0].layer_kinds
     gates = [b.gate for b in batches]  # one model: all batches have a gate or none has
     merged["gate"] = _pad_cat(gates, 3, width, math.nan) if gates[0] is not None else None  # type: ignore[arg-type]
+    groups = [b.group_mass for b in batches]
+    merged["group_mass"] = _pad_cat(groups, 3, width, math.nan) if all(g is not None for g in groups) else None  # type: ignore[arg-type]
     return merged
 
 
@@ -250,7 +331,8 @@ def _merge_ranks(batches: list[CaptureBatch], start: int, total: int) -> dict:
         return _merge(batches)
     width = int(distributed.all_reduce(torch.tensor([max(b.token_mask.shape[-1] for b in batches)]), "max"))
     merged = _merge(batches, width)
-    for name in _PER_SAMPLE + (("gate",) if merged["gate"] is not None else ()):
+    optional = tuple(name for name in ("gate", "group_mass") if merged[name] is not None)
+    for name in _PER_SAMPLE + optional:
         merged[name] = distributed.gather_rows(merged[name], start, total)
     merged["attention_maps"] = distributed.broadcast_object(merged["attention_maps"] if start == 0 else None)
     return merged
@@ -324,7 +406,8 @@ def capture_config(candidates: tuple[int, ...], map_len: int, thresholds: dict) 
 
 
 def scan_result(results: list[CaptureBatch], tokens: list[list[str]], *, candidates: tuple[int, ...],
-                thresholds: dict, meta: dict | None = None, start: int = 0) -> ScanResult:
+                thresholds: dict, meta: dict | None = None, start: int = 0,
+                modality: Tensor | None = None) -> ScanResult:
     """Merge the capture batches of one scan into a :class:`ScanResult` (with its ``meta``).
 
     Under a launcher ``results`` are this rank's batches, whose first sample is ``start``; every rank gets
@@ -341,7 +424,11 @@ def scan_result(results: list[CaptureBatch], tokens: list[list[str]], *, candida
             "candidates": list(candidates), "hidden_state_index_0": "input of block 0 (embeddings)",
             "output_space": merged["output_space"], "dominant_rule": DOMINANT_RULE, "warnings": notes,
             "layer_kinds": merged["layer_kinds"], "local_window": CaptureConfig.local_window, **(meta or {})}
-    return ScanResult(**merged, tokens=tokens, candidates=tuple(candidates), meta=info)
+    if modality is not None and modality.shape[-1] < seq_len:
+        modality = torch.cat([modality, modality.new_full((modality.shape[0], seq_len - modality.shape[-1]), -1)], -1)
+    if modality is None:
+        merged["group_mass"] = None
+    return ScanResult(**merged, tokens=tokens, candidates=tuple(candidates), meta=info, modality=modality)
 
 
 class ShortSequenceWarning(UserWarning):
@@ -386,6 +473,7 @@ def scan_inputs(
     progress: Progress | None = None,
     meta: dict | None = None,
     split: bool = True,
+    modality: list[Tensor] | None = None,
 ) -> ScanResult:
     """Scan prepared model inputs (e.g. ``pixel_values`` for a ViT) and return a :class:`ScanResult`.
 
@@ -393,27 +481,86 @@ def scan_inputs(
     ``progress("scan", n, len(tokens))`` is called after each batch of ``n`` samples. Under ``torchrun`` /
     ``accelerate launch`` (:mod:`sinklab.distributed`) each rank scans its share of the batches and every
     rank returns the whole result; ``split=False`` scans every batch in this process without collectives.
+    ``modality``: one ``[B, T]`` code tensor per batch (:data:`sinklab.vision_inputs.MODALITIES`) for a
+    vision-language model's inputs: the result then splits its statistics by modality (:meth:`ScanResult.
+    modality_summary`), and the text queries' attention is kept apart (:attr:`ScanResult.group_mass`).
     """
     check_model(model, "scan_inputs")
     if not split:
         with distributed.local():
             return scan_inputs(model, batches, tokens, candidates=candidates, map_len=map_len, thresholds=thresholds,
-                               progress=progress, meta=meta)
+                               progress=progress, meta=meta, modality=modality)
     thresholds = check_thresholds(thresholds)
     batches, mine, start, info = split_batches(batches)
+    if modality is not None and len(modality) != len(batches):
+        raise InputError(f"modality: one code tensor per batch ({len(batches)}), got {len(modality)}")
     batches, meta = [batches[i] for i in mine], {**(meta or {}), **info}
+    groups = [None] * len(batches) if modality is None else \
+        [(modality[i] == vision_inputs.TEXT).to(torch.bool) for i in mine]
     results: list[CaptureBatch] = []
     with distributed.together("scan"):
         check_weights(model, used_token_ids(batches))  # no LM head: the embedding only at the rows looked up
         with AttentionCapture(model, capture_config(candidates, map_len, thresholds)) as cap:
-            for batch in batches:
-                results.append(cap.run(**batch))  # type: ignore[arg-type]  # model inputs, not run's flags
+            for batch, group in zip(batches, groups):
+                results.append(cap.run(query_group=group, **batch))  # type: ignore[arg-type]  # model inputs
                 if progress is not None:
                     progress("scan", results[-1].token_mask.shape[0], len(tokens))
     if results and "recurrent" in results[0].layer_kinds and "input_ids" in batches[0]:
         meta["recurrent_state_bytes"] = {str(k): v for k, v in
                                          _compat.recurrent_state_bytes(model, batches[0]["input_ids"]).items()}
-    return scan_result(results, tokens, candidates=candidates, thresholds=thresholds, meta=meta, start=start)
+    codes = None
+    if modality is not None:
+        width = max(int(m.shape[-1]) for m in modality)
+        codes = torch.cat([torch.cat([m.cpu(), m.new_full((m.shape[0], width - m.shape[-1]), -1).cpu()], -1)
+                           for m in modality])
+    return scan_result(results, tokens, candidates=candidates, thresholds=thresholds, meta=meta, start=start,
+                       modality=codes)
+
+
+def scan_images(
+    model: nn.Module,
+    images: list,
+    text: str = "Describe the image.",
+    *,
+    processor: Any = None,
+    text_ids: list[int] | None = None,
+    candidates: tuple[int, ...] = (0, 1, 2, 3),
+    map_len: int = 64,
+    thresholds: dict | None = None,
+    source: str | None = None,
+    revision: str | None = None,
+    progress: Progress | None = None,
+) -> ScanResult:
+    """Scan a vision-language model on ``images`` (``PIL.Image``\\ s; :func:`sinklab.vision_inputs.load_images`) and a
+    text, one sample, with every statistic split by modality (:meth:`ScanResult.modality_summary`).
+
+    With the model's ``processor`` (``AutoProcessor``), it builds the prompt and pixels as for generation
+    (:func:`sinklab.vision_inputs.processor_inputs`); without one (a tiny random model) the first image's pixels
+    come from the vision config and the text is ``text_ids`` (:func:`sinklab.vision_inputs.config_inputs`). The
+    language model's attention is captured; the vision tower runs on its own attention, not scanned (scan it as a
+    ViT-style encoder for its own sinks).
+    """
+    vision_inputs.check_vision_model(model, "images")
+    if not images:
+        raise InputError("no image to scan")
+    if processor is not None:
+        inputs = vision_inputs.processor_inputs(model, processor, images, text)
+        tokenizer_class = type(getattr(processor, "tokenizer", processor)).__name__
+    else:
+        if text_ids is None:
+            raise InputError("scan_images without a processor needs text_ids (the text's token ids)")
+        if len(images) != 1:
+            raise InputError("scan_images without a processor takes one image (a processor places several)")
+        inputs = vision_inputs.config_inputs(model, images[0], text_ids)
+        tokenizer_class = None
+    meta = model_meta(model, source, revision, corpus="user images and text", tokenizer_class=tokenizer_class,
+                      images=len(images), image_token_id=vision_inputs.image_token_id(model.config),
+                      image_grids=[[list(g) if g else None for g in grids] for grids in inputs.grids],
+                      vision_tower="not scanned: runs on its own attention implementation")
+    result = scan_inputs(model, inputs.batches, inputs.tokens, candidates=candidates, map_len=map_len,
+                         thresholds=thresholds, progress=progress, meta=meta, modality=inputs.modality)
+    result.images = list(images)
+    return result
 
 
 def text_batches(model: nn.Module, tokenizer, texts: str | list[str] | None, *, seq_len: int, samples: int,

@@ -39,11 +39,34 @@ def num_layers(config: object) -> int | None:
     return int(value) if value is not None else None
 
 
+def vision_language(model: nn.Module) -> bool:
+    """Whether ``model`` is a vision-language model: a config with a ``vision_config`` and a text decoder of its own
+    (``get_decoder()``: Llava, Qwen2-VL, Gemma 3, Idefics3/SmolVLM, PaliGemma …)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "vision_config", None) is None:
+        return False
+    get_decoder = getattr(model, "get_decoder", None)
+    try:
+        decoder = get_decoder() if callable(get_decoder) else None
+    except (AttributeError, NotImplementedError, TypeError):
+        return False
+    return isinstance(decoder, nn.Module) and decoder is not model
+
+
+def language_model(model: nn.Module) -> nn.Module:
+    """The text decoder of a vision-language model (:func:`vision_language`), else ``model`` itself: the part whose
+    attention sinklab captures (the vision tower keeps its own attention)."""
+    return model.get_decoder() if vision_language(model) else model  # type: ignore[operator]
+
+
 def find_layers(model: nn.Module) -> nn.ModuleList:
     """The ``nn.ModuleList`` of transformer blocks (``model.layers``, ``encoder.layer``, ``transformer.h`` …).
 
-    Chosen as the shallowest ``ModuleList`` whose length equals the config's layer count.
+    Chosen as the shallowest ``ModuleList`` whose length equals the config's layer count; in a vision-language
+    model, the text decoder's (:func:`language_model`), never the vision tower's.
     """
+    if vision_language(model):
+        model = language_model(model)
     n = num_layers(getattr(model, "config", None))
     candidates = []
     for name, module in model.named_modules():

@@ -34,7 +34,8 @@ __all__ = ["AttentionCapture"]
 _ACTIVE: contextvars.ContextVar[AttentionCapture | None] = contextvars.ContextVar("sinklab_capture", default=None)
 
 _PER_LAYER = ("column_mass", "column_min", "routed_fraction", "candidate_attention", "value_norm", "value_norm_out",
-              "update_norm", "update_spectrum", "common_mode", "learned_sink_mass", "column_queries", "local_mass")
+              "update_norm", "update_spectrum", "common_mode", "learned_sink_mass", "column_queries", "local_mass",
+              "group_mass")
 _PER_QUERY = ("row_entropy", "row_diagonal", "row_previous")  # CaptureConfig(row_stats=True) only
 
 
@@ -78,6 +79,7 @@ class AttentionCapture:
         self._layer_of: dict[int, int] = {}
         self._patch: _compat.ModelPatch | None = None
         self._token_mask: Tensor | None = None
+        self._query_group: Tensor | None = None  # run(query_group=…): [B, T] queries whose column sums are kept
         self._records: dict[int, dict[str, Tensor]] = {}
         self._hidden: dict[int, tuple[Tensor, Tensor, Tensor, Tensor] | None] = {}
         self._token: contextvars.Token | None = None
@@ -99,7 +101,9 @@ class AttentionCapture:
                 self._layer_of[id(sub)] = index
         self._patch = patch = _compat.ModelPatch(self.model)
         try:
-            patch.use_attention(_compat.ATTN_IMPLEMENTATION, _dispatch, mask=_compat.explicit_mask)
+            # A vision-language model: the text decoder's attention only; the vision tower keeps its own.
+            target = _compat.language_model(self.model) if _compat.vision_language(self.model) else None
+            patch.use_attention(_compat.ATTN_IMPLEMENTATION, _dispatch, mask=_compat.explicit_mask, target=target)
             patch.hook(self._layers[0], self._embed_hook, pre=True, with_kwargs=True)
             for layer in self._layers:
                 patch.hook(layer, self._keep_hook, pre=True, with_kwargs=True)
@@ -135,12 +139,15 @@ class AttentionCapture:
 
     # ------------------------------------------------------------------ running
     @torch.no_grad()
-    def run(self, *, full_model: bool = False, keep_inputs: bool = False, **inputs: Any) -> CaptureBatch:
+    def run(self, *, full_model: bool = False, keep_inputs: bool = False, query_group: Tensor | None = None,
+            **inputs: Any) -> CaptureBatch:
         """Run one forward pass (no cache) and return its statistics.
 
         The base model runs by default (no LM head); ``full_model=True`` runs the whole model and keeps
         its output in ``self.last_output`` (e.g. for logits under a :class:`ValueEdit`). ``keep_inputs``
-        keeps every block's input in ``self.last_inputs`` for :meth:`final_states`.
+        keeps every block's input in ``self.last_inputs`` for :meth:`final_states`. ``query_group`` ``[B, T]``
+        (boolean, aligned with the input positions): :attr:`CaptureBatch.group_mass` sums each key's attention
+        over those queries only (a vision-language scan's text queries).
         """
         if self._layers is None:
             raise RuntimeError("AttentionCapture.run() must be called inside `with AttentionCapture(model):`")
@@ -152,6 +159,7 @@ class AttentionCapture:
         self._token_mask = None if mask is None else mask.bool()
         self._calls = [] if keep_inputs else None
         self.last_inputs = None
+        self._query_group = None if query_group is None else query_group.bool()
         try:
             self.last_output = self._forward(full_model, inputs)
             if keep_inputs:
@@ -159,6 +167,7 @@ class AttentionCapture:
         finally:
             self._calls = None
             self._last_block = None
+            self._query_group = None
         self._pending.clear()
         missing = [i for i in range(len(self._layers)) if i not in self._records]
         if missing:
@@ -342,6 +351,18 @@ class AttentionCapture:
             return torch.cat([mask.new_ones(mask.shape[0], t - mask.shape[-1]), mask], dim=-1)
         return mask[:, -t:] if mask.shape[-1] != t else mask
 
+    def _group_rows(self, b: int, tq: int, tk: int, device: torch.device) -> Tensor | None:
+        """The query group's ``[B, Tq]`` rows for a layer with ``tk`` keys (None without a group)."""
+        group = self._query_group
+        if group is None:
+            return None
+        if group.shape != (b, tk):
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__}: the query group covers {tuple(group.shape)} positions but the "
+                f"attention sees {(b, tk)}; the model changed the sequence length (the scan's modality split needs "
+                "the image's tokens in the input ids, as the processor puts them)")
+        return group.to(device)[:, tk - tq:]
+
     # ------------------------------------------------------------------ attention
     def _plain_causal(self, mask: Tensor, tq: int, tk: int) -> bool:
         """:func:`_is_plain_causal`, checked once per mask object (every layer of a kind shares one)."""
@@ -404,7 +425,7 @@ class AttentionCapture:
             attention_mask, is_causal = (None, True) if plain else (attention_mask[..., :tk], is_causal)
         stats = None
         if self.statistics:
-            stats = ColumnStats(b, h, tq, tk, qmask, cfg, has_sink=has_columns)
+            stats = ColumnStats(b, h, tq, tk, qmask, cfg, has_sink=has_columns, group=self._group_rows(b, tq, tk, dev))
         out = chunked_attention(query, k, v, attention_mask, qmask, is_causal=is_causal, scale=scale,
                                 chunk_elements=cfg.chunk_elements, softcap=softcap,
                                 columns=columns if has_columns else None, bias=kwargs.get("position_bias"), drop=drop,

@@ -27,7 +27,7 @@ class ColumnStats:
     """
 
     def __init__(self, b: int, h: int, tq: int, tk: int, qmask: Tensor, config: CaptureConfig, *,
-                 has_sink: bool) -> None:
+                 has_sink: bool, group: Tensor | None = None) -> None:
         dev = qmask.device
         candidates, map_len, route_threshold = config.candidates, config.map_len, config.route_threshold
         local_window, row_stats = config.local_window, config.row_stats
@@ -49,6 +49,9 @@ class ColumnStats:
         self.tk = tk
         # per query: entropy, attention to its own key and to the key before it (query i is key i + Tk − Tq)
         self.rows = torch.full((3, b, h, tq), math.nan, device=dev) if row_stats else None
+        # a query group [B, Tq] (the text queries of a vision-language sample): Σ_i A_ij over its real queries
+        self.group = None if group is None else (group & qmask).float()[:, None, None, :]  # (B, 1, 1, Tq)
+        self.group_sum = torch.zeros(b, h, tk, device=dev) if group is not None else None
 
     def add(self, probs: Tensor, allowed: Tensor, c0: int, c1: int, kend: int, full: int, fast: bool) -> None:
         """Fold in the probabilities ``[B, H, C, kend]`` of query rows ``c0:c1``.
@@ -81,6 +84,8 @@ class ColumnStats:
                 self.cand[:, :, c0:c1, j] = 0.0
         if self.rows is not None:
             self._add_rows(probs, c0, c1, kend)
+        if self.group is not None:
+            self.group_sum[..., :kend] += torch.matmul(self.group[..., c0:c1], probs)[:, :, 0]  # type: ignore[index]
         self._add_local(probs, c0, c1, kend)
         if self.amap is not None and c0 < self.m:
             r1 = min(c1, self.m)
@@ -123,6 +128,8 @@ class ColumnStats:
         }
         if self.amap is not None:
             stats["map"] = self.amap
+        if self.group_sum is not None:
+            stats["group_mass"] = self.group_sum
         if self.rows is not None:
             real = self.qmask[:, None]  # (B, 1, Tq)
             for name, row in zip(("row_entropy", "row_diagonal", "row_previous"), self.rows):

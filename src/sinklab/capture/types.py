@@ -67,6 +67,7 @@ class CaptureBatch:
     row_diagonal: Tensor | None = None  # (B, L, H, T) A_ii, the query's attention to its own key (row_stats)
     row_previous: Tensor | None = None  # (B, L, H, T) A_i,i−1, to the key just before it (NaN at i = 0) (row_stats)
     gate: Tensor | None = None  # (B, L, H, T) mean output gate on each query's head output (None: no layer gated)
+    group_mass: Tensor | None = None  # (B, L, H, T) Σ over the run's query group (run(query_group=…)) of A_ij
     layer_kinds: list[str] = field(default_factory=list)  # per layer: attention | recurrent | feedforward
 
 

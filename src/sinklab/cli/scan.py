@@ -20,6 +20,7 @@ from ._common import (
     save_retention_plan,
     trust_remote_code_option,
 )
+from ..errors import InputError
 from ._progress import print_warnings
 
 
@@ -57,6 +58,55 @@ def _print_table(result) -> None:
                       f"{mean['gated_sink_share']:.3f} with it", highlight=False)
 
 
+def _print_modality(result) -> None:
+    summary = result.modality_summary()
+    table = Table(title=f"{result.meta['model']} — by modality ({summary['positions']['image']} image tokens, "
+                        f"{summary['positions']['text']} text, ε={summary['eps']})")
+    for column in ("layer", "Sink^ε text %", "Sink^ε image %", "strength text", "strength image",
+                   "text→image on visual sinks"):
+        table.add_column(column, justify="right")
+    share = summary.get("visual_sink_share") or [None] * result.num_layers
+
+    def fmt(value, spec: str) -> str:
+        return "–" if value is None else format(value, spec)
+
+    for layer in range(result.num_layers):
+        table.add_row(str(layer), fmt(summary["sink_rate"]["text"]["per_layer"][layer], ".1f"),
+                      fmt(summary["sink_rate"]["image"]["per_layer"][layer], ".1f"),
+                      fmt(summary["sink_strength"]["text"][layer], ".3f"),
+                      fmt(summary["sink_strength"]["image"][layer], ".3f"), fmt(share[layer], ".3f"))
+    console.print(table)
+    for sink in summary["top_sinks"]:
+        where = sink["patch"] or sink["modality"]
+        console.print(f"  position {sink['position']} ({sink['token']!r}, {where}): dominant in {sink['heads']} "
+                      f"layer×head pairs", highlight=False, markup=False)
+
+
+def _scan_images(model: str, paths: list[Path], text: str | None, file: Path | None, out: Path, *, eps: float,
+                 dtype: str | None, device: str | None, revision: str | None, trust_remote_code: bool) -> None:
+    """``sinklab scan MODEL --image FILE``: the language model's attention on the images and a prompt, by modality."""
+    from ..models import load_processor
+    from ..report import save
+    from ..scan import scan_images
+    from ..vision_inputs import check_vision_model, load_images
+    from ._common import check_out_dir, load_for_command, read_texts
+
+    images = load_images(paths)  # an unreadable file fails before anything loads
+    texts = read_texts(text, file)
+    out = check_out_dir(out)
+    loaded = load_for_command(model, dtype=dtype, device=device, revision=revision,
+                              trust_remote_code=trust_remote_code)
+    check_vision_model(loaded.model)
+    processor = load_processor(model, revision=revision, trust_remote_code=trust_remote_code)
+    result = scan_images(loaded.model, images, " ".join(texts) if texts else "Describe the image.",
+                         processor=processor, thresholds={"eps": eps}, source=model, revision=revision)
+    _print_table(result)
+    _print_modality(result)
+    print_warnings(result.meta)
+    report = save(result, out)
+    console.print(f"wrote {out / 'scan.json'}, figures and {report}")
+
+
 @app.command()
 def scan(
     model: Annotated[str, typer.Argument(help=MODEL_HELP)],
@@ -73,6 +123,8 @@ def scan(
     trust_remote_code: Annotated[bool, trust_remote_code_option()] = False,
     seed: Annotated[int, typer.Option("--seed", help="0: texts in order; other: shuffled texts, random window offsets")] = 0,
     device_map: Annotated[str | None, device_map_option()] = None,
+    image: Annotated[list[Path] | None, typer.Option(
+        "--image", help="an image for a vision-language model (repeat for several); --text is the prompt after it")] = None,
 ) -> None:
     """Scan MODEL for attention sinks; print a per-layer table and write scan.json, figures, report.html."""
     from ..report import save
@@ -80,6 +132,13 @@ def scan(
     from ..scan import scan_inputs
 
     with user_errors():
+        if image:
+            if device_map is not None:
+                raise InputError("--image scans in one process on one device for now; drop --device-map "
+                                 "(--device places the model)")
+            _scan_images(model, image, text, file, out, eps=eps, dtype=dtype, device=device, revision=revision,
+                         trust_remote_code=trust_remote_code)
+            return
         device = join_ranks(device, device_map)
         run = analysis_run(
             model, text, file, out, seq_len, samples=samples, batch_size=batch_size, seed=seed,

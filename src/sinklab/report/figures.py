@@ -129,11 +129,14 @@ def sink_rate_bars(result: ScanResult, positions: int = 8) -> Figure:
 
 
 def scan_figures(result: ScanResult) -> dict[str, Figure]:
-    """All scan figures keyed by file stem."""
+    """All scan figures keyed by file stem (a vision-language scan's image with its sink patches too)."""
+    from .vlm_figures import image_sinks
+
     figs = {
         "sink_heatmap": sink_heatmap(result),
         "attention_map": attention_map(result),
         "hidden_norms": hidden_norm_curve(result),
         "sink_rate": sink_rate_bars(result),
+        "image_sinks": image_sinks(result),
     }
     return {k: v for k, v in figs.items() if v is not None}

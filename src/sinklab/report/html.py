@@ -62,6 +62,29 @@ def _gate_html(result: ScanResult) -> str:
             + "".join(rows) + "</table>")
 
 
+def _modality_html(result: ScanResult) -> str:
+    """A vision-language scan: sink rate and strength by modality, the visual sink share, the top sinks."""
+    if result.modality is None:
+        return ""
+    esc = html.escape
+    summary = result.modality_summary()
+    share = summary.get("visual_sink_share") or [None] * result.num_layers
+    rows = "".join(
+        f"<tr><th>{layer}</th><td>{_fmt(summary['sink_rate']['text']['per_layer'][layer], '{:.1f}')}</td>"
+        f"<td>{_fmt(summary['sink_rate']['image']['per_layer'][layer], '{:.1f}')}</td>"
+        f"<td>{_fmt(summary['sink_strength']['text'][layer], '{:.3f}')}</td>"
+        f"<td>{_fmt(summary['sink_strength']['image'][layer], '{:.3f}')}</td>"
+        f"<td>{_fmt(share[layer], '{:.3f}')}</td></tr>" for layer in range(result.num_layers))
+    sinks = "".join(f"<li>position {s['position']} <code>{esc(s['token'])}</code> — {esc(s['patch'] or s['modality'])}: "
+                    f"dominant column of {s['heads']} layer×head pairs</li>" for s in summary["top_sinks"])
+    counts = ", ".join(f"{n} {esc(name)}" for name, n in summary["positions"].items())
+    return (f"<h2>By modality</h2><p>Positions: {counts}. ε = {summary['eps']}. Visual sink tokens: image keys whose "
+            "column mass reaches ε; the last column is the share of the text queries' attention to the image that "
+            "lands on them. The vision tower is not scanned.</p><table><tr><th>layer</th><th>Sink^ε text %</th>"
+            "<th>Sink^ε image %</th><th>strength text</th><th>strength image</th><th>text→image on visual sinks</th>"
+            f"</tr>{rows}</table><h3>Top sinks (sample 0)</h3><ul>{sinks}</ul>")
+
+
 def render_html(result: ScanResult, images: dict[str, bytes]) -> str:
     """The report as one HTML string; ``images`` maps figure stems to PNG bytes."""
     esc = html.escape
@@ -80,14 +103,14 @@ def render_html(result: ScanResult, images: dict[str, bytes]) -> str:
         alpha = 0.0 if mass0[i] != mass0[i] else min(1.0, float(mass0[i]) * 2)
         toks.append(f"<span class='tok' style='background:rgba(220,60,60,{alpha:.2f})' "
                     f"title='position {i}, mean column mass {float(mass0[i]):.3f}'>{esc(tok)}</span>")
-    figs = images_html(images, SCAN_CAPTIONS)
+    figs = images_html(images, {**SCAN_CAPTIONS, **IMAGE_CAPTIONS})
     legend = "".join(f"<dt><b>{esc(r.title)}</b></dt><dd>{esc(r.description)}</dd>" for r in REGISTRY)
     provenance = esc(json.dumps(meta, indent=2, default=str))
     body = f"""<h1>sinklab scan: {esc(str(meta.get('model')))}</h1>
 <p>{result.num_samples} samples × {result.seq_len} tokens, {result.num_layers} layers × {result.num_heads} heads.
 Sink<sub>0</sub><sup>ε={meta['thresholds']['eps']}</sup> = <b>{result.sink_rate(0):.1f} %</b> of layer×head pairs
 (T = {meta['seq_len']}). Most common sink: position {pos} (<code>{esc(label)}</code>).</p>
-{_hybrid_html(result)}{_gate_html(result)}<h2>Per layer</h2><table><tr><th>layer</th>{head}</tr>{''.join(rows)}</table>
+{_hybrid_html(result)}{_gate_html(result)}{_modality_html(result)}<h2>Per layer</h2><table><tr><th>layer</th>{head}</tr>{''.join(rows)}</table>
 <h3>What the columns mean</h3><dl>{legend}</dl>
 <h2>Sample 0 tokens (shaded by mean column mass)</h2><p>{''.join(toks)}</p>
 <h2>Figures</h2>{figs}
@@ -134,6 +157,12 @@ SCAN_CAPTIONS = {
                     "position usually stands far above 1 (high-norm / massive activations).",
     "sink_rate": "Sink^ε(k): share of layer×head pairs whose column mass at position k exceeds ε (Gu et al.), for "
                  "the first positions. Depends on T: compare scans at the same sequence length.",
+}
+#: The figure a vision-language scan adds.
+IMAGE_CAPTIONS = {
+    "image_sinks": "The image with its patches shaded by the mean attention they receive (over layers and heads); "
+                   "outlined patches are some head's dominant column, with the number of such heads. The token grid "
+                   "is stretched over the image as given: a processor's crop or resize is not undone.",
 }
 
 

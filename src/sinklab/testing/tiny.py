@@ -60,7 +60,7 @@ _EXPERT_KEYS = {"num_experts", "num_local_experts", "n_routed_experts", "moe_num
 _TOP_K_KEYS = {"num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k"}
 _WINDOW_KEYS = {"sliding_window", "sliding_window_size", "attention_window_size", "local_attention_window_len",
                 "window_size", "attention_chunk_size"}
-_FIXED = {  # other fields by name: small, consistent values
+FIXED = {  # other fields by name: small, consistent values
     "vocab_size": VOCAB, "decoder_vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB,
     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     "qk_head_dim": 16, "o_lora_rank": 16, "rotary_dim": 8, "pretraining_tp": 1,
@@ -77,7 +77,7 @@ _FIXED = {  # other fields by name: small, consistent values
 }
 _PATTERN_SUFFIXES = ("_period", "_every_n_layers", "_interval", "_pattern", "_layer_step", "moe_layer_freq")
 _OFFSET_SUFFIXES = ("_offset",)
-_TOKEN_KEEP = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sep_token_id": 2, "cls_token_id": 1,
+TOKEN_KEEP = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sep_token_id": 2, "cls_token_id": 1,
                "decoder_start_token_id": 1, "unk_token_id": 3, "mask_token_id": 3, "forced_eos_token_id": 2}
 
 
@@ -149,7 +149,7 @@ def pick_layers(lists: dict[str, list], n: int, prefer_full: bool = False) -> li
     return sorted(picked[:n])
 
 
-def _int(value: object) -> bool:
+def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -163,13 +163,13 @@ def _size_override(key: str, value: int, d: dict, layers: int, window: int) -> i
     if key in _HEAD_KEYS:
         return HEADS
     if key in _KV_HEAD_KEYS:  # multi-head attention stays multi-head (MLA needs it); grouped becomes 4 : 2
-        heads = next((d[k] for k in ("num_attention_heads", "n_head", "num_heads") if _int(d.get(k))), None)
+        heads = next((d[k] for k in ("num_attention_heads", "n_head", "num_heads") if is_int(d.get(k))), None)
         return HEADS if value == heads else min(KV_HEADS, value)
     if key in ("mamba_d_head", "mamba_head_dim", "mamba_headdim") or (ssm and key == "head_dim"):
         expand = d.get("mamba_expand", d.get("expand", 2))
         return WIDTH * int(expand) // HEADS  # SSM heads × head width = expand × width
-    if key == "head_dim" and _int(d.get("qk_rope_head_dim")) and value == d["qk_rope_head_dim"]:
-        return _FIXED["qk_rope_head_dim"]  # MLA: head_dim is the rotary part
+    if key == "head_dim" and is_int(d.get("qk_rope_head_dim")) and value == d["qk_rope_head_dim"]:
+        return FIXED["qk_rope_head_dim"]  # MLA: head_dim is the rotary part
     if key in _HEAD_DIM_KEYS:
         return HEAD_DIM
     if key in _POSITION_KEYS:
@@ -180,8 +180,8 @@ def _size_override(key: str, value: int, d: dict, layers: int, window: int) -> i
         return min(TOP_K, value)
     if key in _WINDOW_KEYS:
         return window
-    if key in _FIXED:
-        return _FIXED[key]
+    if key in FIXED:
+        return FIXED[key]
     if key.endswith("vocab_size"):  # shape_vocab_size, unpadded_vocab_size … (type_vocab_size stays small)
         return min(value, VOCAB)
     if "intermediate" in key or "ffn" in key or key.endswith(("_ff", "d_inner", "dff")):
@@ -191,12 +191,12 @@ def _size_override(key: str, value: int, d: dict, layers: int, window: int) -> i
     if key.endswith(_OFFSET_SUFFIXES):
         return 1 if value > 0 else value
     if key.endswith(("_token_id", "_token_index")):
-        if key in _TOKEN_KEEP or value >= VOCAB:
-            return _TOKEN_KEEP.get(key)
-        others = sorted(k for k, v in d.items() if k.endswith(("_token_id", "_token_index")) and k not in _TOKEN_KEEP
-                        and _int(v) and v < VOCAB)
+        if key in TOKEN_KEEP or value >= VOCAB:
+            return TOKEN_KEEP.get(key)
+        others = sorted(k for k, v in d.items() if k.endswith(("_token_id", "_token_index")) and k not in TOKEN_KEEP
+                        and is_int(v) and v < VOCAB)
         return VOCAB - 1 - others.index(key)  # an image/audio token id: at the top, clear of the data's ids
-    width = next((d[k] for k in ("hidden_size", "n_embd", "d_model") if _int(d.get(k))), None)
+    width = next((d[k] for k in ("hidden_size", "n_embd", "d_model") if is_int(d.get(k))), None)
     if width and value >= 256 and value * 4 % width == 0 and value * 4 // width in (2, 4, 8, 16):
         return WIDTH * value // width  # derived from the width under another name (half, the same, twice …)
     return None
@@ -209,7 +209,7 @@ def _none_override(key: str, d: dict) -> int | None:
         return HEAD_DIM
     if key in _KV_HEAD_KEYS and "num_attention_heads" in d:
         return KV_HEADS
-    if _int(d.get("moe_intermediate_size")):
+    if is_int(d.get("moe_intermediate_size")):
         if key in _EXPERT_KEYS:
             return EXPERTS
         if key in _TOP_K_KEYS:
@@ -221,13 +221,13 @@ def _none_override(key: str, d: dict) -> int | None:
 
 def _is_index_list(value: list, n_orig: int) -> bool:
     """A list of layer indices (``mlp_only_layers``, ``index_layers`` …): increasing ints below the layer count."""
-    return (bool(value) and len(value) < n_orig and all(_int(v) and 0 <= v < n_orig for v in value)
+    return (bool(value) and len(value) < n_orig and all(is_int(v) and 0 <= v < n_orig for v in value)
             and all(a < b for a, b in zip(value, value[1:])))
 
 
 def _is_reference_list(value: list) -> bool:
     """A per-layer list of layer indices (``kv_source_layers``: layer i reads layer value[i]'s cache)."""
-    return (all(_int(v) for v in value) and set(value) - {0, 1} != set() and value[0] == 0
+    return (all(is_int(v) for v in value) and set(value) - {0, 1} != set() and value[0] == 0
             and all(v <= i for i, v in enumerate(value)))
 
 
@@ -237,7 +237,7 @@ def _truncate(key: str, value: list, keep: list[int], d: dict, layers: int, wind
     if _is_reference_list(value):
         return [keep.index(value[i]) if value[i] in keep else j for j, i in enumerate(keep)]
     kept = [value[i] for i in keep]
-    if all(_int(v) for v in kept):
+    if all(is_int(v) for v in kept):
         tiny = [_size_override(key, int(v), d, layers, window) for v in kept]
         return [v if t is None else t for v, t in zip(kept, tiny)]
     return kept
@@ -290,7 +290,7 @@ def shrink(d: dict, layers: int, window: int, *, lists: bool = True, subs: str =
             out[key] = [keep.index(v) for v in value if v in keep]
         elif isinstance(value, list) and _pattern(value, layers) is not None and n_orig > len(value):
             out[key] = _pattern(value, layers)
-        elif _int(value):
+        elif is_int(value):
             new = _size_override(key, int(value), d, layers, window)
             if new is not None and new != value:
                 out[key] = new
@@ -334,7 +334,7 @@ def smoke_inputs(kind: str, length: int = 8) -> dict[str, Tensor]:
     return {"input_ids": torch.randint(*DATA_IDS, (1, length), generator=gen)}
 
 
-def _instantiate(cls, config, attn: str) -> nn.Module:
+def instantiate(cls, config, attn: str) -> nn.Module:
     torch.manual_seed(SEED)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -361,7 +361,7 @@ def _config_for(model_type: str, cls: Any) -> Any:
     return cfg0
 
 
-def _parameter_count(cls, config) -> int:
+def parameter_count(cls, config) -> int:
     """Parameters the model would have, counted on the meta device (nothing allocated)."""
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -424,7 +424,7 @@ def build(name: str, layers: int = LAYERS, window: int = OWN_WINDOW, *, prefer_f
             errors.append(f"config: {short_error(exc)}")
             continue
         try:
-            size = _parameter_count(cls, config)
+            size = parameter_count(cls, config)
         except Exception as exc:  # noqa: BLE001
             errors.append(f"model: {short_error(exc)}")
             continue
@@ -434,7 +434,7 @@ def build(name: str, layers: int = LAYERS, window: int = OWN_WINDOW, *, prefer_f
             continue
         for attn in ("sdpa", "eager"):
             try:
-                model = _instantiate(cls, copy.deepcopy(config), attn)
+                model = instantiate(cls, copy.deepcopy(config), attn)
                 with torch.no_grad(), warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     model(**smoke_inputs(kind))

@@ -1,0 +1,322 @@
+"""The vision-language conformance sweep: every image-text-to-text model type transformers registers, built as a tiny
+random model from its own default config, scanned on one procedurally drawn image and a short text, and checked
+against the model's own eager attention weights.
+
+One row per type (:func:`run_row`): ``not built`` (the tiny model could not be built or run at all: not sinklab's
+doing), or one scan cell — ``ok`` (the language model's attention maps match ``output_attentions=True`` of an eager
+twin on every layer that returns weights, and the modality statistics match a float64 loop over those weights),
+``wrong``, ``crash``, ``refused`` (sinklab's own refusal, with what would lift it) or ``n/a`` (the model's own eager
+forward fails, so there is no reference). ``benchmarks/vlm_architectures.py`` writes the table.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from torch import Tensor, nn
+
+from .. import _compat, vision_inputs
+from ..scan import ScanResult, scan_images
+from . import tiny
+from .conformance import Cell, NotApplicable, reference, run_cell
+
+__all__ = ["all_types", "build", "test_image", "cell_scan", "run_row", "modality_reference", "TEXT_IDS",
+           "TOLERANCE", "STATUSES"]
+
+STATUSES = ("ok", "wrong", "crash", "refused", "n/a", "not built")
+TOLERANCE = 1e-4
+TEXT_IDS = list(range(10, 42))  # the text after the image: inside the tiny vocabulary, clear of its image ids
+IMAGE_PIXELS = (40, 48)  # the drawn image's height and width (resized to each vision config)
+
+#: Per-type config fields on top of the generic shrink, each with why: sizes the generic rules cannot derive.
+_ONE_TILE = {"image_grid_pinpoints": [[tiny.IMAGE_SIZE, tiny.IMAGE_SIZE]]}  # any-resolution tiling: one tile
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "gemma3": {"mm_tokens_per_image": 4},  # pooled tokens per image: a square that divides the tiny patch grid
+    "gemma3n": {"vision_soft_tokens_per_image": 4},
+    "shieldgemma2": {"mm_tokens_per_image": 4},
+    "llava_next": _ONE_TILE, "llava_next_video": _ONE_TILE, "llava_onevision": _ONE_TILE,
+    "vipllava": {"vision_feature_layers": [-2, -1]},  # the vision layers it concatenates: of the tiny tower's two
+    "mllama": {"text_config": {"cross_attention_layers": [1]}},  # keep a cross-attention layer (the refusal's cause)
+}
+
+
+def all_types() -> list[str]:
+    """Every image-text-to-text model type of this transformers (``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def _model_class(model_type: str) -> Any:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type]
+    name = str(name[0] if isinstance(name, (tuple, list)) else name)
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise tiny.NotBuilt(f"transformers has no class {name}")
+    return cls
+
+
+def _token_ids(d: dict, out: dict, taken: list[tuple[int, int]]) -> None:
+    """Multimodal token ids of ``d`` (a config dict) moved into the tiny vocabulary's top rows, one row each."""
+    for key in sorted(d):
+        value = d[key]
+        if (not key.startswith("_") and key.endswith(("_token_id", "_token_index")) and key not in tiny.TOKEN_KEEP
+                and tiny.is_int(value)):
+            if value not in {v for v, _ in taken}:
+                taken.append((value, tiny.VOCAB - 1 - len(taken)))
+            out[key] = dict(taken)[value]
+
+
+def _vision_sizes(d: dict) -> dict:
+    """Vision-tower fields the generic shrink leaves: depth, window and full-attention blocks of windowed towers."""
+    out: dict = {}
+    for key, tiny_value in (("image_size", tiny.IMAGE_SIZE), ("patch_size", tiny.PATCH)):
+        if isinstance(d.get(key), list) and len(d[key]) == 2:  # (height, width)
+            out[key] = [tiny_value, tiny_value]
+    if tiny.is_int(d.get("depth")):
+        out["depth"] = tiny.LAYERS
+    if tiny.is_int(d.get("window_size")) and tiny.is_int(d.get("spatial_merge_size")):
+        out["window_size"] = tiny.PATCH * d["spatial_merge_size"] * 2
+    if tiny.is_int(d.get("out_hidden_size")):
+        out["out_hidden_size"] = tiny.WIDTH  # the projector's output: the text model's width
+    if isinstance(d.get("fullatt_block_indexes"), list):
+        out["fullatt_block_indexes"] = [tiny.LAYERS - 1]
+    if isinstance(d.get("deepstack_visual_indexes"), list):
+        out["deepstack_visual_indexes"] = [0]
+    return out
+
+
+#: The multimodal rotary split (time, height, width) Qwen2-VL's family uses when its config names none.
+MROPE_DEFAULT = [16, 24, 24]
+
+
+def _rope_sections(d: dict, multimodal: bool = False) -> dict:
+    """A multimodal rotary split (``mrope_section``, halves of the head width by axis) scaled to the tiny width;
+    ``multimodal``: the model rotates by (time, height, width) even where the config names no split."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling")
+    if not isinstance(rope, dict):
+        return {}
+    sections = rope.get("mrope_section") or (MROPE_DEFAULT if multimodal else None)
+    if not isinstance(sections, list):
+        return {}
+    rotated = tiny.FIXED["qk_rope_head_dim"] if tiny.is_int(d.get("qk_rope_head_dim")) else tiny.HEAD_DIM
+    rotated = int(rotated * float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0))
+    half, total = rotated // 2, sum(sections)
+    scaled = [max(1, s * half // total) for s in sections]
+    scaled[0] += half - sum(scaled)
+    key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+    return {key: {**rope, "mrope_section": scaled}}
+
+
+def _shrunk(d: dict, lists: bool, subs: str) -> dict:
+    overrides = tiny.shrink(d, tiny.LAYERS, tiny.OWN_WINDOW, lists=lists, subs=subs)
+    taken: list[tuple[int, int]] = []
+    _token_ids(d, overrides, taken)
+    vision = d.get("vision_config") or {}
+    multimodal = tiny.is_int(vision.get("temporal_patch_size")) or tiny.is_int(vision.get("spatial_merge_size"))
+    for key, value in d.items():
+        if isinstance(value, dict) and key.endswith("_config"):
+            sub = overrides.get(key, {} if subs == "overrides" else dict(value))
+            sub = {**sub, **_vision_sizes(value), **_rope_sections(value, multimodal and key == "text_config")}
+            inner: dict = {}
+            _token_ids(value, inner, taken)
+            sub.update(inner)
+            if sub:
+                overrides[key] = sub
+    overrides.update(_rope_sections(d))
+    return overrides
+
+
+def test_image() -> Any:
+    """A procedurally drawn RGB image (PIL): diagonal colour bands and a bright square, the same every run."""
+    from PIL import Image
+
+    rows, cols = np.indices(IMAGE_PIXELS)
+    array = np.stack([(rows * 5 + cols * 3) % 256, (rows * 2 + cols * 7) % 256, (rows * cols) % 256], -1)
+    array[8:20, 10:24] = 255
+    return Image.fromarray(array.astype(np.uint8))
+
+
+def build(model_type: str) -> tiny.Built:
+    """A tiny random model of image-text-to-text type ``model_type`` (float32, eval, seeded): its default config
+    with text and vision sizes shrunk (:func:`sinklab.testing.tiny.shrink`, the vision tower's depth and window, the
+    rotary sections), multimodal token ids moved into the tiny vocabulary, :data:`OVERRIDES`; SDPA, else eager
+    attention; the first variant that scans the test image's pixels through the vision tower wins."""
+    cls = _model_class(model_type)
+    try:
+        cfg0 = tiny.default_config(model_type)
+    except Exception as exc:  # noqa: BLE001 - the type's own defaults are unusable
+        raise tiny.NotBuilt(f"its default config fails: {tiny.short_error(exc)}") from None
+    d = cfg0.to_dict()
+    vision_class = (getattr(cfg0, "sub_configs", None) or {}).get("vision_config")
+    if d.get("vision_config") is None and isinstance(vision_class, type):  # a default without its vision tower
+        try:
+            d["vision_config"] = vision_class().to_dict()
+        except Exception:  # noqa: BLE001 - no default vision config: the model is built without one
+            pass
+    errors: list[str] = []
+    fallback: tiny.Built | None = None  # the first model that instantiates, should none run on sinklab's inputs
+    for attempt, lists, subs in tiny.ATTEMPTS:
+        overrides = _shrunk(d, lists, subs)
+        for key, value in OVERRIDES.get(model_type, {}).items():  # a sub-config's fields merge into it
+            overrides[key] = {**overrides.get(key, {}), **value} if isinstance(value, dict) else value
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                config = type(cfg0)(**overrides)
+            size = tiny.parameter_count(cls, config)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"config: {tiny.short_error(exc)}")
+            continue
+        if size > tiny.MAX_PARAMETERS:
+            errors.append(f"still {size / 1e6:.1f} M parameters after shrinking")
+            continue
+        for attn in ("sdpa", "eager"):
+            try:
+                model = tiny.instantiate(cls, copy.deepcopy(config), attn)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(f"{attn} model: {tiny.short_error(exc)}")
+                continue
+            built = tiny.Built(model_type, model_type, "vision-language", model, attn, attempt, overrides)
+            fallback = fallback or built
+            try:  # the first variant that also runs on the inputs sinklab builds from the config wins
+                inputs = vision_inputs.config_inputs(model, test_image(), TEXT_IDS)
+                with torch.no_grad(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    _compat.base_model(model)(**inputs.batches[0])
+            except Exception:  # noqa: BLE001 - the cell says why (refused, or the model's own forward fails)
+                continue
+            return built
+    if fallback is not None:
+        return fallback
+    telling = [e for e in errors if "does not support an attention implementation" not in e]
+    raise tiny.NotBuilt((telling or errors or ["no attempt built it"])[0])
+
+
+def _eager_twin(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with eager attention everywhere (``output_attentions`` needs it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cls: Any = type(model)
+        twin = cls._from_config(copy.deepcopy(model.config), attn_implementation="eager", dtype=torch.float32)
+    twin.load_state_dict(model.state_dict())
+    return twin.eval()
+
+
+def language_attentions(model: nn.Module, batch: dict[str, Tensor], layers: int) -> list[Tensor]:
+    """The language model's ``[B, H, T, T]`` eager attention weights of ``batch``, one per decoder layer (the model's
+    output may hold the vision tower's weights too: the last ``layers`` of matching length are the decoder's)."""
+    twin = _eager_twin(model)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = _compat.base_model(twin)(**batch, output_attentions=True)
+    t = batch["input_ids"].shape[-1]
+    weights = [w for w in (getattr(out, "attentions", None) or ()) if isinstance(w, Tensor) and w.dim() == 4
+               and w.shape[-1] == t and w.shape[-2] == t]
+    return weights[-layers:] if len(weights) >= layers else []
+
+
+def modality_reference(weights: list[Tensor], codes: Tensor, eps: float) -> dict[str, Tensor]:
+    """Float64 loop over eager weights ``[1, H, T, T]`` per layer of one sample with ``codes`` ``[T]``: per layer and
+    head the text and image sink strength (largest column mass over the eligible keys of the modality: keys seen by
+    at least max(8, ⌈T/8⌉) queries), and the share of the text queries' attention to the image that lands on image
+    keys whose column mass reaches ``eps``. Written as loops on purpose: independent of the library's tensor code."""
+    t = int(codes.shape[0])
+    need = max(8, math.ceil(t / 8))
+    out = {name: torch.full((len(weights), weights[0].shape[1]), math.nan, dtype=torch.float64)
+           for name in ("text", "image", "share")}
+    for layer, w in enumerate(weights):
+        a = w[0].double()
+        for head in range(a.shape[0]):
+            mass, seen = [], []
+            for k in range(t):
+                rows = [q for q in range(t) if a[head, q, k] > 0]  # the queries that see key k (masked: exactly 0)
+                seen.append(len(rows))
+                mass.append(sum(float(a[head, q, k]) for q in rows) / len(rows) if rows else math.nan)
+            cap = min(need, max(seen))
+            eligible = [seen[k] >= cap and seen[k] > 0 for k in range(t)]
+            for name, code in (("text", vision_inputs.TEXT), ("image", vision_inputs.IMAGE)):
+                values = [mass[k] for k in range(t) if eligible[k] and int(codes[k]) == code]
+                if values:
+                    out[name][layer, head] = max(values)
+            total = on_sinks = 0.0
+            for k in range(t):
+                if int(codes[k]) != vision_inputs.IMAGE:
+                    continue
+                given = sum(float(a[head, q, k]) for q in range(t) if int(codes[q]) == vision_inputs.TEXT)
+                total += given
+                if eligible[k] and mass[k] >= eps:
+                    on_sinks += given
+            if total > 0:
+                out["share"][layer, head] = on_sinks / total
+    return out
+
+
+def compare(result: ScanResult, weights: list[Tensor], codes: Tensor,
+            layers: list[int] | None = None) -> tuple[float, float]:
+    """(worst attention-map difference, worst modality-statistic difference) of sample 0 against ``weights``, the
+    eager weights of decoder ``layers`` (default: every layer; a hybrid's attention layers)."""
+    assert result.attention_maps is not None
+    layers = list(range(len(weights))) if layers is None else layers
+    maps = result.attention_maps.double()
+    m = maps.shape[-1]
+    worst_map = max(float((maps[i] - w[0, :, :m, :m].double()).abs().max()) for i, w in zip(layers, weights))
+    ref = modality_reference(weights, codes, result.meta["thresholds"]["eps"])
+    ours = {"text": result.modality_sink_strength("text")[0][layers],
+            "image": result.modality_sink_strength("image")[0][layers], "share": result.visual_sink_share()[0][layers]}
+    worst_stat = 0.0
+    for name, value in ours.items():
+        a, b = value.double(), ref[name]
+        if not torch.equal(torch.isnan(a), torch.isnan(b)):
+            return worst_map, math.inf
+        both = ~torch.isnan(a)
+        if bool(both.any()):
+            worst_stat = max(worst_stat, float((a[both] - b[both]).abs().max()))
+    return worst_map, worst_stat
+
+
+def cell_scan(built: tiny.Built) -> Cell:
+    """Scan the test image and :data:`TEXT_IDS`; compare every decoder layer's map (the whole sequence) and the
+    modality statistics with the eager twin's weights (max abs difference ≤ :data:`TOLERANCE`)."""
+    model = built.model
+    vision_inputs.check_vision_model(model, "an image")
+    batch = vision_inputs.config_inputs(model, test_image(), TEXT_IDS)  # refused: what sinklab cannot build
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference("the model's own forward on these inputs", lambda: _compat.base_model(model)(**batch.batches[0]))
+    result = scan_images(model, [test_image()], text_ids=TEXT_IDS, map_len=4096)
+    attn = result.attention_layers  # a hybrid's layers without attention have no weights (marked as such)
+    weights = reference("eager output_attentions", lambda: language_attentions(model, batch.batches[0], len(attn)))
+    if len(weights) != len(attn):
+        raise NotApplicable(f"the eager model returns {len(weights)} decoder attention maps for {len(attn)} "
+                            "attention layers")
+    worst_map, worst_stat = compare(result, weights, batch.modality[0][0], attn)
+    counts = result.modality_summary()["positions"]
+    others = result.num_layers - len(attn)
+    msg = (f"{len(attn)} decoder attention layers{f' (+{others} recurrent, marked as such)' if others else ''}, "
+           f"{counts['image']} image + {counts['image-special']} framing + {counts['text']} "
+           f"text tokens: maps vs eager output_attentions max abs diff {worst_map:.1e}, modality statistics vs "
+           f"float64 loop {worst_stat:.1e}")
+    return Cell("ok" if max(worst_map, worst_stat) <= TOLERANCE else "wrong", msg)
+
+
+def run_row(model_type: str) -> dict:
+    """One row: how the tiny model was built (or why not), and the scan cell."""
+    try:
+        built = build(model_type)
+    except tiny.NotBuilt as exc:
+        return {"type": model_type, "status": "not built", "detail": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - building is transformers' code; any failure means not built
+        return {"type": model_type, "status": "not built", "detail": tiny.short_error(exc)}
+    cell = run_cell(lambda: cell_scan(built))
+    params = sum(p.numel() for p in built.model.parameters())
+    return {"type": model_type, "class": type(built.model).__name__, "status": cell.status, "detail": cell.message,
+            "attn": built.attn, "attempt": built.attempt, "parameters": params, "seconds": cell.seconds}

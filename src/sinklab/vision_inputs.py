@@ -1,0 +1,339 @@
+"""Inputs for scanning a vision-language model: images read from files, turned into the model's pixel inputs (by
+its own processor, or from its config for a model that has none, such as a tiny random one), the token sequence with
+the image's tokens in place, and which position holds which modality.
+
+A position is one of :data:`MODALITIES`: ``text``, ``image`` (one of the tokens the vision tower's features replace,
+the config's ``image_token_id`` / ``image_token_index``), or ``image-special`` (a token that frames an image: begin /
+end of image, vision start / end). Where the image tokens of one image form a grid, :class:`ImageSpan` says its rows
+and columns, so a patch index reads as (row, column).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import _compat
+from .errors import InputError, UnsupportedModelError
+
+__all__ = ["MODALITIES", "TEXT", "IMAGE", "IMAGE_SPECIAL", "ImageSpan", "VisionInputs", "image_token_id",
+           "special_image_ids", "modality_codes", "image_spans", "load_images", "config_inputs", "processor_inputs",
+           "check_vision_model", "patch_label"]
+
+#: Modality codes of :func:`modality_codes`, by index.
+MODALITIES = ("text", "image", "image-special")
+TEXT, IMAGE, IMAGE_SPECIAL = 0, 1, 2
+
+#: Config fields that name the token the vision features replace.
+IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index")
+#: Config fields of tokens that frame an image, as (opening, closing) pairs.
+FRAME_TOKEN_FIELDS = (("boi_token_id", "eoi_token_id"), ("boi_token_index", "eoi_token_index"),
+                      ("vision_start_token_id", "vision_end_token_id"), ("image_start_token_id", "image_end_token_id"),
+                      ("start_image_token_id", "end_image_token_id"))
+#: Other config fields of image-framing tokens (no pair).
+OTHER_SPECIAL_FIELDS = ("fake_image_token_id", "global_image_token_id", "image_newline_token_id",
+                        "image_break_token_id", "image_end_token_id")
+
+
+def _config_int(config: object, name: str) -> int | None:
+    for cfg in (config, getattr(config, "text_config", None)):
+        value = getattr(cfg, name, None) if cfg is not None else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def image_token_id(config: object) -> int | None:
+    """The id of the token the vision features replace (``image_token_id`` or ``image_token_index``), or None."""
+    for name in IMAGE_TOKEN_FIELDS:
+        value = _config_int(config, name)
+        if value is not None:
+            return value
+    return None
+
+
+def special_image_ids(config: object) -> set[int]:
+    """Ids of the tokens that frame an image (begin/end of image, vision start/end …) the config names."""
+    names = [n for pair in FRAME_TOKEN_FIELDS for n in pair] + list(OTHER_SPECIAL_FIELDS)
+    ids = {_config_int(config, n) for n in names}
+    image = image_token_id(config)
+    return {i for i in ids if i is not None and i != image}
+
+
+def modality_codes(input_ids: Tensor, config: object) -> Tensor:
+    """``[B, T]`` int8 modality of each position (:data:`MODALITIES`) of ``input_ids`` ``[B, T]``."""
+    image = image_token_id(config)
+    if image is None:
+        raise UnsupportedModelError(f"{type(config).__name__} names no image token (image_token_id / "
+                                    "image_token_index), so sinklab cannot tell image positions from text.")
+    codes = torch.zeros(input_ids.shape, dtype=torch.int8)
+    special = sorted(special_image_ids(config))
+    if special:
+        codes[torch.isin(input_ids.cpu(), torch.tensor(special))] = IMAGE_SPECIAL
+    codes[input_ids.cpu() == image] = IMAGE
+    return codes
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image's tokens in one sample: their positions and, where known, the grid they form (``rows`` ×
+    ``cols``, row-major: patch ``i`` is row ``i // cols``, column ``i % cols``)."""
+
+    positions: tuple[int, ...]
+    rows: int | None = None
+    cols: int | None = None
+
+    def to_json(self) -> dict:
+        return {"first": self.positions[0] if self.positions else None, "count": len(self.positions),
+                "rows": self.rows, "cols": self.cols}
+
+
+def image_spans(codes: Tensor, grids: Sequence[tuple[int, int] | None] = ()) -> list[ImageSpan]:
+    """The runs of image positions in one sample's codes ``[T]``, the ``i``-th run with ``grids[i]`` (rows, cols)
+    when it has that many tokens (no grid otherwise: rows and columns unknown)."""
+    positions = (codes == IMAGE).nonzero().flatten().tolist()
+    runs: list[list[int]] = []
+    for p in positions:
+        if runs and p == runs[-1][-1] + 1:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    if len(grids) == 1 and len(runs) > 1 and grids[0] is not None and grids[0][0] * grids[0][1] == len(positions):
+        runs = [positions]  # one image whose rows are separated by break tokens
+    spans = []
+    for i, run in enumerate(runs):
+        grid = grids[i] if i < len(grids) else None
+        if grid is not None and grid[0] * grid[1] != len(run):
+            grid = None
+        spans.append(ImageSpan(tuple(run), *(grid or (None, None))))
+    return spans
+
+
+def patch_label(spans: Sequence[ImageSpan], position: int) -> str | None:
+    """``"image 0 patch 5 (row 1, col 1)"`` for an image position, None for any other."""
+    for i, span in enumerate(spans):
+        if position in span.positions:
+            index = span.positions.index(position)
+            where = f" (row {index // span.cols}, col {index % span.cols})" if span.cols else ""
+            return f"image {i} patch {index}{where}"
+    return None
+
+
+@dataclass
+class VisionInputs:
+    """A vision-language scan's inputs: model-ready ``batches``, each sample's token labels, each batch's
+    ``[B, T]`` modality codes, and each sample's image grids (rows, cols) where known."""
+
+    batches: list[dict[str, Tensor]]
+    tokens: list[list[str]]
+    modality: list[Tensor]
+    grids: list[list[tuple[int, int] | None]] = field(default_factory=list)
+
+
+def check_vision_model(model: nn.Module, what: str = "--image") -> None:
+    """Refuse a model without a vision tower (a text-only causal LM given images), and a vision-language model whose
+    image positions sinklab cannot find (no image token: the vision features enter some other way)."""
+    if getattr(getattr(model, "config", None), "vision_config", None) is None:
+        raise InputError(f"{type(model).__name__} has no vision tower (no vision_config in its config), so it cannot "
+                         f"take {what}; give a vision-language model (Llava, Qwen2-VL, Gemma 3, Idefics3/SmolVLM, "
+                         "PaliGemma …) or drop it.")
+    if not _compat.vision_language(model):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: sinklab finds no text decoder of its own (get_decoder) beside the vision tower "
+            "(an encoder-decoder or a decoder that is the whole model); scanning it needs the decoder's blocks told "
+            "apart from the vision tower's.")
+    if _compat.config_get(model.config, "cross_attention_layers"):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: its decoder reads the image through cross-attention layers (the image's tokens "
+            "are not in the sequence), and the scan keeps one self-attention map per layer over the sequence. "
+            "Lifting it needs the cross-attention layers' maps kept apart, over the image's tokens.")
+    if image_token_id(model.config) is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: its config names no image token (image_token_id / image_token_index): the vision "
+            "features enter the decoder some other way (query tokens, cross-attention, a prefix), so sinklab cannot "
+            "tell image positions from text. Lifting it needs that model's rule for where its image positions are.")
+
+
+def load_images(paths: Sequence[str | Path]) -> list:
+    """The images at ``paths`` as RGB ``PIL.Image``\\ s; an unreadable file is an :class:`InputError` naming it."""
+    from PIL import Image, UnidentifiedImageError
+
+    images = []
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                images.append(image.convert("RGB"))
+        except (OSError, UnidentifiedImageError, ValueError) as exc:
+            raise InputError(f"cannot read image {path}: {' '.join(str(exc).split()) or type(exc).__name__}") from None
+    return images
+
+
+# ----------------------------------------------------------------------------- pixels from the config
+def _vision_config(model: nn.Module) -> Any:
+    return getattr(model.config, "vision_config", None)
+
+
+def _pixels(image: Any, size: int) -> Tensor:
+    """``[3, size, size]`` float pixels in [−1, 1] of a PIL image resized to ``size`` × ``size``."""
+    import numpy as np
+
+    array = np.asarray(image.convert("RGB").resize((size, size)), dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+def _layouts(model: nn.Module, image: Any) -> list[tuple[str, dict[str, Tensor], tuple[int, int] | None]]:
+    """Pixel-input layouts vision towers take, most common first: (name, inputs of one image, token grid)."""
+    vc = _vision_config(model)
+    patch = getattr(vc, "patch_size", 14) or 14
+    patch = int(patch[0] if isinstance(patch, (list, tuple)) else patch)
+    temporal = getattr(vc, "temporal_patch_size", None)
+    merge = int(getattr(vc, "spatial_merge_size", 1) or 1)
+    size = getattr(vc, "image_size", None)
+    if isinstance(size, (list, tuple)):
+        size = size[0]
+    size = int(size) if isinstance(size, int) and size > 0 else patch * 4 * merge
+    square = _pixels(image, size)
+    out: list[tuple[str, dict[str, Tensor], tuple[int, int] | None]] = []
+    if temporal or merge > 1:  # Qwen2-VL family: flattened patches (time × channels × patch × patch) and their grid
+        temporal = temporal or 1
+        grid = size // patch
+        frames = square[None].expand(int(temporal), -1, -1, -1)  # (t, 3, S, S)
+        patches = frames.reshape(int(temporal), 3, grid // merge, merge, patch, grid // merge, merge, patch)
+        patches = patches.permute(2, 5, 3, 6, 1, 0, 4, 7).reshape(grid * grid, -1)
+        thw, cells = torch.tensor([[1, grid, grid]]), (grid // merge, grid // merge)
+        out.append(("patches", {"pixel_values": patches, "image_grid_thw": thw}, cells))
+        if temporal == 1:  # the same patches as small images, unbatched and batched (PaddleOCR-VL, Kimi-VL style)
+            tiles = patches.reshape(grid * grid, 3, patch, patch)
+            out.append(("patch images", {"pixel_values": tiles, "image_grid_thw": thw}, cells))
+            out.append(("batched patch images", {"pixel_values": tiles[None], "image_grid_thw": thw}, cells))
+    out.append(("square", {"pixel_values": square[None]}, None))
+    out.append(("square with sizes", {"pixel_values": square[None], "image_sizes": torch.tensor([[size, size]])}, None))
+    # any-resolution tiling (LLaVA-NeXT, OneVision): the whole image and one tile of it
+    out.append(("tiles with sizes", {"pixel_values": square[None, None].expand(1, 2, -1, -1, -1).contiguous(),
+                                     "image_sizes": torch.tensor([[size, size]])}, None))
+    out.append(("image list", {"pixel_values": square[None, None],
+                               "pixel_attention_mask": torch.ones(1, 1, size, size, dtype=torch.bool)}, None))
+    return out
+
+
+def _square(count: int) -> tuple[int, int] | None:
+    side = math.isqrt(count)
+    return (side, side) if side * side == count else None
+
+
+def _feature_count(output: Any) -> int:
+    """Rows of image features in ``get_image_features``' output (a tensor, a list of them, or a model output)."""
+    for name in ("pooler_output", "image_embeds", "last_hidden_state"):
+        value = getattr(output, name, None)
+        if value is not None:
+            output = value
+            break
+    if isinstance(output, Tensor):
+        return int(output.reshape(-1, output.shape[-1]).shape[0])
+    if isinstance(output, (list, tuple)) and output and all(isinstance(x, Tensor) for x in output):
+        return sum(int(x.reshape(-1, x.shape[-1]).shape[0]) for x in output)
+    raise UnsupportedModelError(f"cannot count the image features in a {type(output).__name__}")
+
+
+@torch.no_grad()
+def _image_pixels(model: nn.Module, image: Any) -> tuple[dict[str, Tensor], int, tuple[int, int] | None]:
+    """One image's pixel inputs from the model's config, how many tokens its features fill, and their grid."""
+    stack = _compat.base_model(model)
+    get = getattr(stack, "get_image_features", None) or getattr(model, "get_image_features", None)
+    if get is None:
+        raise UnsupportedModelError(f"{type(model).__name__} has no get_image_features, so sinklab cannot count the "
+                                    "tokens an image fills from the config; give its processor instead (sinklab scan "
+                                    "MODEL --image loads the model's own processor)")
+    errors = []
+    device = _compat.input_device(model)
+    for name, inputs, grid in _layouts(model, image):
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+        try:
+            count = _feature_count(get(**inputs))
+        except Exception as exc:  # noqa: BLE001 - a layout this tower does not take
+            errors.append(f"{name}: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}")
+            continue
+        if grid is None and name in ("square", "image list"):  # one picture's features: a square grid if any
+            grid = _square(count)
+        return inputs, count, grid if grid is not None and grid[0] * grid[1] == count else None
+    raise UnsupportedModelError(f"{type(model).__name__}: no pixel layout sinklab builds from a config fits its vision "
+                                f"tower ({'; '.join(errors)}); give its processor instead, or teach "
+                                "sinklab.vision_inputs its layout")
+
+
+def config_inputs(model: nn.Module, image: Any, text_ids: Sequence[int], *, bos: int | None = None) -> VisionInputs:
+    """One sample for a model without a processor (a tiny random model): ``image`` (PIL) resized to the vision
+    config's image size, the config's image-framing tokens around as many image tokens as its features fill, then
+    ``text_ids``; ``bos`` first when given. Token labels: ``<image>`` and the framing tokens' names, text as ids."""
+    check_vision_model(model, "an image")
+    config = model.config
+    pixels, count, grid = _image_pixels(model, image)
+    image_id = image_token_id(config)
+    opening = closing = None
+    for first, last in FRAME_TOKEN_FIELDS:
+        a, b = _config_int(config, first), _config_int(config, last)
+        if a is not None and b is not None:
+            opening, closing = (a, first), (b, last)
+            break
+    ids: list[int] = [] if bos is None else [bos]
+    labels: list[str] = [] if bos is None else [f"<{bos}>"]
+    if opening is not None:
+        ids.append(opening[0])
+        labels.append(f"<{opening[1].removesuffix('_id').removesuffix('_index')}>")
+    ids += [image_id] * count  # type: ignore[list-item]  # check_vision_model: there is one
+    labels += ["<image>"] * count
+    if closing is not None:
+        ids.append(closing[0])
+        labels.append(f"<{closing[1].removesuffix('_id').removesuffix('_index')}>")
+    ids += list(text_ids)
+    labels += [str(i) for i in text_ids]
+    input_ids = torch.tensor([ids], device=_compat.input_device(model))
+    codes = modality_codes(input_ids, config)
+    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), **pixels}
+    if "mm_token_type_ids" in inspect.signature(type(_compat.base_model(model)).forward).parameters:
+        batch["mm_token_type_ids"] = (codes == IMAGE).long().to(input_ids.device)  # M-RoPE: 1 marks image tokens
+    return VisionInputs([batch], [labels], [codes], [[grid]])
+
+
+def processor_inputs(model: nn.Module, processor: Any, images: Sequence[Any], text: str) -> VisionInputs:
+    """One sample through the model's own processor: a user turn of ``images`` then ``text`` (the processor's chat
+    template where it has one, else its image token per image before the text), tokenised with every image's tokens
+    in place. Token labels are the tokenizer's token strings."""
+    check_vision_model(model)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    prompt = None
+    if getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None):
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+        try:
+            prompt = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False)
+        except Exception:  # noqa: BLE001 - a template that wants something else: the plain prompt below
+            prompt = None
+    if prompt is None:
+        token = getattr(processor, "image_token", None) or "<image>"
+        prompt = token * len(images) + text
+    try:
+        encoded = processor(text=[prompt], images=list(images), return_tensors="pt")
+    except Exception as exc:  # noqa: BLE001 - the processor's own complaint, in one line
+        raise InputError(f"the model's processor could not take the image(s): {type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:300]}") from None
+    device = _compat.input_device(model)
+    batch = {k: v.to(device) for k, v in encoded.items() if isinstance(v, Tensor)}
+    ids = batch["input_ids"]
+    batch.setdefault("attention_mask", torch.ones_like(ids))
+    labels = [str(t) for t in tokenizer.convert_ids_to_tokens(ids[0].tolist())]
+    codes = modality_codes(ids, model.config)
+    grids: list[tuple[int, int] | None] = []
+    thw = batch.get("image_grid_thw")
+    if thw is not None:
+        merge = int(getattr(_vision_config(model), "spatial_merge_size", 1) or 1)
+        grids = [(int(h) // merge, int(w) // merge) for _, h, w in thw.tolist()]
+    elif getattr(model.config, "image_grid_pinpoints", None) is None:  # no tiling: each run of tokens is one picture
+        grids = [_square(len(span.positions)) for span in image_spans(codes[0])]
+    return VisionInputs([batch], [labels], [codes], [grids])

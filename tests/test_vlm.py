@@ -1,0 +1,205 @@
+"""Vision-language models: the scan with images, every statistic split by modality.
+
+The tiny models are built from their types' own default configs, shrunk (:mod:`sinklab.testing.vlm_conformance`);
+the reference is a float64 loop over the model's own eager attention weights (``output_attentions=True``) of its
+language model's layers. The image is drawn procedurally (no files, nothing downloaded).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from sinklab import _compat, metrics, vision_inputs
+from sinklab.capture import AttentionCapture
+from sinklab.cli import app
+from sinklab.errors import InputError
+from sinklab.scan import scan_images
+from sinklab.testing import tiny
+from sinklab.testing import vlm_conformance as vc
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore::sinklab.scan.ShortSequenceWarning")]  # one short sample
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def models() -> dict:
+    return {}
+
+
+def built(models: dict, model_type: str):
+    if model_type not in models:
+        models[model_type] = vc.build(model_type)
+    return models[model_type]
+
+
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_vl", "gemma3"])
+def test_modality_statistics_match_a_float64_loop(models, model_type):
+    """Maps of every decoder layer, text/image sink strength and the share of text→image attention on visual sink
+    tokens, against a float64 loop over the eager twin's weights; at an ε low enough that image tokens do sink."""
+    model = built(models, model_type).model
+    inputs = vision_inputs.config_inputs(model, vc.test_image(), vc.TEXT_IDS)
+    eps = 0.05
+    result = scan_images(model, [vc.test_image()], text_ids=vc.TEXT_IDS, map_len=4096, thresholds={"eps": eps})
+    layers = result.num_layers
+    assert layers == tiny.LAYERS  # the text decoder's layers, not the vision tower's
+    weights = vc.language_attentions(model, inputs.batches[0], layers)
+    assert len(weights) == layers
+    worst_map, worst_stat = vc.compare(result, weights, inputs.modality[0][0])
+    assert worst_map <= 1e-5 and worst_stat <= 1e-6, (worst_map, worst_stat)
+    ref = vc.modality_reference(weights, inputs.modality[0][0], eps)
+    share = result.visual_sink_share()[0]
+    assert bool(torch.isfinite(share).all()) and bool((share > 0).any())  # some text→image attention on sinks
+    rate = result.modality_sink_rate("image")
+    assert torch.allclose(rate, 100.0 * (ref["image"] >= eps).double().mean(-1))
+    codes = inputs.modality[0][0]
+    n_image = int((codes == vision_inputs.IMAGE).sum())
+    summary = result.to_json()["modality"]
+    assert summary["positions"]["image"] == n_image and summary["positions"]["text"] == len(vc.TEXT_IDS)
+    for sink in summary["top_sinks"]:
+        code = int(codes[sink["position"]])
+        assert sink["modality"] == vision_inputs.MODALITIES[code]
+        assert (sink["patch"] is not None) == (code == vision_inputs.IMAGE)
+
+
+def test_top_sinks_name_the_patch_row_and_column(models):
+    """Llava's 16 image tokens form a 4 × 4 grid: patch i is row i // 4, column i % 4."""
+    model = built(models, "llava").model
+    result = scan_images(model, [vc.test_image()], text_ids=vc.TEXT_IDS)
+    assert result.meta["image_grids"] == [[[4, 4]]]
+    spans = vision_inputs.image_spans(result.modality[0], [(4, 4)])
+    first = spans[0].positions[0]
+    assert vision_inputs.patch_label(spans, first + 6) == "image 0 patch 6 (row 1, col 2)"
+    assert vision_inputs.patch_label(spans, first - 1) is None
+
+
+def test_image_sink_figure_places_the_patch_grid(models):
+    from sinklab.report.vlm_figures import image_sinks, patch_mass
+
+    model = built(models, "llava").model
+    result = scan_images(model, [vc.test_image()], text_ids=vc.TEXT_IDS)
+    mass, counts = patch_mass(result)
+    positions = vision_inputs.image_spans(result.modality[0], [(4, 4)])[0].positions
+    expected = result.column_mass[0][..., list(positions)].double().nanmean(dim=(0, 1)).reshape(4, 4)
+    assert torch.allclose(torch.from_numpy(mass), expected)
+    dominant = result.dominant_columns()[0].flatten().tolist()
+    assert counts.sum() == sum(p in positions for p in dominant)
+    assert image_sinks(result) is not None
+
+
+def test_the_vision_tower_keeps_its_own_attention(models):
+    model = built(models, "gemma3").model
+    tower = model.model.vision_tower
+    before = _compat.get_attn_implementation(tower)
+    with AttentionCapture(model) as cap:
+        assert _compat.get_attn_implementation(tower) == before
+        assert cap.num_layers == tiny.LAYERS
+        assert _compat.find_layers(model) is _compat.language_model(model).layers
+    assert _compat.get_attn_implementation(tower) == before
+
+
+def test_modality_metrics_by_hand():
+    """One sample, one layer, one head, four keys: text, image, image, text; all eligible."""
+    mass = torch.tensor([0.5, 0.3, 0.1, 0.1], dtype=torch.float64).reshape(1, 1, 1, 4)
+    codes = torch.tensor([[0, 1, 1, 0]])
+    eligible = torch.ones(1, 1, 1, 4, dtype=torch.bool)
+    text = metrics.modality_sink_strength(mass, eligible, codes == 0)
+    image = metrics.modality_sink_strength(mass, eligible, codes == 1)
+    assert float(text) == 0.5 and math.isclose(float(image), 0.3)
+    assert metrics.modality_sink_rate(image, 0.25).tolist() == [100.0]
+    assert metrics.modality_sink_rate(image, 0.35).tolist() == [0.0]
+    group = torch.tensor([0.4, 0.6, 0.2, 0.8], dtype=torch.float64).reshape(1, 1, 1, 4)  # the text queries' sums per key
+    share = metrics.visual_sink_share(group, mass, eligible, codes == 1, 0.25)  # key 1 sinks, key 2 does not
+    assert math.isclose(float(share), 0.6 / 0.8)
+    none = metrics.modality_sink_strength(mass, eligible, torch.zeros(1, 4, dtype=torch.bool))
+    assert bool(torch.isnan(none).all())
+
+
+def test_modality_codes_and_refusals(models):
+    model = built(models, "qwen2_vl").model
+    inputs = vision_inputs.config_inputs(model, vc.test_image(), [10, 11])
+    codes = inputs.modality[0][0].tolist()
+    assert codes[0] == vision_inputs.IMAGE_SPECIAL and codes[-3] == vision_inputs.IMAGE_SPECIAL  # vision start/end
+    assert codes.count(vision_inputs.IMAGE) == 16 and codes[-2:] == [0, 0]
+    text_model = tiny.named_model("llama-gqa")
+    with pytest.raises(InputError, match="no vision tower"):
+        scan_images(text_model, [vc.test_image()], text_ids=[1, 2])
+    with pytest.raises(InputError, match="cannot read image"):
+        vision_inputs.load_images([Path(__file__)])
+
+
+def test_sweep_rows_on_a_subset():
+    rows = [vc.run_row(t) for t in ("idefics3", "paligemma")]
+    assert [r["status"] for r in rows] == ["ok", "ok"], rows
+
+
+# ----------------------------------------------------------------------------- the command line
+@pytest.fixture(scope="module")
+def llava_folder(tmp_path_factory, models) -> Path:
+    """A tiny Llava saved with its processor (the pixel preprocessor and a tokenizer with ``<image>``)."""
+    from transformers import LlavaForConditionalGeneration, LlavaImageProcessorPil, LlavaProcessor
+
+    tok = tiny.tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    pixels = LlavaImageProcessorPil(size={"shortest_edge": tiny.IMAGE_SIZE},
+                                    crop_size={"height": tiny.IMAGE_SIZE, "width": tiny.IMAGE_SIZE})
+    processor = LlavaProcessor(image_processor=pixels, tokenizer=tok, patch_size=tiny.PATCH,
+                               vision_feature_select_strategy="default", image_token="<image>",
+                               num_additional_image_tokens=1)
+    config = built(models, "llava").model.config
+    config.image_token_index = tok.convert_tokens_to_ids("<image>")
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    folder = tmp_path_factory.mktemp("tiny-llava")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    vc.test_image().save(folder / "image.png")
+    return folder
+
+
+def test_cli_scan_with_an_image(llava_folder, tmp_path):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["scan", str(llava_folder), "--image", str(llava_folder / "image.png"),
+                                 "--text", "a bright square on stripes", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "scan.json").read_text())
+    assert data["modality"]["positions"]["image"] == 16
+    assert data["tokens"][0].count("<image>") == 16
+    assert "by modality" in result.output and (out / "report.html").exists()
+    assert (out / "image_sinks.png").exists()  # the image with its sink patches (Llava: a 4 × 4 grid)
+    assert "By modality" in (out / "report.html").read_text()
+
+
+def test_cli_image_errors(llava_folder, tmp_path):
+    bad = tmp_path / "not-an-image.png"
+    bad.write_text("plain text")
+    result = runner.invoke(app, ["scan", str(llava_folder), "--image", str(bad), "--out", str(tmp_path / "a")])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "cannot read image" in text and "Traceback" not in text
+    result = runner.invoke(app, ["scan", "builtin:tiny-llama", "--image", str(llava_folder / "image.png"),
+                                 "--out", str(tmp_path / "b")])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "has no vision tower" in text, text
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_committed_sweep_table_matches_its_json():
+    root = Path(__file__).resolve().parents[1]
+    data = json.loads((root / "benchmarks" / "results" / "vlm_architectures.json").read_text())
+    page = (root / "docs" / "vlm_architectures.md").read_text()
+    c = data["counts"]
+    assert c["types"] == len(data["rows"]) == len(vc.all_types())
+    assert (f"**{c['types']} types: {c['built']} built, {c['ok']} ok, {c['wrong']} wrong, {c['crash']} crash, "
+            f"{c['refused']} refused, {c['n/a']} n/a, {c['not built']} not built.**") in page
+    for row in data["rows"]:
+        assert f"| `{row['type']}` | {row['status']} |" in page
