@@ -29,8 +29,10 @@ layers (``Σ heads × min(B, what the layer holds dense)``) is nearest that targ
 
 Methods: ``dense``; sinklab (``SinkCache(model, policy=…)``): ``streaming``, ``snapkv``, ``tova``, ``knorm``,
 ``auto`` (per-head budgets from a scan, fitted on a calibration text — the standard library's docstrings, not the
-grid's filler — at the cell's context length: :func:`sinklab.evaluation.calibration.calibrate_plan`) and ``auto_uniform``
-(the auto plan's scorer with every head at the uniform budget: what the fitted budgets themselves add). sinklab's budget holds at
+grid's filler — at the cell's context length: :func:`sinklab.evaluation.calibration.calibrate_plan`; the prompt
+scored by what the model attends to when asked to repeat it, :func:`sinklab.stream.prefill.compressed_prompt`),
+``auto_uniform`` (the same scoring with every head at the uniform budget: what the fitted budgets themselves add) and
+``auto_snapkv`` (the fitted budgets with SnapKV scoring the prompt: what the reconstruction scores add). sinklab's budget holds at
 every step, the question and answer included. kvpress 0.5.5 (transformers 5.2.0, in a throwaway virtualenv:
 ``benchmarks/_kvpress_env.py``; the worker ``_kvpress_worker.py``): ``streaming``, ``snapkv``, ``tova``,
 ``expected_attention``, ``kvzip`` (refuses Gemma 3), ``adakv_expected_attention`` (its per-head Ada-KV wrapper)
@@ -47,7 +49,6 @@ file) as soon as its cell finishes; a rerun skips the cells already there (``--r
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -67,7 +68,7 @@ from sinklab.report.figures import save_png
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 OUT = RESULTS / "retention_grid.json"
-SINKLAB_METHODS = ("auto", "auto_uniform", "snapkv", "streaming", "tova", "knorm")
+SINKLAB_METHODS = ("auto", "auto_uniform", "auto_snapkv", "snapkv", "streaming", "tova", "knorm")
 KVPRESS_METHODS = ("streaming", "snapkv", "tova", "expected_attention", "kvzip", "adakv_expected_attention",
                    "pyramidkv")
 SCAN_SEED = 1  # the auto plan's scan windows (tokenize_windows' seed): not the grid's prompts
@@ -196,9 +197,8 @@ def grid_model(args, res: Results, name: str, context: int, sources: set[str], k
     res.meta.setdefault("converted_folders", {})[name] = loaded.notes.get("converted_folder")
     filler = filler_ids(tok)
     cells = {t: [make_cell(tok, filler, t, context, s) for s in range(args.prompts)] for t in tasks}
-    dense = make_cache(model, "dense", None)
     with torch.no_grad():
-        model(input_ids=torch.tensor([cells[tasks[0]][0]["context_ids"]]), cache=dense, logits_to_keep=1)
+        dense, _ = make_cache(model, "dense", None)(cells[tasks[0]][0]["context_ids"])
     holds = layer_holds(dense)
     dense_entries = sum(h * t for h, t in holds)
     del dense
@@ -215,7 +215,7 @@ def grid_model(args, res: Results, name: str, context: int, sources: set[str], k
             outcomes = sinklab_outcomes(model, tok, key, budget, cs, plans)
         row = cell_row(key, cs, outcomes, tok, dense_entries)
         row["budget"] = budget
-        if key["method"] == "auto" and budget in plans:  # the fitted budgets' range and what the fit cost
+        if key["method"] in ("auto", "auto_snapkv") and budget in plans:  # the fitted budgets' range and what the fit cost
             summary, fit = plans[budget].summary(), plans[budget].source["calibration"]
             row["plan"] = {"least_budget": summary["least_budget"], "most_budget": summary["most_budget"],
                            "calibration_seconds": fit["seconds"]}
@@ -229,11 +229,11 @@ def sinklab_outcomes(model, tok, key: dict, budget: int | None, cells: list[dict
         plan = _auto_plan(model, tok, key["method"], budget, key["context"], plans)
     except Exception as exc:  # noqa: BLE001 - a plan that cannot be made is a row with its error
         return [{"error": f"{type(exc).__name__}: {exc}"} for _ in cells]
-    new_cache = functools.partial(make_cache, model, key["method"], budget, plan)
+    prefill = make_cache(model, key["method"], budget, plan, tok)
     outcomes = []
     for cell in cells:
         try:
-            outcomes.append(run_prompt(model, cell, key["regime"], new_cache))
+            outcomes.append(run_prompt(model, cell, key["regime"], prefill))
         except Exception as exc:  # noqa: BLE001 - a method that cannot run is a row with its error
             outcomes.append({"error": f"{type(exc).__name__}: {exc}"})
     return outcomes
@@ -255,7 +255,7 @@ def calibration_ids(tokenizer, context: int) -> list[int]:
 def _auto_plan(model, tok, method: str, budget: int | None, context: int, plans: dict):
     """The auto plan at ``budget`` tokens per head: made from the scan, its budgets fitted on the calibration text
     (:func:`sinklab.evaluation.calibration.calibrate_plan`); ``auto_uniform``: the same plan, every head at ``budget``."""
-    if method not in ("auto", "auto_uniform"):
+    if method not in ("auto", "auto_uniform", "auto_snapkv"):
         return None
     from sinklab.evaluation.calibration import calibrate_plan
     from sinklab.stream.plan import plan_from_scan

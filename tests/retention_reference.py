@@ -55,6 +55,7 @@ class RetentionReference:
         self.rotary = next(m for m in self.model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
         self.store: dict[int, list[list]] = {}  # layer → per kv head: [(t, key (dh,), value (dv,))]
         self.t0 = 0  # stream index of the forward's first token
+        self.given: dict = {}  # layer → [Hkv, T]: scores of stream indices 0 … T−1, used at the layer's next eviction
         AttentionInterface.register("sinklab_test_retention", self._attend)
         self.model.set_attn_implementation("sinklab_test_retention")
 
@@ -90,20 +91,23 @@ class RetentionReference:
             probs = torch.softmax(scores, -1)
             out[:, g * rep:(g + 1) * rep] = probs @ vals
             weights_by_group.append(probs[0].mean(0))  # (c, n)
+        given = self.given.pop(layer, None)
         for g in range(hkv):
-            self._evict(heads[g], weights_by_group[g], self._budget(layer, g))
+            self._evict(heads[g], weights_by_group[g], self._budget(layer, g), None if given is None else given[g])
         return out.transpose(1, 2), None
 
     def _budget(self, layer: int, head: int) -> int:
         """A number: every head's budget; a list of lists: per layer and key-value head (a plan's)."""
         return self.budget if isinstance(self.budget, int) else self.budget[layer][head]
 
-    def _evict(self, store: list, weights: torch.Tensor, budget: int) -> None:
+    def _evict(self, store: list, weights: torch.Tensor, budget: int, given=None) -> None:
         n = len(store)
         if n <= budget:
             return
         newest = store[-1][0]
         score = SCORES[self.policy](self, store, weights)
+        if given is not None:  # a prescored prompt: its own scores for the tokens it scores
+            score = [float(given[e[0]]) if e[0] < len(given) else s for e, s in zip(store, score)]
         protected = [e[0] < self.sinks or e[0] > newest - self.recent for e in store]
         ranked = sorted(range(n), key=lambda j: (not protected[j], -score[j], -store[j][0]))
         keep = set(ranked[:budget])

@@ -78,7 +78,17 @@ def test_held_entries_and_bytes_are_measured_on_the_cache():
                 assert grid.held(cache) == (n, n * 2 * dh * 4), policy
 
 
-@pytest.mark.parametrize("method", ["dense", "snapkv", "streaming"])
+def _tiny_plan(model):
+    from sinklab.scan import scan_inputs
+    from sinklab.stream.plan import plan_from_scan
+
+    ids = torch.randint(0, 1000, (2, 160), generator=torch.Generator().manual_seed(0))
+    scan = scan_inputs(model, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}],
+                       [[str(i) for i in range(160)]] * 2, split=False)
+    return plan_from_scan(model, scan, num_sinks=4, window=36, recent=8)
+
+
+@pytest.mark.parametrize("method", ["dense", "snapkv", "streaming", "auto"])
 def test_one_compressed_cache_answers_every_question_as_a_fresh_compression(method):
     """The agnostic regime compresses once and asks each question of a copy: each answer equals the one from
     compressing the context anew and asking that question alone."""
@@ -88,7 +98,9 @@ def test_one_compressed_cache_answers_every_question_as_a_fresh_compression(meth
     questions = [{"question_ids": torch.randint(0, 1000, (5,), generator=g).tolist(), "answer": "x"}
                  for _ in range(3)]
     cell = {"context_ids": ctx, "questions": questions, "aware": 0}
-    new = lambda: grid.make_cache(model, method, 40)  # noqa: E731
+    plan = _tiny_plan(model) if method == "auto" else None
+    words = lambda text, add_special_tokens: {"input_ids": [7, 8, 9]}  # noqa: E731  # the instruction's tokens
+    new = grid.make_cache(model, method, 40, plan, words)
     together = grid.run_prompt(model, cell, "agnostic", new)["generated"]
     alone = [grid.run_prompt(model, {**cell, "questions": [q]}, "agnostic", new)["generated"][0] for q in questions]
     assert together == alone

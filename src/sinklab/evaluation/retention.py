@@ -143,17 +143,32 @@ def uniform_budget(holds: list[tuple[int, int]], target: float) -> int:
 
 
 # ----------------------------------------------------------------------------- sinklab
-def make_cache(model, method: str, budget: int | None, plan=None):
-    """A fresh cache for ``method`` at ``budget`` tokens per head (the plan for ``auto``/``auto_uniform``)."""
+#: What ``auto`` asks the model before compressing a prompt (:func:`sinklab.stream.prefill.reconstruction_scores`).
+REPEAT_INSTRUCTION = "\n\nRepeat the previous context exactly.\n"
+
+
+def make_cache(model, method: str, budget: int | None, plan=None, tokenizer=None):
+    """``prefill(prompt) → (cache, logits of the prompt's last token)`` for ``method`` at ``budget`` tokens per head:
+    ``dense`` (transformers' own cache), a named policy, or ``auto``/``auto_uniform`` (the plan's budgets, per head or
+    uniform; the prompt compressed by :func:`sinklab.stream.prefill.compressed_prompt`, which needs ``tokenizer``
+    for its instruction); ``auto_snapkv``: the plan's budgets with SnapKV scoring the prompt."""
     from sinklab.stream import SinkCache
+    from sinklab.stream.prefill import compressed_prompt
+
+    def forward(cache, prompt):
+        return cache, model(input_ids=torch.tensor([list(prompt)]), cache=cache, logits_to_keep=1).logits[0, -1]
 
     if method == "dense":
         from transformers import DynamicCache
 
-        return DynamicCache(config=model.config)
+        return lambda prompt: forward(DynamicCache(config=model.config), prompt)
     if method in ("auto", "auto_uniform"):
-        return SinkCache(model, policy="auto", plan=plan)
-    return SinkCache(model, num_sinks=NUM_SINKS, window=budget - NUM_SINKS, policy=method)  # type: ignore[operator]
+        instruction = tokenizer(REPEAT_INSTRUCTION, add_special_tokens=False)["input_ids"]
+        return lambda prompt: compressed_prompt(model, prompt, instruction, plan=plan)
+    if method == "auto_snapkv":
+        return lambda prompt: forward(SinkCache(model, policy="auto", plan=plan), prompt)
+    return lambda prompt: forward(SinkCache(model, num_sinks=NUM_SINKS, window=budget - NUM_SINKS,  # type: ignore[operator]
+                                            policy=method), prompt)
 
 
 def _close(cache) -> None:
@@ -172,16 +187,15 @@ def _greedy(model, cache, logits: torch.Tensor, steps: int) -> list[int]:
 
 
 @torch.no_grad()
-def run_prompt(model, cell: dict, regime: str, new_cache) -> dict:
-    """Compress one prompt with ``new_cache()`` and answer it: ``{seconds, entries, bytes}`` plus ``generated``
-    (one id list per question asked) or ``nll``/``count`` (``ppl``)."""
-    cache = new_cache()
+def run_prompt(model, cell: dict, regime: str, prefill) -> dict:
+    """Compress one prompt with ``prefill(prompt)`` (:func:`make_cache`) and answer it: ``{seconds, entries,
+    bytes}`` plus ``generated`` (one id list per question asked) or ``nll``/``count`` (``ppl``)."""
+    prompt = list(cell["context_ids"])
+    if regime == "aware":
+        prompt += cell["questions"][cell["aware"]]["question_ids"]
+    t0 = time.perf_counter()
+    cache, last = prefill(prompt)
     try:
-        prompt = list(cell["context_ids"])
-        if regime == "aware":
-            prompt += cell["questions"][cell["aware"]]["question_ids"]
-        t0 = time.perf_counter()
-        last = model(input_ids=torch.tensor([prompt]), cache=cache, logits_to_keep=1).logits[0, -1]
         out: dict = {"seconds": time.perf_counter() - t0}
         out["entries"], out["bytes"] = held(cache)
         if "continuation_ids" in cell:

@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import InputError, check_int, check_spans, is_int
 from ..kvquant.codec import BITS
 from .plan import RetentionPlan, load_plan, plan_from_scan
-from .policy import POLICIES, Recency, RetentionPolicy, SnapKV, get_policy
+from .policy import POLICIES, Prescored, Recency, RetentionPolicy, SnapKV, get_policy
 
 __all__ = ["KV_GROUP_SIZE", "StreamConfig", "resolve_config", "stream_config"]
 
@@ -82,7 +82,7 @@ class StreamConfig:
                 raise InputError("policy='auto' needs a plan: plan=scan_or_diagnosis (sinklab.scan / sinklab.diagnose "
                                  "of this model), a RetentionPlan, or the retention_plan.json that `sinklab diagnose` "
                                  "saves")
-            return SnapKV(recent=self.plan.recent)
+            return self.policy if isinstance(self.policy, Prescored) else SnapKV(recent=self.plan.recent)
         if self.plan is not None:
             raise InputError(f"a plan sets per-head budgets for policy='auto'; policy={self.policy!r} keeps one "
                              "budget for every head")
@@ -115,6 +115,7 @@ class StreamConfig:
 
 def _policy_json(policy: RetentionPolicy) -> dict:
     """A policy as ``{"name": ..., its parameters}``; only a row of POLICIES can be written."""
+    policy = policy.as_row() if isinstance(policy, Prescored) else policy
     if type(policy) is not POLICIES.get(policy.name):
         raise InputError(f"the policy {type(policy).__name__} ({policy.name!r}) is not a row of "
                          "sinklab.stream.policy.POLICIES, so a saved stream could not rebuild it; add it to the table")
@@ -178,7 +179,7 @@ def stream_config(model, num_sinks: int | None = None, window: int | None = None
     sinks, window = _legacy_sizes(4 if num_sinks is None else num_sinks, window, window_length, num_sink_tokens)
     width = 1020 if window is None else window
     plan = _plan_of(plan, model, sinks, width) if plan is not None else None
-    if plan is not None and settings.get("policy") == "auto":
+    if plan is not None and (settings.get("policy") == "auto" or isinstance(settings.get("policy"), Prescored)):
         plan.check_model(model)
         if not sized:
             sinks, width = plan.num_sinks, plan.window

@@ -16,8 +16,8 @@ from torch import Tensor
 
 from ..errors import InputError, check_int
 
-__all__ = ["Observation", "RetentionPolicy", "Recency", "ScoredPolicy", "SnapKV", "TOVA", "KeyNorm", "POLICIES",
-           "get_policy", "policy_names"]
+__all__ = ["Observation", "RetentionPolicy", "Recency", "ScoredPolicy", "SnapKV", "Prescored", "TOVA", "KeyNorm",
+           "POLICIES", "get_policy", "policy_names"]
 
 
 @dataclass
@@ -25,13 +25,16 @@ class Observation:
     """What a score-based policy sees of ``N`` candidates (a layer's kept tokens, then the forward's new ones):
     ``weights`` ``[B, Hkv, w, N]`` float32, the last ``w`` queries' attention averaged per key-value head (None unless
     ``needs_weights``); ``keys``/``values`` as stored; ``real`` ``[B, Hkv, N]`` (False: empty or padding); ``order``, the
-    candidates by stream index, real ones first (what :func:`along_stream` pools along)."""
+    candidates by stream index, real ones first (what :func:`along_stream` pools along); ``index`` ``[B, Hkv, N]``, each
+    candidate's stream index (-1: empty), and ``layer``, the model's layer index (None outside a stream)."""
 
     weights: Tensor | None
     keys: Tensor
     values: Tensor
     real: Tensor
     order: Tensor
+    index: Tensor | None = None
+    layer: int | None = None
 
 
 def along_stream(scores: Tensor, obs: Observation, fn) -> Tensor:
@@ -97,6 +100,30 @@ class SnapKV(ScoredPolicy):
         if k <= 1:
             return mean
         return along_stream(mean, obs, lambda x: F.avg_pool1d(x, k, stride=1, padding=k // 2, count_include_pad=False))
+
+
+@dataclass
+class Prescored(SnapKV):
+    """SnapKV whose scores for the stream's first tokens are given: ``given[layer]`` ``[Hkv, T]`` scores stream
+    indices ``0 … T−1`` of that layer (e.g. :func:`sinklab.stream.prefill.reconstruction_scores`, query-agnostic),
+    used the first time the layer scores them; every other candidate, and every later forward, is scored by SnapKV.
+    The given scores are dropped once each layer used them; the stream then saves as a SnapKV stream."""
+
+    given: dict[int, Tensor] = field(default_factory=dict)
+
+    def score(self, obs: Observation) -> Tensor:
+        own = super().score(obs)
+        scores = self.given.pop(obs.layer, None) if obs.layer is not None else None
+        if scores is None or obs.index is None:
+            return own
+        t = scores.shape[-1]
+        inside = (obs.index >= 0) & (obs.index < t)
+        picked = scores.to(own)[None].expand(obs.index.shape[0], -1, -1).gather(-1, obs.index.clamp(0, t - 1))
+        return torch.where(inside, picked, own)
+
+    def as_row(self) -> SnapKV:
+        """The row of :data:`POLICIES` this policy saves as."""
+        return SnapKV(recent=self.recent, window=self.window, kernel=self.kernel)
 
 
 @dataclass

@@ -296,5 +296,6 @@ def scored_attention(call: StreamCall, view: ScoredView, query: Tensor, key: Ten
         weights = weights.view(b, hkv, rep, w, -1).mean(2)  # (B, Hkv, w, K)
     real = sidx >= 0
     order = torch.argsort(torch.where(real, sidx, torch.full_like(sidx, _LAST)), dim=-1, stable=True)
-    layer.keep(policy.score(Observation(weights, key, value, real, order)), order)
+    layer.keep(policy.score(Observation(weights, key, value, real, order, sidx, getattr(module, "layer_idx", None))),
+               order)
     return out

@@ -1,0 +1,89 @@
+"""A prompt compressed before any question is seen: which of its tokens the model needs to say it again.
+
+:func:`reconstruction_scores` scores every prompt token, per layer and key-value head, by the most attention any
+query gives it while the model is fed ``prompt ⧺ instruction ⧺ prompt`` (the idea of KVzip, Kim et al., 2025: a
+cache that can reconstruct its context keeps what any later question may ask of it). :func:`compressed_prompt`
+prefills a score-based :class:`~sinklab.stream.SinkCache` with those scores (:class:`~sinklab.stream.policy.
+Prescored`), per-head budgets from a plan where one is given; later forwards score by SnapKV. docs/retention.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import InputError, check_int
+from .cache import SinkCache
+from .plan import RetentionPlan
+from .policy import Observation, Prescored, ScoredPolicy
+
+__all__ = ["reconstruction_scores", "compressed_prompt"]
+
+
+class _MostAttention(ScoredPolicy):
+    """Keeps everything; while ``active``, records per layer the most attention (over the forward's queries, averaged
+    over the query heads of each key-value head) on stream indices ``0 … length−1``."""
+
+    name = "reconstruction"
+    needs_weights = True
+
+    def __init__(self, window: int, length: int) -> None:
+        super().__init__(recent=1, window=window)
+        self.length, self.active = length, False
+        self.best: dict[int, Tensor] = {}
+
+    def score(self, obs: Observation) -> Tensor:
+        if self.active and obs.layer is not None and obs.index is not None:
+            w = obs.weights[0].amax(1)  # type: ignore[index]  # (Hkv, N); needs_weights: given
+            idx = obs.index[0]
+            inside = (idx >= 0) & (idx < self.length)
+            most = torch.zeros(w.shape[0], self.length, dtype=w.dtype).scatter_reduce(
+                -1, idx.clamp(0, self.length - 1), torch.where(inside, w, torch.zeros_like(w)), "amax")
+            prev = self.best.get(obs.layer)
+            self.best[obs.layer] = most if prev is None else torch.maximum(prev, most)
+        return torch.zeros(obs.real.shape, dtype=torch.float32, device=obs.real.device)
+
+
+@torch.no_grad()
+def reconstruction_scores(model: nn.Module, prompt: Sequence[int], instruction: Sequence[int], *,
+                          num_sinks: int = 4, chunk: int = 512) -> dict[int, Tensor]:
+    """Per score-based layer (by the model's layer index), ``[Hkv, T]`` float32: the most attention any query of the
+    repeated prompt gives each of the ``T`` prompt tokens, with ``prompt ⧺ instruction`` prefilled and the repeated
+    prompt fed ``chunk`` tokens at a time (so the weights held at once are ``chunk × (2T + len(instruction))`` per
+    head). ``instruction``: the tokens that ask for the prompt again (e.g. "Repeat the previous context:")."""
+    prompt, instruction = [int(t) for t in prompt], [int(t) for t in instruction]
+    if not prompt:
+        raise InputError("reconstruction_scores needs a non-empty prompt")
+    check_int("chunk", chunk, 1)
+    total = 2 * len(prompt) + len(instruction)
+    recorder = _MostAttention(window=chunk, length=len(prompt))
+    cache = SinkCache(model, num_sinks=num_sinks, window=max(total, num_sinks + 1), policy=recorder)
+    try:
+        model(input_ids=torch.tensor([prompt + instruction]), cache=cache, logits_to_keep=1)
+        recorder.active = True
+        for at in range(0, len(prompt), chunk):
+            model(input_ids=torch.tensor([prompt[at:at + chunk]]), cache=cache, logits_to_keep=1)
+    finally:
+        cache.close()
+    return recorder.best
+
+
+@torch.no_grad()
+def compressed_prompt(model: nn.Module, prompt: Sequence[int], instruction: Sequence[int], *, num_sinks: int = 4,
+                      window: int | None = None, plan: RetentionPlan | None = None,
+                      chunk: int = 512) -> tuple[SinkCache, Tensor]:
+    """A :class:`SinkCache` holding ``prompt`` compressed by :func:`reconstruction_scores` — each head's sinks, its
+    newest tokens and the best-scored others up to its budget (``num_sinks + window`` tokens, or the plan's per-head
+    budgets) — and the logits of the prompt's last token. Later forwards score by SnapKV."""
+    if (plan is None) == (window is None):
+        raise InputError("give either window (one budget for every head) or plan (per-head budgets)")
+    sinks = plan.num_sinks if plan is not None else num_sinks
+    scores = reconstruction_scores(model, prompt, instruction, num_sinks=sinks, chunk=chunk)
+    if plan is not None:
+        cache = SinkCache(model, policy=Prescored(recent=plan.recent, given=scores), plan=plan)
+    else:
+        cache = SinkCache(model, num_sinks=num_sinks, window=window, policy=Prescored(given=scores))
+    logits = model(input_ids=torch.tensor([[int(t) for t in prompt]]), cache=cache, logits_to_keep=1).logits[0, -1]
+    return cache, logits

@@ -1,0 +1,111 @@
+"""A prompt compressed by reconstruction scores: the scores against the model's own eager attention weights over
+``prompt ⧺ instruction ⧺ prompt``, the kept set against its definition, and the compressed stream against the
+float64 retention reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from sinklab.errors import InputError
+from sinklab.models import tiny_llama
+from sinklab.scan import scan_inputs
+from sinklab.stream import SinkCache
+from sinklab.stream.plan import plan_from_scan
+from sinklab.stream.policy import Prescored, SnapKV
+from sinklab.stream.prefill import compressed_prompt, reconstruction_scores
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return tiny_llama().eval()
+
+
+@torch.no_grad()
+def _naive_scores(model, prompt, instruction):
+    """Per layer ``[Hkv, T]``: the most attention, over the repeated prompt's queries, of the query heads of each
+    key-value head averaged, on each prompt token (float64, from the model's own eager weights)."""
+    ids = torch.tensor([prompt + instruction + prompt])
+    twin = copy.deepcopy(model)
+    twin.set_attn_implementation("eager")
+    att = twin(input_ids=ids, output_attentions=True).attentions
+    t = len(prompt)
+    hkv = model.config.num_key_value_heads
+    out = {}
+    for i, a in enumerate(att):
+        a = a[0].double()  # (H, N, N)
+        a = a.view(hkv, a.shape[0] // hkv, *a.shape[1:]).mean(1)  # (Hkv, N, N)
+        out[i] = a[:, -t:, :t].amax(1)
+    return out
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_reconstruction_scores_match_the_models_own_attention(model, chunk):
+    prompt, instruction = _ids(40, 1), _ids(5, 2)
+    got = reconstruction_scores(model, prompt, instruction, num_sinks=2, chunk=chunk)
+    want = _naive_scores(model, prompt, instruction)
+    assert sorted(got) == sorted(want)
+    for i in want:
+        torch.testing.assert_close(got[i].double(), want[i], atol=2e-6, rtol=1e-4)
+
+
+def test_compressed_prompt_keeps_sinks_newest_and_best_scored(model):
+    prompt, instruction = _ids(120, 3), _ids(4, 4)
+    sinks, window = 3, 50
+    cache, _ = compressed_prompt(model, prompt, instruction, num_sinks=sinks, window=window)
+    scores = reconstruction_scores(model, prompt, instruction, num_sinks=sinks)
+    recent = SnapKV().recent
+    try:
+        for i, layer in enumerate(cache.layers):
+            for h, kept in enumerate(layer.kept_indices()):
+                protected = set(range(sinks)) | set(range(len(prompt) - min(recent, window), len(prompt)))
+                rest = sorted((j for j in range(len(prompt)) if j not in protected),
+                              key=lambda j: (-float(scores[i][h, j]), -j))
+                want = sorted(protected | set(rest[:sinks + window - len(protected)]))
+                assert kept == want, (i, h)
+    finally:
+        cache.close()
+
+
+def test_compressed_prompt_with_a_plan_matches_the_float64_reference(model):
+    from tests.retention_reference import RetentionReference
+
+    ids = torch.randint(0, 30000, (2, 160), generator=torch.Generator().manual_seed(0))
+    scan = scan_inputs(model, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}],
+                       [[str(i) for i in range(160)]] * 2, split=False)
+    plan = plan_from_scan(model, scan, num_sinks=4, window=30, recent=8)
+    prompt, instruction, later = _ids(70, 5), _ids(4, 6), _ids(12, 7)
+    cache, logits = compressed_prompt(model, prompt, instruction, plan=plan)
+    try:
+        got = [logits] + [model(input_ids=torch.tensor([[t]]), cache=cache).logits[0, -1] for t in later]
+        kept = [layer.kept_indices() for layer in cache.layers]
+    finally:
+        cache.close()
+    # The reference: the same scores for the prompt (checked against the eager weights above), then SnapKV per step.
+    ref = RetentionReference(model, "snapkv", num_sinks=plan.num_sinks, budget=plan.budgets, recent=plan.recent,
+                             window=SnapKV().window)
+    ref.given = reconstruction_scores(model, prompt, instruction, num_sinks=plan.num_sinks)
+    want = [ref.forward(prompt)[-1]] + [ref.forward([t])[-1] for t in later]
+    assert kept == [ref.kept(i) for i in range(len(kept))]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, atol=5e-4, rtol=1e-3)
+
+
+def test_prescored_saves_as_snapkv_and_bad_arguments_are_refused(model):
+    pol = Prescored(recent=4, given={0: torch.ones(2, 5)})
+    assert pol.as_row() == SnapKV(recent=4)
+    with pytest.raises(InputError, match="either window"):
+        compressed_prompt(model, _ids(10, 0), _ids(2, 0))
+    with pytest.raises(InputError, match="non-empty"):
+        reconstruction_scores(model, [], [1])
+    cache = SinkCache(model, num_sinks=2, window=8, policy=Prescored(given={}))
+    cache.close()
