@@ -245,7 +245,7 @@ def main() -> None:
     ap.add_argument("--precisions", nargs="+", default=["f32", "f16"], choices=list(DTYPES))
     ap.add_argument("--compile-precisions", nargs="+", default=["f32"], choices=list(DTYPES),
                     help="precisions at which sinklab's compiled stream is timed too (a compile is minutes)")
-    ap.add_argument("--autotune-precisions", nargs="+", default=["f32", "f16", "bf16"], choices=list(DTYPES),
+    ap.add_argument("--autotune-precisions", nargs="*", default=["f32", "f16", "bf16"], choices=list(DTYPES),
                     help="precisions at which the max-autotune compiled stream is timed (3–4 minutes each here)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=1)

@@ -165,6 +165,15 @@ def test_an_automatic_compile_that_fails_decodes_eagerly():
         asked(1)
 
 
+def test_first_call_builds_the_forward_at_the_first_call():
+    built: list[int] = []
+    first = fastpath.FirstCall(build=lambda: built.append(1) or (lambda x: x * 2), say=lambda _: None)
+    assert built == []  # nothing compiled (nor imported) before the first step
+    assert first(2) == 4 and first(3) == 6 and built == [1]
+    with pytest.raises(TypeError, match="a forward or a build function"):
+        fastpath.FirstCall(lambda: 1, build=lambda: (lambda: 1))
+
+
 def test_quiet_first_call_says_nothing():
     lines: list[str] = []
     fastpath.FirstCall(lambda: 1, say=lines.append, quiet=True)()
@@ -215,3 +224,17 @@ def test_cli_eager_with_compile_settings_is_an_error(flags):
 
     r = CliRunner().invoke(app, ["stream", "builtin:tiny-lm", "--prompt", "The rule", "--max-new-tokens", "2", *flags])
     assert r.exit_code != 0 and "add --compile" in " ".join(r.output.split()), r.output
+
+
+def test_cli_chat_eager_decodes_without_compiling(monkeypatch):
+    """``sinklab chat --eager``: eager even where the variable says compile."""
+    from typer.testing import CliRunner
+
+    from sinklab.cli import app
+
+    monkeypatch.setenv(fastpath.COMPILE_ENV, "1")
+    monkeypatch.setattr("sinklab.stream.session.compiled_step", lambda *a, **k: pytest.fail("--eager compiled"))
+    r = CliRunner().invoke(app, ["chat", "builtin:tiny-lm", "--max-new-tokens", "3", "--window", "16", "--eager"],
+                           input="hi\n")
+    assert r.exit_code == 0, r.output
+    assert "compiling" not in r.output

@@ -126,12 +126,18 @@ def _cache_counts() -> tuple[int, int]:
 class FirstCall:
     """``forward`` with its first call — where ``torch.compile`` compiles — announced and timed on stderr (``say``).
 
-    ``fallback``: an eager forward to run instead when that first call fails to compile (an automatic compile:
-    the stream still runs, with a warning); None lets the error through (a compile the caller asked for)."""
+    ``build``: makes the forward at the first call instead (``torch.compile`` imports dynamo and inductor, which
+    would otherwise delay the prompt's prefill and so the first token). ``fallback``: an eager forward to run
+    instead when that first call fails to compile (an automatic compile: the stream still runs, with a warning);
+    None lets the error through (a compile the caller asked for)."""
 
-    def __init__(self, forward: Callable, *, label: str = "decode step", cache: Path | None = None,
-                 fallback: Callable | None = None, say: Callable[[str], None] = _say, quiet: bool = False) -> None:
-        self.forward, self.label, self.cache, self.fallback = forward, label, cache, fallback
+    def __init__(self, forward: Callable | None = None, *, build: Callable[[], Callable] | None = None,
+                 label: str = "decode step", cache: Path | None = None, fallback: Callable | None = None,
+                 say: Callable[[str], None] = _say, quiet: bool = False) -> None:
+        if (forward is None) == (build is None):
+            raise TypeError("FirstCall takes a forward or a build function, one of the two")
+        self.forward: Callable | None = forward
+        self.build, self.label, self.cache, self.fallback = build, label, cache, fallback
         self.say = (lambda text: None) if quiet else say
         self.pending = True
         self.seconds: float | None = None  # how long the first call took
@@ -147,6 +153,8 @@ class FirstCall:
         hits, misses = _cache_counts()
         start = time.perf_counter()
         try:
+            if self.forward is None:
+                self.forward = self.build()
             out = self.forward(*args, **kwargs)
         except Exception as exc:  # a compile that sinklab chose and that cannot build here: decode eagerly
             if self.fallback is None:
@@ -172,15 +180,16 @@ def compiled_step(forward: Callable, options: dict, *, freezing: bool, automatic
     was sinklab's default choice, so a failure to compile falls back to ``forward`` itself."""
     inductor = options.get("backend", "inductor") == "inductor"
     cache = use_compile_cache() if inductor else None
-    step = torch.compile(forward, **options)
-    if freezing:
-        step = frozen(step)
+
+    def build() -> Callable:
+        step = torch.compile(forward, **options)
+        return frozen(step) if freezing else step
     # A model's forward compiled before in this process: dynamo reuses its graph (a chat's /reset), nothing to say.
     owner = getattr(forward, "__self__", None)
     quiet = owner is not None and owner in _ANNOUNCED
     if owner is not None:
         _ANNOUNCED.add(owner)
-    return FirstCall(step, cache=cache, fallback=forward if automatic else None, say=say, quiet=quiet)
+    return FirstCall(build=build, cache=cache, fallback=forward if automatic else None, say=say, quiet=quiet)
 
 
 #: The models whose forward :func:`compiled_step` has compiled in this process.
