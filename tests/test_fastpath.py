@@ -42,6 +42,14 @@ def test_auto_compiles_on_a_cpu_for_float32_only(monkeypatch, can_build, value):
     assert fastpath.default_compile("cuda:0", torch.float32) is False
     monkeypatch.delenv(fastpath.COMPILE_ENV)
     assert fastpath.default_compile("cpu", torch.float32) is True  # unset is auto
+    assert fastpath.default_compile("cpu", torch.float32, fastpath.MIN_PARAMETERS - 1) is False  # a tiny model
+
+
+def test_auto_leaves_a_tiny_model_eager(monkeypatch, can_build):
+    monkeypatch.setenv(fastpath.COMPILE_ENV, "auto")
+    assert fastpath.resolve_compile(None, build("llama-gqa")) == (False, True)
+    monkeypatch.setattr(fastpath, "MIN_PARAMETERS", 1)
+    assert fastpath.resolve_compile(None, build("llama-gqa")) == (True, True)
 
 
 def test_auto_is_eager_where_inductor_cannot_build(monkeypatch):

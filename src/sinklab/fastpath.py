@@ -4,8 +4,9 @@ A stream that is not told how to decode (``StreamSession(compile=None)``, ``stre
 ``sinklab stream`` / ``sinklab chat`` without ``--compile`` or ``--eager``) asks :func:`resolve_compile`:
 
 * ``$SINKLAB_COMPILE`` (:data:`COMPILE_ENV`) ``0``/``off`` — eager; ``1``/``on`` — compiled; ``auto`` or unset —
-  :func:`compile_pays`: compiled on a CPU for float32 weights when inductor can build its C++ kernels (a C++
-  compiler and Python's headers), the case measured faster than eager (docs/stream.md); eager elsewhere.
+  :func:`compile_pays`: compiled on a CPU for float32 weights of a model of at least :data:`MIN_PARAMETERS`
+  when inductor can build its C++ kernels (a C++ compiler and Python's headers), the case measured faster than
+  eager (docs/stream.md); eager elsewhere.
 * ``compile=False`` (``--eager``) is eager and ``compile=True`` or a dict of options compiles, whatever the variable.
 
 A compiled step keeps inductor's on-disk caches (its FX graph cache and AOTAutograd's cache) under sinklab's cache
@@ -40,6 +41,9 @@ __all__ = ["COMPILE_ENV", "FirstCall", "compile_pays", "compiled_step", "default
 COMPILE_ENV = "SINKLAB_COMPILE"
 _ON = {"1", "on", "true", "yes"}
 _OFF = {"0", "off", "false", "no"}
+#: Smallest model the automatic choice compiles: the measured models (SmolLM2-135M, Gemma 3 270M) are above it; a
+#: tiny model's eager step is already short, and the compile's wait would never be paid back in a session.
+MIN_PARAMETERS = 50_000_000
 #: Inductor's own variable for its cache folder; when set, sinklab leaves the folder to it.
 INDUCTOR_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -58,16 +62,17 @@ def python_headers() -> bool:
     return include is not None and (Path(include) / "Python.h").is_file()
 
 
-def compile_pays(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """The automatic choice: compile on a CPU for float32 weights when inductor can build there. Other devices and
-    dtypes decode eagerly unless asked (``compile=True``, ``--compile``): their default compile is not measured
-    faster here (a GPU's fast step is ``compile={"mode": "reduce-overhead"}``, half precision on a CPU gains with
+def compile_pays(device: torch.device | str, dtype: torch.dtype, parameters: int = MIN_PARAMETERS) -> bool:
+    """The automatic choice: compile on a CPU for float32 weights of a model of ``parameters`` ≥
+    :data:`MIN_PARAMETERS` when inductor can build there. Other devices and dtypes decode eagerly unless asked
+    (``compile=True``, ``--compile``): their default compile is not measured faster here (a GPU's fast step is
+    ``compile={"mode": "reduce-overhead"}``, half precision on a CPU gains with
     ``mode="max-autotune-no-cudagraphs"``, whose compile is minutes)."""
-    return (torch.device(device).type == "cpu" and dtype == torch.float32 and cxx_compiler() is not None
-            and python_headers())
+    return (torch.device(device).type == "cpu" and dtype == torch.float32 and parameters >= MIN_PARAMETERS
+            and cxx_compiler() is not None and python_headers())
 
 
-def default_compile(device: torch.device | str, dtype: torch.dtype) -> bool:
+def default_compile(device: torch.device | str, dtype: torch.dtype, parameters: int = MIN_PARAMETERS) -> bool:
     """Whether a stream told nothing compiles its decode step: ``$SINKLAB_COMPILE``, else :func:`compile_pays`."""
     value = os.environ.get(COMPILE_ENV, "").strip().lower()
     if value in _OFF:
@@ -76,15 +81,17 @@ def default_compile(device: torch.device | str, dtype: torch.dtype) -> bool:
         return True
     if value not in ("", "auto"):
         raise InputError(f"${COMPILE_ENV} is auto, 1 (on) or 0 (off), got {os.environ[COMPILE_ENV]!r}")
-    return compile_pays(device, dtype)
+    return compile_pays(device, dtype, parameters)
 
 
-def _weights(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
-    """Device and dtype of the model's first floating-point parameter (CPU float32 for a model without one)."""
+def _weights(model: torch.nn.Module) -> tuple[torch.device, torch.dtype, int]:
+    """Device and dtype of the model's first floating-point parameter (CPU float32 for a model without one), and
+    its parameter count."""
+    count = sum(p.numel() for p in model.parameters())
     for p in model.parameters():
         if p.is_floating_point():
-            return p.device, p.dtype
-    return torch.device("cpu"), torch.float32
+            return p.device, p.dtype, count
+    return torch.device("cpu"), torch.float32, count
 
 
 def resolve_compile(compile: bool | dict | None, model: torch.nn.Module) -> tuple[bool | dict | None, bool]:
