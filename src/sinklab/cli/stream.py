@@ -29,10 +29,12 @@ def stream(
     trust_remote_code: Annotated[bool, trust_remote_code_option()] = False,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     device_map: Annotated[str | None, device_map_option()] = None,
-    compile: Annotated[bool | None, typer.Option("--compile/--eager", help="decode through torch.compile, or "
-                                                 "eagerly; default: compiled where it pays (a CPU, float32 weights; "
-                                                 "$SINKLAB_COMPILE=0/1 sets it), the first run per model and machine "
-                                                 "waits for the compile, later runs load it from the cache")] = None,
+    compile: Annotated[bool | None, typer.Option("--compile/--eager", help="decode through torch.compile (on a "
+                                                 "CPU with inductor's freezing: compiled again in every run), or "
+                                                 "eagerly; default: compiled without freezing where it pays (a CPU, "
+                                                 "float32 weights, a model of 50M+ parameters; $SINKLAB_COMPILE=0/1 "
+                                                 "sets it): the first run per model and machine waits for the "
+                                                 "compile, later runs load it from the cache")] = None,
     compile_backend: Annotated[str, typer.Option("--compile-backend", help="torch.compile backend for --compile")] = "inductor",
     compile_mode: Annotated[str | None, typer.Option("--compile-mode", help="torch.compile mode for --compile "
                                                      "(reduce-overhead: CUDA graphs on a GPU; "
