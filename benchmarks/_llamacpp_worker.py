@@ -12,7 +12,15 @@ Everything goes through llama.cpp's C API (``llama_cpp`` low-level bindings), on
   (``llama_memory_seq_rm``), so every step attends over ``C + 1`` keys;
 * **shift** (llama.cpp's StreamingLLM) — keep the first ``S`` tokens; each step removes the oldest token after
   them (``llama_memory_seq_rm``), moves the positions of the rest back by one (``llama_memory_seq_add``: llama.cpp
-  re-rotates the cached keys with RoPE before the next decode), and decodes one token at ``C`` cached tokens.
+  re-rotates the cached keys with RoPE before the next decode), and decodes one token at ``C`` cached tokens;
+* **cli-shift** (llama.cpp's context shift as its CLI does it) — when the context of ``C`` tokens is full, keep
+  ``S`` and drop half of the rest at once (``n_discard = (C − S) / 2``: ``seq_rm`` of that span, ``seq_add`` of
+  ``−n_discard`` on the tokens after it), then decode on until it is full again. The cost per token averaged over
+  one such cycle: the mean plain decode over ``steps`` cached lengths spread evenly over the cycle
+  (``C − n_discard … C − 1``; a decode's cost grows with the cached length) plus the shift — the decode right after
+  it, which re-rotates the kept keys, less a plain decode at that length — divided by ``n_discard``.
+* **first token** — the prompt of ``C`` tokens prefilled and one token decoded, from a cleared cache (``load_s``:
+  the model load and context set-up before it, once per process).
 
 Tokens are pseudo-random ids (the same generator as the torch side's seeds is not needed: the timing does not
 depend on the ids). The median ms per token over ``rounds × steps`` steps is printed for each phase.
@@ -59,6 +67,7 @@ def main() -> None:
     job = json.loads(sys.argv[1])
     threads, cached, sinks = job["threads"], job["cached"], job["num_sinks"]
     steps, rounds, n_batch = job["steps"], job["rounds"], job.get("n_batch", 512)
+    started = time.perf_counter()
     L.llama_backend_init()
     mparams = L.llama_model_default_params()
     model = L.llama_model_load_from_file(job["model"].encode(), mparams)
@@ -73,6 +82,7 @@ def main() -> None:
     cparams.n_threads_batch = threads
     ctx = L.llama_init_from_model(model, cparams)
     mem = L.llama_get_memory(ctx)
+    load_s = time.perf_counter() - started
     rng = random.Random(0)
     prompt = [rng.randrange(10, vocab - 1) for _ in range(cached)]
     token = rng.randrange(10, vocab - 1)
@@ -84,7 +94,38 @@ def main() -> None:
             _decode(ctx, prompt[i:i + n_batch], i)
         return 1e3 * (time.perf_counter() - t) / cached
 
-    out: dict[str, list[float]] = {"prefill": [], "plain": [], "shift": []}
+    def plain_at(length: int) -> float:
+        """One token decoded at ``length`` cached tokens (the cache holds at least that many), then removed."""
+        L.llama_memory_seq_rm(mem, 0, length, -1)
+        t = time.perf_counter()
+        _decode(ctx, [token], length)
+        ms = 1e3 * (time.perf_counter() - t)
+        L.llama_memory_seq_rm(mem, 0, length, -1)
+        return ms
+
+    def cli_shift() -> float:
+        """ms per token over one context-shift cycle of llama.cpp's CLI (the cache full at ``cached`` tokens)."""
+        discard = (cached - sinks) // 2
+        lengths = sorted({cached - discard + (i * (discard - 1)) // max(1, steps - 1) for i in range(steps)})
+        prefill()
+        decodes = [plain_at(n) for n in reversed(lengths)]  # from the full cache down: each removes the tail
+        prefill()  # full again: `cached` tokens
+        t = time.perf_counter()
+        L.llama_memory_seq_rm(mem, 0, sinks, sinks + discard)
+        L.llama_memory_seq_add(mem, 0, sinks + discard, -1, -discard)
+        _decode(ctx, [token], cached - discard)  # applies the shift (the kept keys re-rotated), then decodes
+        shifted = 1e3 * (time.perf_counter() - t)
+        shift = max(0.0, shifted - plain_at(cached - discard))
+        return statistics.mean(decodes) + shift / discard
+
+    def first_token() -> float:
+        t = time.perf_counter()
+        prefill()
+        _decode(ctx, [token], cached)
+        return time.perf_counter() - t
+
+    out: dict[str, list[float]] = {"prefill": [], "plain": [], "shift": [], "cli-shift": []}
+    firsts = []
     for _ in range(rounds):
         out["prefill"].append(prefill())
         for _ in range(2):  # warm-up
@@ -104,10 +145,13 @@ def main() -> None:
             _decode(ctx, [token], cached - 1)
             out["shift"].append(1e3 * (time.perf_counter() - t))
         del out["shift"][-(steps + 2):-steps]  # the first two shift steps of each round are warm-up
+        out["cli-shift"].append(cli_shift())
+        firsts.append(first_token())
     L.llama_free(ctx)
     L.llama_model_free(model)
     print(json.dumps({"version": L.__version__, "ms_per_token": {k: statistics.median(v) for k, v in out.items()},
-                      "samples": {k: len(v) for k, v in out.items()}, "system_info":
+                      "samples": {k: len(v) for k, v in out.items()}, "load_s": load_s,
+                      "first_token_s": statistics.median(firsts), "system_info":
                       ctypes.string_at(L.llama_print_system_info()).decode(errors="replace")}))
 
 

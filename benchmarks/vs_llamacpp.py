@@ -16,7 +16,15 @@ with the machine's native CPU flags: a few minutes on 2 cores, once). Methods, a
 * ``llama.cpp shift``  — StreamingLLM in llama.cpp: keep 4, per step remove the oldest token after them and move
   the rest back one position (its KV-cache ``seq_rm``/``seq_add``, keys re-rotated by llama.cpp), decode one;
 * ``llama.cpp plain``  — one token decoded at ``cached`` tokens and removed again: the floor;
-* ``sinklab stream``   — ``SinkCache(num_sinks=4, window=cached − 4)`` past eviction, eager;
+* ``llama.cpp cli-shift`` — llama.cpp's context shift as its CLI does it: with the context (``cached`` tokens)
+  full, keep 4 and drop half of the rest at once, decode on until full again; the cost per token averaged over
+  one cycle (``_llamacpp_worker.py`` says how);
+* ``sinklab stream-default`` — what ``StreamSession(model, …)`` and ``sinklab stream`` run told nothing (F32 on a
+  CPU: ``torch.compile`` without freezing, its kernels in inductor's on-disk cache; other precisions: eager);
+  also its time to first token — the ``cached``-token prompt prefilled and one token decoded — cold (an empty
+  compile cache: the compile) and warm (dynamo reset, the cache filled: what a later process pays, less its
+  imports and model load);
+* ``sinklab stream``   — ``SinkCache(num_sinks=4, window=cached − 4)`` past eviction, eager (``--eager``);
 * ``sinklab stream-compiled`` — the same through ``torch.compile`` with inductor's freezing, what
   ``StreamSession(compile=True)`` does on a CPU (``--no-compile`` leaves it out);
 * ``sinklab stream-autotuned`` — the same with ``mode="max-autotune-no-cudagraphs"`` (freezing kept, what
@@ -123,11 +131,70 @@ def llama_rows(py: Path, model: Path, precision: str, threads: int, cached: int,
     ms = res["ms_per_token"]
     base = {"engine": "llama.cpp", "precision": precision, "threads": threads, "cached": cached}
     return [{**base, "method": "prefill", "phase": "prefill", "ms_per_token": ms["prefill"]},
-            {**base, "method": "plain", "phase": "decode", "ms_per_token": ms["plain"]},
-            {**base, "method": "shift", "phase": "decode", "ms_per_token": ms["shift"]}], res
+            {**base, "method": "plain", "phase": "decode", "ms_per_token": ms["plain"],
+             "ttft_s": res["first_token_s"], "load_s": res["load_s"]},
+            {**base, "method": "shift", "phase": "decode", "ms_per_token": ms["shift"]},
+            {**base, "method": "cli-shift", "phase": "decode", "ms_per_token": ms["cli-shift"]}], res
 
 
 AUTOTUNE = {"dynamic": False, "mode": "max-autotune-no-cudagraphs"}
+
+
+def default_rows(model, precision: str, threads: int, cached: int, steps: int) -> list[dict]:
+    """sinklab's default path (``StreamSession`` told nothing) at ``cached`` tokens: the time to first token with
+    an empty compile cache, then with a filled one after ``torch._dynamo.reset()``, then ms per decoded token."""
+    import tempfile
+
+    from sinklab import fastpath
+    from sinklab.stream import StreamSession
+
+    torch.set_num_threads(threads)
+    os.environ.pop(fastpath.COMPILE_ENV, None)
+    base = {"engine": "sinklab", "precision": precision, "threads": threads, "cached": cached}
+    prompt = torch.randint(10, model.config.vocab_size - 1, (1, cached), generator=torch.Generator().manual_seed(0))
+    saved = os.environ.get(fastpath.INDUCTOR_DIR_ENV)
+    firsts = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="sinklab-inductor-") as tmp:
+            os.environ[fastpath.INDUCTOR_DIR_ENV] = tmp  # cold: an empty compile cache
+            for kind in ("cold", "warm"):
+                torch._dynamo.reset()
+                session = StreamSession(model, num_sinks=NUM_SINKS, window=cached - NUM_SINKS)
+                with torch.no_grad(), session:
+                    t = time.perf_counter()
+                    logits = session.feed(prompt)
+                    logits = session.step(logits.argmax(-1))
+                    firsts[kind] = time.perf_counter() - t
+                    if kind == "warm":
+                        for _ in range(2):  # warm-up
+                            logits = session.step(logits.argmax(-1))
+                        times = []
+                        for _ in range(steps):
+                            t = time.perf_counter()
+                            logits = session.step(logits.argmax(-1))
+                            times.append(1e3 * (time.perf_counter() - t))
+            compiled = session.compile_options is not None
+    finally:
+        if saved is None:
+            os.environ.pop(fastpath.INDUCTOR_DIR_ENV, None)
+        else:
+            os.environ[fastpath.INDUCTOR_DIR_ENV] = saved
+        torch._dynamo.reset()
+    return [{**base, "method": "stream-default", "phase": "decode", "ms_per_token": statistics.median(times),
+             "compiled": compiled, "ttft_cold_s": firsts["cold"], "ttft_warm_s": firsts["warm"]}]
+
+
+def cpu_flags() -> dict:
+    """The CPU's model name and feature flags, as /proc/cpuinfo lists them (empty where it does not exist)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = fields.get("flags", "").split()
+    simd = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4", "vnni"))]
+    return {"model_name": fields.get("model name"), "simd": simd, "flags": flags}
 
 
 def sinklab_rows(model, precision: str, threads: int, cached: int, steps: int, compiled: bool,
@@ -157,10 +224,11 @@ def sinklab_rows(model, precision: str, threads: int, cached: int, steps: int, c
                     rows.append({**base, "method": "prefill", "phase": "prefill",
                                  "ms_per_token": 1e3 * (time.perf_counter() - t) / cached})
                 first = m.step().float()  # the first decoded step (compiles), against the eager one
+                first_token_s = time.perf_counter() - t
                 for _ in range(2):  # warm-up
                     m.step()
             eager = first if not comp else eager
-            rows.append({**base, "method": name, "phase": "decode",
+            rows.append({**base, "method": name, "phase": "decode", "ttft_s": first_token_s,
                          "ms_per_token": statistics.median(time_steps(m, steps)),
                          "max_rel_vs_eager": float((first - eager).abs().max() / eager.abs().max())})
         finally:
@@ -177,11 +245,12 @@ def main() -> None:
     ap.add_argument("--precisions", nargs="+", default=["f32", "f16"], choices=list(DTYPES))
     ap.add_argument("--compile-precisions", nargs="+", default=["f32"], choices=list(DTYPES),
                     help="precisions at which sinklab's compiled stream is timed too (a compile is minutes)")
-    ap.add_argument("--autotune-precisions", nargs="+", default=["f32", "f16", "bf16"], choices=list(DTYPES),
+    ap.add_argument("--autotune-precisions", nargs="*", default=["f32", "f16", "bf16"], choices=list(DTYPES),
                     help="precisions at which the max-autotune compiled stream is timed (3–4 minutes each here)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--no-default", action="store_true", help="leave out sinklab's default path (stream-default)")
     ap.add_argument("--out", default=str(RESULTS / "vs_llamacpp.json"))
     ap.add_argument("--append", action="store_true",
                     help="keep the rows already in --out that this run does not measure again")
@@ -204,7 +273,8 @@ def main() -> None:
                     lrows, info = llama_rows(py, files[precision], precision, threads, cached, args.steps)
                     comp = not args.no_compile and precision in args.compile_precisions
                     tuned = not args.no_compile and precision in args.autotune_precisions
-                    srows = sinklab_rows(model, precision, threads, cached, args.steps, comp, tuned)
+                    srows = [] if args.no_default else default_rows(model, precision, threads, cached, args.steps)
+                    srows += sinklab_rows(model, precision, threads, cached, args.steps, comp, tuned)
                     for row in lrows + srows:
                         rows.append({**row, "round": r})
                         print(f"round {r} {row['engine']:9s} {row['method']:16s} {precision:4s} t{threads} "
@@ -219,6 +289,11 @@ def main() -> None:
                      rounds=[r["ms_per_token"] for r in v])
         if "max_rel_vs_eager" in v[0]:  # the first decoded step's logits against the eager stream's, worst round
             entry["max_rel_vs_eager"] = max(r["max_rel_vs_eager"] for r in v)
+        for extra in ("ttft_s", "ttft_cold_s", "ttft_warm_s", "load_s"):  # seconds: the median over the rounds
+            if extra in v[0]:
+                entry[extra] = statistics.median(r[extra] for r in v)
+        if "compiled" in v[0]:
+            entry["compiled"] = v[0]["compiled"]
         table.append(entry)
     if args.append and Path(args.out).exists():
         fresh = {_key(r) for r in table}
@@ -226,7 +301,8 @@ def main() -> None:
     out = {"benchmark": "vs-llamacpp", "model": "builtin:smollm2", "num_sinks": NUM_SINKS, "steps": args.steps,
            "llama_cpp": LLAMA_CPP, "llama_cpp_system_info": info and info["system_info"],
            "torch": torch.__version__, "machine": {"cpus": os.cpu_count(), "processor": platform.processor(),
-                                                    "platform": platform.platform()},
+                                                    "platform": platform.platform(), "cpu": cpu_flags(),
+                                                    "load_average": os.getloadavg()},
            "meta": run_metadata(model="builtin:smollm2"), "rows": table}
     write_result(Path(args.out).resolve(), out, quiet=True)
     print_table(table)
@@ -240,18 +316,28 @@ def _key(row: dict) -> tuple:
 def print_table(table: list[dict]) -> None:
     keys = sorted({(r["precision"], r["threads"], r["cached"]) for r in table},
                   key=lambda k: (list(DTYPES).index(k[0]), k[1], k[2]))
-    cols = [("llama.cpp", "plain"), ("llama.cpp", "shift"), ("sinklab", "stream"), ("sinklab", "stream-compiled"),
-            ("sinklab", "stream-autotuned"), ("llama.cpp", "prefill"), ("sinklab", "prefill")]
-    index = {(r["engine"], r["method"], r["precision"], r["threads"], r["cached"]): r["ms_per_token"] for r in table}
-    headers = ["precision", "threads", "cached", "llama.cpp plain", "llama.cpp shift", "sinklab eager",
-               "sinklab compiled", "sinklab autotuned", "best sinklab ÷ shift", "prefill llama.cpp / sinklab"]
+    cols = [("llama.cpp", "plain"), ("llama.cpp", "shift"), ("llama.cpp", "cli-shift"), ("sinklab", "stream-default"),
+            ("sinklab", "stream"), ("sinklab", "stream-compiled"), ("sinklab", "stream-autotuned")]
+    index = {(r["engine"], r["method"], r["precision"], r["threads"], r["cached"]): r for r in table}
+    headers = ["precision", "threads", "cached", "llama.cpp plain", "llama.cpp shift (per token)",
+               "llama.cpp CLI shift (cycle)", "sinklab default", "sinklab --eager", "sinklab compiled (frozen)",
+               "sinklab autotuned", "default ÷ CLI shift", "first token: llama.cpp / default cold / warm / eager (s)",
+               "prefill llama.cpp / sinklab (ms/token)"]
     rows = []
     for p, t, c in keys:
-        v = [index.get((e, m, p, t, c)) for e, m in cols]
-        best = min(x for x in v[2:5] if x is not None)
-        ratio = f"**{best / v[1]:.2f}×**" if v[1] else "—"
+        got = [index.get((e, m, p, t, c)) for e, m in cols]
+        v = [None if r is None else r["ms_per_token"] for r in got]
+        ratio = f"**{v[3] / v[2]:.2f}×**" if v[2] and v[3] else "—"
         cells = ["—" if x is None else f"{x:.1f}" for x in v]
-        rows.append(dict(zip(headers, [p.upper(), t, f"{c:,}", *cells[:5], ratio, f"{cells[5]} / {cells[6]}"])))
+
+        def sec(row, key):
+            return "—" if row is None or row.get(key) is None else f"{row[key]:.1f}"
+
+        first = " / ".join([sec(got[0], "ttft_s"), sec(got[3], "ttft_cold_s"), sec(got[3], "ttft_warm_s"),
+                            sec(got[4], "ttft_s")])
+        pre = [index.get((e, "prefill", p, t, c)) for e in ("llama.cpp", "sinklab")]
+        prefill = " / ".join("—" if r is None else f"{r['ms_per_token']:.1f}" for r in pre)
+        rows.append(dict(zip(headers, [p.upper(), t, f"{c:,}", *cells, ratio, first, prefill])))
     print(markdown_table(rows, headers))
 
 

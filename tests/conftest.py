@@ -6,6 +6,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# A stream told nothing decodes eagerly in the tests (and in the CLI runs they start): the default path compiles with
+# inductor on a CPU, minutes with an empty compile cache. Tests of the default itself set the variable they need.
+os.environ["SINKLAB_COMPILE"] = "0"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

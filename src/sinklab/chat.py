@@ -77,14 +77,16 @@ class ChatStream:
 
     ``system``: a prompt pinned forever; ``config`` or the keywords of :class:`~sinklab.stream.SinkCache` (and
     ``chunk_size``): the stream; per answer a length limit, greedy at ``temperature`` 0, else sampled from one
-    generator seeded once per chat (a scripted chat is reproducible)."""
+    generator seeded once per chat (a scripted chat is reproducible); ``compile``: the decode step's
+    ``torch.compile`` as :class:`StreamSession` takes it (None: the default path)."""
 
     def __init__(self, model: nn.Module, tokenizer, *, system: str | None = None, config: StreamConfig | None = None,
                  max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
-                 **stream) -> None:
+                 compile: bool | dict | None = None, **stream) -> None:
         check_sampling(max_new_tokens, temperature, top_k, seed)
         check_int("max_new_tokens", max_new_tokens, 1)
         self.chunk_size = stream.pop("chunk_size", 256)
+        self.compile = compile
         window = stream.pop("window", 1020 if config is None else None)
         config = resolve_config(model, config, stream.pop("num_sinks", None), window, stream)
         check_chunk_size(self.chunk_size)
@@ -119,7 +121,7 @@ class ChatStream:
         if self.system:
             n = len(self._encode(self._render(self.messages, False), True)) + register_count(self.model)
             config, self.pinned_tokens = replace(config, pinned=(*config.pinned, (0, n))), n
-        self._session = StreamSession(self.model, config=config, chunk_size=self.chunk_size)
+        self._session = StreamSession(self.model, config=config, chunk_size=self.chunk_size, compile=self.compile)
         self._gen = torch.Generator().manual_seed(self.seed)
 
     def __enter__(self) -> ChatStream:

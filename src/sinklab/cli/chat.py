@@ -138,6 +138,9 @@ def chat(
     device_map: Annotated[str | None, device_map_option()] = None,
     policy: Annotated[str, policy_option()] = "streaming",
     plan: Annotated[Path | None, plan_option()] = None,
+    eager: Annotated[bool, typer.Option("--eager", help="decode without torch.compile (default: compiled where it "
+                                        "pays, a CPU and float32 weights; the first run per model and machine waits "
+                                        "for the compile, later runs load it from the cache)")] = False,
 ) -> None:
     """Chat with a model through one stream in constant memory: /reset, /save FILE, /load FILE, /quit.
 
@@ -152,7 +155,8 @@ def chat(
         loaded = load_for_command(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, device_map=device_map)
         config = StreamConfig(num_sinks=sinks, window=window, **retention(loaded, policy, plan, sinks, window))
         engine = ChatStream(loaded.model, loaded.tokenizer, system=system, config=config, chunk_size=chunk_size,
-                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                            compile=False if eager else None)
         if not engine.own_template:
             err.print(f"[yellow]note:[/yellow] {model}'s tokenizer has no chat template; using a plain "
                       "'User: … / Assistant:' layout", highlight=False)

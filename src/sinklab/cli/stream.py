@@ -29,8 +29,12 @@ def stream(
     trust_remote_code: Annotated[bool, trust_remote_code_option()] = False,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     device_map: Annotated[str | None, device_map_option()] = None,
-    compile: Annotated[bool, typer.Option("--compile", help="decode through torch.compile (the first tokens wait "
-                                          "for the compile)")] = False,
+    compile: Annotated[bool | None, typer.Option("--compile/--eager", help="decode through torch.compile (on a "
+                                                 "CPU with inductor's freezing: compiled again in every run), or "
+                                                 "eagerly; default: compiled without freezing where it pays (a CPU, "
+                                                 "float32 weights, a model of 50M+ parameters; $SINKLAB_COMPILE=0/1 "
+                                                 "sets it): the first run per model and machine waits for the "
+                                                 "compile, later runs load it from the cache")] = None,
     compile_backend: Annotated[str, typer.Option("--compile-backend", help="torch.compile backend for --compile")] = "inductor",
     compile_mode: Annotated[str | None, typer.Option("--compile-mode", help="torch.compile mode for --compile "
                                                      "(reduce-overhead: CUDA graphs on a GPU; "
@@ -70,7 +74,7 @@ def stream(
                               **retention(loaded, policy, plan, sinks, window))
         options = {"backend": compile_backend} | ({"mode": compile_mode} if compile_mode else {})
         session = StreamSession(loaded.model, config=config, chunk_size=chunk_size,
-                                compile=options if compile else None, freeze=freeze)
+                                compile=options if compile else compile, freeze=freeze)
         start = time.perf_counter()
         count = 0
         with session:

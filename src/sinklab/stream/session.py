@@ -21,7 +21,8 @@ from torch import Tensor, nn
 
 from .. import _compat
 from ..atomic import atomic_file
-from ..compile import compile_options, frozen
+from ..compile import compile_options
+from ..fastpath import compiled_step, resolve_compile
 from ..errors import InputError, check_int, is_int
 from ..variants import register_count
 from .cache import SinkCache
@@ -66,12 +67,14 @@ class StreamSession:
                  freeze: bool | None = None, **settings) -> None:
         """``config`` (or the keywords of :class:`~sinklab.stream.SinkCache`; the window defaults to 1020, and a
         plan is re-budgeted to it) sets the stream; ``chunk_size``: tokens per prefill forward; ``compile``: decode
-        through ``torch.compile`` (True or its options); ``freeze``: inductor's freezing (None: on a CPU)."""
+        through ``torch.compile`` (True or its options), eagerly (False), or (None) as
+        :func:`sinklab.fastpath.resolve_compile` picks; ``freeze``: inductor's freezing (None: on a CPU)."""
         from ..checks import check_model, check_weights
 
         check_model(model, "StreamSession")
         check_chunk_size(chunk_size)
-        options = compile_options(compile, _NO_FULLGRAPH)
+        chosen, automatic = resolve_compile(compile, model)
+        options = compile_options(chosen, _NO_FULLGRAPH)
         if freeze is not None and not isinstance(freeze, bool):
             raise InputError(f"freeze is True, False or None (automatic), got {freeze!r}")
         check_weights(model)  # NaN/inf weights: one clear error now, not garbage tokens later
@@ -99,11 +102,11 @@ class StreamSession:
         if freeze and not (compiled and inductor):
             raise InputError("freeze=True needs compile with torch.compile's inductor backend (freezing is one of "
                              "inductor's settings); drop freeze or compile with inductor")
+        # sinklab's own (automatic) compile does not freeze: a frozen graph bypasses inductor's on-disk caches.
         self.freezing = freeze if freeze is not None else (
-            compiled and inductor and self._device.type == "cpu" and "options" not in options)
-        self._step_forward = torch.compile(model.forward, **options) if compiled else model.forward
-        if self.freezing:
-            self._step_forward = frozen(self._step_forward)
+            compiled and inductor and self._device.type == "cpu" and "options" not in options and not automatic)
+        self._step_forward = compiled_step(model.forward, options, freezing=self.freezing, automatic=automatic) \
+            if compiled else model.forward
 
     def __enter__(self) -> StreamSession:
         self.cache = self.sink.__enter__()

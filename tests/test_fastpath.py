@@ -1,0 +1,248 @@
+"""The default decode path (sinklab.fastpath): how a stream told nothing picks compiled or eager, where the compile
+cache goes, and the first compiled call's progress lines — all without compiling a real model (inductor's compile
+is minutes on a CPU; the one compile here is dynamo's "eager" backend on a tiny model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
+from tiny_models import build
+
+from sinklab import fastpath
+from sinklab.errors import InputError
+from sinklab.stream import StreamSession
+
+
+@pytest.fixture
+def can_build(monkeypatch):
+    """A machine where inductor could build (a compiler and Python's headers), whatever this one has."""
+    monkeypatch.setattr(fastpath, "cxx_compiler", lambda: "g++")
+    monkeypatch.setattr(fastpath, "python_headers", lambda: True)
+
+
+@pytest.mark.parametrize("value, expected", [("0", False), ("off", False), ("FALSE", False), ("no", False),
+                                             ("1", True), ("on", True), (" True ", True), ("yes", True)])
+def test_the_variable_decides_when_set(monkeypatch, value, expected):
+    monkeypatch.setenv(fastpath.COMPILE_ENV, value)
+    assert fastpath.default_compile("cpu", torch.float32) is expected
+    assert fastpath.default_compile("cuda", torch.bfloat16) is expected  # set: whatever the machine
+
+
+@pytest.mark.parametrize("value", ["auto", "", "AUTO"])
+def test_auto_compiles_on_a_cpu_for_float32_only(monkeypatch, can_build, value):
+    monkeypatch.setenv(fastpath.COMPILE_ENV, value)
+    assert fastpath.default_compile("cpu", torch.float32) is True
+    assert fastpath.default_compile(torch.device("cpu"), torch.bfloat16) is False
+    assert fastpath.default_compile("cpu", torch.float16) is False
+    assert fastpath.default_compile("cuda:0", torch.float32) is False
+    monkeypatch.delenv(fastpath.COMPILE_ENV)
+    assert fastpath.default_compile("cpu", torch.float32) is True  # unset is auto
+    assert fastpath.default_compile("cpu", torch.float32, fastpath.MIN_PARAMETERS - 1) is False  # a tiny model
+
+
+def test_auto_leaves_a_tiny_model_eager(monkeypatch, can_build):
+    monkeypatch.setenv(fastpath.COMPILE_ENV, "auto")
+    assert fastpath.resolve_compile(None, build("llama-gqa")) == (False, True)
+    monkeypatch.setattr(fastpath, "MIN_PARAMETERS", 1)
+    assert fastpath.resolve_compile(None, build("llama-gqa")) == (True, True)
+
+
+def test_auto_is_eager_where_inductor_cannot_build(monkeypatch):
+    monkeypatch.setenv(fastpath.COMPILE_ENV, "auto")
+    monkeypatch.setattr(fastpath, "python_headers", lambda: True)
+    monkeypatch.setattr(fastpath, "cxx_compiler", lambda: None)
+    assert fastpath.default_compile("cpu", torch.float32) is False
+    monkeypatch.setattr(fastpath, "cxx_compiler", lambda: "g++")
+    monkeypatch.setattr(fastpath, "python_headers", lambda: False)
+    assert fastpath.default_compile("cpu", torch.float32) is False
+
+
+def test_a_compiler_is_looked_up_as_inductor_would(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    monkeypatch.setattr(fastpath.shutil, "which", lambda name: "/usr/bin/c++" if name == "c++" else None)
+    assert fastpath.cxx_compiler() == "c++"
+    monkeypatch.setattr(fastpath.shutil, "which", lambda name: None)
+    assert fastpath.cxx_compiler() is None
+
+
+def test_a_bad_variable_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv(fastpath.COMPILE_ENV, "sometimes")
+    with pytest.raises(InputError, match=r"\$SINKLAB_COMPILE is auto, 1 \(on\) or 0 \(off\), got 'sometimes'"):
+        fastpath.default_compile("cpu", torch.float32)
+
+
+def test_an_explicit_choice_wins_over_the_variable(monkeypatch):
+    model = build("llama-gqa")
+    monkeypatch.setenv(fastpath.COMPILE_ENV, "1")
+    assert fastpath.resolve_compile(False, model) == (False, False)
+    assert fastpath.resolve_compile({"backend": "eager"}, model) == ({"backend": "eager"}, False)
+    assert fastpath.resolve_compile(None, model) == (True, True)
+    monkeypatch.setenv(fastpath.COMPILE_ENV, "0")
+    assert fastpath.resolve_compile(True, model) == (True, False)
+    assert fastpath.resolve_compile(None, model) == (False, True)
+
+
+def test_session_default_follows_the_variable_without_compiling(monkeypatch):
+    """Building a session compiles nothing (torch.compile is lazy): what it would run is read off the session."""
+    model = build("llama-gqa")
+    monkeypatch.setenv(fastpath.COMPILE_ENV, "1")
+    auto = StreamSession(model, num_sinks=2, window=8)
+    assert auto.compile_options == {} and isinstance(auto._step_forward, fastpath.FirstCall)
+    assert auto._step_forward.fallback is not None  # sinklab's own choice: a failed compile decodes eagerly
+    assert auto.freezing is False  # frozen graphs bypass inductor's on-disk caches
+    assert StreamSession(model, num_sinks=2, window=8, compile=True).freezing is True  # asked for: as before
+    assert StreamSession(model, num_sinks=2, window=8, compile=True)._step_forward.fallback is None
+    assert StreamSession(model, num_sinks=2, window=8, compile=False).compile_options is None
+    monkeypatch.setenv(fastpath.COMPILE_ENV, "0")
+    eager = StreamSession(model, num_sinks=2, window=8)
+    assert eager.compile_options is None and eager._step_forward == model.forward
+    assert eager._given["compile"] is None  # a saved stream re-resolves the default where it is loaded
+
+
+def test_chat_passes_its_choice_to_the_session(monkeypatch):
+    import sinklab
+    from sinklab.stream.chat import ChatStream
+
+    tiny_lm = sinklab.load_model("builtin:tiny-lm")
+    monkeypatch.setenv(fastpath.COMPILE_ENV, "1")
+    assert ChatStream(tiny_lm.model, tiny_lm.tokenizer, window=8, compile=False)._session.compile_options is None
+    assert ChatStream(tiny_lm.model, tiny_lm.tokenizer, window=8)._session.compile_options == {}
+
+
+def test_the_cache_folder_is_sinklabs_unless_the_user_set_one(monkeypatch, tmp_path):
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", False)
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SINKLAB_CACHE", str(tmp_path / "sl"))
+    assert fastpath.use_compile_cache() == tmp_path / "sl" / "inductor"
+    import os
+
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "sl" / "inductor")
+    assert inductor_config.fx_graph_cache is True and functorch_config.enable_autograd_cache is True
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert fastpath.use_compile_cache() == tmp_path / "mine"  # the user's own folder stays
+    inductor_config.fx_graph_cache = False
+    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+    fastpath.use_compile_cache()
+    assert inductor_config.fx_graph_cache is False  # the user's own switch stays
+
+
+def test_first_call_says_it_compiles_and_how_long_it_took():
+    lines: list[str] = []
+    calls: list[int] = []
+    first = fastpath.FirstCall(lambda x: calls.append(x) or x + 1, cache=Path("/c"), say=lines.append)
+    assert first(1) == 2 and first(2) == 3 and calls == [1, 2]
+    assert len(lines) == 2  # once, on the first call
+    assert "compiling the decode step with torch.compile" in lines[0] and "(compile cache: /c)" in lines[0]
+    assert "--eager" in lines[0]
+    assert lines[1].startswith("[sinklab: decode step compiled in ") and lines[1].endswith(" s]")
+    assert first.seconds is not None and first.from_cache is None  # no inductor graph: no cache to read
+
+
+def test_first_call_names_a_cache_hit(monkeypatch):
+    from torch._dynamo.utils import counters
+
+    def loads(x):
+        counters["inductor"]["fxgraph_cache_hit"] += 1
+        return x
+
+    monkeypatch.setitem(counters, "inductor", counters["inductor"].copy())
+    lines: list[str] = []
+    first = fastpath.FirstCall(loads, say=lines.append)
+    first(0)
+    assert first.from_cache is True and "decode step loaded from the compile cache in" in lines[1]
+
+
+def test_an_automatic_compile_that_fails_decodes_eagerly():
+    def broken(x):
+        raise RuntimeError("no C++ compiler\nmore")
+
+    first = fastpath.FirstCall(broken, fallback=lambda x: x * 10, say=lambda _: None)
+    with pytest.warns(RuntimeWarning, match=r"automatic compile of the decode step failed \(RuntimeError: no C\+\+ "
+                                            r"compiler\); decoding eagerly \(set SINKLAB_COMPILE=0"):
+        assert first(2) == 20
+    assert first(3) == 30  # eager from then on
+    asked = fastpath.FirstCall(broken, say=lambda _: None)
+    with pytest.raises(RuntimeError, match="no C"):  # a compile the caller asked for: its error
+        asked(1)
+
+
+def test_first_call_builds_the_forward_at_the_first_call():
+    built: list[int] = []
+    first = fastpath.FirstCall(build=lambda: built.append(1) or (lambda x: x * 2), say=lambda _: None)
+    assert built == []  # nothing compiled (nor imported) before the first step
+    assert first(2) == 4 and first(3) == 6 and built == [1]
+    with pytest.raises(TypeError, match="a forward or a build function"):
+        fastpath.FirstCall(lambda: 1, build=lambda: (lambda: 1))
+
+
+def test_quiet_first_call_says_nothing():
+    lines: list[str] = []
+    fastpath.FirstCall(lambda: 1, say=lines.append, quiet=True)()
+    assert lines == []
+
+
+def test_a_session_step_announces_its_compile_once_per_model(capsys):
+    """Through a real session (dynamo's eager backend: no inductor build): the progress lines go to stderr, the
+    model's second compiled session says nothing, the logits are the eager ones."""
+    torch._dynamo.reset()
+    model = build("llama-gqa")
+    ids = torch.randint(0, 50, (1, 6))
+    outs = []
+    for compile in (False, {"backend": "eager"}, {"backend": "eager"}):
+        with torch.no_grad(), StreamSession(model, num_sinks=2, window=8, compile=compile) as s:
+            logits = s.feed(ids)
+            outs.append(s.step(logits.argmax(-1)))
+    err = capsys.readouterr().err
+    assert err.count("[sinklab: compiling the decode step") == 1 and err.count("decode step compiled in") == 1
+    assert torch.allclose(outs[1], outs[0], atol=1e-5) and torch.allclose(outs[2], outs[0], atol=1e-5)
+    torch._dynamo.reset()
+
+
+def test_cli_eager_and_default_print_the_same_text(monkeypatch):
+    """``sinklab stream --eager`` decodes eagerly even where the variable says compile; with the variable at 0 the
+    default is eager too: the same greedy text, and no compile line."""
+    from typer.testing import CliRunner
+
+    from sinklab.cli import app
+
+    args = ["stream", "builtin:tiny-lm", "--prompt", "The rule of the code is", "--sinks", "2", "--window", "8",
+            "--max-new-tokens", "6"]
+    monkeypatch.setenv(fastpath.COMPILE_ENV, "1")
+    monkeypatch.setattr("sinklab.stream.session.compiled_step", lambda *a, **k: pytest.fail("--eager compiled"))
+    eager = CliRunner().invoke(app, [*args, "--eager"])
+    monkeypatch.setenv(fastpath.COMPILE_ENV, "0")
+    default = CliRunner().invoke(app, args)
+    assert eager.exit_code == 0 and default.exit_code == 0, eager.output + default.output
+    assert eager.stdout == default.stdout and eager.stdout.strip()
+    assert "compiling" not in eager.stderr + default.stderr
+
+
+@pytest.mark.parametrize("flags", [["--eager", "--freeze"], ["--eager", "--compile-mode", "max-autotune"]])
+def test_cli_eager_with_compile_settings_is_an_error(flags):
+    from typer.testing import CliRunner
+
+    from sinklab.cli import app
+
+    r = CliRunner().invoke(app, ["stream", "builtin:tiny-lm", "--prompt", "The rule", "--max-new-tokens", "2", *flags])
+    assert r.exit_code != 0 and "add --compile" in " ".join(r.output.split()), r.output
+
+
+def test_cli_chat_eager_decodes_without_compiling(monkeypatch):
+    """``sinklab chat --eager``: eager even where the variable says compile."""
+    from typer.testing import CliRunner
+
+    from sinklab.cli import app
+
+    monkeypatch.setenv(fastpath.COMPILE_ENV, "1")
+    monkeypatch.setattr("sinklab.stream.session.compiled_step", lambda *a, **k: pytest.fail("--eager compiled"))
+    r = CliRunner().invoke(app, ["chat", "builtin:tiny-lm", "--max-new-tokens", "3", "--window", "16", "--eager"],
+                           input="hi\n")
+    assert r.exit_code == 0, r.output
+    assert "compiling" not in r.output
