@@ -106,7 +106,7 @@ def test_session_default_follows_the_variable_without_compiling(monkeypatch):
 
 def test_chat_passes_its_choice_to_the_session(monkeypatch):
     import sinklab
-    from sinklab.stream.chat import ChatStream
+    from sinklab.chat import ChatStream
 
     tiny_lm = sinklab.load_model("builtin:tiny-lm")
     monkeypatch.setenv(fastpath.COMPILE_ENV, "1")
@@ -180,6 +180,21 @@ def test_first_call_builds_the_forward_at_the_first_call():
     assert first(2) == 4 and first(3) == 6 and built == [1]
     with pytest.raises(TypeError, match="a forward or a build function"):
         fastpath.FirstCall(lambda: 1, build=lambda: (lambda: 1))
+
+
+def test_an_automatic_compile_waits_its_eager_steps():
+    """The first ``eager_calls`` calls run the eager forward and build nothing; the next one compiles, once."""
+    built: list[int] = []
+    lines: list[str] = []
+    first = fastpath.FirstCall(build=lambda: built.append(1) or (lambda x: x * 2), fallback=lambda x: -x,
+                               say=lines.append, eager_calls=3)
+    assert [first(1), first(2), first(3)] == [-1, -2, -3] and built == [] and lines == []
+    assert [first(4), first(5)] == [8, 10] and built == [1] and len(lines) == 2
+    with pytest.raises(TypeError, match="needs a fallback"):
+        fastpath.FirstCall(lambda x: x, eager_calls=1)
+    step = fastpath.compiled_step(lambda x: x, {"backend": "eager"}, freezing=False, automatic=True)
+    assert step.eager_left == fastpath.EAGER_STEPS
+    assert fastpath.compiled_step(lambda x: x, {"backend": "eager"}, freezing=False).eager_left == 0
 
 
 def test_quiet_first_call_says_nothing():

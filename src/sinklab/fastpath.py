@@ -44,6 +44,9 @@ _OFF = {"0", "off", "false", "no"}
 #: Smallest model the automatic choice compiles: the measured models (SmolLM2-135M, Gemma 3 270M) are above it; a
 #: tiny model's eager step is already short, and the compile's wait would never be paid back in a session.
 MIN_PARAMETERS = 50_000_000
+#: Decode steps an automatic compile runs eagerly first: a run shorter than this never waits for a compile
+#: (docs/stream.md has the break-even it comes from).
+EAGER_STEPS = 1024
 #: Inductor's own variable for its cache folder; when set, sinklab leaves the folder to it.
 INDUCTOR_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -136,13 +139,17 @@ class FirstCall:
     ``build``: makes the forward at the first call instead (``torch.compile`` imports dynamo and inductor, which
     would otherwise delay the prompt's prefill and so the first token). ``fallback``: an eager forward to run
     instead when that first call fails to compile (an automatic compile: the stream still runs, with a warning);
-    None lets the error through (a compile the caller asked for)."""
+    None lets the error through (a compile the caller asked for). ``eager_calls``: the first calls run ``fallback``
+    instead, so that a short run never waits for a compile it would not earn back."""
 
     def __init__(self, forward: Callable | None = None, *, build: Callable[[], Callable] | None = None,
                  label: str = "decode step", cache: Path | None = None, fallback: Callable | None = None,
-                 say: Callable[[str], None] = _say, quiet: bool = False) -> None:
+                 say: Callable[[str], None] = _say, quiet: bool = False, eager_calls: int = 0) -> None:
         if (forward is None) == (build is None):
             raise TypeError("FirstCall takes a forward or a build function, one of the two")
+        if eager_calls and fallback is None:
+            raise TypeError("eager_calls needs a fallback (the eager forward) to run them")
+        self.eager_left = eager_calls
         self.forward: Callable | None = forward
         self.build, self.label, self.cache, self.fallback = build, label, cache, fallback
         self.say = (lambda text: None) if quiet else say
@@ -152,7 +159,10 @@ class FirstCall:
 
     def __call__(self, *args, **kwargs):
         if not self.pending:
-            return self.forward(*args, **kwargs)
+            return self.forward(*args, **kwargs)  # type: ignore[misc]  # (set by the first call)
+        if self.eager_left > 0:
+            self.eager_left -= 1
+            return self.fallback(*args, **kwargs)  # type: ignore[misc]  # (checked in __init__)
         self.pending = False
         where = f" (compile cache: {self.cache})" if self.cache is not None else ""
         self.say(f"\n[sinklab: compiling the {self.label} with torch.compile — once per model, dtype and machine, "
@@ -184,7 +194,8 @@ def compiled_step(forward: Callable, options: dict, *, freezing: bool, automatic
                   say: Callable[[str], None] = _say) -> FirstCall:
     """``torch.compile(forward, **options)`` (with inductor's freezing when ``freezing``), its kernels cached under
     :func:`use_compile_cache`'s folder, its first call announced (:class:`FirstCall`); ``automatic``: the compile
-    was sinklab's default choice, so a failure to compile falls back to ``forward`` itself."""
+    was sinklab's default choice, so the first :data:`EAGER_STEPS` calls run ``forward`` itself and a failure to
+    compile falls back to it."""
     inductor = options.get("backend", "inductor") == "inductor"
     cache = use_compile_cache() if inductor else None
 
@@ -196,7 +207,8 @@ def compiled_step(forward: Callable, options: dict, *, freezing: bool, automatic
     quiet = owner is not None and owner in _ANNOUNCED
     if owner is not None:
         _ANNOUNCED.add(owner)
-    return FirstCall(build=build, cache=cache, fallback=forward if automatic else None, say=say, quiet=quiet)
+    return FirstCall(build=build, cache=cache, fallback=forward if automatic else None, say=say, quiet=quiet,
+                     eager_calls=EAGER_STEPS if automatic else 0)
 
 
 #: The models whose forward :func:`compiled_step` has compiled in this process.
