@@ -159,10 +159,10 @@ class FirstCall:
 
     def __call__(self, *args, **kwargs):
         if not self.pending:
-            return self.forward(*args, **kwargs)  # type: ignore[misc]  # (set by the first call)
+            return self.forward(*args, **kwargs)
         if self.eager_left > 0:
             self.eager_left -= 1
-            return self.fallback(*args, **kwargs)  # type: ignore[misc]  # (checked in __init__)
+            return self.fallback(*args, **kwargs)
         self.pending = False
         where = f" (compile cache: {self.cache})" if self.cache is not None else ""
         self.say(f"\n[sinklab: compiling the {self.label} with torch.compile — once per model, dtype and machine, "
