@@ -1,0 +1,132 @@
+"""Streams with images: a vision-language model's prompt, image tokens and all, fed through a
+:class:`~sinklab.stream.StreamSession`, the image's tokens pinnable (kept forever), and a video fed frame by frame
+with the video memory plan (sinks, pinned frames, the most recent frames and their text, in constant memory).
+
+The vision tower runs on the model's own attention, once per image or frame; only the text decoder streams
+(``SinkCache`` installs its attention on ``_compat.language_model``). Positions are by cache slot, one index per token
+(1-D rotary: Llava, Gemma 3, PaliGemma, Idefics3 …); a model that rotates by (time, height, width) positions
+(M-RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V) is refused by :func:`check_vision_stream`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from . import _compat
+from .errors import InputError, UnsupportedModelError, check_int
+from .stream import StreamSession
+from .stream.config import StreamConfig
+from .vision_inputs import IMAGE, IMAGE_SPECIAL, TEXT, VisionInputs, check_vision_model, config_inputs, image_spans
+
+__all__ = ["image_pins", "check_vision_stream", "feed_vision", "VideoMemory", "video_frames"]
+
+
+def image_pins(inputs: VisionInputs, *, offset: int = 0, sample: int = 0,
+               framing: bool = True) -> tuple[tuple[int, int], ...]:
+    """The half-open stream spans of ``inputs``' images (sample ``sample`` of its first batch), to pass as
+    ``pinned=``: each image's tokens, with the image-special tokens that frame them when ``framing``; ``offset``: the
+    stream tokens fed before this prompt."""
+    check_int("offset", offset)
+    codes = inputs.modality[0][sample]
+    spans = []
+    for span in image_spans(codes):
+        start, end = span.positions[0], span.positions[-1] + 1
+        if framing:
+            while start > 0 and int(codes[start - 1]) == IMAGE_SPECIAL:
+                start -= 1
+            while end < codes.shape[0] and int(codes[end]) == IMAGE_SPECIAL:
+                end += 1
+        if spans and start <= spans[-1][1]:  # two images framed back to back: one span
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((start, end))
+    return tuple((offset + a, offset + b) for a, b in spans)
+
+
+def check_vision_stream(model: nn.Module) -> None:
+    """Refuse what a stream with images cannot reproduce: no vision tower (an :class:`InputError`), and multimodal
+    rotary positions (M-RoPE)."""
+    check_vision_model(model, "images in a stream")
+    config = getattr(model, "config", None)
+    for cfg in (config, getattr(config, "text_config", None)):
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+        if isinstance(rope, dict) and rope.get("mrope_section"):
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: it rotates image tokens by (time, height, width) positions (M-RoPE, with a "
+                "per-sequence rope_deltas), and the stream positions every kept token by one cache-slot index; lifting "
+                "it needs the stream to re-base the temporal index and keep each kept token's height and width.")
+
+
+@torch.no_grad()
+def feed_vision(session: StreamSession, inputs: VisionInputs) -> Tensor:
+    """Feed ``inputs``' first batch (its ids, its pixels) through ``session``'s open cache in one forward: the vision
+    tower encodes the image(s) and the text decoder streams the whole prompt; returns the logits ``[B, V]`` at its last
+    position."""
+    check_vision_stream(session.model)
+    if session.cache is None:
+        raise InputError("use the session as a context manager: `with StreamSession(...) as s:`")
+    batch = dict(inputs.batches[0])
+    batch.pop("attention_mask", None)  # every column real: the stream masks by its own metadata
+    kwargs = {"use_cache": True, _compat.cache_kwarg_name(session.model): session.cache}
+    logits = session.model(**batch, **kwargs).logits[:, -1]
+    session.tokens_seen += int(batch["input_ids"].shape[1])
+    return logits
+
+
+@dataclass(frozen=True)
+class VideoMemory:
+    """What a video stream keeps: ``num_sinks`` sinks, the frames ``pinned_frames`` (by index: the first, a prompted
+    one) and the ``recent_frames`` newest frames, each frame a block of ``frame_tokens`` tokens (its vision tokens,
+    framing and text), after a prompt of ``prompt_tokens`` tokens (kept whole when ``pin_prompt``).
+
+    It is a plan over the recency ring: the recent frames are the window (``recent_frames × frame_tokens`` tokens,
+    so their text goes with them), the pinned frames and the prompt are pinned spans — constant memory, whatever
+    the video's length."""
+
+    frame_tokens: int
+    recent_frames: int = 4
+    pinned_frames: tuple[int, ...] = (0,)
+    num_sinks: int = 4
+    prompt_tokens: int = 0
+    pin_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("frame_tokens", self.frame_tokens, 1)
+        check_int("recent_frames", self.recent_frames, 1)
+        check_int("num_sinks", self.num_sinks)
+        check_int("prompt_tokens", self.prompt_tokens)
+        for frame in self.pinned_frames:
+            check_int("pinned frame", frame)
+
+    def frame_span(self, frame: int) -> tuple[int, int]:
+        """Stream span ``[start, end)`` of frame ``frame``."""
+        start = self.prompt_tokens + frame * self.frame_tokens
+        return start, start + self.frame_tokens
+
+    def pinned(self) -> tuple[tuple[int, int], ...]:
+        spans = [(0, self.prompt_tokens)] if self.pin_prompt and self.prompt_tokens else []
+        spans += [self.frame_span(f) for f in sorted(set(self.pinned_frames))]
+        return tuple(spans)
+
+    def config(self, **settings) -> StreamConfig:
+        """The stream's :class:`~sinklab.stream.StreamConfig` (``settings``: its other fields)."""
+        return StreamConfig(num_sinks=self.num_sinks, window=self.recent_frames * self.frame_tokens,
+                            pinned=self.pinned(), **settings)
+
+
+def video_frames(model: nn.Module, frames: Sequence, text_ids: Sequence[int] = ()) -> list[VisionInputs]:
+    """Each frame (a PIL image) as one block of inputs: its image tokens (framed as the config frames an image),
+    then ``text_ids``; every block has the same number of tokens (:attr:`VideoMemory.frame_tokens`)."""
+    out = [config_inputs(model, frame, text_ids) for frame in frames]
+    sizes = {int(block.batches[0]["input_ids"].shape[1]) for block in out}
+    if len(sizes) > 1:
+        raise UnsupportedModelError(f"{type(model).__name__}: its frames fill different numbers of tokens {sorted(sizes)}"
+                                    "; the video memory needs one block size per frame")
+    for block in out:
+        if not bool((block.modality[0] != TEXT).any()) or not bool((block.modality[0] == IMAGE).any()):
+            raise UnsupportedModelError(f"{type(model).__name__}: a frame filled no image tokens")
+    return out

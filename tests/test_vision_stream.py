@@ -1,0 +1,128 @@
+"""Streams with images (sinklab.vision_stream): a vision-language model's prompt, image and all, through a
+StreamSession; the image's tokens pinned; a video fed frame by frame under the video memory plan.
+
+References: the model's own forward and ``generate()`` with the image (nothing evicted), and the float64 stream
+reference (``sinklab.testing.reference``) over the kept tokens, fed the embeddings the model's own forward hands its
+text decoder at the image positions (the projected vision features), token by token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sinklab import _compat, vision_inputs
+from sinklab.errors import UnsupportedModelError
+from sinklab.stream import StreamSession
+from sinklab.testing import vlm_conformance as vc
+from sinklab.testing.reference import Reference
+from sinklab.vision_stream import VideoMemory, check_vision_stream, feed_vision, image_pins, video_frames
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEXT = vc.TEXT_IDS[:12]
+
+
+@pytest.fixture(scope="module")
+def models() -> dict:
+    return {}
+
+
+def built(models: dict, model_type: str):
+    if model_type not in models:
+        models[model_type] = vc.build(model_type).model
+    return models[model_type]
+
+
+def decoder_embeds(model, batch: dict) -> torch.Tensor:
+    """``[T, D]``: what the model's own forward hands its text decoder (image features at the image positions)."""
+    seen = {}
+
+    def grab(module, args, kwargs):
+        seen["x"] = kwargs["inputs_embeds"][0].detach().clone()
+
+    handle = _compat.language_model(model).register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        handle.remove()
+    return seen["x"]
+
+
+def feed_reference(ref: Reference, model, inputs) -> torch.Tensor:
+    """The prompt token by token into the float64 reference: image positions as embeddings, text as ids."""
+    batch = inputs.batches[0]
+    embeds = decoder_embeds(model, batch)
+    codes, ids = inputs.modality[0][0], batch["input_ids"][0]
+    out = None
+    for p in range(ids.shape[0]):
+        out = ref.step_embeds(embeds[p]) if int(codes[p]) == vision_inputs.IMAGE else ref.step(int(ids[p]))
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def kept_indices(session) -> set[int]:
+    state = session.state
+    return set(state.s_sidx[0][state.s_valid[0]].tolist())
+
+
+@pytest.mark.parametrize("model_type", ["llava", "gemma3"])
+def test_prompt_with_image_matches_the_models_own_generate(models, model_type):
+    """Nothing evicted: the streamed prompt's logits equal the model's forward with the image, and greedy decoding
+    through the session equals ``generate()`` with the image."""
+    model = built(models, model_type)
+    inputs = vision_inputs.config_inputs(model, vc.test_image(), TEXT)
+    batch = inputs.batches[0]
+    with torch.no_grad():
+        own = model(**batch).logits[0, -1]
+        gen = model.generate(**batch, max_new_tokens=6, do_sample=False)[0, batch["input_ids"].shape[1]:]
+    with StreamSession(model, num_sinks=2, window=256) as s:
+        logits = feed_vision(s, inputs)
+        assert _rel(logits[0], own) < 1e-5
+        tokens = []
+        for _ in range(6):
+            tokens.append(int(logits.argmax(-1)))
+            logits = s.step(torch.tensor(tokens[-1:]))
+    assert tokens == gen.tolist()
+
+
+@pytest.mark.parametrize("model_type", ["llava", "gemma3"])
+def test_pinned_image_past_eviction_matches_the_float64_reference(models, model_type):
+    """A window smaller than the text after the image, the image pinned: every logit against the float64 reference
+    over the kept tokens, and the image's tokens kept at every step."""
+    model = built(models, model_type)
+    inputs = vision_inputs.config_inputs(model, vc.test_image(), TEXT)
+    pins = image_pins(inputs)
+    codes = inputs.modality[0][0]
+    image = [p for p, c in enumerate(codes.tolist()) if c != vision_inputs.TEXT]
+    assert [p for a, b in pins for p in range(a, b)] == image  # the image's tokens and its framing, nothing else
+    sinks, window = 1, 5
+    assert len(TEXT) > window
+    ref = Reference(model, sinks, window, pins)
+    expected = feed_reference(ref, model, inputs)
+    rng = np.random.default_rng(3)
+    with StreamSession(model, num_sinks=sinks, window=window, pinned=pins) as s:
+        worst = _rel(feed_vision(s, inputs)[0], expected)
+        assert set(image) <= kept_indices(s)
+        for token in rng.integers(10, 60, size=8).tolist():
+            worst = max(worst, _rel(s.step(torch.tensor([token]))[0], ref.step(token)))
+            kept = kept_indices(s)
+            assert set(image) <= kept and len(kept) == len(set(range(sinks)) | set(image)) + window
+    assert worst < 1e-4, worst
+
+
+def test_image_pins_offset_and_framing(models):
+    inputs = vision_inputs.config_inputs(built(models, "gemma3"), vc.test_image(), TEXT)
+    framed, bare = image_pins(inputs, offset=7), image_pins(inputs, framing=False)
+    assert framed[0][1] - framed[0][0] == bare[0][1] - bare[0][0] + 2  # begin and end of image
+    assert framed[0][0] - 7 == bare[0][0] - 1
+
+
+def test_multimodal_rotary_is_refused(models):
+    with pytest.raises(UnsupportedModelError, match="re-base the temporal index"):
+        check_vision_stream(built(models, "qwen2_vl"))
