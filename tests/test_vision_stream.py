@@ -51,10 +51,9 @@ def decoder_embeds(model, batch: dict) -> torch.Tensor:
     return seen["x"]
 
 
-def feed_reference(ref: Reference, model, inputs) -> torch.Tensor:
-    """The prompt token by token into the float64 reference: image positions as embeddings, text as ids."""
+def feed_reference(ref: Reference, inputs, embeds: torch.Tensor) -> torch.Tensor:
+    """The prompt token by token into the float64 reference: image positions as ``embeds``, text as ids."""
     batch = inputs.batches[0]
-    embeds = decoder_embeds(model, batch)
     codes, ids = inputs.modality[0][0], batch["input_ids"][0]
     out = None
     for p in range(ids.shape[0]):
@@ -104,7 +103,7 @@ def test_pinned_image_past_eviction_matches_the_float64_reference(models, model_
     sinks, window = 1, 5
     assert len(TEXT) > window
     ref = Reference(model, sinks, window, pins)
-    expected = feed_reference(ref, model, inputs)
+    expected = feed_reference(ref, inputs, decoder_embeds(model, inputs.batches[0]))
     rng = np.random.default_rng(3)
     with StreamSession(model, num_sinks=sinks, window=window, pinned=pins) as s:
         worst = _rel(feed_vision(s, inputs)[0], expected)
@@ -126,3 +125,53 @@ def test_image_pins_offset_and_framing(models):
 def test_multimodal_rotary_is_refused(models):
     with pytest.raises(UnsupportedModelError, match="re-base the temporal index"):
         check_vision_stream(built(models, "qwen2_vl"))
+
+
+def frame_image(index: int):
+    """A procedurally drawn video frame: colour bands that drift with ``index`` and a square that moves."""
+    from PIL import Image
+
+    rows, cols = np.indices((32, 32))
+    array = np.stack([(rows * 5 + cols * 3 + 9 * index) % 256, (rows * 2 + cols * 7 + 5 * index) % 256,
+                      (rows * cols + 3 * index) % 256], -1)
+    corner = (2 * index) % 20
+    array[corner : corner + 8, corner : corner + 8] = 255
+    return Image.fromarray(array.astype(np.uint8))
+
+
+def frame_kept(memory: VideoMemory, frames: int) -> set[int]:
+    """After ``frames`` whole frames: the sinks, the prompt, the pinned frames and the newest unpinned frames,
+    from the frame boundaries (independently of the ring's token window)."""
+    p, f = memory.prompt_tokens, memory.frame_tokens
+    keep = set(range(min(memory.num_sinks, p + frames * f))) | set(range(p))
+    recent = [i for i in range(frames) if i not in memory.pinned_frames][-memory.recent_frames:]
+    for i in [*memory.pinned_frames, *recent]:
+        if i < frames:
+            keep |= set(range(p + i * f, p + (i + 1) * f))
+    return keep
+
+
+@pytest.mark.parametrize("model_type", ["llava", "gemma3"])
+def test_video_memory_keeps_its_definition_and_matches_the_float64_reference(models, model_type):
+    """A prompt, then frames fed one by one (each its pixels through the vision tower and a forward of its block of
+    tokens through the stream): at every frame the kept set is the sinks + prompt + pinned first frame + the newest
+    frames, and the logits equal the float64 reference over the kept tokens."""
+    model = built(models, model_type)
+    blocks = video_frames(model, [frame_image(i) for i in range(7)], text_ids=[11, 12])
+    prompt = torch.tensor([[20, 21, 22]])
+    memory = VideoMemory(frame_tokens=int(blocks[0].batches[0]["input_ids"].shape[1]), recent_frames=2,
+                         pinned_frames=(0,), num_sinks=2, prompt_tokens=3)
+    ref = Reference(model, memory.num_sinks, memory.config().window, memory.pinned())
+    embeds = [decoder_embeds(model, block.batches[0]) for block in blocks]  # before the stream holds the model
+    worst = 0.0
+    with StreamSession(model, config=memory.config()) as s:
+        ours = s.feed(prompt)[0]
+        for t in prompt[0].tolist():
+            expected = ref.step(t)
+        worst = _rel(ours, expected)
+        for i, block in enumerate(blocks):
+            worst = max(worst, _rel(feed_vision(s, block)[0], feed_reference(ref, block, embeds[i])))
+            assert kept_indices(s) == frame_kept(memory, i + 1), i
+        capacity = s.state.capacity
+    assert capacity == 3 + memory.frame_tokens * 3 and s.tokens_seen == 3 + 7 * memory.frame_tokens
+    assert worst < 1e-4, worst
