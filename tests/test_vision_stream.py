@@ -175,3 +175,59 @@ def test_video_memory_keeps_its_definition_and_matches_the_float64_reference(mod
         capacity = s.state.capacity
     assert capacity == 3 + memory.frame_tokens * 3 and s.tokens_seen == 3 + 7 * memory.frame_tokens
     assert worst < 1e-4, worst
+
+
+# ----------------------------------------------------------------------------- the command line
+@pytest.fixture(scope="module")
+def llava_folder(tmp_path_factory, models):
+    """A tiny Llava saved with a tiny tokenizer, and a folder of procedurally drawn PNG frames."""
+    import warnings
+
+    from sinklab.testing import tiny
+
+    folder = tmp_path_factory.mktemp("tiny-llava")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built(models, "llava").save_pretrained(folder / "model")
+    tiny.tiny_tokenizer().save_pretrained(folder / "model")
+    (folder / "frames").mkdir()
+    for i in range(3):
+        frame_image(i).save(folder / "frames" / f"frame{i:03d}.png")
+    return folder
+
+
+def _one_line(result) -> str:
+    return " ".join(result.output.split())
+
+
+def test_cli_streams_frames_endlessly(llava_folder):
+    from typer.testing import CliRunner
+
+    from sinklab.cli import app
+
+    result = CliRunner().invoke(app, ["stream", str(llava_folder / "model"), "--video", str(llava_folder / "frames"),
+                                      "--prompt", "what moves", "--recent-frames", "2", "--sinks", "2", "--loop",
+                                      "--max-frames", "7", "--max-new-tokens", "3"])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("frame ")]
+    assert [line.split(":")[0] for line in lines] == [f"frame {i}" for i in range(7)]
+    sizes = [line.split("cache ")[1].split(" ")[0] for line in lines]
+    assert sizes[-1] == sizes[-2] == sizes[-3]  # constant memory once the recent frames are full
+
+
+def test_cli_video_errors(llava_folder, tmp_path):
+    from typer.testing import CliRunner
+
+    from sinklab.cli import app
+
+    runner = CliRunner()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = runner.invoke(app, ["stream", str(llava_folder / "model"), "--video", str(empty)])
+    assert result.exit_code == 2 and "no frames in" in _one_line(result) and "Traceback" not in result.output
+    bad = tmp_path / "broken.png"
+    bad.write_text("not a picture")
+    result = runner.invoke(app, ["stream", str(llava_folder / "model"), "--video", str(bad)])
+    assert result.exit_code == 2 and "cannot read image" in _one_line(result) and "Traceback" not in result.output
+    result = runner.invoke(app, ["stream", "builtin:tiny-llama", "--video", str(llava_folder / "frames")])
+    assert result.exit_code == 2 and "has no vision tower" in _one_line(result), result.output

@@ -315,6 +315,10 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
     else:
         architectures = getattr(config, "architectures", None) or []
         auto = AutoModelForCausalLM if any("CausalLM" in a for a in architectures) else AutoModel
+        if getattr(config, "vision_config", None) is not None and any("ConditionalGeneration" in a for a in architectures):
+            from transformers import AutoModelForImageTextToText  # a vision-language model, with its LM head
+
+            auto = AutoModelForImageTextToText
         kwargs: dict[str, Any] = dict(common, attn_implementation="sdpa", output_loading_info=True)
         if torch_dtype is not None:
             kwargs["dtype"] = torch_dtype

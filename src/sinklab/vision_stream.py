@@ -10,8 +10,9 @@ The vision tower runs on the model's own attention, once per image or frame; onl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -22,7 +23,8 @@ from .stream import StreamSession
 from .stream.config import StreamConfig
 from .vision_inputs import IMAGE, IMAGE_SPECIAL, TEXT, VisionInputs, check_vision_model, config_inputs, image_spans
 
-__all__ = ["image_pins", "check_vision_stream", "feed_vision", "VideoMemory", "video_frames"]
+__all__ = ["image_pins", "check_vision_stream", "feed_vision", "VideoMemory", "video_frames", "frame_files",
+           "stream_video"]
 
 
 def image_pins(inputs: VisionInputs, *, offset: int = 0, sample: int = 0,
@@ -130,3 +132,58 @@ def video_frames(model: nn.Module, frames: Sequence, text_ids: Sequence[int] = (
         if not bool((block.modality[0] != TEXT).any()) or not bool((block.modality[0] == IMAGE).any()):
             raise UnsupportedModelError(f"{type(model).__name__}: a frame filled no image tokens")
     return out
+
+
+#: File endings read as video frames from a folder.
+FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+
+
+def frame_files(sources: Sequence[str | Path]) -> list[Path]:
+    """The frames named by ``sources``: a folder gives its image files in name order, a file itself; an
+    :class:`InputError` for a missing path or no frames at all."""
+    files: list[Path] = []
+    for source in map(Path, sources):
+        if source.is_dir():
+            found = sorted(p for p in source.iterdir() if p.is_file() and p.suffix.lower() in FRAME_SUFFIXES)
+            if not found:
+                raise InputError(f"no frames in {source} (image files ending in {', '.join(FRAME_SUFFIXES)})")
+            files += found
+        elif source.is_file():
+            files.append(source)
+        else:
+            raise InputError(f"no such frame file or folder: {source}")
+    if not files:
+        raise InputError("no frames given")
+    return files
+
+
+def stream_video(model: nn.Module, frames: Iterable, *, prompt_ids: Sequence[int] = (), text_ids: Sequence[int] = (),
+                 num_sinks: int = 4, recent_frames: int = 4, pinned_frames: tuple[int, ...] = (0,),
+                 **session_settings) -> Iterator[tuple[int, Tensor, StreamSession, VideoMemory]]:
+    """Stream ``frames`` (PIL images, possibly endless) through ``model`` under a :class:`VideoMemory`: the prompt
+    (pinned) first, then each frame's block (its image tokens, then ``text_ids``); yields ``(frame index, logits
+    [1, V] after it, the open session, the memory)`` after every frame."""
+    check_vision_stream(model)
+    iterator = iter(frames)
+    try:
+        first = next(iterator)
+    except StopIteration:
+        raise InputError("no frames given") from None
+    block = video_frames(model, [first], text_ids)[0]
+    memory = VideoMemory(frame_tokens=int(block.batches[0]["input_ids"].shape[1]), recent_frames=recent_frames,
+                         pinned_frames=pinned_frames, num_sinks=num_sinks, prompt_tokens=len(prompt_ids))
+    with StreamSession(model, config=memory.config(), **session_settings) as session:
+        if prompt_ids:
+            session.feed(torch.tensor([list(prompt_ids)]))
+        index = 0
+        while True:
+            yield index, feed_vision(session, block), session, memory
+            try:
+                frame = next(iterator)
+            except StopIteration:
+                return
+            index += 1
+            block = video_frames(model, [frame], text_ids)[0]
+            if int(block.batches[0]["input_ids"].shape[1]) != memory.frame_tokens:
+                raise UnsupportedModelError(f"frame {index} fills a block of {block.batches[0]['input_ids'].shape[1]} "
+                                            f"tokens, the first {memory.frame_tokens}; the video memory needs one size")
