@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from sinklab import _compat, vision_inputs
+from sinklab import vision_inputs
 from sinklab.errors import UnsupportedModelError
 from sinklab.stream import StreamSession
 from sinklab.testing import vlm_conformance as vc
@@ -33,32 +33,6 @@ def built(models: dict, model_type: str):
     if model_type not in models:
         models[model_type] = vc.build(model_type).model
     return models[model_type]
-
-
-def decoder_embeds(model, batch: dict) -> torch.Tensor:
-    """``[T, D]``: what the model's own forward hands its text decoder (image features at the image positions)."""
-    seen = {}
-
-    def grab(module, args, kwargs):
-        seen["x"] = kwargs["inputs_embeds"][0].detach().clone()
-
-    handle = _compat.language_model(model).register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**batch)
-    finally:
-        handle.remove()
-    return seen["x"]
-
-
-def feed_reference(ref: Reference, inputs, embeds: torch.Tensor) -> torch.Tensor:
-    """The prompt token by token into the float64 reference: image positions as ``embeds``, text as ids."""
-    batch = inputs.batches[0]
-    codes, ids = inputs.modality[0][0], batch["input_ids"][0]
-    out = None
-    for p in range(ids.shape[0]):
-        out = ref.step_embeds(embeds[p]) if int(codes[p]) == vision_inputs.IMAGE else ref.step(int(ids[p]))
-    return out
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -103,7 +77,7 @@ def test_pinned_image_past_eviction_matches_the_float64_reference(models, model_
     sinks, window = 1, 5
     assert len(TEXT) > window
     ref = Reference(model, sinks, window, pins)
-    expected = feed_reference(ref, inputs, decoder_embeds(model, inputs.batches[0]))
+    expected = vc.reference_feed(ref, inputs, vc.decoder_embeds(model, inputs.batches[0]))
     rng = np.random.default_rng(3)
     with StreamSession(model, num_sinks=sinks, window=window, pinned=pins) as s:
         worst = _rel(feed_vision(s, inputs)[0], expected)
@@ -127,18 +101,6 @@ def test_multimodal_rotary_is_refused(models):
         check_vision_stream(built(models, "qwen2_vl"))
 
 
-def frame_image(index: int):
-    """A procedurally drawn video frame: colour bands that drift with ``index`` and a square that moves."""
-    from PIL import Image
-
-    rows, cols = np.indices((32, 32))
-    array = np.stack([(rows * 5 + cols * 3 + 9 * index) % 256, (rows * 2 + cols * 7 + 5 * index) % 256,
-                      (rows * cols + 3 * index) % 256], -1)
-    corner = (2 * index) % 20
-    array[corner : corner + 8, corner : corner + 8] = 255
-    return Image.fromarray(array.astype(np.uint8))
-
-
 def frame_kept(memory: VideoMemory, frames: int) -> set[int]:
     """After ``frames`` whole frames: the sinks, the prompt, the pinned frames and the newest unpinned frames,
     from the frame boundaries (independently of the ring's token window)."""
@@ -157,12 +119,12 @@ def test_video_memory_keeps_its_definition_and_matches_the_float64_reference(mod
     tokens through the stream): at every frame the kept set is the sinks + prompt + pinned first frame + the newest
     frames, and the logits equal the float64 reference over the kept tokens."""
     model = built(models, model_type)
-    blocks = video_frames(model, [frame_image(i) for i in range(7)], text_ids=[11, 12])
+    blocks = video_frames(model, [vc.video_frame(i) for i in range(7)], text_ids=[11, 12])
     prompt = torch.tensor([[20, 21, 22]])
     memory = VideoMemory(frame_tokens=int(blocks[0].batches[0]["input_ids"].shape[1]), recent_frames=2,
                          pinned_frames=(0,), num_sinks=2, prompt_tokens=3)
     ref = Reference(model, memory.num_sinks, memory.config().window, memory.pinned())
-    embeds = [decoder_embeds(model, block.batches[0]) for block in blocks]  # before the stream holds the model
+    embeds = [vc.decoder_embeds(model, block.batches[0]) for block in blocks]  # before the stream holds the model
     worst = 0.0
     with StreamSession(model, config=memory.config()) as s:
         ours = s.feed(prompt)[0]
@@ -170,7 +132,7 @@ def test_video_memory_keeps_its_definition_and_matches_the_float64_reference(mod
             expected = ref.step(t)
         worst = _rel(ours, expected)
         for i, block in enumerate(blocks):
-            worst = max(worst, _rel(feed_vision(s, block)[0], feed_reference(ref, block, embeds[i])))
+            worst = max(worst, _rel(feed_vision(s, block)[0], vc.reference_feed(ref, block, embeds[i])))
             assert kept_indices(s) == frame_kept(memory, i + 1), i
         capacity = s.state.capacity
     assert capacity == 3 + memory.frame_tokens * 3 and s.tokens_seen == 3 + 7 * memory.frame_tokens
@@ -192,7 +154,7 @@ def llava_folder(tmp_path_factory, models):
     tiny.tiny_tokenizer().save_pretrained(folder / "model")
     (folder / "frames").mkdir()
     for i in range(3):
-        frame_image(i).save(folder / "frames" / f"frame{i:03d}.png")
+        vc.video_frame(i).save(folder / "frames" / f"frame{i:03d}.png")
     return folder
 
 
