@@ -314,7 +314,7 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
         model = load(folder, dtype=torch_dtype)
     else:
         architectures = getattr(config, "architectures", None) or []
-        auto = AutoModelForCausalLM if any("CausalLM" in a for a in architectures) else AutoModel
+        auto: Any = AutoModelForCausalLM if any("CausalLM" in a for a in architectures) else AutoModel
         if getattr(config, "vision_config", None) is not None and any("ConditionalGeneration" in a for a in architectures):
             from transformers import AutoModelForImageTextToText  # a vision-language model, with its LM head
 

@@ -34,7 +34,7 @@ def image_pins(inputs: VisionInputs, *, offset: int = 0, sample: int = 0,
     stream tokens fed before this prompt."""
     check_int("offset", offset)
     codes = inputs.modality[0][sample]
-    spans = []
+    spans: list[tuple[int, int]] = []
     for span in image_spans(codes):
         start, end = span.positions[0], span.positions[-1] + 1
         if framing:

@@ -179,7 +179,7 @@ def reference_feed(ref: Any, inputs: vision_inputs.VisionInputs, embeds: Tensor)
     image positions as ``embeds`` (:func:`decoder_embeds`), the rest as ids; the logits after its last token."""
     batch = inputs.batches[0]
     codes, ids = inputs.modality[0][0], batch["input_ids"][0]
-    out = None
+    out: Any = None
     for p in range(ids.shape[0]):
         out = ref.step_embeds(embeds[p]) if int(codes[p]) == vision_inputs.IMAGE else ref.step(int(ids[p]))
     return out
