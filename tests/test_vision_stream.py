@@ -97,8 +97,22 @@ def test_image_pins_offset_and_framing(models):
 
 
 def test_multimodal_rotary_is_refused(models):
+    """Qwen2-VL: refused before anything runs, and a SinkCache given its image positions refuses them (text alone,
+    every axis the same position, still streams)."""
+    from sinklab.stream import SinkCache
+
+    model = built(models, "qwen2_vl")
     with pytest.raises(UnsupportedModelError, match="re-base the temporal index"):
-        check_vision_stream(built(models, "qwen2_vl"))
+        check_vision_stream(model)
+    batch = vision_inputs.config_inputs(model, vc.test_image(), TEXT).batches[0]
+    with torch.no_grad(), SinkCache(model, num_sinks=2, window=64) as cache:
+        with pytest.raises(UnsupportedModelError, match="re-base the temporal index"):
+            model(**batch, cache=cache)
+    text = torch.tensor([TEXT])
+    with torch.no_grad():
+        own = model(input_ids=text).logits[0, -1]
+        with SinkCache(model, num_sinks=2, window=64) as cache:
+            assert _rel(model(input_ids=text, cache=cache).logits[0, -1], own) < 1e-5
 
 
 def frame_kept(memory: VideoMemory, frames: int) -> set[int]:

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from . import _compat
 from .errors import InputError, UnsupportedModelError, check_int
 from .stream import StreamSession
+from .stream.cache import MROPE_REFUSAL
 from .stream.config import StreamConfig
 from .vision_inputs import IMAGE, IMAGE_SPECIAL, TEXT, VisionInputs, check_vision_model, config_inputs, image_spans
 
@@ -57,10 +58,7 @@ def check_vision_stream(model: nn.Module) -> None:
     for cfg in (config, getattr(config, "text_config", None)):
         rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
         if isinstance(rope, dict) and rope.get("mrope_section"):
-            raise UnsupportedModelError(
-                f"{type(model).__name__}: it rotates image tokens by (time, height, width) positions (M-RoPE, with a "
-                "per-sequence rope_deltas), and the stream positions every kept token by one cache-slot index; lifting "
-                "it needs the stream to re-base the temporal index and keep each kept token's height and width.")
+            raise UnsupportedModelError(f"{type(model).__name__}: {MROPE_REFUSAL}.")
 
 
 @torch.no_grad()
