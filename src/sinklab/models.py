@@ -329,10 +329,10 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
             with _compat.quiet_loading():
                 try:
                     # output_loading_info: a (model, info) pair, which the stubs do not say
-                    model, info = auto.from_pretrained(path, **kwargs)  # type: ignore[misc]
+                    model, info = auto.from_pretrained(path, **kwargs)
                 except ValueError:
                     kwargs["attn_implementation"] = "eager"
-                    model, info = auto.from_pretrained(path, **kwargs)  # type: ignore[misc]
+                    model, info = auto.from_pretrained(path, **kwargs)
         except Exception as exc:  # noqa: BLE001 - e.g. a config whose sizes build no model (hidden_size -5)
             where = f" (from {folder / 'config.json'} and its weights)" if folder is not None else ""
             raise ModelWeightsError(f"{name}: the model cannot be built or its weights loaded{where}: "
