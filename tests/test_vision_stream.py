@@ -205,5 +205,7 @@ def test_cli_video_errors(llava_folder, tmp_path):
     bad.write_text("not a picture")
     result = runner.invoke(app, ["stream", str(llava_folder / "model"), "--video", str(bad)])
     assert result.exit_code == 2 and "cannot read image" in _one_line(result) and "Traceback" not in result.output
+    result = runner.invoke(app, ["stream", str(llava_folder / "model"), "--video", str(bad), "--window", "8"])
+    assert result.exit_code == 2 and "--window: not with --video" in _one_line(result)
     result = runner.invoke(app, ["stream", "builtin:tiny-llama", "--video", str(llava_folder / "frames")])
     assert result.exit_code == 2 and "has no vision tower" in _one_line(result), result.output

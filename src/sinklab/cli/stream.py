@@ -60,6 +60,13 @@ def stream(
 
     with user_errors():
         if video:
+            ignored = [flag for flag, on in (("--window", window != 1020), ("--pin-prompt", pin_prompt),
+                                             ("--policy", policy != "streaming"), ("--plan", plan is not None),
+                                             ("--compile", compile), ("--device-map", device_map is not None),
+                                             ("--temperature", temperature != 0.0)) if on]
+            if ignored:
+                raise SinklabError(f"{', '.join(ignored)}: not with --video (the video memory sets the window from "
+                                   "--recent-frames and pins the prompt; decoding is greedy)")
             _stream_video(model, video, prompt, file, sinks=sinks, recent_frames=recent_frames,
                           pin_frames=tuple(pin_frame) if pin_frame else (0,), max_frames=max_frames, loop=loop,
                           max_new_tokens=max_new_tokens, dtype=dtype, device=device,
