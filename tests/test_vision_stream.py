@@ -153,6 +153,26 @@ def test_video_memory_keeps_its_definition_and_matches_the_float64_reference(mod
     assert worst < 1e-4, worst
 
 
+def test_frames_take_the_image_processors_pixels(models):
+    """With the model's image processor, a frame's pixels are the processor's (its resizing and normalisation), in
+    the layout whose tokens the config counted; a processor whose layout differs is refused."""
+    from transformers import LlavaImageProcessorPil
+
+    from sinklab.testing import tiny
+
+    model = built(models, "llava")
+    size = tiny.IMAGE_SIZE
+    processor = LlavaImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+    frame = vc.video_frame(3)
+    block = video_frames(model, [frame], [11], image_processor=processor)[0]
+    expected = processor(images=[frame], return_tensors="pt")["pixel_values"]
+    assert torch.equal(block.batches[0]["pixel_values"], expected)
+    assert not torch.equal(video_frames(model, [frame], [11])[0].batches[0]["pixel_values"], expected)
+    wrong = LlavaImageProcessorPil(size={"shortest_edge": 2 * size}, crop_size={"height": 2 * size, "width": 2 * size})
+    with pytest.raises(UnsupportedModelError, match="image processor gives pixels"):
+        video_frames(model, [frame], image_processor=wrong)
+
+
 # ----------------------------------------------------------------------------- the command line
 @pytest.fixture(scope="module")
 def llava_folder(tmp_path_factory, models):

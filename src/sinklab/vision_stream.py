@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -118,10 +119,22 @@ class VideoMemory:
                             pinned=self.pinned(), **settings)
 
 
-def video_frames(model: nn.Module, frames: Sequence, text_ids: Sequence[int] = ()) -> list[VisionInputs]:
+def video_frames(model: nn.Module, frames: Sequence, text_ids: Sequence[int] = (), *,
+                 image_processor: Any = None) -> list[VisionInputs]:
     """Each frame (a PIL image) as one block of inputs: its image tokens (framed as the config frames an image),
-    then ``text_ids``; every block has the same number of tokens (:attr:`VideoMemory.frame_tokens`)."""
+    then ``text_ids``; every block has the same number of tokens (:attr:`VideoMemory.frame_tokens`). The pixels are
+    ``image_processor``'s (the model's own preprocessing: resizing, normalisation) when given, else from the config."""
     out = [config_inputs(model, frame, text_ids) for frame in frames]
+    for frame, block in zip(frames, out):
+        if image_processor is not None:
+            batch = block.batches[0]
+            pixels = image_processor(images=[frame], return_tensors="pt")["pixel_values"]
+            if tuple(pixels.shape) != tuple(batch["pixel_values"].shape):
+                raise UnsupportedModelError(
+                    f"{type(model).__name__}: its image processor gives pixels of shape {tuple(pixels.shape)}, the "
+                    f"vision config {tuple(batch['pixel_values'].shape)}; a frame needs the one layout its tokens "
+                    "were counted for")
+            batch["pixel_values"] = pixels.to(batch["pixel_values"].device, batch["pixel_values"].dtype)
     sizes = {int(block.batches[0]["input_ids"].shape[1]) for block in out}
     if len(sizes) > 1:
         raise UnsupportedModelError(f"{type(model).__name__}: its frames fill different numbers of tokens {sorted(sizes)}"
@@ -157,17 +170,19 @@ def frame_files(sources: Sequence[str | Path]) -> list[Path]:
 
 def stream_video(model: nn.Module, frames: Iterable, *, prompt_ids: Sequence[int] = (), text_ids: Sequence[int] = (),
                  num_sinks: int = 4, recent_frames: int = 4, pinned_frames: tuple[int, ...] = (0,),
+                 image_processor: Any = None,
                  **session_settings) -> Iterator[tuple[int, Tensor, StreamSession, VideoMemory]]:
     """Stream ``frames`` (PIL images, possibly endless) through ``model`` under a :class:`VideoMemory`: the prompt
     (pinned) first, then each frame's block (its image tokens, then ``text_ids``); yields ``(frame index, logits
-    [1, V] after it, the open session, the memory)`` after every frame."""
+    [1, V] after it, the open session, the memory)`` after every frame; ``image_processor``: as
+    :func:`video_frames`."""
     check_vision_stream(model)
     iterator = iter(frames)
     try:
         first = next(iterator)
     except StopIteration:
         raise InputError("no frames given") from None
-    block = video_frames(model, [first], text_ids)[0]
+    block = video_frames(model, [first], text_ids, image_processor=image_processor)[0]
     memory = VideoMemory(frame_tokens=int(block.batches[0]["input_ids"].shape[1]), recent_frames=recent_frames,
                          pinned_frames=pinned_frames, num_sinks=num_sinks, prompt_tokens=len(prompt_ids))
     with StreamSession(model, config=memory.config(), **session_settings) as session:
@@ -181,7 +196,7 @@ def stream_video(model: nn.Module, frames: Iterable, *, prompt_ids: Sequence[int
             except StopIteration:
                 return
             index += 1
-            block = video_frames(model, [frame], text_ids)[0]
+            block = video_frames(model, [frame], text_ids, image_processor=image_processor)[0]
             if int(block.batches[0]["input_ids"].shape[1]) != memory.frame_tokens:
                 raise UnsupportedModelError(f"frame {index} fills a block of {block.batches[0]['input_ids'].shape[1]} "
                                             f"tokens, the first {memory.frame_tokens}; the video memory needs one size")

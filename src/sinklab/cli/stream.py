@@ -146,12 +146,14 @@ def _stream_video(model: str, sources: list[Path], prompt: str | None, file: Pat
     texts = read_texts(prompt, file, option="--prompt")
     loaded = load_for_command(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     check_vision_stream(loaded.model)
+    processor = _image_processor(model, trust_remote_code)
     tokenizer = loaded.tokenizer
     prompt_ids = tokenizer(texts[0])["input_ids"] if texts and texts[0] else []
     logits = session = None
     for index, logits, session, memory in stream_video(loaded.model, _frames(files, loop, max_frames),
                                                        prompt_ids=prompt_ids, num_sinks=sinks,
-                                                       recent_frames=recent_frames, pinned_frames=pin_frames):
+                                                       recent_frames=recent_frames, pinned_frames=pin_frames,
+                                                       image_processor=processor):
         token = tokenizer.decode([int(logits.argmax(-1))])
         err.print(f"frame {index}: next {token!r} · cache {session.cache_tokens()} / {session.state.capacity} "
                   f"tokens ({memory.frame_tokens} per frame)", highlight=False)
@@ -161,3 +163,15 @@ def _stream_video(model: str, sources: list[Path], prompt: str | None, file: Pat
                 answer.append(int(logits.argmax(-1)))
                 logits = session.step(torch.tensor(answer[-1:]))
             print(tokenizer.decode(answer))
+
+
+def _image_processor(model: str, trust_remote_code: bool):
+    """The model's own image preprocessor when its folder or hub id has one, else None (pixels from the config)."""
+    from ..errors import InputError
+    from ..models import load_processor
+
+    try:
+        processor = load_processor(model, trust_remote_code=trust_remote_code)
+    except InputError:
+        return None
+    return getattr(processor, "image_processor", None)
