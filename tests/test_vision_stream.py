@@ -89,6 +89,26 @@ def test_pinned_image_past_eviction_matches_the_float64_reference(models, model_
     assert worst < 1e-4, worst
 
 
+def test_bidirectional_image_tokens_are_refused_or_streamed_causally(models):
+    """Gemma 3 with token_type_ids (its processor's): image tokens attend both ways in its own prefill, which a causal
+    stream would silently miss — refused; ``causal_images=True`` streams the image causally, equal to the model's own
+    forward without them."""
+    model = built(models, "gemma3")
+    inputs = vision_inputs.config_inputs(model, vc.test_image(), TEXT)
+    batch = inputs.batches[0]
+    typed = vision_inputs.VisionInputs([{**batch, "token_type_ids": (inputs.modality[0] == vision_inputs.IMAGE).long()}],
+                                       inputs.tokens, inputs.modality, inputs.grids)
+    with torch.no_grad():
+        bidirectional = model(**typed.batches[0]).logits[0, -1]
+        causal = model(**batch).logits[0, -1]
+    assert _rel(bidirectional, causal) > 1e-4  # the two attentions do differ on this model
+    with StreamSession(model, num_sinks=2, window=256) as s:
+        with pytest.raises(UnsupportedModelError, match="attend to each other both ways"):
+            feed_vision(s, typed)
+    with StreamSession(model, num_sinks=2, window=256) as s:
+        assert _rel(feed_vision(s, typed, causal_images=True)[0], causal) < 1e-5
+
+
 def test_image_pins_offset_and_framing(models):
     inputs = vision_inputs.config_inputs(built(models, "gemma3"), vc.test_image(), TEXT)
     framed, bare = image_pins(inputs, offset=7), image_pins(inputs, framing=False)

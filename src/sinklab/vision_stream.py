@@ -63,14 +63,27 @@ def check_vision_stream(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def feed_vision(session: StreamSession, inputs: VisionInputs) -> Tensor:
+def feed_vision(session: StreamSession, inputs: VisionInputs, *, causal_images: bool = False) -> Tensor:
     """Feed ``inputs``' first batch (its ids, its pixels) through ``session``'s open cache in one forward: the vision
     tower encodes the image(s) and the text decoder streams the whole prompt; returns the logits ``[B, V]`` at its last
-    position."""
+    position.
+
+    ``token_type_ids`` that mark image tokens (Gemma 3's processor: an image's tokens attend to each other both ways)
+    are refused, since the stream's attention is causal; ``causal_images=True`` drops them and streams the image
+    causally (its logits then differ from the model's own forward with them)."""
     check_vision_stream(session.model)
     if session.cache is None:
         raise InputError("use the session as a context manager: `with StreamSession(...) as s:`")
     batch = dict(inputs.batches[0])
+    types = batch.get("token_type_ids")
+    if isinstance(types, Tensor) and bool(types.any()):
+        if not causal_images:
+            raise UnsupportedModelError(
+                f"{type(session.model).__name__}: the inputs' token_type_ids mark image tokens, which attend to each "
+                "other both ways in the model's own prefill, and the stream's attention is causal; lifting it needs "
+                "the stream's prefill to mask each image's tokens bidirectionally (or pass causal_images=True to "
+                "stream the image causally).")
+        batch.pop("token_type_ids")
     batch.pop("attention_mask", None)  # every column real: the stream masks by its own metadata
     kwargs = {"use_cache": True, _compat.cache_kwarg_name(session.model): session.cache}
     logits = session.model(**batch, **kwargs).logits[:, -1]
