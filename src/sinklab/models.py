@@ -314,7 +314,11 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
         model = load(folder, dtype=torch_dtype)
     else:
         architectures = getattr(config, "architectures", None) or []
-        auto = AutoModelForCausalLM if any("CausalLM" in a for a in architectures) else AutoModel
+        auto: Any = AutoModelForCausalLM if any("CausalLM" in a for a in architectures) else AutoModel
+        if getattr(config, "vision_config", None) is not None and any("ConditionalGeneration" in a for a in architectures):
+            from transformers import AutoModelForImageTextToText  # a vision-language model, with its LM head
+
+            auto = AutoModelForImageTextToText
         kwargs: dict[str, Any] = dict(common, attn_implementation="sdpa", output_loading_info=True)
         if torch_dtype is not None:
             kwargs["dtype"] = torch_dtype
@@ -325,10 +329,10 @@ def _load_pretrained(name: str, path: str, torch_dtype, *, revision: str | None,
             with _compat.quiet_loading():
                 try:
                     # output_loading_info: a (model, info) pair, which the stubs do not say
-                    model, info = auto.from_pretrained(path, **kwargs)  # type: ignore[misc]
+                    model, info = auto.from_pretrained(path, **kwargs)
                 except ValueError:
                     kwargs["attn_implementation"] = "eager"
-                    model, info = auto.from_pretrained(path, **kwargs)  # type: ignore[misc]
+                    model, info = auto.from_pretrained(path, **kwargs)
         except Exception as exc:  # noqa: BLE001 - e.g. a config whose sizes build no model (hidden_size -5)
             where = f" (from {folder / 'config.json'} and its weights)" if folder is not None else ""
             raise ModelWeightsError(f"{name}: the model cannot be built or its weights loaded{where}: "

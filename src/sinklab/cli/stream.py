@@ -45,6 +45,15 @@ def stream(
                                                 "on, on a CPU)")] = None,
     policy: Annotated[str, policy_option()] = "streaming",
     plan: Annotated[Path | None, plan_option()] = None,
+    video: Annotated[list[Path] | None, typer.Option(
+        "--video", help="frames for a vision-language model: a folder of images (name order) or image files "
+                        "(repeat); streamed frame by frame, the prompt first")] = None,
+    recent_frames: Annotated[int, typer.Option("--recent-frames", help="with --video: the newest frames kept")] = 4,
+    pin_frame: Annotated[list[int] | None, typer.Option(
+        "--pin-frame", help="with --video: a frame index kept forever (repeat; default: the first)")] = None,
+    max_frames: Annotated[int, typer.Option("--max-frames", help="with --video: stop after this many frames (0: "
+                                            "when the frames run out, or never with --loop)")] = 0,
+    loop: Annotated[bool, typer.Option("--loop", help="with --video: feed the frames again and again (endless)")] = False,
 ) -> None:
     """Generate with attention sinks + a sliding window in constant memory; tokens print as they come."""
     import sys as _sys
@@ -54,6 +63,22 @@ def stream(
     from ..stream.config import StreamConfig
 
     with user_errors():
+        if video:
+            ignored = [flag for flag, on in (("--window", window != 1020), ("--pin-prompt", pin_prompt),
+                                             ("--policy", policy != "streaming"), ("--plan", plan is not None),
+                                             ("--compile", compile), ("--device-map", device_map is not None),
+                                             ("--temperature", temperature != 0.0)) if on]
+            if ignored:
+                raise SinklabError(f"{', '.join(ignored)}: not with --video (the video memory sets the window from "
+                                   "--recent-frames and pins the prompt; decoding is greedy)")
+            _stream_video(model, video, prompt, file, sinks=sinks, recent_frames=recent_frames,
+                          pin_frames=tuple(pin_frame) if pin_frame else (0,), max_frames=max_frames, loop=loop,
+                          max_new_tokens=max_new_tokens, dtype=dtype, device=device,
+                          trust_remote_code=trust_remote_code)
+            return
+        if loop or max_frames or pin_frame or recent_frames != 4:
+            raise SinklabError("--recent-frames, --pin-frame, --max-frames and --loop set how --video streams; add "
+                               "--video")
         texts = read_texts(prompt, file, option="--prompt")
         if texts is None:
             raise SinklabError("give a prompt with --prompt or --file")
@@ -89,3 +114,68 @@ def stream(
                     err.print(f"[{count} tokens, {rate:.1f} tok/s, cache {session.cache_tokens()} / "
                               f"{session.state.capacity} tokens]", highlight=False)
         _sys.stdout.write("\n")
+
+
+def _frames(files: list[Path], loop: bool, limit: int):
+    """The frames read one by one (an unreadable one stops the stream with its name), cycled with ``loop``."""
+    from ..vision_inputs import load_images
+
+    count = 0
+    while True:
+        for path in files:
+            if limit and count >= limit:
+                return
+            yield load_images([path])[0]
+            count += 1
+        if not loop:
+            return
+
+
+def _stream_video(model: str, sources: list[Path], prompt: str | None, file: Path | None, *, sinks: int,
+                  recent_frames: int, pin_frames: tuple[int, ...], max_frames: int, loop: bool, max_new_tokens: int,
+                  dtype: str | None, device: str | None, trust_remote_code: bool) -> None:
+    """``sinklab stream MODEL --video …``: the prompt, then every frame, under the video memory; one line per
+    frame (the greedy next token, the cache's size), then a greedy answer once the frames end."""
+    import torch
+
+    from ..vision_inputs import load_images
+    from ..vision_stream import check_vision_stream, frame_files, stream_video
+
+    for flag, value, least in (("--sinks", sinks, 0), ("--recent-frames", recent_frames, 1),
+                               ("--max-frames", max_frames, 0), ("--max-new-tokens", max_new_tokens, 0)):
+        if value < least:
+            raise SinklabError(f"{flag} must be ≥ {least}, got {value}")
+    files = frame_files(sources)
+    load_images(files[:1])  # an unreadable first frame fails before the model loads
+    texts = read_texts(prompt, file, option="--prompt")
+    loaded = load_for_command(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    check_vision_stream(loaded.model)
+    processor = _image_processor(model, trust_remote_code)
+    tokenizer = loaded.tokenizer
+    prompt_ids = tokenizer(texts[0])["input_ids"] if texts and texts[0] else []
+    logits = session = None
+    for index, logits, session, memory in stream_video(loaded.model, _frames(files, loop, max_frames),
+                                                       prompt_ids=prompt_ids, num_sinks=sinks,
+                                                       recent_frames=recent_frames, pinned_frames=pin_frames,
+                                                       image_processor=processor):
+        token = tokenizer.decode([int(logits.argmax(-1))])
+        err.print(f"frame {index}: next {token!r} · cache {session.cache_tokens()} / {session.state.capacity} "
+                  f"tokens ({memory.frame_tokens} per frame)", highlight=False)
+        if max_new_tokens and (max_frames and index + 1 == max_frames or not loop and index + 1 == len(files)):
+            answer = []
+            for _ in range(max_new_tokens):
+                answer.append(int(logits.argmax(-1)))
+                logits = session.step(torch.tensor(answer[-1:]))
+            print(tokenizer.decode(answer))
+
+
+def _image_processor(model: str, trust_remote_code: bool):
+    """The model's own image preprocessor when its folder or hub id has one, else None (pixels from the config)."""
+    from ..errors import InputError
+    from ..models import load_processor
+
+    try:
+        processor = load_processor(model, trust_remote_code=trust_remote_code)
+    except InputError:
+        return None
+    return getattr(processor, "image_processor", None)

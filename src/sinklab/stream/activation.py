@@ -42,7 +42,7 @@ class ModelStreams:
         self.explicit = False  # the active cache was opened by `with` (foreign forwards are errors)
         self._backend: _compat.ModelPatch | None = None  # the stream attention, while a cache is active
         self._local = threading.local()
-        base = _compat.base_model(model)
+        base = _compat.base_model(_compat.language_model(model))  # a vision-language model: its text decoder
         # The hooks run eagerly even inside a compiled forward (a graph break at the decoder stack's entry and exit);
         # a forward the cache planned itself (SinkCache.planned_forward) sets ``planned`` and they stand aside.
         self.planned = False
@@ -94,7 +94,8 @@ class ModelStreams:
                 raise InputError("another SinkCache is open on this model in a `with` block; close it first "
                                  "(one stream per model at a time)")
             self.release()
-        backend = _compat.ModelPatch(self._model())  # type: ignore[arg-type]  # alive: it is running a forward
+        # alive: it is running a forward; a vision tower keeps its own attention
+        backend = _compat.ModelPatch(_compat.language_model(self._model()))  # type: ignore[arg-type]
         # The stream's own mask function (the real new columns only; the attention masks by metadata).
         backend.use_attention(ATTN_NAME, stream_attention, mask=stream_mask)
         self._backend, self.active, self.explicit = backend, id(cache), explicit

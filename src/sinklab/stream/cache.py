@@ -32,6 +32,12 @@ from .state import StreamState
 __all__ = ["KV_GROUP_SIZE", "LAYER_KINDS", "LayerSpec", "SinkCache", "build_layers"]
 
 
+#: Why a stream refuses multimodal rotary positions (M-RoPE), and what would lift it.
+MROPE_REFUSAL = ("it rotates image tokens by (time, height, width) positions (M-RoPE, with a per-sequence rope_deltas), "
+                 "and the stream positions every kept token by one cache-slot index; lifting it needs the stream to "
+                 "re-base the temporal index and keep each kept token's height and width")
+
+
 def _real_columns(mask, b: int, c: int, device: torch.device) -> torch.Tensor:
     """Which of the ``c`` new columns are real tokens, ``[B, C]`` bool, from a 2-D padding mask or a prepared 4-D
     one: the stream's own ``[B, 1, 1, C]``, or the model's own read on the diagonal of its last ``C`` keys (which every
@@ -209,6 +215,9 @@ class SinkCache(Cache):
         b, c = ref.shape[0], ref.shape[1]  # type: ignore[union-attr]  # (the model takes ids or embeddings)
         if ids is not None:
             self.check_ids(ids)
+        given = kwargs.get("position_ids")  # M-RoPE's (axes, B, C) positions: text-only when every axis agrees
+        if isinstance(given, torch.Tensor) and given.dim() == 3 and not bool((given == given[-1:]).all()):
+            raise UnsupportedModelError(f"{type(self.model).__name__}: {MROPE_REFUSAL}.")
         mask = kwargs.get("attention_mask")
         if isinstance(mask, dict):  # generate() on a hybrid model: one prepared mask per layer type, same padding
             mask = next((m for m in mask.values() if isinstance(m, torch.Tensor)), None)

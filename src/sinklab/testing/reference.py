@@ -27,8 +27,8 @@ from .. import _compat
 
 
 def _native_windows(model) -> list:
-    """Each layer's own window, read from the config independently of sinklab."""
-    cfg = model.config
+    """Each layer's own window, read from the (text) config independently of sinklab."""
+    cfg = getattr(model.config, "text_config", None) or model.config
     n = cfg.num_hidden_layers
     types = getattr(cfg, "layer_types", None)
     sw = getattr(cfg, "sliding_window", None)
@@ -56,11 +56,12 @@ class Reference:
                 self.policy.append((num_sinks, window, True))
         self.store: dict[int, list] = {}
         self.t = -1
-        modeling = sys.modules[type(model).__module__]
+        # A vision-language model: its text decoder's modeling module rotates (the vision tower is never run here).
+        modeling = sys.modules[type(_compat.language_model(model)).__module__]
         # A model without positions in its attention (NoPE: Nemotron-H) has neither: its keys are never rotated.
         self.apply = getattr(modeling, "apply_rotary_pos_emb", None)
         self.rotary = next((m for m in self.model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
-        self.types = getattr(model.config, "layer_types", None)
+        self.types = getattr(getattr(model.config, "text_config", None) or model.config, "layer_types", None)
         # A hybrid: its non-attention layers keep their state in the model's own cache, fed token by token.
         self.cache = None
         if any(t not in ("full_attention", "sliding_attention") for t in (self.types or ())):
@@ -157,6 +158,16 @@ class Reference:
         self.t += 1
         ids = torch.tensor([[token]])
         out = self.model(input_ids=ids, position_ids=torch.zeros_like(ids), **self._cache_kwargs()).logits[0, -1]
+        self._drop_attention_keys()
+        return out
+
+    @torch.no_grad()
+    def step_embeds(self, vector: torch.Tensor) -> torch.Tensor:
+        """Step one input embedding ``[D]`` in (an image token of a vision-language model: the projected vision
+        feature the model's own forward puts at that position); returns the next-token logits."""
+        self.t += 1
+        out = self.model(inputs_embeds=vector.double().view(1, 1, -1), position_ids=torch.zeros(1, 1, dtype=torch.long),
+                         **self._cache_kwargs()).logits[0, -1]
         self._drop_attention_keys()
         return out
 

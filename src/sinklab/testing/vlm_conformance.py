@@ -26,7 +26,7 @@ from ..scan import ScanResult, scan_images
 from . import tiny
 from .conformance import Cell, NotApplicable, reference, run_cell
 
-__all__ = ["all_types", "build", "test_image", "cell_scan", "run_row", "modality_reference", "TEXT_IDS",
+__all__ = ["all_types", "build", "test_image", "video_frame", "decoder_embeds", "reference_feed", "cell_scan", "run_row", "modality_reference", "TEXT_IDS",
            "TOLERANCE", "STATUSES"]
 
 STATUSES = ("ok", "wrong", "crash", "refused", "n/a", "not built")
@@ -143,6 +143,46 @@ def test_image() -> Any:
     array = np.stack([(rows * 5 + cols * 3) % 256, (rows * 2 + cols * 7) % 256, (rows * cols) % 256], -1)
     array[8:20, 10:24] = 255
     return Image.fromarray(array.astype(np.uint8))
+
+
+def video_frame(index: int) -> Any:
+    """Frame ``index`` of a procedurally drawn video (PIL): colour bands that drift and a bright square that moves."""
+    from PIL import Image
+
+    rows, cols = np.indices((32, 32))
+    array = np.stack([(rows * 5 + cols * 3 + 9 * index) % 256, (rows * 2 + cols * 7 + 5 * index) % 256,
+                      (rows * cols + 3 * index) % 256], -1)
+    corner = (2 * index) % 20
+    array[corner : corner + 8, corner : corner + 8] = 255
+    return Image.fromarray(array.astype(np.uint8))
+
+
+def decoder_embeds(model: nn.Module, batch: dict) -> Tensor:
+    """``[T, D]``: what the model's own forward on ``batch`` hands its text decoder (the projected vision features
+    at the image positions), read by a pre-hook on the decoder; run it outside any stream on the model."""
+    seen = {}
+
+    def grab(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen["x"] = kwargs["inputs_embeds"][0].detach().clone()
+
+    handle = _compat.language_model(model).register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        handle.remove()
+    return seen["x"]
+
+
+def reference_feed(ref: Any, inputs: vision_inputs.VisionInputs, embeds: Tensor) -> Tensor:
+    """Feed ``inputs``' first sample token by token into the float64 stream reference (``testing.reference``): the
+    image positions as ``embeds`` (:func:`decoder_embeds`), the rest as ids; the logits after its last token."""
+    batch = inputs.batches[0]
+    codes, ids = inputs.modality[0][0], batch["input_ids"][0]
+    out: Any = None
+    for p in range(ids.shape[0]):
+        out = ref.step_embeds(embeds[p]) if int(codes[p]) == vision_inputs.IMAGE else ref.step(int(ids[p]))
+    return out
 
 
 def build(model_type: str) -> tiny.Built:
