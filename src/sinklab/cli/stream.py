@@ -12,6 +12,12 @@ from ._common import (MODEL_HELP, app, device_map_option, err, load_for_command,
                       read_texts, retention, trust_remote_code_option, user_errors)
 
 
+COMPILE_HELP = ("decode through torch.compile (on a CPU with inductor's freezing: compiled again in every run), or "
+                "eagerly; default: eager for the first 1,024 steps, then compiled without freezing where it pays (a "
+                "CPU, float32 weights, a model of 50M+ parameters; $SINKLAB_COMPILE=0/1 sets it), loaded from the "
+                "compile cache after the first run per model and machine")
+
+
 @app.command()
 def stream(
     model: Annotated[str, typer.Argument(help="a RoPE causal LM: " + MODEL_HELP)],
@@ -29,12 +35,7 @@ def stream(
     trust_remote_code: Annotated[bool, trust_remote_code_option()] = False,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     device_map: Annotated[str | None, device_map_option()] = None,
-    compile: Annotated[bool | None, typer.Option("--compile/--eager", help="decode through torch.compile (on a "
-                                                 "CPU with inductor's freezing: compiled again in every run), or "
-                                                 "eagerly; default: compiled without freezing where it pays (a CPU, "
-                                                 "float32 weights, a model of 50M+ parameters; $SINKLAB_COMPILE=0/1 "
-                                                 "sets it): the first run per model and machine waits for the "
-                                                 "compile, later runs load it from the cache")] = None,
+    compile: Annotated[bool | None, typer.Option("--compile/--eager", help=COMPILE_HELP)] = None,
     compile_backend: Annotated[str, typer.Option("--compile-backend", help="torch.compile backend for --compile")] = "inductor",
     compile_mode: Annotated[str | None, typer.Option("--compile-mode", help="torch.compile mode for --compile "
                                                      "(reduce-overhead: CUDA graphs on a GPU; "
@@ -56,21 +57,15 @@ def stream(
     loop: Annotated[bool, typer.Option("--loop", help="with --video: feed the frames again and again (endless)")] = False,
 ) -> None:
     """Generate with attention sinks + a sliding window in constant memory; tokens print as they come."""
-    import sys as _sys
-    import time
-
     from ..stream import StreamSession, stream_generate
     from ..stream.config import StreamConfig
 
     with user_errors():
         if video:
-            ignored = [flag for flag, on in (("--window", window != 1020), ("--pin-prompt", pin_prompt),
-                                             ("--policy", policy != "streaming"), ("--plan", plan is not None),
-                                             ("--compile", compile), ("--device-map", device_map is not None),
-                                             ("--temperature", temperature != 0.0)) if on]
-            if ignored:
-                raise SinklabError(f"{', '.join(ignored)}: not with --video (the video memory sets the window from "
-                                   "--recent-frames and pins the prompt; decoding is greedy)")
+            _refuse_with_video((("--window", window != 1020), ("--pin-prompt", pin_prompt),
+                                ("--policy", policy != "streaming"), ("--plan", plan is not None),
+                                ("--compile", bool(compile)), ("--device-map", device_map is not None),
+                                ("--temperature", temperature != 0.0)))
             _stream_video(model, video, prompt, file, sinks=sinks, recent_frames=recent_frames,
                           pin_frames=tuple(pin_frame) if pin_frame else (0,), max_frames=max_frames, loop=loop,
                           max_new_tokens=max_new_tokens, dtype=dtype, device=device,
@@ -82,11 +77,8 @@ def stream(
         texts = read_texts(prompt, file, option="--prompt")
         if texts is None:
             raise SinklabError("give a prompt with --prompt or --file")
-        sizes = (("--sinks", sinks, 0), ("--window", window, 1), ("--chunk-size", chunk_size, 1),
-                 ("--max-new-tokens", max_new_tokens, 0), ("--top-k", top_k, 0))
-        for flag, value, least in sizes:
-            if value < least:
-                raise SinklabError(f"{flag} must be ≥ {least}, got {value}")
+        _check_sizes((("--sinks", sinks, 0), ("--window", window, 1), ("--chunk-size", chunk_size, 1),
+                      ("--max-new-tokens", max_new_tokens, 0), ("--top-k", top_k, 0)))
         if not compile and (compile_mode is not None or compile_backend != "inductor"):
             raise SinklabError("--compile-backend and --compile-mode set how --compile compiles; add --compile")
         if freeze and not compile:
@@ -100,20 +92,42 @@ def stream(
         options = {"backend": compile_backend} | ({"mode": compile_mode} if compile_mode else {})
         session = StreamSession(loaded.model, config=config, chunk_size=chunk_size,
                                 compile=options if compile else compile, freeze=freeze)
-        start = time.perf_counter()
-        count = 0
         with session:
-            for piece in stream_generate(loaded.model, loaded.tokenizer, texts[0], num_sinks=sinks, window=window,
-                                         pin_prompt=pin_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                         top_k=top_k, seed=seed, session=session):
-                _sys.stdout.write(piece)  # type: ignore[arg-type]  # one prompt: each piece is a str
-                _sys.stdout.flush()
-                count += 1
-                if count % 16 == 0 or count == max_new_tokens:
-                    rate = count / max(1e-9, time.perf_counter() - start)
-                    err.print(f"[{count} tokens, {rate:.1f} tok/s, cache {session.cache_tokens()} / "
-                              f"{session.state.capacity} tokens]", highlight=False)
-        _sys.stdout.write("\n")
+            pieces = stream_generate(loaded.model, loaded.tokenizer, texts[0], num_sinks=sinks, window=window,
+                                     pin_prompt=pin_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                                     top_k=top_k, seed=seed, session=session)
+            _print_pieces(pieces, session, max_new_tokens)
+
+
+def _refuse_with_video(flags) -> None:
+    """One line naming the text stream's flags given with ``--video``."""
+    ignored = [flag for flag, on in flags if on]
+    if ignored:
+        raise SinklabError(f"{', '.join(ignored)}: not with --video (the video memory sets the window from "
+                           "--recent-frames and pins the prompt; decoding is greedy)")
+
+
+def _check_sizes(sizes) -> None:
+    for flag, value, least in sizes:
+        if value < least:
+            raise SinklabError(f"{flag} must be ≥ {least}, got {value}")
+
+
+def _print_pieces(pieces, session, max_new_tokens: int) -> None:
+    """Each piece on stdout as it comes; every 16 tokens the rate and the cache's size on stderr."""
+    import sys
+    import time
+
+    start, count = time.perf_counter(), 0
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+        count += 1
+        if count % 16 == 0 or count == max_new_tokens:
+            rate = count / max(1e-9, time.perf_counter() - start)
+            err.print(f"[{count} tokens, {rate:.1f} tok/s, cache {session.cache_tokens()} / "
+                      f"{session.state.capacity} tokens]", highlight=False)
+    sys.stdout.write("\n")
 
 
 def _frames(files: list[Path], loop: bool, limit: int):
