@@ -88,16 +88,44 @@ def test_compressed_prompt_with_a_plan_matches_the_float64_reference(model):
     try:
         got = [logits] + [model(input_ids=torch.tensor([[t]]), cache=cache).logits[0, -1] for t in later]
         kept = [layer.kept_indices() for layer in cache.layers]
+        budgets = cache.config.plan.budgets
     finally:
         cache.close()
+    assert budgets != plan.budgets and sum(map(sum, budgets)) == sum(map(sum, plan.budgets))
     # The reference: the same scores for the prompt (checked against the eager weights above), then SnapKV per step.
-    ref = RetentionReference(model, "snapkv", num_sinks=plan.num_sinks, budget=plan.budgets, recent=plan.recent,
+    ref = RetentionReference(model, "snapkv", num_sinks=plan.num_sinks, budget=budgets, recent=plan.recent,
                              window=SnapKV().window)
     ref.given = reconstruction_scores(model, prompt, instruction, num_sinks=plan.num_sinks)
     want = [ref.forward(prompt)[-1]] + [ref.forward([t])[-1] for t in later]
     assert kept == [ref.kept(i) for i in range(len(kept))]
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, atol=5e-4, rtol=1e-3)
+
+
+def test_budgets_from_scores_give_the_total_to_the_best_scored_tokens_of_any_head():
+    """Against a sort of every (layer, head, token) by score: the floors (sinks, newest) plus each head's share of
+    the best-scored others, the plan's total kept; a layer without scores keeps the plan's budgets."""
+    from dataclasses import replace
+
+    from sinklab.stream.plan import RetentionPlan
+    from sinklab.stream.prefill import budgets_from_scores
+
+    g = torch.Generator().manual_seed(4)
+    length, sinks, recent = 30, 2, 3
+    plan = RetentionPlan("llama", 3, 2, sinks, 10, recent, 8, 0.9, [[12, 12], [12, 12], [9, 15]],
+                         [[0.0, 0.0]] * 3, [[False, False]] * 3)
+    scores = {0: torch.rand(2, length, generator=g), 2: torch.rand(2, length, generator=g)}
+    got = budgets_from_scores(scores, plan, length)
+    entries = sorted(((float(scores[i][h, t]), i, h) for i in (0, 2) for h in range(2)
+                      for t in range(sinks, length - recent)), reverse=True)
+    free = 12 + 12 + 9 + 15 - 4 * (sinks + recent)
+    want = {(i, h): sinks + recent for i in (0, 2) for h in range(2)}
+    for _, i, h in entries[:free]:
+        want[(i, h)] += 1
+    assert got == [[want[(0, 0)], want[(0, 1)]], [12, 12], [want[(2, 0)], want[(2, 1)]]]
+    assert sum(got[0]) + sum(got[2]) == 12 + 12 + 9 + 15
+    assert budgets_from_scores({}, plan, length) == plan.budgets
+    assert budgets_from_scores(scores, replace(plan, budgets=[None, [12, 12], None]), length) == [None, [12, 12], None]
 
 
 def test_prescored_saves_as_snapkv_and_bad_arguments_are_refused(model):

@@ -10,6 +10,7 @@ Prescored`), per-head budgets from a plan where one is given; later forwards sco
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +20,7 @@ from .cache import SinkCache
 from .plan import RetentionPlan
 from .policy import Observation, Prescored, ScoredPolicy
 
-__all__ = ["reconstruction_scores", "compressed_prompt"]
+__all__ = ["reconstruction_scores", "budgets_from_scores", "compressed_prompt"]
 
 
 class _MostAttention(ScoredPolicy):
@@ -70,20 +71,50 @@ def reconstruction_scores(model: nn.Module, prompt: Sequence[int], instruction: 
     return recorder.best
 
 
+def budgets_from_scores(scores: dict[int, Tensor], plan: RetentionPlan, length: int) -> list[list[int] | None]:
+    """The plan's total over the layers ``scores`` covers, shared out by the scores themselves: every head keeps its
+    sinks and ``plan.recent`` newest tokens, and the rest of the total goes to the best-scored other tokens of any of
+    those heads (a token the model needs wins wherever it is). Layers without scores keep the plan's budgets."""
+    layers = [i for i in sorted(scores) if plan.budgets[i] is not None]
+    budgets = [list(b) if b is not None else None for b in plan.budgets]
+    if not layers:
+        return budgets
+    idx = torch.arange(length)
+    protected = (idx < plan.num_sinks) | (idx >= length - plan.recent)
+    floor = int(protected.sum())
+    pool = torch.stack([scores[i][:, :length].float() for i in layers])  # (layers, Hkv, T)
+    pool = pool.masked_fill(protected, float("-inf"))
+    total = sum(sum(b) for i in layers if (b := plan.budgets[i]) is not None)
+    free = total - floor * pool.shape[0] * pool.shape[1]
+    k = max(0, min(free, int((~protected).sum()) * pool.shape[0] * pool.shape[1]))
+    won = torch.zeros(pool.numel(), dtype=torch.long)
+    won[torch.topk(pool.flatten(), k).indices] = 1
+    counts = won.view(pool.shape).sum(-1)  # (layers, Hkv)
+    for row, i in enumerate(layers):
+        budgets[i] = [floor + int(c) for c in counts[row]]
+    return budgets
+
+
 @torch.no_grad()
 def compressed_prompt(model: nn.Module, prompt: Sequence[int], instruction: Sequence[int], *, num_sinks: int = 4,
-                      window: int | None = None, plan: RetentionPlan | None = None,
+                      window: int | None = None, plan: RetentionPlan | None = None, spread: bool = True,
                       chunk: int = 512) -> tuple[SinkCache, Tensor]:
     """A :class:`SinkCache` holding ``prompt`` compressed by :func:`reconstruction_scores` — each head's sinks, its
-    newest tokens and the best-scored others up to its budget (``num_sinks + window`` tokens, or the plan's per-head
-    budgets) — and the logits of the prompt's last token. Later forwards score by SnapKV."""
+    newest tokens and the best-scored others up to its budget — and the logits of the prompt's last token. Budgets:
+    ``num_sinks + window`` tokens for every head, or a plan's total shared out by the scores
+    (:func:`budgets_from_scores`; ``spread=False``: the plan's own per-head budgets). Later forwards score by
+    SnapKV."""
     if (plan is None) == (window is None):
         raise InputError("give either window (one budget for every head) or plan (per-head budgets)")
+    prompt = [int(t) for t in prompt]
     sinks = plan.num_sinks if plan is not None else num_sinks
     scores = reconstruction_scores(model, prompt, instruction, num_sinks=sinks, chunk=chunk)
     if plan is not None:
+        if spread:
+            plan = replace(plan, budgets=budgets_from_scores(scores, plan, len(prompt)),
+                           source={**plan.source, "budgets": "reconstruction scores"})
         cache = SinkCache(model, policy=Prescored(recent=plan.recent, given=scores), plan=plan)
     else:
         cache = SinkCache(model, num_sinks=num_sinks, window=window, policy=Prescored(given=scores))
-    logits = model(input_ids=torch.tensor([[int(t) for t in prompt]]), cache=cache, logits_to_keep=1).logits[0, -1]
+    logits = model(input_ids=torch.tensor([prompt]), cache=cache, logits_to_keep=1).logits[0, -1]
     return cache, logits
