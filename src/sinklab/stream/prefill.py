@@ -28,12 +28,20 @@ class _MostAttention(ScoredPolicy):
     over the query heads of each key-value head) on stream indices ``0 … length−1``."""
 
     name = "reconstruction"
-    needs_weights = True
 
     def __init__(self, window: int, length: int) -> None:
         super().__init__(recent=1, window=window)
-        self.length, self.active = length, False
+        self.length = length
+        self.needs_weights = False  # the attention weights are computed only while recording (``active``)
         self.best: dict[int, Tensor] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.needs_weights
+
+    @active.setter
+    def active(self, on: bool) -> None:
+        self.needs_weights = on
 
     def score(self, obs: Observation) -> Tensor:
         if self.active and obs.layer is not None and obs.index is not None:
