@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= sinklab-demo
 
-.PHONY: venv demo test test-compat lint bench check-package architectures clean
+.PHONY: venv demo test test-compat lint bench check-package architectures docs clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,11 @@ lint: venv
 # benchmarks/.peer-venvs/ (slow; not part of `make test`); docs/compatibility.md has the results.
 test-compat: venv
 	$(PY) benchmarks/compat.py
+
+# The docs' lists of names (policies, metrics, variants) from the tables in code: tests/test_names_from_tables.py
+# fails until this is rerun after a row is added.
+docs: venv
+	PYTHONPATH=src $(PY) -m sinklab.testing.doc_tables
 
 # Release check: build wheel + sdist, inspect their metadata and data files, install in a fresh venv, run the CLI.
 check-package: venv

@@ -18,49 +18,51 @@ from sinklab.cli import app
 from sinklab.cli._common import policy_help
 from sinklab.registry import REGISTRY
 from sinklab.stream.policy import POLICIES, ScoredPolicy, policy_names
+from sinklab.testing import doc_tables
 from sinklab.variants import VARIANT_NAMES
 from sinklab.vit.experiment import VARIANT_SPECS
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
-def table_names(page: str, header: str) -> list[str]:
-    """The backticked names in the first cell of each row of the Markdown table of ``page`` whose header row starts
-    with ``header`` (``| policy |``), in order."""
-    lines = (DOCS / page).read_text(encoding="utf-8").splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith(header)), None)
-    assert start is not None, f"docs/{page}: no table whose header starts with {header!r}"
-    names = []
-    for line in lines[start + 2:]:  # past the header and its |---| row
-        if not line.startswith("|"):
-            break
-        names += re.findall(r"`([^`]+)`", line.split("|")[1])
-    return names
+def test_every_generated_part_of_the_docs_is_current():
+    """A row added to a table changes the rendered docs; a page not regenerated (`make docs`) fails here."""
+    stale = doc_tables.stale_pages(DOCS)
+    assert not stale, f"docs generated from the tables are stale: {sorted(stale)}; run `make docs`"
 
 
-def line_names(page: str, pattern: str) -> list[str]:
-    """The names ``pattern``'s first group captures in ``page`` (one list written in running text), split on ``|``
-    or ``,`` and stripped of backticks and quotes."""
-    text = (DOCS / page).read_text(encoding="utf-8")
-    match = re.search(pattern, text, re.DOTALL)
-    assert match, f"docs/{page}: the list {pattern!r} is gone"
-    return [n.strip(" `\"\n") for n in re.split(r"[|,]", match.group(1)) if n.strip(" `\"\n")]
+def test_every_renderer_is_used_and_every_page_list_is_generated():
+    used = {name for _, name in doc_tables.marked_blocks(DOCS)}
+    assert used == set(doc_tables.BLOCKS), f"renderers without a page: {set(doc_tables.BLOCKS) - used}"
+    for page in ("retention.md", "index.md", "stream.md", "metrics.md", "variants.md", "vit.md"):
+        assert any(p == page for p, _ in doc_tables.marked_blocks(DOCS)), f"docs/{page} lost its generated list"
 
 
 SCORED = [name for name, cls in POLICIES.items() if issubclass(cls, ScoredPolicy)]
 
 
-@pytest.mark.parametrize("page,names,want", [
-    ("retention.md", lambda: table_names("retention.md", "| policy |"), policy_names),
-    ("index.md", lambda: line_names("index.md", r"\(`--policy ([^`]+)`\)"), policy_names),
-    ("stream.md", lambda: line_names("stream.md", r"per key-value head \((`policy=[^)]*)\)"), lambda: SCORED),
-    ("metrics.md", lambda: table_names("metrics.md", "| name | meaning |"), lambda: [r.name for r in REGISTRY]),
-    ("variants.md", lambda: table_names("variants.md", "| name | flag |"), lambda: list(VARIANT_NAMES)),
-    ("vit.md", lambda: line_names("vit.md", r"\*\*Variants\*\*: ([^.]+)\."), lambda: list(VARIANT_SPECS)),
-], ids=lambda x: x if isinstance(x, str) else "")
-def test_a_docs_list_equals_its_table(page, names, want):
-    got = [n.removeprefix("policy=").strip("\"") for n in names()]
-    assert got == want(), f"docs/{page} lists {got}, the table has {want()}"
+@pytest.mark.parametrize("name,table,names", [
+    ("policies", "policies", policy_names),
+    ("policy-list", "policies", policy_names),
+    ("scored-policies", "policies", lambda: SCORED),
+    ("metrics", "metrics", lambda: [r.name for r in REGISTRY]),
+    ("variants", "variants", lambda: list(VARIANT_NAMES)),
+    ("vit-variants", "vit", lambda: list(VARIANT_SPECS)),
+])
+def test_a_rendered_list_names_every_row_in_table_order(name, table, names):
+    text = doc_tables.BLOCKS[name]()
+    if text.startswith("\n|"):  # a table: the names in each row's first cell
+        text = " ".join(line.split("|")[1] for line in text.strip().splitlines()[2:])
+    got = [n for n in re.findall(r"[\w+-]+", text) if n in names()]
+    assert got == names(), f"{name}: {got} vs {names()}"
+
+
+def test_a_row_added_to_a_table_reaches_the_rendered_docs(monkeypatch):
+    monkeypatch.setitem(POLICIES, "newpolicy", POLICIES[SCORED[0]])
+    assert "`newpolicy`" in doc_tables.policies_table()
+    assert "newpolicy" in doc_tables.policy_list()
+    text = (DOCS / "retention.md").read_text(encoding="utf-8")
+    assert doc_tables.render_page(text) != text
 
 
 def _option_help(command: str, option: str) -> str:
