@@ -55,7 +55,7 @@ test-compat: venv
 
 # The docs' lists of names (policies, metrics, variants) from the tables in code: tests/test_names_from_tables.py
 # fails until this is rerun after a row is added.
-docs: venv
+docs:
 	PYTHONPATH=src $(PY) -m sinklab.testing.doc_tables
 
 # Release check: build wheel + sdist, inspect their metadata and data files, install in a fresh venv, run the CLI.

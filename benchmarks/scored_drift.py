@@ -1,7 +1,8 @@
 """How far a score-based stream's kept keys drift from their exact rotation over a long stream.
 
-Under ``positions="slot"`` every eviction round rotates each older kept key once more, in the cache's dtype
-(src/sinklab/stream/scored.py), and each re-base rotates every stored key once more. This script streams random
+Under ``positions="slot"`` every eviction round moves older kept keys forward and each re-base moves every stored
+key; the cache stores each key as received and rotates it once, from there, by the positions it has moved
+(``ScoredLayer.rotated_keys``), so the error should not grow with the stream. This script streams random
 tokens one at a time through ``SinkCache(model, num_sinks=, window=, policy=)`` on ``sinklab.models.tiny_llama``
 (every step evicts once the budget is full), records each token's un-rotated key (the output of ``k_proj``) in
 float64, and at each checkpoint compares every key the cache holds against that key rotated once, in float64, to the
@@ -37,7 +38,7 @@ def held_key_error(cache, unrotated: list[torch.Tensor], inserted: list[torch.Te
     in float64 by the positions it has moved since."""
     errs, sink_errs, rel, drift = [], [], [], []
     for i, layer in enumerate(cache.layers):
-        sidx, pos, keys = layer.sidx[0], layer.pos[0], layer.keys[0]  # (Hkv, cap), (Hkv, cap), (Hkv, cap, dh)
+        sidx, pos, keys = layer.sidx[0], layer.pos[0], layer.rotated_keys()[0]  # (Hkv, cap), (Hkv, cap), (Hkv, cap, dh)
         held = sidx >= 0
         heads = torch.arange(sidx.shape[0])[:, None].expand_as(sidx)
         raw = unrotated[i][sidx.clamp(min=0), heads]  # (Hkv, cap, dh)

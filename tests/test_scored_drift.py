@@ -1,7 +1,7 @@
-"""The rounding drift of a score-based stream's kept keys: each eviction round rotates them once more in the cache's
-dtype; after a few hundred eviction rounds (and re-bases) they stay within a stated tolerance of the key the cache
-received rotated once, in float64, by the positions it has moved since (benchmarks/scored_drift.py measures the
-same over a long stream)."""
+"""The rounding drift of a score-based stream's kept keys: the keys are stored as received and rotated once, from
+there, by the positions they have moved, so after any number of eviction rounds and re-bases every held key stays
+within one float32 rounding of the key the cache received rotated once, in float64 — the same bound after 1,200
+tokens as after 300 (benchmarks/scored_drift.py measures the same over a 100,000-token stream)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from sinklab.models import tiny_llama
 from sinklab.rope import rotate
 from sinklab.stream import SinkCache
 
-#: Max absolute error allowed on a held key (the tiny model's keys are of order one; float32 keys).
-TOLERANCE = 1e-5
+#: Max absolute error allowed on a held key: about two float32 roundings of the tiny model's keys (of order one).
+TOLERANCE = 2.5e-7
 
 
 def _drift(policy: str, tokens: int, rebase_every: int | None) -> tuple[float, int, int]:
@@ -43,7 +43,7 @@ def _drift(policy: str, tokens: int, rebase_every: int | None) -> tuple[float, i
                         continue
                     key, at = inserted[i, s]
                     exact = rotate(key[h], layer.rope, torch.tensor(p - at))
-                    worst = max(worst, float((layer.keys[0, h, slot].double() - exact).abs().max()))
+                    worst = max(worst, float((layer.rotated_keys()[0, h, slot].double() - exact).abs().max()))
                     if s == 0:
                         moved = max(moved, abs(p - at))
         rebases = cache.state.rebases
@@ -51,8 +51,8 @@ def _drift(policy: str, tokens: int, rebase_every: int | None) -> tuple[float, i
 
 
 @pytest.mark.parametrize("policy", ["tova", "snapkv"])
-def test_kept_keys_stay_near_their_single_float64_rotation(policy):
-    tokens = 300
+@pytest.mark.parametrize("tokens", [300, 1200])
+def test_kept_keys_stay_near_their_single_float64_rotation(policy, tokens):
     worst, moved, rebases = _drift(policy, tokens, rebase_every=100)
-    assert moved > 0 and rebases >= 2  # the sink keys were rotated by evictions and by re-bases
+    assert moved > 0 and rebases >= 2  # the sink keys were moved by evictions and by re-bases
     assert worst <= TOLERANCE, f"{policy}: held keys drifted {worst:.3g} from their single float64 rotation"

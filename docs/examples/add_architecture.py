@@ -12,6 +12,7 @@ matrix's tests.
 
 import sys
 
+import sinklab
 from sinklab import _compat
 from sinklab.testing import conformance
 
@@ -21,7 +22,11 @@ cells = conformance.run_cells(built, cells=("scan", "stream"))
 for name, cell in cells.items():
     print(f"{model_type} {name}: {cell.text()}")
     assert cell.status in conformance.STATUSES
-rotations = _compat.layer_rotations(built.model)
+try:
+    rotations = _compat.layer_rotations(built.model)
+except sinklab.UnsupportedModelError as err:  # a position scheme the stream cannot reproduce: the reason says which
+    print(f"{model_type}: key rotations refused: {err}")
+    raise SystemExit(0) from None
 print("layer 0 rotates its keys:", rotations[0])
 if model_type == "olmo2":  # a Llama-layout model: every cell holds, every layer rotates
     assert all(cell.status == "ok" for cell in cells.values()), cells

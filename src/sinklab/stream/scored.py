@@ -3,8 +3,10 @@
 Each layer (:class:`ScoredLayer`) stores ``[B, Hkv, cap, dh]`` keys and values, per slot the token's stream index
 (``-1``: empty) and its key's virtual position; each head's kept tokens first, in stream order. A forward attends over
 ``buffer ⧺ new columns``, the policy scores every candidate (:class:`~sinklab.stream.policy.Observation`) and each
-head keeps at most its budget. With ``positions="slot"`` an evicted token's later neighbours move forward (a kept key
-is re-rotated by the number evicted after it); ``"original"`` keeps true positions (what kvpress does).
+head keeps at most its budget. With ``positions="slot"`` an evicted token's later neighbours move forward by the number
+evicted after them; each key is stored as received and rotated once, from there, by the positions it has moved
+(:meth:`ScoredLayer.rotated_keys`), so re-rotation rounding does not add up over a long stream. ``"original"`` keeps
+true positions (what kvpress does).
 docs/retention.md has the whole rule.
 """
 
@@ -111,7 +113,9 @@ class ScoredLayer(StreamLayerBase):
 
     is_compileable = False
     state: ScoredState
-    row_buffers = ("keys", "values", "sidx", "pos")  # each kept token's stream index and key position
+    # each kept token's key as received, its stream index, its key position, and the positions it moved since it was
+    # received: the attention rotates each stored key once, from the key as received, so rounding does not accumulate
+    row_buffers = ("keys", "values", "sidx", "pos", "moved")
     saved_buffers = (*row_buffers, "budgets")
 
     def __init__(self, state: ScoredState, rope: RopeSpec | None, budgets: list[int] | None = None,
@@ -125,6 +129,7 @@ class ScoredLayer(StreamLayerBase):
         self.keeps_anchors = sliding is None or bool(sliding_sinks)
         self.plan_budgets = budgets  # per key-value head (a plan); None: the state's capacity for every head
         self.pending: tuple | None = None
+        self.moving = False  # host flag: some stored key sits at another position than it was received at
         state.layers.append(self)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -145,6 +150,7 @@ class ScoredLayer(StreamLayerBase):
             self.values = value_states.new_zeros(b, hkv, cap, value_states.shape[-1])
         self.sidx = torch.full((b, hkv, cap), -1, dtype=torch.long, device=self.device)
         self.pos = torch.zeros(b, hkv, cap, dtype=torch.long, device=self.device)
+        self.moved = torch.zeros_like(self.pos)
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
@@ -161,13 +167,21 @@ class ScoredLayer(StreamLayerBase):
         values = torch.cat([self.values, value_states], 2)
         c_sidx = torch.cat([self.sidx, sidx[:, None].expand(-1, hkv, -1)], 2)
         c_pos = torch.cat([self.pos, q_v[:, None].expand(-1, hkv, -1)], 2)
-        self.pending = (keys, values, c_sidx, c_pos)
-        return keys, values
+        c_moved = torch.cat([self.moved, torch.zeros_like(c_pos[:, :, self.moved.shape[2]:])], 2)
+        self.pending = (keys, values, c_sidx, c_pos, c_moved)
+        return torch.cat([self.rotated_keys(), key_states], 2), values
+
+    def rotated_keys(self) -> Tensor:
+        """``[B, Hkv, cap, dh]``: the stored keys at the positions they sit at now (each rotated once, in float64
+        angles, from the key as received)."""
+        if not self.moving or self.rope is None:
+            return self.keys
+        return rotate(self.keys, self.rope, self.moved)
 
     def keep(self, scores: Tensor, order: Tensor) -> None:
         """Cut ``buffer ⧺ new`` back to each head's budget: sinks, pinned spans and the ``recent`` newest always, then
         the highest ``scores`` ``[B, Hkv, N]`` (``order``: the candidates in stream order, empty slots last)."""
-        keys, values, c_sidx, c_pos = self.pending  # type: ignore[misc]  # stored by update()
+        keys, values, c_sidx, c_pos, c_moved = self.pending  # type: ignore[misc]  # stored by update()
         self.pending = None
         state, cap = self.state, self.keys.shape[2]
         present = real = c_sidx >= 0
@@ -187,7 +201,7 @@ class ScoredLayer(StreamLayerBase):
         kept = real & (rank < self.budgets[None, :, None])
         idx = torch.argsort(torch.where(kept, c_sidx, torch.full_like(c_sidx, _LAST)), dim=-1, stable=True)[..., :cap]
         self.sidx = torch.where(kept.gather(-1, idx), c_sidx.gather(-1, idx), torch.full_like(idx, -1))
-        pos = c_pos.gather(-1, idx)
+        pos, moved = c_pos.gather(-1, idx), c_moved.gather(-1, idx)
         dh, dv = keys.shape[-1], values.shape[-1]
         self.keys = keys.gather(2, idx[..., None].expand(-1, -1, -1, dh))
         self.values = values.gather(2, idx[..., None].expand(-1, -1, -1, dv))
@@ -196,9 +210,9 @@ class ScoredLayer(StreamLayerBase):
             shift = torch.where(self.sidx >= 0, _later_count((present & ~kept).long(), order).gather(-1, idx),
                                 torch.zeros_like(idx))
             if bool(shift.any()):
-                self.keys = rotate(self.keys, self.rope, shift)
-                pos = pos + shift
-        self.pos = pos
+                pos, moved = pos + shift, moved + shift
+                self.moving = True
+        self.pos, self.moved = pos, moved
 
     def anchored(self, sidx: Tensor) -> Tensor:
         """The tokens this layer keeps whatever their score: its stream's sinks and pinned spans (none on a sliding
@@ -210,9 +224,18 @@ class ScoredLayer(StreamLayerBase):
     def shift(self, delta: Tensor) -> None:
         """Rotate every stored key by ``delta`` ``[B, 1, 1]`` positions (the stream re-basing)."""
         if self.is_initialized:
-            if self.rope is not None:
-                self.keys = rotate(self.keys, self.rope, delta.expand_as(self.pos))
             self.pos = self.pos + delta
+            if self.rope is not None:
+                self.moved = self.moved + delta
+                self.moving = True
+
+    def load_state_dict(self, saved: dict[str, Tensor]) -> None:
+        if saved and "moved" not in saved:  # saved before keys were stored as received: already at their position
+            saved = {**saved, "moved": torch.zeros_like(saved["pos"])}
+        super().load_state_dict(saved)
+
+    def _replaced(self) -> None:
+        self.moving = bool(self.moved.any())
 
     def kept_tokens(self) -> Tensor:
         """``[B, Hkv]``: the tokens each head holds."""

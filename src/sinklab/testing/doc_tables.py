@@ -50,7 +50,8 @@ def _policy_settings(cls: type[RetentionPolicy]) -> str:
 def _policy_needs(cls: type[RetentionPolicy]) -> str:
     if not cls.scored:
         return "nothing: a ring buffer, the compiled decode step"
-    return "the attention weights of its observation window" if cls.needs_weights else "the keys only"
+    return ("the attention weights of its observation window" if cls.needs_weights
+            else "no attention weights (runs beside the fused kernel)")
 
 
 def policies_table() -> str:
