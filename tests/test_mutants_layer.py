@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_stream import _tokens, kw, model_for
+from test_stream import _rel, _tokens, kw, model_for
 
 from sinklab.errors import InputError
 from sinklab.stream import SinkCache
@@ -157,3 +157,21 @@ def test_layer_buffers_that_do_not_fit_say_so(monkeypatch):
         monkeypatch.setattr(torch, "zeros", failing)
         with pytest.raises(InputError, match=r"\(7 slots per row: sinks \+ pinned tokens \+ window\) do not fit"):
             model(input_ids=_tokens(4, seed=62)[None], **kw(model, cache))
+
+
+def test_a_cache_saved_before_its_first_forward_holds_nothing_and_loads_as_new():
+    """Before the first forward a layer's ``state_dict`` is empty (its buffers do not exist yet); such a cache's
+    ``state_dict`` loaded into another leaves that one fresh: it then streams what the model computes with full
+    attention (nothing evicted)."""
+    model = model_for("llama-gqa")
+    tokens = _tokens(6, seed=81)
+    with torch.no_grad():
+        dense = model(input_ids=tokens[None]).logits
+        with SinkCache(model, num_sinks=2, window=8) as empty:
+            assert [layer.state_dict() for layer in empty.layers] == [{}] * len(empty.layers)
+            saved = empty.state_dict()
+        with SinkCache(model, num_sinks=2, window=8) as cache:
+            cache.load_state_dict(saved)
+            assert not any(layer.is_initialized for layer in cache.layers)
+            got = model(input_ids=tokens[None], **kw(model, cache)).logits
+    assert _rel(got, dense) < 1e-4, _rel(got, dense)

@@ -207,3 +207,90 @@ def test_rebase_interval_and_capacity_bounds():
     assert StreamState(num_sinks=0, window=MAX_CAPACITY).capacity == MAX_CAPACITY
     with pytest.raises(InputError, match="more than any memory holds"):
         StreamState(num_sinks=1, window=MAX_CAPACITY)
+
+
+def test_a_full_window_that_has_evicted_nothing_can_still_be_cropped():
+    """Exactly ``S + W`` tokens fill the sinks and the window without evicting one: crop still takes tokens back, and
+    the cropped stream equals one that never saw them; one token more evicts the oldest free token and crop refuses."""
+    model = model_for("llama-gqa")
+    tokens, other = _tokens(6, seed=71), _tokens(3, seed=72)
+    with StreamSession(model, num_sinks=2, window=4) as s:
+        s.feed(tokens[None])  # 2 sinks + 4 free tokens: the window is full, nothing evicted
+        assert not s.state.evicted()
+        s.cache.crop(-2)
+        cropped = s.feed(other[None], all_logits=True)
+    with StreamSession(model, num_sinks=2, window=4) as s:
+        never = s.feed(torch.cat([tokens[:4], other])[None], all_logits=True)[:, 4:]
+    assert _rel(cropped, never) < 1e-5
+    with StreamSession(model, num_sinks=2, window=4) as s:
+        s.feed(torch.cat([tokens, other[:1]])[None])
+        assert s.state.evicted()
+        with pytest.raises(InputError, match="already evicted tokens from its 4-token window"):
+            s.cache.crop(-2)
+
+
+def test_padding_columns_after_a_rows_real_tokens_write_nothing():
+    """A later chunk left-padded in one row (fewer new free tokens than the window): its padding columns follow the
+    row's earlier real tokens and fall on the ring slot of its newest kept one, which they must leave alone. Each
+    row's logits over the next decode steps equal the same real tokens streamed alone."""
+    model = model_for("llama-gqa")
+    first, follow = _tokens(14, seed=73).view(2, 7), _tokens(8, seed=74).view(4, 2)
+    second = _tokens(6, seed=75).view(2, 3)
+    mask = torch.ones(2, 3, dtype=torch.long)
+    mask[1, :2] = 0  # row 1: two padding columns, then one real token
+
+    def run(rows, chunk, chunk_mask, steps):
+        with StreamSession(model, num_sinks=2, window=4) as s:
+            s.feed(rows)
+            s.feed(chunk, chunk_mask)
+            return torch.stack([s.step(t) for t in steps], 1)
+
+    both = run(first, second, mask, follow)
+    for row, real in ((0, second[0]), (1, second[1, 2:])):
+        alone = run(first[row:row + 1], real[None], None, follow[:, row:row + 1])[0]
+        assert _rel(both[row], alone) < 1e-4, (row, _rel(both[row], alone))
+
+
+def test_a_scored_stream_keeps_its_rows_from_one_forward_to_the_next():
+    """A score-based policy's state (rows made once, on the first forward) over forwards of 3, 2, 1 and 1 tokens that
+    evict nothing: every position's logits equal the model's own full-attention forward over the whole sequence."""
+    model = model_for("llama-gqa")
+    tokens = _tokens(7, seed=76)
+    with torch.no_grad():
+        dense = model(input_ids=tokens[None]).logits[0]
+        got, at = [], 0
+        with SinkCache(model, num_sinks=1, window=12, policy="tova") as cache:
+            for size in (3, 2, 1, 1):
+                got.append(model(input_ids=tokens[None, at:at + size], **kw(model, cache)).logits[0])
+                at += size
+            assert cache.state.batch == 1 and cache.state.n_real.tolist() == [7]
+    assert _rel(torch.cat(got), dense) < 1e-4, _rel(torch.cat(got), dense)
+
+
+def test_a_loaded_state_lives_on_the_device_of_the_saved_tensors():
+    """``load_state_dict`` makes the rows where the saved tensors are (the meta device standing in for an
+    accelerator), moves the rotary frequencies of the cache and of the attention there once, and takes back the host
+    counters."""
+    model = model_for("llama-gqa")
+    with StreamSession(model, num_sinks=2, window=4) as s:
+        s.feed(_tokens(9, seed=77)[None])
+        saved = s.state.state_dict()
+        fresh = StreamState(2, 4, rope=s.state.rope)
+    fresh.load_state_dict({k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in saved.items()})
+    assert {v.device.type for v in fresh.per_row().values()} == {"meta"} and fresh.device.type == "meta"
+    assert fresh.rope.inv_freq.device.type == "meta" and fresh.attn_rope.inv_freq is fresh.rope.inv_freq
+    assert (fresh.columns, fresh.span, fresh.rebases) == (saved["columns"], saved["span"], saved["rebases"])
+
+
+def test_a_stream_state_checks_what_its_constructor_is_given():
+    """The state refuses what its constructor is given directly (the config checks the same before a cache builds
+    one): a negative start position, a re-base interval below 1 and a reversed pinned span, each by name; an interval
+    of 1 is accepted."""
+    with pytest.raises(InputError, match=r"^start_position must be an integer ≥ 0, got -1$"):
+        StreamState(num_sinks=2, window=4, start_position=-1)
+    with pytest.raises(InputError, match=r"^rebase_every must be an integer ≥ 1 \(tokens between re-bases\) or None "
+                                         r"\(automatic\), got 0$"):
+        StreamState(num_sinks=2, window=4, rebase_every=0)
+    with pytest.raises(InputError, match=r"^pinned span \(3, 1\) must satisfy 0 ≤ start < end \(half-open\)$"):
+        StreamState(num_sinks=2, window=4, pinned=[(3, 1)])
+    assert StreamState(num_sinks=2, window=4, rebase_every=1).rebase_every == 1
