@@ -33,6 +33,9 @@ TEXT, IMAGE, IMAGE_SPECIAL = 0, 1, 2
 
 #: Config fields that name the token the vision features replace.
 IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index")
+#: Config fields of the token a video's features replace: the image token of a model whose config names only these
+#: (InstructBLIP-Video: a picture enters as a still video).
+VIDEO_TOKEN_FIELDS = ("video_token_id", "video_token_index")
 #: Config fields of tokens that frame an image, as (opening, closing) pairs.
 FRAME_TOKEN_FIELDS = (("boi_token_id", "eoi_token_id"), ("boi_token_index", "eoi_token_index"),
                       ("vision_start_token_id", "vision_end_token_id"), ("image_start_token_id", "image_end_token_id"),
@@ -50,13 +53,16 @@ def _config_int(config: object, name: str) -> int | None:
     return None
 
 
+def _first_int(config: object, names: Sequence[str]) -> int | None:
+    return next((v for v in (_config_int(config, n) for n in names) if v is not None), None)
+
+
 def image_token_id(config: object) -> int | None:
-    """The id of the token the vision features replace (``image_token_id`` or ``image_token_index``), or None."""
-    for name in IMAGE_TOKEN_FIELDS:
-        value = _config_int(config, name)
-        if value is not None:
-            return value
-    return None
+    """The id of the token the vision features replace (``image_token_id`` or ``image_token_index``; in a config
+    that names neither, its video token: :data:`VIDEO_TOKEN_FIELDS`), or None."""
+    configs = [c for c in (config, getattr(config, "text_config", None)) if c is not None]
+    named = any(hasattr(c, n) for c in configs for n in IMAGE_TOKEN_FIELDS)  # set or not: then the image's own
+    return _first_int(config, IMAGE_TOKEN_FIELDS if named else VIDEO_TOKEN_FIELDS)
 
 
 def special_image_ids(config: object) -> set[int]:
@@ -141,6 +147,18 @@ def check_vision_model(model: nn.Module, what: str = "--image") -> None:
     """Refuse a model without a vision tower (a text-only causal LM given images), and a vision-language model whose
     image positions sinklab cannot find (no image token: the vision features enter some other way)."""
     if getattr(getattr(model, "config", None), "vision_config", None) is None:
+        try:
+            takes = set(inspect.signature(type(model).forward).parameters)
+        except (TypeError, ValueError):
+            takes = set()
+        pixels = [name for name in ("pixel_values", "image_patches", "flattened_patches") if name in takes]
+        if pixels:  # it takes images, through something other than a vision tower of its own config
+            raise UnsupportedModelError(
+                f"{type(model).__name__} takes images ({pixels[0]}) but its config has no vision_config: the pixels "
+                "reach the text through something sinklab does not model (a patch projection inside the decoder, an "
+                "encoder-decoder's encoder read by cross-attention, a nested model's config), and sinklab finds a "
+                "vision-language model's text decoder and image positions through its vision_config, get_decoder "
+                "and image token. Lifting it needs that model's decoder and the positions its image fills.")
         raise InputError(f"{type(model).__name__} has no vision tower (no vision_config in its config), so it cannot "
                          f"take {what}; give a vision-language model (Llava, Qwen2-VL, Gemma 3, Idefics3/SmolVLM, "
                          "PaliGemma …) or drop it.")
@@ -196,6 +214,11 @@ def _patch_rows(square: Tensor, patch: int, channels_last: bool = False) -> Tens
     return rows.permute(0, 2, 3, 1).contiguous() if channels_last else rows.contiguous()
 
 
+#: Frames of the still video a picture becomes for a model that only takes videos (InstructBLIP-Video's processor
+#: samples 4).
+STILL_FRAMES = 4
+
+
 def _layouts(model: nn.Module, image: Any, takes: frozenset[str] = frozenset(),
              text_ids: Sequence[int] = ()) -> list[tuple[str, dict[str, Tensor], tuple[int, int] | None]]:
     """Pixel-input layouts vision towers take, most common first: (name, inputs of one image, token grid).
@@ -247,8 +270,10 @@ def _layouts(model: nn.Module, image: Any, takes: frozenset[str] = frozenset(),
                                                    "image_position_ids": places.flip(-1).reshape(1, -1, 2)}, None))
     if "qformer_input_ids" in takes:  # InstructBLIP: the Q-Former reads the instruction (the text's ids) with the image
         ids = torch.tensor([list(text_ids)])
-        out.append(("square with instruction", {"pixel_values": square[None], "qformer_input_ids": ids,
-                                                "qformer_attention_mask": torch.ones_like(ids)}, None))
+        instruction = {"qformer_input_ids": ids, "qformer_attention_mask": torch.ones_like(ids)}
+        out.append(("square with instruction", {"pixel_values": square[None], **instruction}, None))
+        still = square[None, None].expand(1, STILL_FRAMES, -1, -1, -1).contiguous()
+        out.append(("still video with instruction", {"pixel_values": still, **instruction}, None))
     if "target_sizes" in takes:  # MiniCPM-V: one picture and its size in patches
         out.append(("square with target sizes", {"pixel_values": square[None],
                                                  "target_sizes": torch.tensor([[grid, grid]], dtype=torch.int32)}, None))
@@ -296,6 +321,9 @@ def _image_pixels(model: nn.Module, image: Any,
     """One image's pixel inputs from the model's config, how many tokens its features fill, and their grid."""
     stack = _compat.base_model(model)
     get = getattr(stack, "get_image_features", None) or getattr(model, "get_image_features", None)
+    video = _first_int(model.config, VIDEO_TOKEN_FIELDS)
+    if get is None and video is not None and image_token_id(model.config) == video:
+        get = getattr(stack, "get_video_features", None)  # a model that only takes videos: a still video
     if get is None:
         raise UnsupportedModelError(f"{type(model).__name__} has no get_image_features, so sinklab cannot count the "
                                     "tokens an image fills from the config; give its processor instead (sinklab scan "
@@ -313,6 +341,8 @@ def _image_pixels(model: nn.Module, image: Any,
         except Exception as exc:  # noqa: BLE001 - a layout this tower does not take
             errors.append(f"{name}: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}")
             continue
+        if getattr(model.config, "num_query_tokens", None):  # BLIP-2-style query tokens: no patch grid
+            return inputs, count, None
         if grid is None and name in _PICTURE_LAYOUTS:  # one picture's features: a square grid if any
             grid = _square(count)
         return inputs, count, grid if grid is not None and grid[0] * grid[1] == count else None

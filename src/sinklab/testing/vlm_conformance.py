@@ -66,11 +66,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 
 #: Multimodal token fields the type's default config leaves unset while its checkpoints set them: each gets a free row
 #: of the tiny vocabulary, like the ids the default names. The image token (the placeholder the processor writes
-#: where the vision features go, as for Llava): without it BLIP-2 / InstructBLIP cannot place their query tokens and
+#: where the vision features go, as for Llava; InstructBLIP-Video's video token): without it BLIP-2 / InstructBLIP
+#: (-Video) cannot place their query tokens and
 #: MiniCPM-V drops the image. Qwen2.5-Omni's thinker finds each image by its vision-start token when it lays out
 #: its (time, height, width) positions, a field its default config lacks.
 TOKEN_OVERRIDES: dict[str, tuple[str, ...]] = {
     "blip-2": ("image_token_index",), "instructblip": ("image_token_index",),
+    "instructblipvideo": ("video_token_index",),
     "minicpm_ocr": ("image_token_id",), "minicpmv4_6": ("image_token_id",), "minicpmv4_7": ("image_token_id",),
     "qwen2_5_omni_thinker": ("vision_start_token_id", "vision_end_token_id"),
 }
