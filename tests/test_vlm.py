@@ -7,6 +7,7 @@ language model's layers. The image is drawn procedurally (no files, nothing down
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import warnings
@@ -203,3 +204,40 @@ def test_the_committed_sweep_table_matches_its_json():
             f"{c['refused']} refused, {c['n/a']} n/a, {c['not built']} not built.**") in page
     for row in data["rows"]:
         assert f"| `{row['type']}` | {row['status']} |" in page
+
+
+@pytest.mark.parametrize("model_type, layout, grid", [
+    ("lfm2_vl", "patches with spatial shapes", (2, 2)),  # SigLIP 2 NaFlex patches, the grid's shape and mask
+    ("gemma4", "patches with positions", (2, 2)),  # NaFlex patches with their (x, y); OVERRIDES: pooling kernel 2
+    ("kimi_k25", "row-major patch images", (2, 2)),  # row-major patches and their grid; OVERRIDES: projector norm
+    ("blip-2", "square", None),  # TOKEN_OVERRIDES: the image token its default leaves unset; 32 query tokens, no grid
+    ("instructblipvideo", "still video with instruction", None),  # its video token: the picture as a still video
+])
+def test_sweep_rows_of_more_pixel_layouts(model_type, layout, grid):
+    """Types whose towers take pixels in other layouts than a square picture, or whose tiny config needs an override:
+    the scan's maps and statistics match the eager weights (the sweep's cell), in the layout named."""
+    row = vc.run_row(model_type)
+    assert row["status"] == "ok", row
+    model = vc.build(model_type).model
+    pixels, count, found = vision_inputs._image_pixels(model, vc.test_image(), vc.TEXT_IDS)
+    stack = _compat.base_model(model)
+    get = getattr(stack, "get_image_features", None) or stack.get_video_features  # InstructBLIP-Video: videos only
+    takes = frozenset(inspect.signature(get).parameters)
+    names = [name for name, inputs, _ in vision_inputs._layouts(model, vc.test_image(), takes, vc.TEXT_IDS)
+             if inputs.keys() == pixels.keys() and all(torch.equal(inputs[k], pixels[k].cpu()) for k in inputs)]
+    assert names[0] == layout and found == grid, (names, found, count)
+
+
+def test_a_model_that_takes_images_without_a_vision_config_is_refused_with_what_would_lift_it():
+    row = vc.run_row("fuyu")  # its patches are projected inside the decoder: no vision tower in its config
+    assert row["status"] == "refused" and "takes images (" in row["detail"] and "Lifting it needs" in row["detail"]
+
+
+def test_the_video_token_stands_for_the_image_token_only_where_the_config_names_no_image_token():
+    from types import SimpleNamespace
+
+    assert vision_inputs.image_token_id(SimpleNamespace(video_token_id=5)) == 5
+    assert vision_inputs.image_token_id(SimpleNamespace(image_token_id=7, video_token_id=5)) == 7
+    assert vision_inputs.image_token_id(SimpleNamespace(image_token_id=None, video_token_id=5)) is None  # unset
+    assert vision_inputs.image_token_id(SimpleNamespace(text_config=SimpleNamespace(image_token_index=3),
+                                                        video_token_id=5)) == 3

@@ -33,6 +33,9 @@ TEXT, IMAGE, IMAGE_SPECIAL = 0, 1, 2
 
 #: Config fields that name the token the vision features replace.
 IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index")
+#: Config fields of the token a video's features replace: the image token of a model whose config names only these
+#: (InstructBLIP-Video: a picture enters as a still video).
+VIDEO_TOKEN_FIELDS = ("video_token_id", "video_token_index")
 #: Config fields of tokens that frame an image, as (opening, closing) pairs.
 FRAME_TOKEN_FIELDS = (("boi_token_id", "eoi_token_id"), ("boi_token_index", "eoi_token_index"),
                       ("vision_start_token_id", "vision_end_token_id"), ("image_start_token_id", "image_end_token_id"),
@@ -50,13 +53,16 @@ def _config_int(config: object, name: str) -> int | None:
     return None
 
 
+def _first_int(config: object, names: Sequence[str]) -> int | None:
+    return next((v for v in (_config_int(config, n) for n in names) if v is not None), None)
+
+
 def image_token_id(config: object) -> int | None:
-    """The id of the token the vision features replace (``image_token_id`` or ``image_token_index``), or None."""
-    for name in IMAGE_TOKEN_FIELDS:
-        value = _config_int(config, name)
-        if value is not None:
-            return value
-    return None
+    """The id of the token the vision features replace (``image_token_id`` or ``image_token_index``; in a config
+    that names neither, its video token: :data:`VIDEO_TOKEN_FIELDS`), or None."""
+    configs = [c for c in (config, getattr(config, "text_config", None)) if c is not None]
+    named = any(hasattr(c, n) for c in configs for n in IMAGE_TOKEN_FIELDS)  # set or not: then the image's own
+    return _first_int(config, IMAGE_TOKEN_FIELDS if named else VIDEO_TOKEN_FIELDS)
 
 
 def special_image_ids(config: object) -> set[int]:
@@ -141,6 +147,18 @@ def check_vision_model(model: nn.Module, what: str = "--image") -> None:
     """Refuse a model without a vision tower (a text-only causal LM given images), and a vision-language model whose
     image positions sinklab cannot find (no image token: the vision features enter some other way)."""
     if getattr(getattr(model, "config", None), "vision_config", None) is None:
+        try:
+            takes = set(inspect.signature(type(model).forward).parameters)
+        except (TypeError, ValueError):
+            takes = set()
+        pixels = [name for name in ("pixel_values", "image_patches", "flattened_patches") if name in takes]
+        if pixels:  # it takes images, through something other than a vision tower of its own config
+            raise UnsupportedModelError(
+                f"{type(model).__name__} takes images ({pixels[0]}) but its config has no vision_config: the pixels "
+                "reach the text through something sinklab does not model (a patch projection inside the decoder, an "
+                "encoder-decoder's encoder read by cross-attention, a nested model's config), and sinklab finds a "
+                "vision-language model's text decoder and image positions through its vision_config, get_decoder "
+                "and image token. Lifting it needs that model's decoder and the positions its image fills.")
         raise InputError(f"{type(model).__name__} has no vision tower (no vision_config in its config), so it cannot "
                          f"take {what}; give a vision-language model (Llava, Qwen2-VL, Gemma 3, Idefics3/SmolVLM, "
                          "PaliGemma …) or drop it.")
@@ -188,8 +206,25 @@ def _pixels(image: Any, size: int) -> Tensor:
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()
 
 
-def _layouts(model: nn.Module, image: Any) -> list[tuple[str, dict[str, Tensor], tuple[int, int] | None]]:
-    """Pixel-input layouts vision towers take, most common first: (name, inputs of one image, token grid)."""
+def _patch_rows(square: Tensor, patch: int, channels_last: bool = False) -> Tensor:
+    """``[N, 3, P, P]`` (or ``[N, P, P, 3]``) patches of ``square`` ``[3, S, S]``, row-major (row by row, left to
+    right)."""
+    grid = square.shape[-1] // patch
+    rows = square.reshape(3, grid, patch, grid, patch).permute(1, 3, 0, 2, 4).reshape(grid * grid, 3, patch, patch)
+    return rows.permute(0, 2, 3, 1).contiguous() if channels_last else rows.contiguous()
+
+
+#: Frames of the still video a picture becomes for a model that only takes videos (InstructBLIP-Video's processor
+#: samples 4).
+STILL_FRAMES = 4
+
+
+def _layouts(model: nn.Module, image: Any, takes: frozenset[str] = frozenset(),
+             text_ids: Sequence[int] = ()) -> list[tuple[str, dict[str, Tensor], tuple[int, int] | None]]:
+    """Pixel-input layouts vision towers take, most common first: (name, inputs of one image, token grid).
+    ``takes``: the parameter names of the model's ``get_image_features``; a layout with inputs besides the pixels
+    (patch positions, spatial shapes, per-image sizes, the Q-Former's instruction: ``text_ids``) is tried only where
+    the model names them."""
     vc = _vision_config(model)
     patch = getattr(vc, "patch_size", 14) or 14
     patch = int(patch[0] if isinstance(patch, (list, tuple)) else patch)
@@ -200,19 +235,48 @@ def _layouts(model: nn.Module, image: Any) -> list[tuple[str, dict[str, Tensor],
         size = size[0]
     size = int(size) if isinstance(size, int) and size > 0 else patch * 4 * merge
     square = _pixels(image, size)
+    grid = size // patch
     out: list[tuple[str, dict[str, Tensor], tuple[int, int] | None]] = []
+    thw = torch.tensor([[1, grid, grid]])
     if temporal or merge > 1:  # Qwen2-VL family: flattened patches (time × channels × patch × patch) and their grid
         temporal = temporal or 1
-        grid = size // patch
         frames = square[None].expand(int(temporal), -1, -1, -1)  # (t, 3, S, S)
         patches = frames.reshape(int(temporal), 3, grid // merge, merge, patch, grid // merge, merge, patch)
         patches = patches.permute(2, 5, 3, 6, 1, 0, 4, 7).reshape(grid * grid, -1)
-        thw, cells = torch.tensor([[1, grid, grid]]), (grid // merge, grid // merge)
+        cells = (grid // merge, grid // merge)
         out.append(("patches", {"pixel_values": patches, "image_grid_thw": thw}, cells))
         if temporal == 1:  # the same patches as small images, unbatched and batched (PaddleOCR-VL, Kimi-VL style)
             tiles = patches.reshape(grid * grid, 3, patch, patch)
             out.append(("patch images", {"pixel_values": tiles, "image_grid_thw": thw}, cells))
             out.append(("batched patch images", {"pixel_values": tiles[None], "image_grid_thw": thw}, cells))
+        else:  # each patch a (time, patch, patch, channels) volume, row-major (Inkling's MLP tower)
+            volumes = _patch_rows(square, patch, channels_last=True)[:, None].expand(-1, int(temporal), -1, -1, -1)
+            out.append(("patch volumes", {"pixel_values": volumes.contiguous()}, (grid, grid)))
+    elif "image_grid_thw" in takes:  # row-major patches with their (1, rows, cols) grid, merged by the tower itself
+        rows = _patch_rows(square, patch)
+        sizes = {"image_merge_sizes": torch.tensor([1])} if "image_merge_sizes" in takes else {}  # unmerged images
+        out.append(("row-major patches", {"pixel_values": rows.reshape(grid * grid, -1), "image_grid_thw": thw,
+                                          **sizes}, None))
+        out.append(("row-major patch images", {"pixel_values": rows, "image_grid_thw": thw, **sizes}, None))
+    if "spatial_shapes" in takes or "image_position_ids" in takes:  # NaFlex: [1, N, P·P·3] patches and their places
+        flat = _patch_rows(square, patch, channels_last=True).reshape(1, grid * grid, -1)
+        if "spatial_shapes" in takes:  # SigLIP 2 (LFM2-VL): the patch grid's shape, a mask of real patches
+            out.append(("patches with spatial shapes", {
+                "pixel_values": flat, "spatial_shapes": torch.tensor([[grid, grid]]),
+                "pixel_attention_mask": torch.ones(1, grid * grid, dtype=torch.bool)}, None))
+        if "image_position_ids" in takes:  # Gemma 4: each patch's (x, y) = (column, row); its pixels in [0, 1]
+            places = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="ij"), -1)
+            out.append(("patches with positions", {"pixel_values": (flat + 1) / 2,
+                                                   "image_position_ids": places.flip(-1).reshape(1, -1, 2)}, None))
+    if "qformer_input_ids" in takes:  # InstructBLIP: the Q-Former reads the instruction (the text's ids) with the image
+        ids = torch.tensor([list(text_ids)])
+        instruction = {"qformer_input_ids": ids, "qformer_attention_mask": torch.ones_like(ids)}
+        out.append(("square with instruction", {"pixel_values": square[None], **instruction}, None))
+        still = square[None, None].expand(1, STILL_FRAMES, -1, -1, -1).contiguous()
+        out.append(("still video with instruction", {"pixel_values": still, **instruction}, None))
+    if "target_sizes" in takes:  # MiniCPM-V: one picture and its size in patches
+        out.append(("square with target sizes", {"pixel_values": square[None],
+                                                 "target_sizes": torch.tensor([[grid, grid]], dtype=torch.int32)}, None))
     out.append(("square", {"pixel_values": square[None]}, None))
     out.append(("square with sizes", {"pixel_values": square[None], "image_sizes": torch.tensor([[size, size]])}, None))
     # any-resolution tiling (LLaVA-NeXT, OneVision): the whole image and one tile of it
@@ -220,7 +284,16 @@ def _layouts(model: nn.Module, image: Any) -> list[tuple[str, dict[str, Tensor],
                                      "image_sizes": torch.tensor([[size, size]])}, None))
     out.append(("image list", {"pixel_values": square[None, None],
                                "pixel_attention_mask": torch.ones(1, 1, size, size, dtype=torch.bool)}, None))
+    # one tile and a mask of real tiles (Granite-Docling)
+    out.append(("tile list", {"pixel_values": square[None, None],
+                              "pixel_attention_mask": torch.ones(1, 1, dtype=torch.bool)}, None))
     return out
+
+
+#: Layouts of one untiled picture: their features, where a square count, are its grid (row-major).
+_PICTURE_LAYOUTS = {"square", "image list", "tile list", "row-major patches", "row-major patch images",
+                    "patches with spatial shapes", "patches with positions", "square with target sizes",
+                    "square with instruction"}
 
 
 def _square(count: int) -> tuple[int, int] | None:
@@ -243,24 +316,34 @@ def _feature_count(output: Any) -> int:
 
 
 @torch.no_grad()
-def _image_pixels(model: nn.Module, image: Any) -> tuple[dict[str, Tensor], int, tuple[int, int] | None]:
+def _image_pixels(model: nn.Module, image: Any,
+                  text_ids: Sequence[int] = ()) -> tuple[dict[str, Tensor], int, tuple[int, int] | None]:
     """One image's pixel inputs from the model's config, how many tokens its features fill, and their grid."""
     stack = _compat.base_model(model)
     get = getattr(stack, "get_image_features", None) or getattr(model, "get_image_features", None)
+    video = _first_int(model.config, VIDEO_TOKEN_FIELDS)
+    if get is None and video is not None and image_token_id(model.config) == video:
+        get = getattr(stack, "get_video_features", None)  # a model that only takes videos: a still video
     if get is None:
         raise UnsupportedModelError(f"{type(model).__name__} has no get_image_features, so sinklab cannot count the "
                                     "tokens an image fills from the config; give its processor instead (sinklab scan "
                                     "MODEL --image loads the model's own processor)")
     errors = []
     device = _compat.input_device(model)
-    for name, inputs, grid in _layouts(model, image):
+    try:
+        takes = frozenset(inspect.signature(get).parameters)
+    except (TypeError, ValueError):
+        takes = frozenset()
+    for name, inputs, grid in _layouts(model, image, takes, text_ids):
         inputs = {k: v.to(device) for k, v in inputs.items()}
         try:
             count = _feature_count(get(**inputs))
         except Exception as exc:  # noqa: BLE001 - a layout this tower does not take
             errors.append(f"{name}: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}")
             continue
-        if grid is None and name in ("square", "image list"):  # one picture's features: a square grid if any
+        if getattr(model.config, "num_query_tokens", None):  # BLIP-2-style query tokens: no patch grid
+            return inputs, count, None
+        if grid is None and name in _PICTURE_LAYOUTS:  # one picture's features: a square grid if any
             grid = _square(count)
         return inputs, count, grid if grid is not None and grid[0] * grid[1] == count else None
     raise UnsupportedModelError(f"{type(model).__name__}: no pixel layout sinklab builds from a config fits its vision "
@@ -274,7 +357,7 @@ def config_inputs(model: nn.Module, image: Any, text_ids: Sequence[int], *, bos:
     ``text_ids``; ``bos`` first when given. Token labels: ``<image>`` and the framing tokens' names, text as ids."""
     check_vision_model(model, "an image")
     config = model.config
-    pixels, count, grid = _image_pixels(model, image)
+    pixels, count, grid = _image_pixels(model, image, text_ids)
     image_id = image_token_id(config)
     opening = closing = None
     for first, last in FRAME_TOKEN_FIELDS:

@@ -26,7 +26,7 @@ from ..scan import ScanResult, scan_images
 from . import tiny
 from .conformance import Cell, NotApplicable, reference, run_cell
 
-__all__ = ["all_types", "build", "test_image", "video_frame", "decoder_embeds", "reference_feed", "cell_scan", "run_row", "modality_reference", "TEXT_IDS",
+__all__ = ["all_types", "build", "OVERRIDES", "TOKEN_OVERRIDES", "test_image", "video_frame", "decoder_embeds", "reference_feed", "cell_scan", "run_row", "modality_reference", "TEXT_IDS",
            "TOLERANCE", "STATUSES"]
 
 STATUSES = ("ok", "wrong", "crash", "refused", "n/a", "not built")
@@ -43,6 +43,38 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "llava_next": _ONE_TILE, "llava_next_video": _ONE_TILE, "llava_onevision": _ONE_TILE,
     "vipllava": {"vision_feature_layers": [-2, -1]},  # the vision layers it concatenates: of the tiny tower's two
     "mllama": {"text_config": {"cross_attention_layers": [1]}},  # keep a cross-attention layer (the refusal's cause)
+    # the projector's table of patch counts → query tokens: the tiny 4 × 4 patch grid (its default knows 35² and 70²)
+    "aria": {"projector_patch_to_query_dict": {(tiny.IMAGE_SIZE // tiny.PATCH) ** 2: 4}},
+    # the projector's norm runs over the vision tower's width (its default, 1152, is the full tower's)
+    "kimi_k25": {"projection_hidden_size": tiny.WIDTH},
+    # the decoder builds its sliding-window mask whatever its layer types, and the default leaves the window unset
+    "step3p7": {"text_config": {"sliding_window": tiny.OWN_WINDOW}},
+    # one attention layer beside the linear one: the default pattern (three linear layers, then one attention
+    # layer) cut to two layers has none, and the model's own forward then fails. That layer's QSA indexer needs its
+    # sizes (its default names none): small ones, a budget of 16 tokens under the sequence's 50, so the selection
+    # (the model hands it to eager and SDPA in the mask) drops keys
+    "qwen4_exp": {"text_config": {"layer_types": ["linear_attention", "indexed_attention"], "indexer_n_heads": 2,
+                                  "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 16,
+                                  "indexer_compress_ratio": 4}},
+    # its own multimodal rotary split (22, 22, 20: height and width equal, the one it assumes when none is named)
+    # scaled to the tiny head; the generic default (Qwen2-VL's 16, 24, 24) gives height and width unequal halves
+    "ernie4_5_vl_moe": {"text_config": {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default",
+                                                            "mrope_section": [3, 3, 2]}}},
+    # the pooling kernel that divides the tiny 4 × 4 patch grid (its default, 3, needs a multiple of 3 patches a side)
+    "gemma4": {"vision_config": {"pooling_kernel_size": 2}},
+}
+
+#: Multimodal token fields the type's default config leaves unset while its checkpoints set them: each gets a free row
+#: of the tiny vocabulary, like the ids the default names. The image token (the placeholder the processor writes
+#: where the vision features go, as for Llava; InstructBLIP-Video's video token): without it BLIP-2 / InstructBLIP
+#: (-Video) cannot place their query tokens and
+#: MiniCPM-V drops the image. Qwen2.5-Omni's thinker finds each image by its vision-start token when it lays out
+#: its (time, height, width) positions, a field its default config lacks.
+TOKEN_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "blip-2": ("image_token_index",), "instructblip": ("image_token_index",),
+    "instructblipvideo": ("video_token_index",),
+    "minicpm_ocr": ("image_token_id",), "minicpmv4_6": ("image_token_id",), "minicpmv4_7": ("image_token_id",),
+    "qwen2_5_omni_thinker": ("vision_start_token_id", "vision_end_token_id"),
 }
 
 
@@ -196,6 +228,9 @@ def build(model_type: str) -> tiny.Built:
     except Exception as exc:  # noqa: BLE001 - the type's own defaults are unusable
         raise tiny.NotBuilt(f"its default config fails: {tiny.short_error(exc)}") from None
     d = cfg0.to_dict()
+    for i, key in enumerate(TOKEN_OVERRIDES.get(model_type, ())):  # an id outside any vocabulary, moved below
+        if d.get(key) is None:
+            d[key] = 10**9 + i
     vision_class = (getattr(cfg0, "sub_configs", None) or {}).get("vision_config")
     if d.get("vision_config") is None and isinstance(vision_class, type):  # a default without its vision tower
         try:
@@ -259,7 +294,10 @@ def language_attentions(model: nn.Module, batch: dict[str, Tensor], layers: int)
         warnings.simplefilter("ignore")
         out = _compat.base_model(twin)(**batch, output_attentions=True)
     t = batch["input_ids"].shape[-1]
-    weights = [w for w in (getattr(out, "attentions", None) or ()) if isinstance(w, Tensor) and w.dim() == 4
+    found = getattr(out, "attentions", None)
+    if found is None:  # BLIP-2 / InstructBLIP: the decoder's own output, beside the vision and Q-Former outputs
+        found = getattr(getattr(out, "language_model_outputs", None), "attentions", None)
+    weights = [w for w in (found or ()) if isinstance(w, Tensor) and w.dim() == 4
                and w.shape[-1] == t and w.shape[-2] == t]
     return weights[-layers:] if len(weights) >= layers else []
 
