@@ -222,8 +222,7 @@ class SinkCache(Cache):
         if isinstance(mask, dict):  # generate() on a hybrid model: one prepared mask per layer type, same padding
             mask = next((m for m in mask.values() if isinstance(m, torch.Tensor)), None)
         valid = _real_columns(mask, b, c, ref.device)  # type: ignore[union-attr]
-        # Every column real, known on the host: no mask, or a CPU mask (read where it already is; on an
-        # accelerator that read would be a synchronisation, so the per-row masked write is used instead).
+        # Every column real, known on the host: no mask, or a CPU mask (on an accelerator the read would synchronise).
         all_valid = not isinstance(mask, torch.Tensor) or (valid.device.type == "cpu" and bool(valid.all()))
         positions = [s.begin(valid, all_valid) for s in self.states][0]
         kwargs["position_ids"] = positions

@@ -113,8 +113,7 @@ class ScoredLayer(StreamLayerBase):
 
     is_compileable = False
     state: ScoredState
-    # each kept token's key as received, its stream index, its key position, and the positions it moved since it was
-    # received: the attention rotates each stored key once, from the key as received, so rounding does not accumulate
+    # each kept token's key as received, stream index, key position and positions moved since (rotated once on read)
     row_buffers = ("keys", "values", "sidx", "pos", "moved")
     saved_buffers = (*row_buffers, "budgets")
 
@@ -123,8 +122,7 @@ class ScoredLayer(StreamLayerBase):
         super().__init__()
         self.state = state
         self.rope = rope
-        # The model's own sliding window on this layer (None: full attention): tokens beyond it are evicted first,
-        # its sinks and pinned spans kept only with sliding_sinks (docs/retention.md).
+        # The model's own sliding window on this layer (None: full attention), evicted first (docs/retention.md).
         self.sliding = sliding
         self.keeps_anchors = sliding is None or bool(sliding_sinks)
         self.plan_budgets = budgets  # per key-value head (a plan); None: the state's capacity for every head

@@ -93,11 +93,8 @@ class StreamSession:
         # Decoding (``step``) through torch.compile; chunks (``feed``) stay eager. Compiled once per model forward.
         self.compile_options = options  # what torch.compile was given for step() (None: eager)
         compiled, options = options is not None, options or {}
-        # freeze=None: on a CPU with inductor and no inductor options of the caller's, freeze — the weights become
-        # constants of the graph and the projections prepacked matrices (faster per token for a second, prepacked
-        # copy of the weights in memory: docs/stream.md). A mode keeps it: mode="max-autotune-no-cudagraphs" lets
-        # inductor pick its C++ GEMM templates for the frozen weights. The compiled forward holds the weights as they
-        # were when it was compiled.
+        # freeze=None: on a CPU with inductor and no inductor options of the caller's, freeze (weights as graph
+        # constants, prepacked projections; a mode keeps it; the graph holds the weights as compiled: docs/stream.md).
         inductor = options.get("backend", "inductor") == "inductor"
         if freeze and not (compiled and inductor):
             raise InputError("freeze=True needs compile with torch.compile's inductor backend (freezing is one of "

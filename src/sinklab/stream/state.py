@@ -120,8 +120,7 @@ def free_step(rows: RowTensors, geometry: Geometry) -> tuple[Tensor, Tensor, Ten
     rows.s_valid.index_fill_(1, slot1, True)
     for buf, value in ((rows.s_sidx, t), (rows.s_a, rows.n_anchor), (rows.s_f, q_f), (rows.s_o, q_v)):
         buf.index_copy_(1, slot1, value[:, None])
-    # The ring holds exactly the W most recent free tokens, so every valid slot is visible; anchored keys
-    # are re-rotated to their slot distance from this query (O(S + P) per layer).
+    # The ring holds the W newest free tokens (every valid slot visible); anchored keys re-rotated (O(S + P) a layer).
     visible = rows.s_valid.clone()
     c = s = None
     if anchor_capacity and rope is not None:
@@ -407,8 +406,7 @@ class StreamState(StreamBudget):
         q_f = self.n_free[:, None] + free.long().cumsum(1)
         # (a padding column's sidx repeats the previous column's; `valid` keeps it out of what is seen and written)
         q_v = torch.where(valid, self.start_position + sidx - self.base[:, None], torch.zeros_like(sidx))
-        # Where each new token goes in the buffer: anchored slots in arrival order; free ones into the
-        # ring, keeping only the last W free tokens of this chunk.
+        # Anchored tokens to their slots in arrival order; free ones into the ring (the chunk's last W free tokens).
         slot = torch.where(anchored, q_a - 1, self.anchor_capacity + (q_f - 1) % self.window)
         write = anchored | (free & (q_f > q_f[:, -1:] - self.window))
         rows, cols = write.nonzero(as_tuple=True)
