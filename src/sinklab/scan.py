@@ -21,7 +21,7 @@ from .registry import REGISTRY, per_layer_table
 from .texts import default_texts, tokenize_windows
 from .variants import register_count, register_labels
 
-__all__ = ["ScanResult", "scan", "scan_inputs", "scan_images", "SCHEMA_VERSION", "DEFAULT_THRESHOLDS", "DOMINANT_RULE", "check_thresholds",
+__all__ = ["ScanResult", "scan", "scan_inputs", "scan_images", "scan_vision_tower", "SCHEMA_VERSION", "DEFAULT_THRESHOLDS", "DOMINANT_RULE", "check_thresholds",
            "ShortSequenceWarning", "short_sequence_warnings"]
 
 #: scan.json schema. 2: a head's dominant column must be seen by max(8, ⌈T/8⌉) queries (no end-of-sequence
@@ -556,11 +556,37 @@ def scan_images(
     meta = model_meta(model, source, revision, corpus="user images and text", tokenizer_class=tokenizer_class,
                       images=len(images), image_token_id=vision_inputs.image_token_id(model.config),
                       image_grids=[[list(g) if g else None for g in grids] for grids in inputs.grids],
-                      vision_tower="not scanned: runs on its own attention implementation")
+                      vision_tower="not scanned in this run (scan_vision_tower scans it as an encoder)")
     result = scan_inputs(model, inputs.batches, inputs.tokens, candidates=candidates, map_len=map_len,
                          thresholds=thresholds, progress=progress, meta=meta, modality=inputs.modality)
     result.images = list(images)
     return result
+
+
+def scan_vision_tower(
+    model: nn.Module,
+    images: list,
+    *,
+    processor: Any = None,
+    candidates: tuple[int, ...] = (0, 1, 2, 3),
+    map_len: int = 64,
+    thresholds: dict | None = None,
+    source: str | None = None,
+    revision: str | None = None,
+    progress: Progress | None = None,
+) -> ScanResult:
+    """Scan a vision-language model's vision tower as an encoder on ``images`` (one sample each): bidirectional
+    attention over its patch tokens (and class token where it has one), the high-norm patch tokens in
+    ``hidden_norm`` / ``hidden_max_abs``. The pixels come from the model's ``processor`` (its image preprocessor)
+    or, without one, from the vision config's image size. Towers that take flattened patches or tiles instead of
+    one picture per image are refused with what would lift it (:func:`sinklab.vision_inputs.tower_inputs`).
+    """
+    inputs = vision_inputs.tower_inputs(model, images, processor)
+    meta = model_meta(inputs.tower, source, revision, corpus="user images", images=len(images),
+                      component=f"vision tower ({type(inputs.tower).__name__}) of {type(model).__name__}",
+                      patch_grid=list(inputs.grid))
+    return scan_inputs(inputs.tower, inputs.batches, inputs.tokens, candidates=candidates, map_len=map_len,
+                       thresholds=thresholds, progress=progress, meta=meta)
 
 
 def text_batches(model: nn.Module, tokenizer, texts: str | list[str] | None, *, seq_len: int, samples: int,

@@ -420,3 +420,90 @@ def processor_inputs(model: nn.Module, processor: Any, images: Sequence[Any], te
     elif getattr(model.config, "image_grid_pinpoints", None) is None:  # no tiling: each run of tokens is one picture
         grids = [_square(len(span.positions)) for span in image_spans(codes[0])]
     return VisionInputs([batch], [labels], [codes], [grids])
+
+
+# ----------------------------------------------------------------------------- the vision tower as an encoder
+#: Where a vision-language model keeps its vision tower, tried in order on the model and on its inner ``model``.
+TOWER_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder")
+
+
+@dataclass
+class TowerInputs:
+    """The vision tower of a vision-language model and its inputs for a scan as an encoder: one sample per image,
+    its positions labelled ``[CLS]`` / ``reg<i>`` (tokens before the patches) and ``patch<row>,<col>``."""
+
+    tower: nn.Module
+    batches: list[dict[str, Tensor]]
+    tokens: list[list[str]]
+    grid: tuple[int, int]
+
+
+def vision_tower(model: nn.Module) -> nn.Module:
+    """The module that turns a vision-language model's pixels into patch tokens (``vision_tower``, ``vision_model``,
+    ``visual`` or ``vision_encoder`` of the model or of its inner ``model``)."""
+    for root in (model, getattr(model, "model", None)):
+        for name in TOWER_NAMES:
+            tower = getattr(root, name, None) if isinstance(root, nn.Module) else None
+            if isinstance(tower, nn.Module):
+                return tower
+    raise UnsupportedModelError(f"{type(model).__name__}: no vision tower found (as {', '.join(TOWER_NAMES)}); "
+                                "scan its vision encoder by itself as an encoder (sinklab.scan_inputs with "
+                                "pixel_values)")
+
+
+def _tower_pixels(model: nn.Module, images: Sequence[Any], processor: Any) -> Tensor:
+    """``[N, 3, H, W]`` pixels of ``images``: the processor's image preprocessor, or a resize to the vision config's
+    image size (a tiny random model)."""
+    if processor is not None:
+        preprocess = getattr(processor, "image_processor", processor)
+        pixels = preprocess(images=list(images), return_tensors="pt")["pixel_values"]
+    else:
+        size = getattr(_vision_config(model), "image_size", None)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        if not isinstance(size, int):
+            raise UnsupportedModelError(f"{type(model).__name__}: its vision config names no image_size; give its "
+                                        "processor to size the pixels")
+        pixels = torch.stack([_pixels(image, size) for image in images])
+    if pixels.dim() != 4 or pixels.shape[1] != 3:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: its vision tower takes pixels shaped {tuple(pixels.shape)} (tiles, crops or "
+            "flattened patches), not one [3, H, W] picture per image; scanning it as an encoder needs that tower's "
+            "own patch layout")
+    return pixels
+
+
+def tower_inputs(model: nn.Module, images: Sequence[Any], processor: Any = None) -> TowerInputs:
+    """The vision tower and one sample per image for :func:`sinklab.scan.scan_vision_tower`. Refused (one
+    :class:`UnsupportedModelError` saying what would lift it) for a tower that does not take ``pixel_values`` as
+    pictures (Qwen2-VL's flattened patches with their grid, tiled towers)."""
+    if _vision_config(model) is None:
+        raise InputError(f"{type(model).__name__} has no vision tower (no vision_config in its config); give a "
+                         "vision-language model, or scan a ViT-style encoder directly")
+    if not images:
+        raise InputError("no image to scan")
+    tower = vision_tower(model)
+    try:
+        takes = set(inspect.signature(tower.forward).parameters)
+    except (TypeError, ValueError):
+        takes = set()
+    if "pixel_values" not in takes:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: its vision tower ({type(tower).__name__}) takes {', '.join(sorted(takes)[:4])} "
+            "rather than pixel_values (patches already flattened, with their grid); scanning it as an encoder needs "
+            "that tower's own patch layout")
+    pixels = _tower_pixels(model, images, processor)
+    param = next(tower.parameters())
+    pixels = pixels.to(device=param.device, dtype=param.dtype if param.is_floating_point() else pixels.dtype)
+    patch = getattr(getattr(tower, "config", None) or _vision_config(model), "patch_size", None)
+    patch = int(patch[0] if isinstance(patch, (list, tuple)) else patch or 1)
+    grid = (pixels.shape[2] // patch, pixels.shape[3] // patch)
+    with torch.no_grad():  # the token count: some towers put a class token or registers before the patches
+        count = int(tower(pixel_values=pixels[:1]).last_hidden_state.shape[1])
+    extra = count - grid[0] * grid[1]
+    if extra < 0:
+        raise UnsupportedModelError(f"{type(model).__name__}: its vision tower gives {count} tokens for a "
+                                    f"{grid[0]} × {grid[1]} patch grid (pooled inside the tower); scanning it as an "
+                                    "encoder needs the pooling's layout")
+    head = (["[CLS]"] + [f"reg{i}" for i in range(extra - 1)]) if extra else []
+    labels = head + [f"patch{r},{c}" for r in range(grid[0]) for c in range(grid[1])]
+    return TowerInputs(tower, [{"pixel_values": pixels}], [list(labels) for _ in range(pixels.shape[0])], grid)

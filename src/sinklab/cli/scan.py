@@ -83,11 +83,13 @@ def _print_modality(result) -> None:
 
 
 def _scan_images(model: str, paths: list[Path], text: str | None, file: Path | None, out: Path, *, eps: float,
-                 dtype: str | None, device: str | None, revision: str | None, trust_remote_code: bool) -> None:
-    """``sinklab scan MODEL --image FILE``: the language model's attention on the images and a prompt, by modality."""
+                 dtype: str | None, device: str | None, revision: str | None, trust_remote_code: bool,
+                 tower: bool = False) -> None:
+    """``sinklab scan MODEL --image FILE``: the language model's attention on the images and a prompt, by modality;
+    with ``--vision-tower``, the vision tower's own attention on the images, scanned as an encoder."""
     from ..models import load_processor
     from ..report import save
-    from ..scan import scan_images
+    from ..scan import scan_images, scan_vision_tower
     from ..vision_inputs import check_vision_model, load_images
     from ._common import check_out_dir, load_for_command, read_texts
 
@@ -96,6 +98,19 @@ def _scan_images(model: str, paths: list[Path], text: str | None, file: Path | N
     out = check_out_dir(out)
     loaded = load_for_command(model, dtype=dtype, device=device, revision=revision,
                               trust_remote_code=trust_remote_code)
+    if tower:
+        try:
+            processor = load_processor(model, revision=revision, trust_remote_code=trust_remote_code)
+        except InputError:  # no processor: pixels sized by the vision config
+            processor = None
+            console.print("no processor: pixels resized to the vision config's image size, scaled to [-1, 1]")
+        result = scan_vision_tower(loaded.model, images, processor=processor, thresholds={"eps": eps}, source=model,
+                                   revision=revision)
+        console.print(f"scanned the {result.meta['component']} as an encoder", highlight=False, markup=False)
+        _print_table(result)
+        print_warnings(result.meta)
+        console.print(f"wrote {out / 'scan.json'}, figures and {save(result, out)}")
+        return
     check_vision_model(loaded.model)
     processor = load_processor(model, revision=revision, trust_remote_code=trust_remote_code)
     result = scan_images(loaded.model, images, " ".join(texts) if texts else "Describe the image.",
@@ -125,6 +140,8 @@ def scan(
     device_map: Annotated[str | None, device_map_option()] = None,
     image: Annotated[list[Path] | None, typer.Option(
         "--image", help="an image for a vision-language model (repeat for several); --text is the prompt after it")] = None,
+    vision_tower: Annotated[bool, typer.Option(
+        "--vision-tower", help="with --image: scan the vision tower itself as an encoder (its patch tokens)")] = False,
 ) -> None:
     """Scan MODEL for attention sinks; print a per-layer table and write scan.json, figures, report.html."""
     from ..report import save
@@ -132,12 +149,14 @@ def scan(
     from ..scan import scan_inputs
 
     with user_errors():
+        if vision_tower and not image:
+            raise InputError("--vision-tower scans a vision-language model's vision tower on images: give --image FILE")
         if image:
             if device_map is not None:
                 raise InputError("--image scans in one process on one device for now; drop --device-map "
                                  "(--device places the model)")
             _scan_images(model, image, text, file, out, eps=eps, dtype=dtype, device=device, revision=revision,
-                         trust_remote_code=trust_remote_code)
+                         trust_remote_code=trust_remote_code, tower=vision_tower)
             return
         device = join_ranks(device, device_map)
         run = analysis_run(
