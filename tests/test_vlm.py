@@ -241,3 +241,84 @@ def test_the_video_token_stands_for_the_image_token_only_where_the_config_names_
     assert vision_inputs.image_token_id(SimpleNamespace(image_token_id=None, video_token_id=5)) is None  # unset
     assert vision_inputs.image_token_id(SimpleNamespace(text_config=SimpleNamespace(image_token_index=3),
                                                         video_token_id=5)) == 3
+
+
+# ----------------------------------------------------------------------------- diagnose with images
+def _decoder_final(model, batch, layer, head, zero=None, removed=None):
+    """The decoder's final hidden states, float64 attention written here on the language model only (the vision
+    tower keeps its own), with head ``head`` of ``layer`` given a zero value at ``zero`` or no column at
+    ``removed``."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    lm = _compat.language_model(model)
+    target = lm.layers[layer].self_attn
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        hq, hkv, t, s = query.shape[1], key.shape[1], query.shape[2], key.shape[2]
+        k = key.double().repeat_interleave(hq // hkv, 1)
+        v = value.double().repeat_interleave(hq // hkv, 1).clone()
+        allowed = torch.tril(torch.ones(t, s, dtype=torch.bool)).expand(query.shape[0], hq, t, s).clone()
+        if module is target and zero is not None:
+            v[0, head, zero] = 0.0
+        if module is target and removed is not None:
+            allowed[0, head, :, removed] = False
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        probs = torch.softmax((query.double() @ k.transpose(-1, -2) * scaling).masked_fill(~allowed, -math.inf), -1)
+        return (probs.nan_to_num(0.0) @ v).to(query.dtype).transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("sinklab_test_vlm_edit", attention)
+    AttentionMaskInterface.register("sinklab_test_vlm_edit", sdpa_mask)
+    before = lm.config._attn_implementation
+    lm.set_attn_implementation("sinklab_test_vlm_edit")
+    try:
+        with torch.no_grad():
+            return model.model(**batch).last_hidden_state.double()
+    finally:
+        lm.set_attn_implementation(before)
+
+
+def test_diagnose_with_an_image_edits_with_the_pixels_in_every_forward(models):
+    from sinklab.diagnose import diagnose_images
+
+    model = built(models, "llava").model
+    ids = list(range(5, 40))
+    layer, head = 1, 2
+    d = diagnose_images(model, [vc.test_image()], text_ids=ids, rules={"sink_mass": 0.0}, edits=[(layer, head)])
+    scanned = scan_images(model, [vc.test_image()], text_ids=ids)
+    torch.testing.assert_close(d.scan.column_mass, scanned.column_mass, atol=1e-6, rtol=0, equal_nan=True)
+    assert d.scan.tokens == scanned.tokens and "<image>" in d.scan.tokens[0]
+    edit = d.edits[0]
+    batch = vision_inputs.config_inputs(model, vc.test_image(), ids).batches[0]
+    base = _decoder_final(model, batch, layer, head)
+    other = {**batch, "pixel_values": -batch["pixel_values"]}
+    assert float((_decoder_final(model, other, layer, head) - base).abs().max()) > 1e-3  # the pixels matter here
+    for name, change in (("zero", {"zero": edit.positions[0]}), ("remove_column", {"removed": edit.positions[0]})):
+        got = _decoder_final(model, batch, layer, head, **change)
+        want = float((got - base).norm() / base.norm())
+        assert edit.hidden[name] == pytest.approx(want, rel=2e-3, abs=2e-5), name
+
+
+def test_cli_diagnose_with_an_image(llava_folder, tmp_path):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["diagnose", str(llava_folder), "--image", str(llava_folder / "image.png"),
+                                 "--text", "a bright square on stripes", "--sink-mass", "0.0", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "diagnosis.json").read_text())
+    assert data["meta"]["images"] == 1 and data["meta"]["image_grids"] == [[[4, 4]]]
+    assert (out / "report.html").exists() and data["records"]
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from sinklab.diagnose import diagnose_images
+    from sinklab.vision_inputs import load_images
+
+    api = diagnose_images(LlavaForConditionalGeneration.from_pretrained(llava_folder).eval(),
+                          load_images([llava_folder / "image.png"]), "a bright square on stripes",
+                          processor=AutoProcessor.from_pretrained(llava_folder), rules={"sink_mass": 0.0})
+    assert [(e["layer"], e["head"]) for e in data["edits"]] == [(e.layer, e.head) for e in api.edits] != []
+    for got, want in zip(data["edits"], api.edits, strict=True):
+        assert got["hidden"] == pytest.approx(want.hidden, rel=1e-5, abs=1e-7)
+    bad = runner.invoke(app, ["diagnose", "builtin:tiny-llama", "--image", str(llava_folder / "image.png"),
+                              "--out", str(tmp_path / "b")])
+    assert bad.exit_code == 2 and "has no vision tower" in " ".join(bad.output.split())
+    assert not (tmp_path / "b").exists()

@@ -15,6 +15,7 @@ import math
 import string
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 from dataclasses import asdict, dataclass, field
 
 from torch import Tensor, nn
@@ -25,9 +26,10 @@ from .checks import check_weights, used_token_ids
 from .edits import EDITS, EditResult, KeptBatch, causal_edits
 from .errors import InputError, check_int
 from .recommend import Recommendation, recommend
-from .scan import Progress, ScanResult, capture_config, check_thresholds, scan_result, split_batches, text_batches
+from .scan import (Progress, ScanResult, capture_config, check_thresholds, image_inputs, scan_result, split_batches,
+                   text_batches)
 
-__all__ = ["SCHEMA_VERSION", "DEFAULT_RULES", "EDIT_LAYERS", "EDIT_SAMPLES", "SinkRecord", "Diagnosis", "diagnose",
+__all__ = ["SCHEMA_VERSION", "DEFAULT_RULES", "EDIT_LAYERS", "EDIT_SAMPLES", "SinkRecord", "Diagnosis", "diagnose", "diagnose_images",
            "diagnose_inputs", "spread_layers", "token_roles"]
 
 #: diagnosis.json schema. 2: dominant columns need max(8, ⌈T/8⌉) visible queries; per-layer rows grouped
@@ -426,3 +428,30 @@ def diagnose(
     return diagnose_inputs(model, batches, tokens, rules=rules, edits=edits, edit_samples=edit_samples,
                            edit_layers=edit_layers, special=special_tokens(tokenizer), meta=meta, progress=progress,
                            seed=seed)
+
+
+def diagnose_images(
+    model: nn.Module,
+    images: list,
+    text: str = "Describe the image.",
+    *,
+    processor: Any = None,
+    text_ids: list[int] | None = None,
+    rules: dict | None = None,
+    edits: bool | list[tuple[int, int]] = True,
+    edit_layers: int | None = EDIT_LAYERS,
+    seed: int = 0,
+    source: str | None = None,
+    revision: str | None = None,
+    progress: Progress | None = None,
+) -> Diagnosis:
+    """Diagnose a vision-language model's sinks on ``images`` and a ``text`` (one sample, built as
+    :func:`sinklab.scan.scan_images` builds it): the language model's heads classified and edited as for text, an
+    image position's record labelled by its token (``<image>`` or the processor's), the causal edits run with the
+    pixels in every forward."""
+    inputs, meta = image_inputs(model, images, text, processor=processor, text_ids=text_ids, source=source,
+                                revision=revision)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    return diagnose_inputs(model, inputs.batches, inputs.tokens, rules=rules, edits=edits, edit_layers=edit_layers,
+                           special=special_tokens(tokenizer) if tokenizer is not None else None, meta=meta,
+                           progress=progress, seed=seed)

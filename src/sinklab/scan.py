@@ -517,6 +517,31 @@ def scan_inputs(
                        modality=codes)
 
 
+def image_inputs(model: nn.Module, images: list, text: str, *, processor: Any = None, text_ids: list[int] | None = None,
+                 source: str | None = None, revision: str | None = None) -> tuple[vision_inputs.VisionInputs, dict]:
+    """A vision-language model's inputs for ``images`` and ``text`` (its processor's, or built from the config with
+    ``text_ids``) and the run's ``meta``: what :func:`scan_images` and :func:`sinklab.diagnose.diagnose_images`
+    share."""
+    vision_inputs.check_vision_model(model, "images")
+    if not images:
+        raise InputError("no image to scan")
+    if processor is not None:
+        inputs = vision_inputs.processor_inputs(model, processor, images, text)
+        tokenizer_class = type(getattr(processor, "tokenizer", processor)).__name__
+    else:
+        if text_ids is None:
+            raise InputError("without a processor, an image run needs text_ids (the text's token ids)")
+        if len(images) != 1:
+            raise InputError("without a processor, an image run takes one image (a processor places several)")
+        inputs = vision_inputs.config_inputs(model, images[0], text_ids)
+        tokenizer_class = None
+    meta = model_meta(model, source, revision, corpus="user images and text", tokenizer_class=tokenizer_class,
+                      images=len(images), image_token_id=vision_inputs.image_token_id(model.config),
+                      image_grids=[[list(g) if g else None for g in grids] for grids in inputs.grids],
+                      vision_tower="not scanned in this run (scan_vision_tower scans it as an encoder)")
+    return inputs, meta
+
+
 def scan_images(
     model: nn.Module,
     images: list,
@@ -540,23 +565,8 @@ def scan_images(
     language model's attention is captured; the vision tower runs on its own attention, not scanned (scan it as a
     ViT-style encoder for its own sinks).
     """
-    vision_inputs.check_vision_model(model, "images")
-    if not images:
-        raise InputError("no image to scan")
-    if processor is not None:
-        inputs = vision_inputs.processor_inputs(model, processor, images, text)
-        tokenizer_class = type(getattr(processor, "tokenizer", processor)).__name__
-    else:
-        if text_ids is None:
-            raise InputError("scan_images without a processor needs text_ids (the text's token ids)")
-        if len(images) != 1:
-            raise InputError("scan_images without a processor takes one image (a processor places several)")
-        inputs = vision_inputs.config_inputs(model, images[0], text_ids)
-        tokenizer_class = None
-    meta = model_meta(model, source, revision, corpus="user images and text", tokenizer_class=tokenizer_class,
-                      images=len(images), image_token_id=vision_inputs.image_token_id(model.config),
-                      image_grids=[[list(g) if g else None for g in grids] for grids in inputs.grids],
-                      vision_tower="not scanned in this run (scan_vision_tower scans it as an encoder)")
+    inputs, meta = image_inputs(model, images, text, processor=processor, text_ids=text_ids, source=source,
+                                revision=revision)
     result = scan_inputs(model, inputs.batches, inputs.tokens, candidates=candidates, map_len=map_len,
                          thresholds=thresholds, progress=progress, meta=meta, modality=inputs.modality)
     result.images = list(images)

@@ -55,6 +55,8 @@ def diagnose(
     trust_remote_code: Annotated[bool, trust_remote_code_option()] = False,
     seed: Annotated[int, typer.Option("--seed", help="0: texts in order; other: shuffled texts, random window offsets; also the control edit")] = 0,
     device_map: Annotated[str | None, device_map_option()] = None,
+    image: Annotated[list[Path] | None, typer.Option(
+        "--image", help="an image for a vision-language model (repeat for several); --text is the prompt after it")] = None,
 ) -> None:
     """Classify MODEL's sinks (NOP / broadcast), run causal value edits, write diagnosis.json and report.html."""
     from ..diagnose import diagnose as run_diagnose
@@ -68,6 +70,14 @@ def diagnose(
               f"with --rule {rule} (it is rule 'mass''s threshold)")
         rules = {"rule": rule, "sink_mass": sink_mass, "nop_max_ratio": nop_max,
                  "broadcast_min_ratio": broadcast_min, "broadcast_max_srank": broadcast_srank}
+        if image:
+            if device_map is not None:
+                raise SinklabError("--image diagnoses in one process on one device for now; drop --device-map "
+                                   "(--device places the model)")
+            _diagnose_images(model, image, text, file, out, rules=rules, edits=edits, edit_layers=edit_layers or None,
+                             seed=seed, dtype=dtype, device=device, revision=revision,
+                             trust_remote_code=trust_remote_code)
+            return
         run = analysis_run(
             model, text, file, out, seq_len, samples=samples, batch_size=batch_size, seed=seed,
             phases={"scan": "statistics pass (samples)", "edits": "causal edits (edited passes)"}, dtype=dtype,
@@ -89,6 +99,31 @@ def diagnose(
         report = save(d, out)
         console.print(f"wrote {out / 'diagnosis.json'}, figures and {report}")
         save_retention_plan(loaded, d.scan, out)
+
+
+def _diagnose_images(model: str, paths: list[Path], text: str | None, file: Path | None, out: Path, *, rules: dict,
+                     edits: bool, edit_layers: int | None, seed: int, dtype: str | None, device: str | None,
+                     revision: str | None, trust_remote_code: bool) -> None:
+    """``sinklab diagnose MODEL --image FILE``: the language model's sinks on the images and a prompt."""
+    from ..diagnose import diagnose_images
+    from ..models import load_processor
+    from ..vision_inputs import check_vision_model, load_images
+    from ._common import load_for_command, read_texts
+
+    images = load_images(paths)  # an unreadable file fails before anything loads
+    texts = read_texts(text, file)
+    out = check_out_dir(out)
+    loaded = load_for_command(model, dtype=dtype, device=device, revision=revision,
+                              trust_remote_code=trust_remote_code)
+    check_vision_model(loaded.model)
+    processor = load_processor(model, revision=revision, trust_remote_code=trust_remote_code)
+    d = diagnose_images(loaded.model, images, " ".join(texts) if texts else "Describe the image.",
+                        processor=processor, rules=rules, edits=edits, edit_layers=edit_layers, seed=seed,
+                        source=model, revision=revision)
+    _print_diagnosis(d)
+    print_warnings(d.scan.meta)
+    print_recommendation(d.recommendation)
+    console.print(f"wrote {out / 'diagnosis.json'}, figures and {save(d, out)}")
 
 
 @app.command()

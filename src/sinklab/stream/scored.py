@@ -5,8 +5,7 @@ Each layer (:class:`ScoredLayer`) stores ``[B, Hkv, cap, dh]`` keys and values, 
 ``buffer ⧺ new columns``, the policy scores every candidate (:class:`~sinklab.stream.policy.Observation`) and each
 head keeps at most its budget. With ``positions="slot"`` an evicted token's later neighbours move forward by the number
 evicted after them; each key is stored as received and rotated once, from there, by the positions it has moved
-(:meth:`ScoredLayer.rotated_keys`), so re-rotation rounding does not add up over a long stream. ``"original"`` keeps
-true positions (what kvpress does).
+(:meth:`ScoredLayer.rotated_keys`): rounding does not add up. ``"original"`` keeps true positions (as kvpress does);
 docs/retention.md has the whole rule.
 """
 
@@ -227,10 +226,8 @@ class ScoredLayer(StreamLayerBase):
                 self.moved = self.moved + delta
                 self.moving = True
 
-    def load_state_dict(self, saved: dict[str, Tensor]) -> None:
-        if saved and "moved" not in saved:  # saved before keys were stored as received: already at their position
-            saved = {**saved, "moved": torch.zeros_like(saved["pos"])}
-        super().load_state_dict(saved)
+    def load_state_dict(self, saved: dict[str, Tensor]) -> None:  # files from before "moved": keys already in place
+        super().load_state_dict({"moved": torch.zeros_like(saved["pos"]), **saved} if saved else saved)
 
     def _replaced(self) -> None:
         self.moving = bool(self.moved.any())
