@@ -80,9 +80,26 @@ def run_all(names: list[str], jobs: int, timeout: float) -> list[dict]:
     return [rows[n] for n in names]
 
 
-def counts(rows: list[dict]) -> dict[str, int]:
+#: The stream columns: (row key, heading).
+STREAM_COLUMNS = (("stream", "stream"), ("stream_evicted", "past eviction"))
+
+
+def counts(rows: list[dict]) -> dict:
     built = [r for r in rows if r["status"] != "not built"]
-    return {"types": len(rows), "built": len(built), **{s: sum(r["status"] == s for r in rows) for s in STATUSES}}
+    out: dict = {"types": len(rows), "built": len(built), **{s: sum(r["status"] == s for r in rows) for s in STATUSES}}
+    for key, _ in STREAM_COLUMNS:
+        cells = [r[key]["status"] for r in built if key in r]
+        out[key] = {s: cells.count(s) for s in STATUSES if s != "not built"}
+    return out
+
+
+def _stream_line(c: dict) -> str:
+    parts = []
+    for key, heading in STREAM_COLUMNS:
+        k = c[key]
+        parts.append(f"{heading}: {k['ok']} ok, {k['wrong']} wrong, {k['crash']} crash, {k['refused']} refused, "
+                     f"{k['n/a']} n/a")
+    return "**Streams — " + "; ".join(parts) + ".**"
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
@@ -97,17 +114,26 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "language model's attention maps match the eager twin's `output_attentions` on every decoder layer, and the "
         "per-modality statistics (text and image sink strength, the share of text→image attention on visual sink "
         "tokens) match a float64 loop over those weights. The vision tower is not scanned (it runs on its own "
-        "attention). Regenerate: `PYTHONPATH=src python benchmarks/vlm_architectures.py --jobs 2`.",
+        "attention). `stream`: the prompt, image and all, through a `StreamSession` (nothing evicted) equals the "
+        "model's own forward with the image and its `generate()`; `past eviction`: the image pinned and a window of "
+        "5 text tokens, the logits of the prompt and 6 decoded tokens equal the float64 stream reference over the "
+        "kept tokens and the image is kept at every step (`sinklab.testing.vlm_conformance`). Regenerate: "
+        "`PYTHONPATH=src python benchmarks/vlm_architectures.py --jobs 2`.",
         "",
         f"**{c['types']} types: {c['built']} built, {c['ok']} ok, {c['wrong']} wrong, {c['crash']} crash, "
         f"{c['refused']} refused, {c['n/a']} n/a, {c['not built']} not built.**",
         "",
-        "| type | status | detail |",
-        "|---|---|---|",
+        _stream_line(c),
+        "",
+        "| type | status | stream | past eviction | detail |",
+        "|---|---|---|---|---|",
     ]
     for r in rows:
-        detail = " ".join(str(r.get("detail", "")).split()).replace("|", "\\|")
-        lines.append(f"| `{html.escape(r['type'])}` | {r['status']} | {html.escape(detail)} |")
+        details = [str(r.get("detail", ""))] + [f"{heading}: {r[key]['detail']}" for key, heading in STREAM_COLUMNS
+                                                if key in r and r[key]["status"] != "ok"]
+        detail = " ".join(" — ".join(details).split()).replace("|", "\\|")
+        streams = " | ".join(r[key]["status"] if key in r else "—" for key, _ in STREAM_COLUMNS)
+        lines.append(f"| `{html.escape(r['type'])}` | {r['status']} | {streams} | {html.escape(detail)} |")
     return "\n".join(lines) + "\n"
 
 

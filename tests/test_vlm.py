@@ -202,8 +202,43 @@ def test_the_committed_sweep_table_matches_its_json():
     assert c["types"] == len(data["rows"]) == len(vc.all_types())
     assert (f"**{c['types']} types: {c['built']} built, {c['ok']} ok, {c['wrong']} wrong, {c['crash']} crash, "
             f"{c['refused']} refused, {c['n/a']} n/a, {c['not built']} not built.**") in page
+    for key, heading in (("stream", "stream"), ("stream_evicted", "past eviction")):
+        k = c[key]
+        assert (f"{heading}: {k['ok']} ok, {k['wrong']} wrong, {k['crash']} crash, {k['refused']} refused, "
+                f"{k['n/a']} n/a") in page
+        assert sum(k.values()) == c["built"]  # every built type has both stream cells
     for row in data["rows"]:
-        assert f"| `{row['type']}` | {row['status']} |" in page
+        streams = " | ".join(row[key]["status"] if key in row else "—" for key in ("stream", "stream_evicted"))
+        assert f"| `{row['type']}` | {row['status']} | {streams} |" in page
+
+
+def test_sweep_stream_cells():
+    """The sweep's stream cells: a 1-D rotary model streams, before eviction and past it with its image pinned; an
+    M-RoPE model is refused with what would lift it."""
+    llava, qwen = vc.run_row("llava"), vc.run_row("qwen2_vl")
+    assert llava["stream"]["status"] == llava["stream_evicted"]["status"] == "ok", llava
+    assert "16 image tokens pinned" in llava["stream_evicted"]["detail"]
+    for key in ("stream", "stream_evicted"):
+        assert qwen[key]["status"] == "refused" and "re-base the temporal index" in qwen[key]["detail"]
+    # Cohere 2's full-attention layers carry no position (RoPE on its sliding layers only): the reference knows it
+    cohere = vc.run_row("cohere2_vision")
+    assert cohere["stream_evicted"]["status"] == "ok", cohere
+
+
+def test_a_model_that_lays_out_multimodal_positions_itself_is_refused():
+    """MiniCPM-V 4.7 computes M-RoPE positions from its token types although its config names no rotary sections:
+    its own forward differs from sequential positions, so a stream would be silently wrong — refused."""
+    from sinklab.errors import UnsupportedModelError
+    from sinklab.vision_stream import check_vision_stream
+
+    model = built(models={}, model_type="minicpmv4_7").model
+    batch = vision_inputs.config_inputs(model, vc.test_image(), vc.TEXT_IDS[:12]).batches[0]
+    with torch.no_grad():
+        own = model(**batch).logits[0, -1]
+        sequential = model(**batch, position_ids=torch.arange(batch["input_ids"].shape[1])[None]).logits[0, -1]
+    assert float((own - sequential).abs().max()) > 1e-4  # its positions are not the sequence's
+    with pytest.raises(UnsupportedModelError, match="re-base the temporal index"):
+        check_vision_stream(model)
 
 
 @pytest.mark.parametrize("model_type, layout, grid", [

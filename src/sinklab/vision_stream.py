@@ -60,6 +60,9 @@ def check_vision_stream(model: nn.Module) -> None:
         rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
         if isinstance(rope, dict) and rope.get("mrope_section"):
             raise UnsupportedModelError(f"{type(model).__name__}: {MROPE_REFUSAL}.")
+    # a model that lays out multimodal positions itself (MiniCPM-V 4.7 from its token types) whatever its config says
+    if any(callable(getattr(m, "get_rope_index", None)) for m in (model, _compat.base_model(model))):
+        raise UnsupportedModelError(f"{type(model).__name__}: {MROPE_REFUSAL}.")
 
 
 @torch.no_grad()

@@ -19,11 +19,25 @@ keeps no attention keys).
 from __future__ import annotations
 
 import copy
+import inspect
 import sys
 
 import torch
 
 from .. import _compat
+
+
+def _nope_layers(text) -> set[int]:
+    """Layers whose attention carries no position, read from the (text) config as the models define them: a
+    ``no_rope_layers`` flag of 0 (SmolLM3, Llama 4); the full-attention layers of Cohere 2 and of a hybrid EXAONE 4
+    (RoPE on the sliding-window layers only)."""
+    flags = getattr(text, "no_rope_layers", None)
+    if isinstance(flags, (list, tuple)):
+        return {i for i, f in enumerate(flags) if not f}
+    types = getattr(text, "layer_types", None) or ()
+    if getattr(text, "model_type", None) in ("cohere2", "exaone4") and "sliding_attention" in types:
+        return {i for i, t in enumerate(types) if t == "full_attention"}
+    return set()
 
 
 def _native_windows(model) -> list:
@@ -60,8 +74,16 @@ class Reference:
         modeling = sys.modules[type(_compat.language_model(model)).__module__]
         # A model without positions in its attention (NoPE: Nemotron-H) has neither: its keys are never rotated.
         self.apply = getattr(modeling, "apply_rotary_pos_emb", None)
-        self.rotary = next((m for m in self.model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
-        self.types = getattr(getattr(model.config, "text_config", None) or model.config, "layer_types", None)
+        decoder = _compat.language_model(self.model)  # a vision tower may have a rotary module of its own
+        self.rotary = next((m for m in decoder.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+        text = getattr(model.config, "text_config", None) or model.config
+        self.types = getattr(text, "layer_types", None)
+        self.nope = _nope_layers(text)
+        # BLIP-2-style models need pixels in every forward of their own: the text steps go to their language model
+        self.runner = self.model
+        wants = inspect.signature(type(self.model).forward).parameters.get("pixel_values")
+        if wants is not None and wants.default is inspect.Parameter.empty:
+            self.runner = self.model.language_model
         # A hybrid: its non-attention layers keep their state in the model's own cache, fed token by token.
         self.cache = None
         if any(t not in ("full_attention", "sliding_attention") for t in (self.types or ())):
@@ -90,6 +112,12 @@ class Reference:
             scale = float(getattr(self.rotary, f"{kind}_attention_scaling", 1.0))
         return cos.double(), sin.double(), scale
 
+    def _rotate(self, q, k, cos, sin):
+        """The model's own ``apply_rotary_pos_emb``: on (q, k) together, or one tensor at a time (Gemma 4's)."""
+        if list(inspect.signature(self.apply).parameters)[1] == "cos":
+            return self.apply(q, cos, sin), self.apply(k, cos, sin)
+        return self.apply(q, k, cos, sin)
+
     def _anchored(self, t: int, sinks: int, pins: bool) -> bool:
         return t < sinks or (pins and any(a <= t < b for a, b in self.pinned))
 
@@ -109,7 +137,7 @@ class Reference:
         values = torch.stack([e[2] for e in store], dim=1)[None]
         cos, sin, _ = self._rope(layer, keys, torch.arange(n)[None])
         q = (query / mscale).expand(1, -1, n, -1)  # the query sits at the last slot
-        q_rot, k_rot = (q, keys) if self.rotary is None else self.apply(q, keys, cos, sin)
+        q_rot, k_rot = (q, keys) if self.rotary is None or layer in self.nope else self._rotate(q, keys, cos, sin)
         q_rot = q_rot[:, :, -1:]
         rep = q_rot.shape[1] // k_rot.shape[1]
         k_rot, values = k_rot.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
@@ -157,7 +185,7 @@ class Reference:
     def step(self, token: int) -> torch.Tensor:
         self.t += 1
         ids = torch.tensor([[token]])
-        out = self.model(input_ids=ids, position_ids=torch.zeros_like(ids), **self._cache_kwargs()).logits[0, -1]
+        out = self.runner(input_ids=ids, position_ids=torch.zeros_like(ids), **self._cache_kwargs()).logits[0, -1]
         self._drop_attention_keys()
         return out
 
@@ -166,8 +194,8 @@ class Reference:
         """Step one input embedding ``[D]`` in (an image token of a vision-language model: the projected vision
         feature the model's own forward puts at that position); returns the next-token logits."""
         self.t += 1
-        out = self.model(inputs_embeds=vector.double().view(1, 1, -1), position_ids=torch.zeros(1, 1, dtype=torch.long),
-                         **self._cache_kwargs()).logits[0, -1]
+        out = self.runner(inputs_embeds=vector.double().view(1, 1, -1), position_ids=torch.zeros(1, 1, dtype=torch.long),
+                          **self._cache_kwargs()).logits[0, -1]
         self._drop_attention_keys()
         return out
 

@@ -12,6 +12,7 @@ forward fails, so there is no reference). ``benchmarks/vlm_architectures.py`` wr
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import warnings
 from typing import Any
@@ -386,8 +387,81 @@ def cell_scan(built: tiny.Built) -> Cell:
     return Cell("ok" if max(worst_map, worst_stat) <= TOLERANCE else "wrong", msg)
 
 
-def run_row(model_type: str) -> dict:
-    """One row: how the tiny model was built (or why not), and the scan cell."""
+#: The stream cells' window past eviction: smaller than the text after the image, so text is evicted while the
+#: pinned image stays.
+EVICT_SINKS, EVICT_WINDOW, EVICT_STEPS = 1, 5, 6
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def cell_stream(built: tiny.Built) -> Cell:
+    """The prompt, image and all, through a ``StreamSession`` (nothing evicted) against the model's own forward with
+    the image (last logits within :data:`TOLERANCE` relative) and its own ``generate()`` (the same 4 greedy tokens)."""
+    from ..stream import StreamSession
+    from ..vision_stream import check_vision_stream, feed_vision
+
+    model = built.model
+    check_vision_stream(model)
+    inputs = vision_inputs.config_inputs(model, test_image(), TEXT_IDS[:12])
+    batch = inputs.batches[0]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        own = reference("the model's own forward", lambda: model(**batch).logits[0, -1])
+        named = set(inspect.signature(model.forward).parameters)  # generate() refuses inputs forward does not name
+        generate: Any = model.generate
+        gen = reference("the model's own generate", lambda: generate(
+            **{k: v for k, v in batch.items() if k in named}, max_new_tokens=4, do_sample=False, eos_token_id=None,
+            pad_token_id=0))
+    want = gen[0, batch["input_ids"].shape[1]:].tolist()
+    with StreamSession(model, num_sinks=2, window=256) as session:
+        logits = feed_vision(session, inputs)
+        error, tokens = _rel(logits[0], own), []
+        for _ in range(4):
+            tokens.append(int(logits[0].argmax()))
+            logits = session.step(torch.tensor(tokens[-1:]))
+    same = tokens == want
+    msg = f"prompt logits vs the model's forward {error:.1e}; 4 greedy tokens {'equal' if same else 'differ'}"
+    return Cell("ok" if error <= TOLERANCE and same else "wrong", msg + " to generate() with the image")
+
+
+def cell_stream_evicted(built: tiny.Built) -> Cell:
+    """The image pinned, a window smaller than the text after it: the prompt's and :data:`EVICT_STEPS` decoded
+    tokens' logits against the float64 stream reference over the kept tokens (fed the decoder's own image
+    embeddings), and the image kept at every step."""
+    from ..stream import SinkCache, StreamSession
+    from ..vision_stream import check_vision_stream, feed_vision, image_pins
+    from .reference import Reference
+
+    model = built.model
+    check_vision_stream(model)
+    inputs = vision_inputs.config_inputs(model, test_image(), TEXT_IDS[:12])
+    pins = image_pins(inputs)
+    SinkCache(model, num_sinks=EVICT_SINKS, window=EVICT_WINDOW, pinned=pins).close()  # a refusal comes first
+    image = {p for a, b in pins for p in range(a, b)}
+    embeds = reference("the model's own forward", lambda: decoder_embeds(model, inputs.batches[0]))
+    steps = TEXT_IDS[12:12 + EVICT_STEPS]
+
+    def teacher_forced() -> list[Tensor]:
+        ref = Reference(model, EVICT_SINKS, EVICT_WINDOW, pins)
+        return [reference_feed(ref, inputs, embeds)] + [ref.step(token) for token in steps]
+
+    expected = reference("the float64 stream reference", teacher_forced)
+    worst, lost = 0.0, 0
+    with StreamSession(model, num_sinks=EVICT_SINKS, window=EVICT_WINDOW, pinned=pins) as session:
+        worst = _rel(feed_vision(session, inputs)[0], expected[0])
+        for token, want in zip(steps, expected[1:], strict=True):
+            worst = max(worst, _rel(session.step(torch.tensor([token]))[0], want))
+            state = session.state
+            lost += len(image - set(state.s_sidx[0][state.s_valid[0]].tolist()))
+    msg = (f"{len(image)} image tokens pinned, window {EVICT_WINDOW}, {EVICT_STEPS} steps past eviction: logits vs the "
+           f"float64 reference {worst:.1e}{'' if not lost else f', {lost} image tokens lost'}")
+    return Cell("ok" if worst <= TOLERANCE and not lost else "wrong", msg)
+
+
+def run_row(model_type: str, stream: bool = True) -> dict:
+    """One row: how the tiny model was built (or why not), the scan cell and (``stream``) the two stream cells."""
     try:
         built = build(model_type)
     except tiny.NotBuilt as exc:
@@ -396,5 +470,10 @@ def run_row(model_type: str) -> dict:
         return {"type": model_type, "status": "not built", "detail": tiny.short_error(exc)}
     cell = run_cell(lambda: cell_scan(built))
     params = sum(p.numel() for p in built.model.parameters())
-    return {"type": model_type, "class": type(built.model).__name__, "status": cell.status, "detail": cell.message,
-            "attn": built.attn, "attempt": built.attempt, "parameters": params, "seconds": cell.seconds}
+    row = {"type": model_type, "class": type(built.model).__name__, "status": cell.status, "detail": cell.message,
+           "attn": built.attn, "attempt": built.attempt, "parameters": params, "seconds": cell.seconds}
+    if stream:
+        for name, fn in (("stream", cell_stream), ("stream_evicted", cell_stream_evicted)):
+            got = run_cell(lambda fn=fn: fn(built))  # type: ignore[misc]
+            row[name] = {"status": got.status, "detail": got.message}
+    return row
