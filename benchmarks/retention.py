@@ -338,9 +338,41 @@ def _fmt(row: dict | None, value: str) -> str:
     return f"{row['accuracy']:.2f} [{lo:.2f},{hi:.2f}]{share}"
 
 
+SOURCE_COLOURS = {"sinklab": "#1f77b4", "kvpress": "#ff7f0e"}
+
+
+def _bars(ax, sel: list[dict], value: str) -> None:
+    """One panel at one kept fraction: a bar per method, best first (sinklab blue, kvpress orange, ``auto`` dark),
+    the 95 % interval of each accuracy, dense as a vertical line."""
+    bars = sorted((r for r in sel if r["source"] != "dense" and r[value] is not None),
+                  key=lambda r: (r[value] if value == "ppl" else -r[value], r["source"], r["method"]))
+    ys = range(len(bars))
+    colours = ["#08306b" if r["method"] == "auto" else SOURCE_COLOURS.get(r["source"], "grey") for r in bars]
+    widths = [r[value] for r in bars]
+    errors = None
+    if value == "accuracy" and all(r.get("interval") for r in bars):
+        errors = [[r[value] - r["interval"][0] for r in bars], [r["interval"][1] - r[value] for r in bars]]
+    ax.barh(list(ys), widths, color=colours, xerr=errors, error_kw={"lw": 0.6, "capsize": 1.5, "ecolor": "grey"})
+    ax.set_yticks(list(ys), [f"{r['source']}:{r['method']}" for r in bars], fontsize=6)
+    ax.invert_yaxis()
+    for r in sel:
+        if r["source"] == "dense" and r[value] is not None:
+            ax.axvline(r[value], color="black", lw=1, ls=":", label="dense")
+    if value == "ppl" and widths:
+        dense = [r[value] for r in sel if r["source"] == "dense" and r[value] is not None]
+        low = min(widths + dense)
+        ax.set_xlim(low * 0.97, max(widths) * 1.01)
+    else:
+        ax.set_xlim(0, 1.05)
+    fraction = sorted({r["kv_fraction"] for r in bars})
+    ax.set_xlabel(f"{value} at {', '.join(f'{f:.0%}' for f in fraction)} of the dense KV entries", fontsize=7)
+
+
 def figure(rows: list[dict], path: Path) -> None:
-    """Accuracy (recall tasks) and perplexity against the measured share of dense KV entries kept: one panel per
-    model, context, task and regime, one line per method (sinklab solid, kvpress dashed, dense a horizontal line)."""
+    """One panel per model, context, task and regime. A panel with one kept fraction: a bar per method (best first;
+    sinklab blue, kvpress orange, sinklab's ``auto`` dark blue; accuracy with its 95 % interval; dense a dotted
+    line). Several fractions: accuracy or perplexity against the measured share of dense KV entries kept, one line
+    per method (sinklab solid, kvpress dashed, dense a horizontal line)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -349,13 +381,17 @@ def figure(rows: list[dict], path: Path) -> None:
     panels = sorted({(r["model"], r["context"], r["task"], r["regime"]) for r in rows if r["source"] != "dense"})
     cols = min(4, len(panels))
     nrows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 3.2 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
     names = sorted({(r["source"], r["method"]) for r in rows if r["source"] != "dense"})
     colour = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(names)}  # one colour per method, every panel
     for ax, panel in zip(axes.flat, panels):
         model, context, task, regime = panel
         value = "ppl" if task == "ppl" else "accuracy"
         sel = [r for r in rows if (r["model"], r["context"], r["task"], r["regime"]) == panel]
+        ax.set_title(f"{model.split(':')[-1]} · {context} tokens · {task} · {regime}", fontsize=8)
+        if len({r["kv_fraction"] for r in sel if r["source"] != "dense"}) == 1:
+            _bars(ax, sel, value)
+            continue
         for r in sel:
             if r["source"] == "dense" and r[value] is not None:
                 ax.axhline(r[value], color="black", lw=1, label="dense")
@@ -367,10 +403,9 @@ def figure(rows: list[dict], path: Path) -> None:
                         color=colour[(source, method)])
         ax.set_xlabel("share of dense KV entries held")
         ax.set_ylabel(value)
-        ax.set_title(f"{model.split(':')[-1]} · {context} · {task} · {regime}", fontsize=8)
+        ax.legend(fontsize=5, loc="best")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=5, loc="best")
     fig.tight_layout()
     save_png(fig, path)
     print(f"wrote {path}")
