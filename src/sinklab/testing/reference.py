@@ -114,6 +114,8 @@ class Reference:
 
     def _rotate(self, q, k, cos, sin):
         """The model's own ``apply_rotary_pos_emb``: on (q, k) together, or one tensor at a time (Gemma 4's)."""
+        if self.apply is None:
+            raise TypeError("its modeling module has no apply_rotary_pos_emb for the reference to rotate with")
         if list(inspect.signature(self.apply).parameters)[1] == "cos":
             return self.apply(q, cos, sin), self.apply(k, cos, sin)
         return self.apply(q, k, cos, sin)
