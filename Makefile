@@ -63,10 +63,13 @@ check-package: venv
 	$(PY) benchmarks/check_package.py
 
 # The architecture matrix (every transformers causal-LM type as a tiny random model through scan, stream, diagnose
-# and circuit) into docs/architectures.md and benchmarks/results/architectures.json, with the fingerprint of the
-# sources it exercises: tests/test_architectures.py fails until this is rerun after a change to them.
+# and circuit) into docs/architectures.md and benchmarks/results/architectures.json, and the vision-language sweep
+# (every image-text-to-text type: scan with an image, stream, past eviction) into docs/vlm_architectures.md and its
+# JSON, each with the fingerprint of the sources it exercises: tests/test_architectures.py and tests/test_vlm.py
+# fail until this is rerun after a change to them.
 architectures: venv
 	HF_HUB_OFFLINE=1 PYTHONPATH=src $(PY) benchmarks/architectures.py --jobs 2
+	HF_HUB_OFFLINE=1 PYTHONPATH=src $(PY) benchmarks/vlm_architectures.py --jobs 2
 
 bench: venv
 	$(PY) benchmarks/bench_scan.py

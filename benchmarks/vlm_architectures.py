@@ -31,10 +31,12 @@ import transformers  # noqa: E402
 from _common import DOCS, RESULTS, run_metadata, write_result  # noqa: E402
 
 from sinklab.atomic import write_text  # noqa: E402
-from sinklab.testing.conformance import crash_text  # noqa: E402
+from sinklab.testing.conformance import crash_text, source_files, source_fingerprint  # noqa: E402
 from sinklab.testing.vlm_conformance import STATUSES, all_types, run_row  # noqa: E402
 
 DEFAULT_JSON = RESULTS / "vlm_architectures.json"
+#: The module whose sinklab imports (followed) the sweep's fingerprint covers.
+ROOT_MODULE = "sinklab.testing.vlm_conformance"
 DEFAULT_DOCS = DOCS / "vlm_architectures.md"
 
 
@@ -118,7 +120,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "model's own forward with the image and its `generate()`; `past eviction`: the image pinned and a window of "
         "5 text tokens, the logits of the prompt and 6 decoded tokens equal the float64 stream reference over the "
         "kept tokens and the image is kept at every step (`sinklab.testing.vlm_conformance`). Regenerate: "
-        "`PYTHONPATH=src python benchmarks/vlm_architectures.py --jobs 2`.",
+        "`make architectures` (with the causal-LM matrix) or `PYTHONPATH=src python benchmarks/vlm_architectures.py "
+        "--jobs 2`.",
+        "",
+        f"Source fingerprint: `{meta['source']['fingerprint']}` — SHA-256 over the {meta['source']['files']} sinklab "
+        "source files the sweep exercises; `tests/test_vlm.py` fails when the code under test has another.",
         "",
         f"**{c['types']} types: {c['built']} built, {c['ok']} ok, {c['wrong']} wrong, {c['crash']} crash, "
         f"{c['refused']} refused, {c['n/a']} n/a, {c['not built']} not built.**",
@@ -148,14 +154,19 @@ def main() -> None:
     t0 = time.monotonic()
     rows = run_all(names, args.jobs, args.timeout)
     out_json, out_docs = DEFAULT_JSON, DEFAULT_DOCS
+    source = {"fingerprint": source_fingerprint(ROOT_MODULE), "files": len(source_files(ROOT_MODULE))}
     if args.types and args.merge and DEFAULT_JSON.exists():
-        old = {r["type"]: r for r in json.loads(DEFAULT_JSON.read_text())["rows"]}
+        committed = json.loads(DEFAULT_JSON.read_text())
+        old = {r["type"]: r for r in committed["rows"]}
         old.update({r["type"]: r for r in rows})
         rows = [old[n] for n in sorted(old)]
+        if committed["meta"].get("source") != source:  # rows from other sources kept: the table is not current
+            source = {**source, "fingerprint": "mixed (a --merge over other sources)"}
     elif args.types:
         folder = Path(tempfile.mkdtemp(prefix="sinklab-vlm-"))
         out_json, out_docs = folder / "vlm_architectures.json", folder / "vlm_architectures.md"
-    meta = run_metadata(wall_seconds=round(time.monotonic() - t0, 1), transformers=transformers.__version__)
+    meta = run_metadata(wall_seconds=round(time.monotonic() - t0, 1), transformers=transformers.__version__,
+                        source=source)
     write_result(out_json, {"meta": meta, "counts": counts(rows), "rows": rows})
     write_text(out_docs, markdown(rows, meta))
     print(f"wrote {out_docs}")

@@ -212,6 +212,22 @@ def test_the_committed_sweep_table_matches_its_json():
         assert f"| `{row['type']}` | {row['status']} | {streams} |" in page
 
 
+def test_committed_sweep_was_made_from_the_sources_under_test():
+    """The sweep's JSON and page record the fingerprint of the sinklab sources its cells run; a change to any of them
+    makes the committed page stale until `make architectures` reruns it."""
+    from sinklab.testing.conformance import source_fingerprint
+
+    root = Path(__file__).resolve().parents[1]
+    data = json.loads((root / "benchmarks" / "results" / "vlm_architectures.json").read_text())
+    page = (root / "docs" / "vlm_architectures.md").read_text()
+    recorded = data["meta"]["source"]["fingerprint"]
+    assert f"Source fingerprint: `{recorded}`" in page, "docs/vlm_architectures.md and its JSON are from different runs"
+    current = source_fingerprint("sinklab.testing.vlm_conformance")
+    assert recorded == current, (f"docs/vlm_architectures.md was made from other sinklab sources (fingerprint "
+                                 f"{recorded}, the code under test is {current}): regenerate it with "
+                                 "`make architectures`")
+
+
 def test_sweep_stream_cells():
     """The sweep's stream cells: a 1-D rotary model streams, before eviction and past it with its image pinned; an
     M-RoPE model is refused with what would lift it."""
