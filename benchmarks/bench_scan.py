@@ -185,7 +185,12 @@ def model_worker(name: str, repeats: int, samples: int, seq_len: int, resident: 
 
     ``resident``: read every parameter once before the baseline RSS is taken, so a memory-mapped weight that
     only some operations read (Gemma 3's tied 262,144-row LM head) counts in every operation's baseline."""
-    ops = _operations(name, samples, seq_len, resident)
+    return timed_rounds(_operations(name, samples, seq_len, resident), repeats)
+
+
+def timed_rounds(ops: dict, repeats: int) -> dict:
+    """Each operation's median wall and CPU seconds over ``repeats`` interleaved rounds, its rounds, and the peak RSS
+    while it ran (a warm-up round first: allocator, thread pools, first-use costs)."""
     ops["forward"]()  # warm: allocator and thread pools
     loaded = _rss_mib()
     rss = _PeakRSS()
@@ -244,25 +249,8 @@ def _image_operations(name: str, text_tokens: int) -> tuple[dict, Any]:
 def image_worker(name: str, repeats: int, text_tokens: int) -> dict:
     """:func:`model_worker`'s rounds for the image + text operations of ``VLM_CONFIGS[name]``."""
     ops, inputs = _image_operations(name, text_tokens)
-    ops["forward"]()  # warm: allocator and thread pools
-    loaded = _rss_mib()
-    rss = _PeakRSS()
-    for op, fn in ops.items():  # warm-up round, memory peaks
-        rss.label = op
-        fn()
-        rss.label = None
-    rss.stop()
-    times: dict[str, list[tuple[float, float]]] = {op: [] for op in ops}
-    for _ in range(repeats):
-        for op, fn in ops.items():
-            wall, cpu = time.perf_counter(), time.process_time()
-            fn()
-            times[op].append((time.perf_counter() - wall, time.process_time() - cpu))
     counts = {m: int((inputs.modality[0] == i).sum()) for i, m in enumerate(("text", "image", "image-special"))}
-    return {"positions": counts, "operations": {
-        op: {"wall_s": statistics.median(t[0] for t in v), "cpu_s": statistics.median(t[1] for t in v), "rounds": v,
-             "peak_rss_mib": max(rss.peak.get(op, loaded), loaded), "rss_after_load_mib": loaded}
-        for op, v in times.items()}}
+    return {"positions": counts, "operations": timed_rounds(ops, repeats)}
 
 
 def image_main(args) -> None:
