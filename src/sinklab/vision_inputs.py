@@ -440,7 +440,11 @@ class TowerInputs:
 
 def vision_tower(model: nn.Module) -> nn.Module:
     """The module that turns a vision-language model's pixels into patch tokens (``vision_tower``, ``vision_model``,
-    ``visual`` or ``vision_encoder`` of the model or of its inner ``model``)."""
+    ``visual`` or ``vision_encoder`` of the model or of its inner ``model``); an :class:`InputError` for a model
+    without a vision config (a text-only model)."""
+    if _vision_config(model) is None:
+        raise InputError(f"{type(model).__name__} has no vision tower (no vision_config in its config); give a "
+                         "vision-language model, or scan a ViT-style encoder directly")
     for root in (model, getattr(model, "model", None)):
         for name in TOWER_NAMES:
             tower = getattr(root, name, None) if isinstance(root, nn.Module) else None
@@ -476,9 +480,6 @@ def tower_inputs(model: nn.Module, images: Sequence[Any], processor: Any = None)
     """The vision tower and one sample per image for :func:`sinklab.scan.scan_vision_tower`. Refused (one
     :class:`UnsupportedModelError` saying what would lift it) for a tower that does not take ``pixel_values`` as
     pictures (Qwen2-VL's flattened patches with their grid, tiled towers)."""
-    if _vision_config(model) is None:
-        raise InputError(f"{type(model).__name__} has no vision tower (no vision_config in its config); give a "
-                         "vision-language model, or scan a ViT-style encoder directly")
     if not images:
         raise InputError("no image to scan")
     tower = vision_tower(model)

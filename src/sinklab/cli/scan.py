@@ -90,7 +90,7 @@ def _scan_images(model: str, paths: list[Path], text: str | None, file: Path | N
     from ..models import load_processor
     from ..report import save
     from ..scan import scan_images, scan_vision_tower
-    from ..vision_inputs import check_vision_model, load_images
+    from ..vision_inputs import check_vision_model, load_images, vision_tower
     from ._common import check_out_dir, load_for_command, read_texts
 
     images = load_images(paths)  # an unreadable file fails before anything loads
@@ -99,6 +99,7 @@ def _scan_images(model: str, paths: list[Path], text: str | None, file: Path | N
     loaded = load_for_command(model, dtype=dtype, device=device, revision=revision,
                               trust_remote_code=trust_remote_code)
     if tower:
+        vision_tower(loaded.model)  # a model without one fails before its processor is looked for
         try:
             processor = load_processor(model, revision=revision, trust_remote_code=trust_remote_code)
         except InputError:  # no processor: pixels sized by the vision config

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import inspect
 import sys
+from typing import Any
 
 import torch
 
@@ -196,8 +197,14 @@ class Reference:
         """Step one input embedding ``[D]`` in (an image token of a vision-language model: the projected vision
         feature the model's own forward puts at that position); returns the next-token logits."""
         self.t += 1
+        extra = {}
+        text = self.model.config.get_text_config()
+        if getattr(text, "hidden_size_per_layer_input", None):  # Gemma 4: an image position's per-layer input is
+            pad = torch.tensor([[text.pad_token_id]])  # the pad token's, as in the model's own forward
+            per_layer: Any = _compat.language_model(self.model).get_per_layer_inputs
+            extra["per_layer_inputs"] = per_layer(pad)
         out = self.runner(inputs_embeds=vector.double().view(1, 1, -1), position_ids=torch.zeros(1, 1, dtype=torch.long),
-                          **self._cache_kwargs()).logits[0, -1]
+                          **extra, **self._cache_kwargs()).logits[0, -1]
         self._drop_attention_keys()
         return out
 
