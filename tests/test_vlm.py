@@ -373,3 +373,58 @@ def test_cli_diagnose_with_an_image(llava_folder, tmp_path):
                               "--out", str(tmp_path / "b")])
     assert bad.exit_code == 2 and "has no vision tower" in " ".join(bad.output.split())
     assert not (tmp_path / "b").exists()
+
+
+# ----------------------------------------------------------------------------- the P0 circuit with images
+def test_circuit_with_images_runs_every_condition_with_the_pixels(models):
+    """One sample per image, BOS first: the reference and BOS-removed conditions' column mass on position 0 and
+    norm ratio ‖x₀‖ / median ‖xᵢ‖ against the eager twin's weights and the model's own hidden states, each sample
+    with its pixels (float64 here)."""
+    from sinklab.circuit import circuit_images
+
+    model = built(models, "llava").model
+    images = [vc.test_image(), vc.video_frame(1), vc.video_frame(2)]
+    ids, bos = vc.TEXT_IDS[:20], 1
+    result = circuit_images(model, images, text_ids=ids, bos_id=bos, causal=False)
+    assert result.num_samples == 3 and list(result.conditions) == ["as_tokenized", "bos_removed", "first_swapped"]
+    batches = [vision_inputs.config_inputs(model, image, ids, bos=bos).batches[0] for image in images]
+    for name, cut in (("as_tokenized", 0), ("bos_removed", 1)):
+        mass, ratio = [], []
+        for batch in batches:
+            batch = {**batch, "input_ids": batch["input_ids"][:, cut:], "attention_mask": batch["attention_mask"][:, cut:]}
+            weights = vc.language_attentions(model, batch, tiny.LAYERS)
+            mass.append(torch.stack([w[0].double()[:, :, 0].mean(-1) for w in weights]))  # (L, H): key 0, all queries
+            with torch.no_grad():
+                hidden = model.model(**batch, output_hidden_states=True).hidden_states
+            norms = torch.stack([h[0].double().norm(dim=-1) for h in hidden[:tiny.LAYERS]])  # (L, T), un-normed ones
+            ratio.append(norms[:, 0] / norms[:, 1:].median(dim=-1).values)
+        got = result.conditions[name]
+        torch.testing.assert_close(torch.tensor(got["column_mass_0"], dtype=torch.float64), torch.stack(mass).mean(0),
+                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(got["ratio"][:tiny.LAYERS], dtype=torch.float64),
+                                   torch.stack(ratio).mean(0), atol=1e-3, rtol=1e-3)
+    with pytest.raises(InputError, match="bos_id"):
+        circuit_images(model, images, text_ids=ids)
+
+
+def test_cli_circuit_with_an_image(llava_folder, tmp_path):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from sinklab.circuit import circuit_images
+    from sinklab.vision_inputs import load_images
+
+    out = tmp_path / "out"
+    image = llava_folder / "image.png"
+    result = runner.invoke(app, ["circuit", str(llava_folder), "--image", str(image), "--image", str(image),
+                                 "--text", "a bright square on stripes", "--no-causal", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "circuit.json").read_text())
+    api = circuit_images(LlavaForConditionalGeneration.from_pretrained(llava_folder).eval(),
+                         load_images([image, image]), "a bright square on stripes",
+                         processor=AutoProcessor.from_pretrained(llava_folder), causal=False)
+    assert data["num_samples"] == 2 and list(data["conditions"]) == list(api.conditions)
+    for name, cond in api.conditions.items():
+        torch.testing.assert_close(torch.tensor(data["conditions"][name]["column_mass_0"]),
+                                   torch.tensor(cond["column_mass_0"]), atol=1e-6, rtol=0)
+    bad = runner.invoke(app, ["circuit", "builtin:tiny-llama", "--image", str(image), "--out", str(tmp_path / "b")])
+    assert bad.exit_code == 2 and "has no vision tower" in " ".join(bad.output.split())

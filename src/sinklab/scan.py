@@ -518,10 +518,11 @@ def scan_inputs(
 
 
 def image_inputs(model: nn.Module, images: list, text: str, *, processor: Any = None, text_ids: list[int] | None = None,
-                 source: str | None = None, revision: str | None = None) -> tuple[vision_inputs.VisionInputs, dict]:
+                 bos: int | None = None, source: str | None = None,
+                 revision: str | None = None) -> tuple[vision_inputs.VisionInputs, dict]:
     """A vision-language model's inputs for ``images`` and ``text`` (its processor's, or built from the config with
-    ``text_ids``) and the run's ``meta``: what :func:`scan_images` and :func:`sinklab.diagnose.diagnose_images`
-    share."""
+    ``text_ids``, after ``bos`` when given) and the run's ``meta``: what :func:`scan_images`,
+    :func:`sinklab.diagnose.diagnose_images` and :func:`sinklab.circuit.circuit_images` share."""
     vision_inputs.check_vision_model(model, "images")
     if not images:
         raise InputError("no image to scan")
@@ -533,7 +534,7 @@ def image_inputs(model: nn.Module, images: list, text: str, *, processor: Any = 
             raise InputError("without a processor, an image run needs text_ids (the text's token ids)")
         if len(images) != 1:
             raise InputError("without a processor, an image run takes one image (a processor places several)")
-        inputs = vision_inputs.config_inputs(model, images[0], text_ids)
+        inputs = vision_inputs.config_inputs(model, images[0], text_ids, bos=bos)
         tokenizer_class = None
     meta = model_meta(model, source, revision, corpus="user images and text", tokenizer_class=tokenizer_class,
                       images=len(images), image_token_id=vision_inputs.image_token_id(model.config),

@@ -7,7 +7,7 @@ and the emergence stage across training checkpoints.
 
 from __future__ import annotations
 
-from .analysis import SCHEMA_VERSION, CircuitResult, circuit, circuit_inputs
+from .analysis import SCHEMA_VERSION, CircuitResult, circuit, circuit_images, circuit_inputs
 from .measure import measure_rows
 from .hooks import Patch, find_sublayers
 from .inputs import CircuitInputs, bb_inputs, id_inputs, text_inputs
@@ -23,7 +23,7 @@ __all__ = [
            "amplification_layer",
            "bb_inputs",
            "circuit",
-           "circuit_inputs",
+           "circuit_images", "circuit_inputs",
            "classify_stage",
            "find_sublayers",
            "id_inputs",

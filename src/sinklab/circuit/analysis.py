@@ -360,7 +360,7 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
                         loss_stride)
     with MeasureSession(model) as session:
         common: dict[str, Any] = {"pad_id": inputs.pad_id, "batch_size": batch_size, "padding_side": padding_side,
-                  "progress": progress, "session": session, "loss_stride": loss_stride}
+                  "progress": progress, "session": session, "loss_stride": loss_stride, "extra": inputs.extra}
         n_all = len(inputs.conditions[REFERENCE])
         n_cond = n_all if condition_samples is None else min(condition_samples, n_all)
         n_causal = min(n_cond, n_all if causal_samples is None else causal_samples)
@@ -417,6 +417,45 @@ def circuit_inputs(model: nn.Module, inputs: CircuitInputs, *, eps: float = 0.3,
         meta={**inputs.meta, "conditions": list(inputs.conditions), "condition_samples": n_cond,
               "loss_stride": loss_stride, **(meta or {})},
     )
+
+
+def circuit_images(model: nn.Module, images: list, text: str = "Describe the image.", *, processor: Any = None,
+                   text_ids: list[int] | None = None, bos_id: int | None = None, eps: float = 0.3,
+                   batch_size: int = 8, causal: bool = True, source: str | None = None, revision: str | None = None,
+                   progress: Callable[[int], None] | None = None) -> CircuitResult:
+    """The P0 sink circuit of a vision-language model: one sample per image (the image, then ``text``), built as
+    :func:`sinklab.scan.scan_images` builds it, under the three first-token conditions; every forward of every
+    condition (and the causal patches) runs with the samples' pixels. With the model's ``processor`` the conditions
+    come from its tokenizer (as :func:`circuit`); without one (a tiny random model) the rows are the config's image
+    tokens and ``text_ids`` after ``bos_id``, and the first token is swapped for ``text_ids[0]`` (or ``[1]``)."""
+    from ..scan import image_inputs
+    from .inputs import id_inputs, row_inputs
+
+    if not images:
+        raise InputError("no image for the circuit")
+    if processor is None and (bos_id is None or not text_ids or len(text_ids) < 2):
+        raise InputError("circuit_images without a processor needs bos_id and at least two text_ids")
+    built = [image_inputs(model, [image], text, processor=processor, text_ids=text_ids, bos=bos_id, source=source,
+                          revision=revision) for image in images]
+    rows = [b.batches[0]["input_ids"][0].tolist() for b, _ in built]
+    keys = [k for k in built[0][0].batches[0] if k not in ("input_ids", "attention_mask")]
+    try:
+        extra = {k: torch.cat([b.batches[0][k] for b, _ in built]) for k in keys}
+    except RuntimeError as exc:
+        raise UnsupportedModelError(f"{type(model).__name__}: its images' inputs do not stack one row per image "
+                                    f"({' '.join(str(exc).split())}); the circuit needs one sample per image") from None
+    if any(v.shape[0] != len(images) for v in extra.values()):
+        raise UnsupportedModelError(f"{type(model).__name__}: its image inputs are not one row per image "
+                                    f"({ {k: tuple(v.shape) for k, v in extra.items()} }); the circuit needs one "
+                                    "sample per image")
+    if processor is not None:
+        inputs = row_inputs(getattr(processor, "tokenizer", processor), rows)
+    else:
+        swap = (text_ids[0], text_ids[1])  # type: ignore[index]  # checked above
+        inputs = id_inputs(torch.tensor(rows), bos_id=bos_id, swap_ids=swap)  # type: ignore[arg-type]
+    inputs.extra = extra
+    return circuit_inputs(model, inputs, eps=eps, batch_size=batch_size, causal=causal, progress=progress,
+                          meta={**built[0][1], "images": len(images)})
 
 
 def circuit(model: nn.Module, tokenizer, texts: str | list[str] | None = None, *, seq_len: int = 64,

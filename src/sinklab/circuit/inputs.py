@@ -19,7 +19,7 @@ import torch
 
 from ..errors import InputError
 
-__all__ = ["REFERENCE", "SPECIAL_CANDIDATES", "CircuitInputs", "bb_inputs", "id_inputs", "text_inputs"]
+__all__ = ["REFERENCE", "SPECIAL_CANDIDATES", "CircuitInputs", "bb_inputs", "id_inputs", "row_inputs", "text_inputs"]
 
 REFERENCE = "as_tokenized"
 SPECIAL_CANDIDATES = ("<|endoftext|>", "<|im_start|>", "<s>", "<|begin_of_text|>", "<bos>")
@@ -35,6 +35,9 @@ class CircuitInputs:
     description: dict[str, str]
     pad_id: int = 0
     meta: dict = field(default_factory=dict)
+    #: Model inputs besides the token ids, one row per sample (e.g. a vision-language model's ``pixel_values``),
+    #: handed to every forward of every condition with its samples' rows.
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _special_id(tokenizer, special_token: str | None) -> tuple[int, str]:
@@ -68,10 +71,18 @@ def _swapped(rows: list[list[int]], swap: list[int]) -> list[list[int]]:
 def text_inputs(tokenizer, texts: list[str], *, seq_len: int, samples: int,
                 special_token: str | None = None) -> CircuitInputs:
     """Windows of ``seq_len`` tokens (see :func:`sinklab.texts.tokenize_windows`) under the three conditions."""
-    from ..texts import special_affixes, tokenize_windows
+    from ..texts import tokenize_windows
 
     windows = tokenize_windows(tokenizer, texts, seq_len, samples)
     rows = [ids[mask.bool()].tolist() for ids, mask in zip(windows.input_ids, windows.attention_mask)]
+    return row_inputs(tokenizer, rows, special_token=special_token)
+
+
+def row_inputs(tokenizer, rows: list[list[int]], *, special_token: str | None = None) -> CircuitInputs:
+    """Token-id ``rows`` as the tokenizer wrote them (its special prefix, if any, first) under the three
+    conditions."""
+    from ..texts import special_affixes
+
     prefix, _ = special_affixes(tokenizer)
     swap = _swap_ids(tokenizer)
     conds = {REFERENCE: rows}

@@ -83,7 +83,7 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
                  padding_side: str = "right", patch: Callable[[slice], Patch | None] | None = None,
                  progress: Callable[[int], None] | None = None, session: MeasureSession | None = None,
                  destinations: bool = True, loss_stride: int = 1, loss_rows: int | None = None,
-                 massive: bool = True) -> dict[str, Tensor]:
+                 massive: bool = True, extra: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
     """One pass over token ``rows``: attention column mass of the early positions, position-0 records, loss.
 
     Returns CPU tensors: ``column_mass`` ``[S, L, H, P]`` (P = 4 early positions, aligned to each row's first
@@ -94,7 +94,8 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
     ``loss_stride``: the loss scores every that-many-th next-token target counting back from each row's last (1:
     every one);
     ``loss_rows``: only the first that many rows are scored (the others count 0 targets; None: every row).
-    ``massive=False`` skips the recorder's massive-activation fields.
+    ``massive=False`` skips the recorder's massive-activation fields. ``extra``: model inputs besides the ids, one
+    row per sample (a vision-language model's ``pixel_values``), sliced with each batch.
     """
     if padding_side not in ("left", "right"):
         raise InputError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
@@ -102,7 +103,7 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
         with MeasureSession(model) as own:
             return measure_rows(model, rows, pad_id=pad_id, batch_size=batch_size, padding_side=padding_side,
                                 patch=patch, progress=progress, session=own, destinations=destinations,
-                                loss_stride=loss_stride, loss_rows=loss_rows, massive=massive)
+                                loss_stride=loss_stride, loss_rows=loss_rows, massive=massive, extra=extra)
     cap, rec = session.cap, session.rec
     parts: list[dict[str, Tensor]] = []
     cap.config = session.config if destinations else replace(session.config, row_stats=False)
@@ -116,6 +117,7 @@ def measure_rows(model: nn.Module, rows: list[list[int]], *, pad_id: int = 0, ba
                 scored = mask.clone()
                 scored[max(0, loss_rows - sl.start):] = 0
             kwargs: dict[str, Any] = {"input_ids": ids.to(session.device), "attention_mask": mask.to(session.device)}
+            kwargs.update({k: v[sl].to(session.device) for k, v in (extra or {}).items()})
             if session.takes_positions:  # left padding: positions count real tokens only
                 kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp_min(0).to(session.device)
             batch = cap.run(full_model=not session.chunked_loss, **kwargs)

@@ -88,6 +88,8 @@ def circuit_cmd(
                                              "counting back from each row's last (1: every one)")] = LOSS_STRIDE,
     out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("sinklab-circuit"),
     device_map: Annotated[str | None, device_map_option()] = None,
+    image: Annotated[list[Path] | None, typer.Option(
+        "--image", help="a vision-language model's images, one sample each (repeat); --text is the prompt")] = None,
 ) -> None:
     """The P0 sink circuit: first-token ablation, amplification layer, attention vs MLP, causal check."""
     from ..circuit.sweep import Checkpoint, circuit_source, load_source
@@ -96,6 +98,10 @@ def circuit_cmd(
     with user_errors():
         texts = read_texts(text, file)
         needs("--causal-samples", causal_samples, CAUSAL_SAMPLES, not no_causal, "with --no-causal")
+        if image:
+            _circuit_images(model, image, " ".join(texts) if texts else "Describe the image.", out,
+                            causal=not no_causal)
+            return
         out = check_out_dir(out)
         path = Path(model)
         if path.is_dir():
@@ -122,6 +128,25 @@ def circuit_cmd(
         _print_result(result)
         report = save(result, out)
         console.print(f"wrote {out}/circuit.json, figures and {report}")
+
+
+def _circuit_images(model: str, paths: list[Path], text: str, out: Path, *, causal: bool) -> None:
+    """``sinklab circuit MODEL --image FILE …``: the circuit on one sample per image, the pixels in every forward."""
+    from ..circuit import circuit_images
+    from ..models import load_processor
+    from ..report import save
+    from ..vision_inputs import check_vision_model, load_images
+    from ._common import load_for_command
+
+    images = load_images(paths)  # an unreadable file fails before anything loads
+    out = check_out_dir(out)
+    loaded = load_for_command(model)
+    check_vision_model(loaded.model)
+    processor = load_processor(model)
+    with console.status(f"the circuit on {len(images)} image(s) …"):
+        result = circuit_images(loaded.model, images, text, processor=processor, causal=causal, source=model)
+    _print_result(result)
+    console.print(f"wrote {out}/circuit.json, figures and {save(result, out)}")
 
 
 @app.command("circuit-sweep")
