@@ -239,6 +239,10 @@ def test_sweep_stream_cells():
     # Cohere 2's full-attention layers carry no position (RoPE on its sliding layers only): the reference knows it
     cohere = vc.run_row("cohere2_vision")
     assert cohere["stream_evicted"]["status"] == "ok", cohere
+    # Kimi K2.5's latent attention: each head's rotary part is its last dims (a reference that rotates the first
+    # ones finds the stream wrong by 1.4e-3)
+    kimi = vc.run_row("kimi_k25")
+    assert kimi["stream_evicted"]["status"] == "ok", kimi
 
 
 def test_a_model_that_lays_out_multimodal_positions_itself_is_refused():

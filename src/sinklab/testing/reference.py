@@ -80,6 +80,7 @@ class Reference:
         text = getattr(model.config, "text_config", None) or model.config
         self.types = getattr(text, "layer_types", None)
         self.nope = _nope_layers(text)
+        self.mla = getattr(text, "qk_rope_head_dim", None) is not None  # DeepSeek-V3-style latent attention
         # BLIP-2-style models need pixels in every forward of their own: the text steps go to their language model
         self.runner = self.model
         wants = inspect.signature(type(self.model).forward).parameters.get("pixel_values")
@@ -117,6 +118,10 @@ class Reference:
         """The model's own ``apply_rotary_pos_emb``: on (q, k) together, or one tensor at a time (Gemma 4's)."""
         if self.apply is None:
             raise TypeError("its modeling module has no apply_rotary_pos_emb for the reference to rotate with")
+        if self.mla and cos.shape[-1] < q.shape[-1]:  # latent attention: each head's rotary part is its last dims
+            r = cos.shape[-1]
+            q_rot, k_rot = self._rotate(q[..., -r:], k[..., -r:], cos, sin)
+            return torch.cat([q[..., :-r], q_rot], -1), torch.cat([k[..., :-r], k_rot], -1)
         if list(inspect.signature(self.apply).parameters)[1] == "cos":
             return self.apply(q, cos, sin), self.apply(k, cos, sin)
         return self.apply(q, k, cos, sin)
