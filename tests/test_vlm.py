@@ -181,6 +181,25 @@ def test_cli_scan_with_an_image(llava_folder, tmp_path):
     assert "By modality" in (out / "report.html").read_text()
 
 
+def test_bundled_sample_photographs(llava_folder, tmp_path):
+    """`sample:NAME` reads the photographs scikit-image's wheel ships (the cat is 451 × 300, the coffee 600 × 400,
+    the camera man grey, given as RGB), and the command line takes them like files."""
+    import numpy as np
+    from PIL import Image
+
+    images = vision_inputs.load_images(["sample", "sample:coffee", "sample:camera"])
+    assert [im.size for im in images] == [(451, 300), (600, 400), (512, 512)]
+    assert all(im.mode == "RGB" for im in images)
+    with Image.open(vision_inputs.sample_image_path("chelsea")) as cat:
+        assert np.array_equal(np.asarray(images[0]), np.asarray(cat.convert("RGB")))
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["scan", str(llava_folder), "--image", "sample:astronaut", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "scan.json").read_text())["modality"]["positions"]["image"] == 16
+    bad = runner.invoke(app, ["scan", str(llava_folder), "--image", "sample:dog", "--out", str(tmp_path / "b")])
+    assert bad.exit_code == 2 and "unknown sample image 'dog'" in " ".join(bad.output.split())
+
+
 def test_cli_image_errors(llava_folder, tmp_path):
     bad = tmp_path / "not-an-image.png"
     bad.write_text("plain text")

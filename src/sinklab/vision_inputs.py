@@ -179,12 +179,37 @@ def check_vision_model(model: nn.Module, what: str = "--image") -> None:
             "tell image positions from text. Lifting it needs that model's rule for where its image positions are.")
 
 
+#: Real photographs bundled in the scikit-image wheel (``skimage/data``), usable as ``sample:NAME`` wherever an image
+#: path goes; ``sample`` alone is the first. Read as files: the package is installed without its dependencies and
+#: never imported.
+SAMPLE_IMAGES = ("chelsea", "astronaut", "coffee", "motorcycle_left", "camera", "horse")
+
+
+def sample_image_path(name: str) -> Path:
+    """The file of the bundled photograph ``name`` (:data:`SAMPLE_IMAGES`); an :class:`InputError` when the name is
+    unknown or scikit-image's wheel is not installed."""
+    import importlib.util
+
+    if name not in SAMPLE_IMAGES:
+        raise InputError(f"unknown sample image {name!r}; the samples are {', '.join(SAMPLE_IMAGES)}")
+    spec = importlib.util.find_spec("skimage")  # located, not imported
+    folders = list(spec.submodule_search_locations or ()) if spec is not None else []
+    path = Path(folders[0]) / "data" / f"{name}.png" if folders else None
+    if path is None or not path.is_file():
+        raise InputError("the sample photographs come with the scikit-image wheel (its skimage/data folder); install "
+                         "it with `pip install --no-deps scikit-image==0.26.0` (`make venv` does) or give an image file")
+    return path
+
+
 def load_images(paths: Sequence[str | Path]) -> list:
-    """The images at ``paths`` as RGB ``PIL.Image``\\ s; an unreadable file is an :class:`InputError` naming it."""
+    """The images at ``paths`` as RGB ``PIL.Image``\\ s; ``sample`` or ``sample:NAME`` is a bundled photograph
+    (:data:`SAMPLE_IMAGES`); an unreadable file is an :class:`InputError` naming it."""
     from PIL import Image, UnidentifiedImageError
 
     images = []
     for path in paths:
+        if str(path) == "sample" or str(path).startswith("sample:"):
+            path = sample_image_path(str(path).partition(":")[2] or SAMPLE_IMAGES[0])
         try:
             with Image.open(path) as image:
                 images.append(image.convert("RGB"))

@@ -89,7 +89,8 @@ def circuit_cmd(
     out: Annotated[Path, typer.Option("--out", help="output folder")] = Path("sinklab-circuit"),
     device_map: Annotated[str | None, device_map_option()] = None,
     image: Annotated[list[Path] | None, typer.Option(
-        "--image", help="a vision-language model's images, one sample each (repeat); --text is the prompt")] = None,
+        "--image", help="a vision-language model's images, one sample each (repeat; sample:NAME, a bundled "
+        "photograph); --text is the prompt")] = None,
 ) -> None:
     """The P0 sink circuit: first-token ablation, amplification layer, attention vs MLP, causal check."""
     from ..circuit.sweep import Checkpoint, circuit_source, load_source

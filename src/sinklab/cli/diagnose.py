@@ -56,7 +56,8 @@ def diagnose(
     seed: Annotated[int, typer.Option("--seed", help="0: texts in order; other: shuffled texts, random window offsets; also the control edit")] = 0,
     device_map: Annotated[str | None, device_map_option()] = None,
     image: Annotated[list[Path] | None, typer.Option(
-        "--image", help="an image for a vision-language model (repeat for several); --text is the prompt after it")] = None,
+        "--image", help="an image for a vision-language model (repeat for several; sample:NAME, a bundled photograph: "
+        "chelsea, astronaut, coffee …); --text is the prompt after it")] = None,
 ) -> None:
     """Classify MODEL's sinks (NOP / broadcast), run causal value edits, write diagnosis.json and report.html."""
     from ..diagnose import diagnose as run_diagnose

@@ -140,7 +140,8 @@ def scan(
     seed: Annotated[int, typer.Option("--seed", help="0: texts in order; other: shuffled texts, random window offsets")] = 0,
     device_map: Annotated[str | None, device_map_option()] = None,
     image: Annotated[list[Path] | None, typer.Option(
-        "--image", help="an image for a vision-language model (repeat for several); --text is the prompt after it")] = None,
+        "--image", help="an image for a vision-language model (repeat for several; sample:NAME, a bundled photograph: "
+        "chelsea, astronaut, coffee …); --text is the prompt after it")] = None,
     vision_tower: Annotated[bool, typer.Option(
         "--vision-tower", help="with --image: scan the vision tower itself as an encoder (its patch tokens)")] = False,
 ) -> None:
