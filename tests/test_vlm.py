@@ -362,6 +362,14 @@ def test_diagnose_with_an_image_edits_with_the_pixels_in_every_forward(models):
     scanned = scan_images(model, [vc.test_image()], text_ids=ids)
     torch.testing.assert_close(d.scan.column_mass, scanned.column_mass, atol=1e-6, rtol=0, equal_nan=True)
     assert d.scan.tokens == scanned.tokens and "<image>" in d.scan.tokens[0]
+    # the diagnosis's scan is split by modality as scan_images' (checked against a float64 loop above)
+    assert torch.equal(d.scan.modality, scanned.modality)
+    torch.testing.assert_close(d.scan.group_mass, scanned.group_mass, atol=1e-6, rtol=0, equal_nan=True)
+    for name in ("text", "image"):
+        torch.testing.assert_close(d.scan.modality_sink_strength(name), scanned.modality_sink_strength(name),
+                                   atol=1e-6, rtol=0, equal_nan=True)
+    torch.testing.assert_close(d.scan.visual_sink_share(0.3), scanned.visual_sink_share(0.3), atol=1e-6, rtol=0,
+                               equal_nan=True)  # at one ε (the diagnosis ran its rule at sink_mass 0)
     edit = d.edits[0]
     batch = vision_inputs.config_inputs(model, vc.test_image(), ids).batches[0]
     base = _decoder_final(model, batch, layer, head)

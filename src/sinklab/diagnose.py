@@ -26,8 +26,8 @@ from .checks import check_weights, used_token_ids
 from .edits import EDITS, EditResult, KeptBatch, causal_edits
 from .errors import InputError, check_int
 from .recommend import Recommendation, recommend
-from .scan import (Progress, ScanResult, capture_config, check_thresholds, image_inputs, scan_result, split_batches,
-                   text_batches)
+from .scan import (Progress, ScanResult, capture_config, check_thresholds, image_inputs, joined_codes, query_groups,
+                   scan_result, split_batches, text_batches)
 
 __all__ = ["SCHEMA_VERSION", "DEFAULT_RULES", "EDIT_LAYERS", "EDIT_SAMPLES", "SinkRecord", "Diagnosis", "diagnose", "diagnose_images",
            "diagnose_inputs", "spread_layers", "token_roles"]
@@ -321,6 +321,7 @@ def diagnose_inputs(
     meta: dict | None = None,
     progress: Progress | None = None,
     seed: int = 0,
+    modality: list[Tensor] | None = None,
 ) -> Diagnosis:
     """Diagnose prepared inputs (``input_ids``, ``pixel_values``, ``inputs_embeds`` …).
 
@@ -333,7 +334,8 @@ def diagnose_inputs(
     edit RMS is measured on (e.g. the damped queries of the NOP task). ``progress`` gets ``("scan", n,
     samples)`` after each batch and ``("edits", k, passes)`` after each forward of ``k`` edited passes. The returned
     :class:`Diagnosis` carries its :class:`~sinklab.recommend.Recommendation`, computed with ``model`` in hand
-    (so it knows which fixes the model already has).
+    (so it knows which fixes the model already has). ``modality``: one ``[B, T]`` code tensor per batch (a
+    vision-language model's inputs), the diagnosis's scan then split by modality as :func:`sinklab.scan.scan_inputs`.
     """
     rules = _check_rules(rules or {})
     if edit_samples is not None:
@@ -344,6 +346,7 @@ def diagnose_inputs(
                                    "relaxed_share": rules["relaxed_share"]})
     n_edit = len(tokens) if edit_samples is None else min(edit_samples, len(tokens))
     batches, mine, start, info = split_batches(batches)
+    groups = query_groups(modality, len(batches))
     sizes = [int(next(iter(b.values())).shape[0]) for b in batches]
     todo = sum(sizes[i] for i in mine)
     results, first = [], 0
@@ -356,7 +359,7 @@ def diagnose_inputs(
             for i, (batch, size) in enumerate(zip(batches, sizes, strict=True)):
                 keep = bool(edits) and first < n_edit
                 if i in mine or keep:
-                    stats = cap.run(keep_inputs=keep, **batch)  # type: ignore[arg-type]  # model inputs only
+                    stats = cap.run(keep_inputs=keep, query_group=groups[i], **batch)  # type: ignore[arg-type]
                     if i in mine:
                         results.append(stats)
                         if progress is not None:
@@ -366,7 +369,7 @@ def diagnose_inputs(
                 first += size
         scan = scan_result(results, tokens, candidates=candidates, thresholds=thresholds, start=start,
                            meta={**(meta or {}), **info, "edit_samples": n_edit if edits else 0,
-                                 "edit_layers": edit_layers if edits is True else None})
+                                 "edit_layers": edit_layers if edits is True else None}, modality=joined_codes(modality))
         records = sink_records(scan, rules, special or {})
         diagnosis = Diagnosis(scan=scan, records=records, rules=rules)
         targets = _edit_targets(edits, records, scan, edit_layers)
@@ -454,4 +457,4 @@ def diagnose_images(
     tokenizer = getattr(processor, "tokenizer", processor)
     return diagnose_inputs(model, inputs.batches, inputs.tokens, rules=rules, edits=edits, edit_layers=edit_layers,
                            special=special_tokens(tokenizer) if tokenizer is not None else None, meta=meta,
-                           progress=progress, seed=seed)
+                           progress=progress, seed=seed, modality=inputs.modality)

@@ -495,8 +495,7 @@ def scan_inputs(
     if modality is not None and len(modality) != len(batches):
         raise InputError(f"modality: one code tensor per batch ({len(batches)}), got {len(modality)}")
     batches, meta = [batches[i] for i in mine], {**(meta or {}), **info}
-    groups = [None] * len(batches) if modality is None else \
-        [(modality[i] == vision_inputs.TEXT).to(torch.bool) for i in mine]
+    groups = query_groups(None if modality is None else [modality[i] for i in mine], len(batches))
     results: list[CaptureBatch] = []
     with distributed.together("scan"):
         check_weights(model, used_token_ids(batches))  # no LM head: the embedding only at the rows looked up
@@ -508,13 +507,22 @@ def scan_inputs(
     if results and "recurrent" in results[0].layer_kinds and "input_ids" in batches[0]:
         meta["recurrent_state_bytes"] = {str(k): v for k, v in
                                          _compat.recurrent_state_bytes(model, batches[0]["input_ids"]).items()}
-    codes = None
-    if modality is not None:
-        width = max(int(m.shape[-1]) for m in modality)
-        codes = torch.cat([torch.cat([m.cpu(), m.new_full((m.shape[0], width - m.shape[-1]), -1).cpu()], -1)
-                           for m in modality])
     return scan_result(results, tokens, candidates=candidates, thresholds=thresholds, meta=meta, start=start,
-                       modality=codes)
+                       modality=joined_codes(modality))
+
+
+def query_groups(modality: list[Tensor] | None, count: int) -> list[Tensor | None]:
+    """Per batch, the text queries (``[B, T]`` bool) whose attention a vision-language scan keeps apart, or None."""
+    return [None] * count if modality is None else [(m == vision_inputs.TEXT).to(torch.bool) for m in modality]
+
+
+def joined_codes(modality: list[Tensor] | None) -> Tensor | None:
+    """Every batch's ``[B, T]`` modality codes as one ``[S, T]`` tensor, padded with −1 to the widest batch."""
+    if modality is None:
+        return None
+    width = max(int(m.shape[-1]) for m in modality)
+    return torch.cat([torch.cat([m.cpu(), m.new_full((m.shape[0], width - m.shape[-1]), -1).cpu()], -1)
+                      for m in modality])
 
 
 def image_inputs(model: nn.Module, images: list, text: str, *, processor: Any = None, text_ids: list[int] | None = None,
