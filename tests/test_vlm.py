@@ -388,6 +388,7 @@ def test_cli_diagnose_with_an_image(llava_folder, tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads((out / "diagnosis.json").read_text())
     assert data["meta"]["images"] == 1 and data["meta"]["image_grids"] == [[[4, 4]]]
+    assert "by modality (16 image tokens" in " ".join(result.output.split())  # the scan's table, split by modality
     assert (out / "report.html").exists() and data["records"]
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
