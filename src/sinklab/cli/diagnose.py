@@ -110,7 +110,7 @@ def _diagnose_images(model: str, paths: list[Path], text: str | None, file: Path
     from ..models import load_processor
     from ..vision_inputs import check_vision_model, load_images
     from ._common import load_for_command, read_texts
-    from .scan import _print_modality
+    from .scan import print_modality
 
     images = load_images(paths)  # an unreadable file fails before anything loads
     texts = read_texts(text, file)
@@ -123,7 +123,7 @@ def _diagnose_images(model: str, paths: list[Path], text: str | None, file: Path
                         processor=processor, rules=rules, edits=edits, edit_layers=edit_layers, seed=seed,
                         source=model, revision=revision)
     _print_diagnosis(d)
-    _print_modality(d.scan)
+    print_modality(d.scan)
     print_warnings(d.scan.meta)
     print_recommendation(d.recommendation)
     console.print(f"wrote {out / 'diagnosis.json'}, figures and {save(d, out)}")

@@ -58,7 +58,7 @@ def _print_table(result) -> None:
                       f"{mean['gated_sink_share']:.3f} with it", highlight=False)
 
 
-def _print_modality(result) -> None:
+def print_modality(result) -> None:
     summary = result.modality_summary()
     table = Table(title=f"{result.meta['model']} — by modality ({summary['positions']['image']} image tokens, "
                         f"{summary['positions']['text']} text, ε={summary['eps']})")
@@ -117,7 +117,7 @@ def _scan_images(model: str, paths: list[Path], text: str | None, file: Path | N
     result = scan_images(loaded.model, images, " ".join(texts) if texts else "Describe the image.",
                          processor=processor, thresholds={"eps": eps}, source=model, revision=revision)
     _print_table(result)
-    _print_modality(result)
+    print_modality(result)
     print_warnings(result.meta)
     report = save(result, out)
     console.print(f"wrote {out / 'scan.json'}, figures and {report}")
