@@ -460,3 +460,22 @@ def test_cli_circuit_with_an_image(llava_folder, tmp_path):
                                    torch.tensor(cond["column_mass_0"]), atol=1e-6, rtol=0)
     bad = runner.invoke(app, ["circuit", "builtin:tiny-llama", "--image", str(image), "--out", str(tmp_path / "b")])
     assert bad.exit_code == 2 and "has no vision tower" in " ".join(bad.output.split())
+
+
+def test_modality_codes_must_match_the_batches(models):
+    """scan_inputs and diagnose_inputs refuse modality codes that are not one tensor per batch."""
+    from sinklab import scan_inputs
+    from sinklab.diagnose import diagnose_inputs
+
+    model = built(models, "llava").model
+    inputs = vision_inputs.config_inputs(model, vc.test_image(), vc.TEXT_IDS)
+    for run in (scan_inputs, diagnose_inputs):
+        with pytest.raises(InputError, match="one code tensor per batch"):
+            run(model, inputs.batches, inputs.tokens, modality=inputs.modality * 2)
+
+
+def test_cli_circuit_with_an_image_refuses_a_device_map(llava_folder, tmp_path):
+    result = runner.invoke(app, ["circuit", str(llava_folder), "--image", "sample", "--device-map", "auto",
+                                 "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "drop --device-map" in " ".join(result.output.split())
+    assert not (tmp_path / "o").exists()

@@ -29,8 +29,8 @@ from .recommend import Recommendation, recommend
 from .scan import (Progress, ScanResult, capture_config, check_thresholds, image_inputs, joined_codes, query_groups,
                    scan_result, split_batches, text_batches)
 
-__all__ = ["SCHEMA_VERSION", "DEFAULT_RULES", "EDIT_LAYERS", "EDIT_SAMPLES", "SinkRecord", "Diagnosis", "diagnose", "diagnose_images",
-           "diagnose_inputs", "spread_layers", "token_roles"]
+__all__ = ["SCHEMA_VERSION", "DEFAULT_RULES", "EDIT_LAYERS", "EDIT_SAMPLES", "SinkRecord", "Diagnosis", "diagnose",
+           "diagnose_images", "diagnose_inputs", "spread_layers", "token_roles"]
 
 #: diagnosis.json schema. 2: dominant columns need max(8, ⌈T/8⌉) visible queries; per-layer rows grouped
 #: by role and position (top_sink); edits on the first edit_samples samples, final hidden states only.

@@ -492,10 +492,8 @@ def scan_inputs(
                                progress=progress, meta=meta, modality=modality)
     thresholds = check_thresholds(thresholds)
     batches, mine, start, info = split_batches(batches)
-    if modality is not None and len(modality) != len(batches):
-        raise InputError(f"modality: one code tensor per batch ({len(batches)}), got {len(modality)}")
+    groups = [query_groups(modality, len(batches))[i] for i in mine]
     batches, meta = [batches[i] for i in mine], {**(meta or {}), **info}
-    groups = query_groups(None if modality is None else [modality[i] for i in mine], len(batches))
     results: list[CaptureBatch] = []
     with distributed.together("scan"):
         check_weights(model, used_token_ids(batches))  # no LM head: the embedding only at the rows looked up
@@ -512,7 +510,10 @@ def scan_inputs(
 
 
 def query_groups(modality: list[Tensor] | None, count: int) -> list[Tensor | None]:
-    """Per batch, the text queries (``[B, T]`` bool) whose attention a vision-language scan keeps apart, or None."""
+    """Per batch of ``count``, the text queries (``[B, T]`` bool) whose attention a vision-language scan keeps apart,
+    or None; ``modality`` must hold one code tensor per batch."""
+    if modality is not None and len(modality) != count:
+        raise InputError(f"modality: one code tensor per batch ({count}), got {len(modality)}")
     return [None] * count if modality is None else [(m == vision_inputs.TEXT).to(torch.bool) for m in modality]
 
 
@@ -533,7 +534,7 @@ def image_inputs(model: nn.Module, images: list, text: str, *, processor: Any = 
     :func:`sinklab.diagnose.diagnose_images` and :func:`sinklab.circuit.circuit_images` share."""
     vision_inputs.check_vision_model(model, "images")
     if not images:
-        raise InputError("no image to scan")
+        raise InputError("no image given")
     if processor is not None:
         inputs = vision_inputs.processor_inputs(model, processor, images, text)
         tokenizer_class = type(getattr(processor, "tokenizer", processor)).__name__
@@ -571,8 +572,8 @@ def scan_images(
     With the model's ``processor`` (``AutoProcessor``), it builds the prompt and pixels as for generation
     (:func:`sinklab.vision_inputs.processor_inputs`); without one (a tiny random model) the first image's pixels
     come from the vision config and the text is ``text_ids`` (:func:`sinklab.vision_inputs.config_inputs`). The
-    language model's attention is captured; the vision tower runs on its own attention, not scanned (scan it as a
-    ViT-style encoder for its own sinks).
+    language model's attention is captured; the vision tower runs on its own attention, not scanned
+    (:func:`scan_vision_tower` scans it as an encoder).
     """
     inputs, meta = image_inputs(model, images, text, processor=processor, text_ids=text_ids, source=source,
                                 revision=revision)

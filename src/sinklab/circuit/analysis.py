@@ -439,15 +439,12 @@ def circuit_images(model: nn.Module, images: list, text: str = "Describe the ima
                           revision=revision) for image in images]
     rows = [b.batches[0]["input_ids"][0].tolist() for b, _ in built]
     keys = [k for k in built[0][0].batches[0] if k not in ("input_ids", "attention_mask")]
-    try:
-        extra = {k: torch.cat([b.batches[0][k] for b, _ in built]) for k in keys}
-    except RuntimeError as exc:
-        raise UnsupportedModelError(f"{type(model).__name__}: its images' inputs do not stack one row per image "
-                                    f"({' '.join(str(exc).split())}); the circuit needs one sample per image") from None
-    if any(v.shape[0] != len(images) for v in extra.values()):
-        raise UnsupportedModelError(f"{type(model).__name__}: its image inputs are not one row per image "
-                                    f"({ {k: tuple(v.shape) for k, v in extra.items()} }); the circuit needs one "
-                                    "sample per image")
+    shapes = {k: {tuple(b.batches[0][k].shape) for b, _ in built} for k in keys}
+    if any(len(s) != 1 or next(iter(s))[:1] != (1,) for s in shapes.values()):
+        raise UnsupportedModelError(f"{type(model).__name__}: its image inputs are not one row of one shape per image "
+                                    f"({ {k: sorted(s) for k, s in shapes.items()} }); the circuit needs one sample "
+                                    "per image")
+    extra = {k: torch.cat([b.batches[0][k] for b, _ in built]) for k in keys}
     if processor is not None:
         inputs = row_inputs(getattr(processor, "tokenizer", processor), rows)
     else:

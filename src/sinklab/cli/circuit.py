@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from ..circuit.analysis import CAUSAL_SAMPLES, CONDITION_SAMPLES, LOSS_STRIDE
+from ..errors import InputError
 from ._common import (
     MODEL_HELP,
     progress_bar,
@@ -100,6 +101,8 @@ def circuit_cmd(
         texts = read_texts(text, file)
         needs("--causal-samples", causal_samples, CAUSAL_SAMPLES, not no_causal, "with --no-causal")
         if image:
+            if device_map is not None:
+                raise InputError("--image runs the circuit in one process on one device for now; drop --device-map")
             _circuit_images(model, image, " ".join(texts) if texts else "Describe the image.", out,
                             causal=not no_causal)
             return
