@@ -81,11 +81,10 @@ class Reference:
         self.types = getattr(text, "layer_types", None)
         self.nope = _nope_layers(text)
         self.mla = getattr(text, "qk_rope_head_dim", None) is not None  # DeepSeek-V3-style latent attention
-        # BLIP-2-style models need pixels in every forward of their own: the text steps go to their language model
-        self.runner = self.model
-        wants = inspect.signature(type(self.model).forward).parameters.get("pixel_values")
-        if wants is not None and wants.default is inspect.Parameter.empty:
-            self.runner = self.model.language_model
+        # Gemma 4's apply_rotary_pos_emb(x, cos, sin) rotates one tensor at a time
+        self.one_tensor = self.apply is not None and list(inspect.signature(self.apply).parameters)[1] == "cos"
+        # Gemma 4: an image position's per-layer input is the pad token's, as in the model's own forward
+        self.per_layer_pad = text.pad_token_id if getattr(text, "hidden_size_per_layer_input", None) else None
         # A hybrid: its non-attention layers keep their state in the model's own cache, fed token by token.
         self.cache = None
         if any(t not in ("full_attention", "sliding_attention") for t in (self.types or ())):
@@ -122,7 +121,7 @@ class Reference:
             r = cos.shape[-1]
             q_rot, k_rot = self._rotate(q[..., -r:], k[..., -r:], cos, sin)
             return torch.cat([q[..., :-r], q_rot], -1), torch.cat([k[..., :-r], k_rot], -1)
-        if list(inspect.signature(self.apply).parameters)[1] == "cos":
+        if self.one_tensor:
             return self.apply(q, cos, sin), self.apply(k, cos, sin)
         return self.apply(q, k, cos, sin)
 
@@ -193,7 +192,7 @@ class Reference:
     def step(self, token: int) -> torch.Tensor:
         self.t += 1
         ids = torch.tensor([[token]])
-        out = self.runner(input_ids=ids, position_ids=torch.zeros_like(ids), **self._cache_kwargs()).logits[0, -1]
+        out = self.model(input_ids=ids, position_ids=torch.zeros_like(ids), **self._cache_kwargs()).logits[0, -1]
         self._drop_attention_keys()
         return out
 
@@ -203,13 +202,11 @@ class Reference:
         feature the model's own forward puts at that position); returns the next-token logits."""
         self.t += 1
         extra = {}
-        text = self.model.config.get_text_config()
-        if getattr(text, "hidden_size_per_layer_input", None):  # Gemma 4: an image position's per-layer input is
-            pad = torch.tensor([[text.pad_token_id]])  # the pad token's, as in the model's own forward
+        if self.per_layer_pad is not None:
             per_layer: Any = _compat.language_model(self.model).get_per_layer_inputs
-            extra["per_layer_inputs"] = per_layer(pad)
-        out = self.runner(inputs_embeds=vector.double().view(1, 1, -1), position_ids=torch.zeros(1, 1, dtype=torch.long),
-                          **extra, **self._cache_kwargs()).logits[0, -1]
+            extra["per_layer_inputs"] = per_layer(torch.tensor([[self.per_layer_pad]]))
+        out = self.model(inputs_embeds=vector.double().view(1, 1, -1), position_ids=torch.zeros(1, 1, dtype=torch.long),
+                         **extra, **self._cache_kwargs()).logits[0, -1]
         self._drop_attention_keys()
         return out
 
