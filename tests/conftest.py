@@ -66,3 +66,18 @@ def gemma3():
     loaded = sinklab.load_model("builtin:gemma3")
     loaded.model.requires_grad_(False)
     return loaded
+
+
+@pytest.fixture(scope="module")
+def vlm_model():
+    """``vlm_model(TYPE)``: the sweep's tiny random vision-language model of that type, built once per module."""
+    from sinklab.testing import vlm_conformance
+
+    cache: dict = {}
+
+    def get(model_type: str):
+        if model_type not in cache:
+            cache[model_type] = vlm_conformance.build(model_type).model
+        return cache[model_type]
+
+    return get

@@ -24,17 +24,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def models() -> dict:
-    return {}
-
-
-def _built(models: dict, model_type: str):
-    if model_type not in models:
-        models[model_type] = vc.build(model_type).model
-    return models[model_type]
-
-
 def _images():
     return [vc.test_image(), vc.video_frame(3)]
 
@@ -54,8 +43,8 @@ def _reference(tower, images):
 
 
 @pytest.mark.parametrize("model_type, head", [("llava", ["[CLS]"]), ("gemma3", [])])
-def test_tower_scan_matches_the_towers_own_eager_weights(models, model_type, head):
-    model = _built(models, model_type)
+def test_tower_scan_matches_the_towers_own_eager_weights(vlm_model, model_type, head):
+    model = vlm_model(model_type)
     images = _images()
     result = scan_vision_tower(model, images)
     mass, norms = _reference(model.model.vision_tower, images)
@@ -69,17 +58,17 @@ def test_tower_scan_matches_the_towers_own_eager_weights(models, model_type, hea
     torch.testing.assert_close(result.hidden_norm.double(), norms[:, :layers], rtol=1e-4, atol=1e-4)
 
 
-def test_tower_scan_refusals(models):
+def test_tower_scan_refusals(vlm_model):
     with pytest.raises(UnsupportedModelError, match="patch layout"):  # flattened patches with their grid
-        scan_vision_tower(_built(models, "qwen2_vl"), _images())
+        scan_vision_tower(vlm_model("qwen2_vl"), _images())
     with pytest.raises(InputError, match="no vision tower"):
         scan_vision_tower(tiny_llama(), _images())
     with pytest.raises(InputError, match="no image"):
-        scan_vision_tower(_built(models, "llava"), [])
+        scan_vision_tower(vlm_model("llava"), [])
 
 
-def test_cli_scans_the_vision_tower(models, tmp_path):
-    model = _built(models, "llava")
+def test_cli_scans_the_vision_tower(vlm_model, tmp_path):
+    model = vlm_model("llava")
     folder = tmp_path / "llava"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
