@@ -82,26 +82,34 @@ def run_all(names: list[str], jobs: int, timeout: float) -> list[dict]:
     return [rows[n] for n in names]
 
 
-#: The stream columns: (row key, heading).
-STREAM_COLUMNS = (("stream", "stream"), ("stream_evicted", "past eviction"))
+#: The columns, as in the causal-LM matrix (docs/architectures.md): scan, then the cells after it.
+COLUMNS = ("scan", "stream", "stream_evicted", "diagnose", "circuit")
+#: A cell's statuses, in the causal-LM matrix's order.
+CELL_STATUSES = ("ok", "refused", "crash", "wrong", "n/a")
+
+
+def cell_status(row: dict, column: str) -> str:
+    """A built row's status in one column (the scan's is the row's own)."""
+    return row["status"] if column == "scan" else row.get(column, {}).get("status", "—")
 
 
 def counts(rows: list[dict]) -> dict:
     built = [r for r in rows if r["status"] != "not built"]
     out: dict = {"types": len(rows), "built": len(built), **{s: sum(r["status"] == s for r in rows) for s in STATUSES}}
-    for key, _ in STREAM_COLUMNS:
-        cells = [r[key]["status"] for r in built if key in r]
-        out[key] = {s: cells.count(s) for s in STATUSES if s != "not built"}
+    for column in COLUMNS[1:]:
+        cells = [cell_status(r, column) for r in built]
+        out[column] = {s: cells.count(s) for s in STATUSES if s != "not built"}
     return out
 
 
-def _stream_line(c: dict) -> str:
-    parts = []
-    for key, heading in STREAM_COLUMNS:
-        k = c[key]
-        parts.append(f"{heading}: {k['ok']} ok, {k['wrong']} wrong, {k['crash']} crash, {k['refused']} refused, "
-                     f"{k['n/a']} n/a")
-    return "**Streams — " + "; ".join(parts) + ".**"
+def counts_table(c: dict) -> list[str]:
+    """The causal-LM matrix's counts table: one line per column, one count per status."""
+    lines = [f"{c['types']} types, {c['built']} built, {c['not built']} not built", "",
+             "| cell | " + " | ".join(CELL_STATUSES) + " |", "|---" * (len(CELL_STATUSES) + 1) + "|"]
+    for column in COLUMNS:
+        k = c if column == "scan" else c[column]
+        lines.append(f"| {column} | " + " | ".join(str(k[s]) for s in CELL_STATUSES) + " |")
+    return lines
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
@@ -112,34 +120,49 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "Every image-text-to-text model type of transformers "
         f"{html.escape(str(meta['transformers']))} (`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`), built as a tiny "
         "random model from its own default config (text and vision sizes shrunk, multimodal token ids moved into the "
-        "tiny vocabulary), scanned by `sinklab.scan.scan_images` on one drawn image and a short text. `ok`: the "
-        "language model's attention maps match the eager twin's `output_attentions` on every decoder layer, and the "
-        "per-modality statistics (text and image sink strength, the share of text→image attention on visual sink "
-        "tokens) match a float64 loop over those weights. The vision tower is not scanned (it runs on its own "
-        "attention). `stream`: the prompt, image and all, through a `StreamSession` (nothing evicted) equals the "
-        "model's own forward with the image and its `generate()`; `past eviction`: the image pinned and a window of "
-        "5 text tokens, the logits of the prompt and 6 decoded tokens equal the float64 stream reference over the "
-        "kept tokens and the image is kept at every step (`sinklab.testing.vlm_conformance`). Regenerate: "
-        "`make architectures` (with the causal-LM matrix) or `PYTHONPATH=src python benchmarks/vlm_architectures.py "
-        "--jobs 2`.",
+        "tiny vocabulary), with one drawn image and a short text; the columns of the causal-LM matrix "
+        "([architectures.md](architectures.md)), each with the image:",
+        "",
+        "* **scan** — `sinklab.scan.scan_images`: the language model's attention maps against the eager twin's "
+        "`output_attentions` on every decoder layer, and the per-modality statistics (text and image sink strength, "
+        "the share of text→image attention on visual sink tokens) against a float64 loop over those weights. The "
+        "vision tower is not scanned here (it runs on its own attention).",
+        "* **stream** — the prompt, image and all, through a `StreamSession` (nothing evicted) against the model's "
+        "own forward with the image and its `generate()`.",
+        "* **stream_evicted** — the image pinned and a window of 5 text tokens: the logits of the prompt and 6 "
+        "decoded tokens against the float64 stream reference over the kept tokens (an M-RoPE model's tokens at "
+        "their slot plus their offset from its own layout of the whole prompt), the image kept at every step.",
+        "* **diagnose** — `sinklab.diagnose.diagnose_images`, one edited layer: it serialises, its causal edits are "
+        "finite, its scan is split by modality.",
+        "* **circuit** — `sinklab.circuit.circuit_images`: the three first-token conditions and the causal patches "
+        "with the pixels; it serialises.",
+        "",
+        "Cells are `ok`, `refused` (with the reason a user sees), `crash`, `wrong` or `n/a` "
+        "(`sinklab.testing.vlm_conformance`). Regenerate: `make architectures` (with the causal-LM matrix) or "
+        "`PYTHONPATH=src python benchmarks/vlm_architectures.py --jobs 2`.",
         "",
         f"Source fingerprint: `{meta['source']['fingerprint']}` — SHA-256 over the {meta['source']['files']} sinklab "
         "source files the sweep exercises; `tests/test_vlm.py` fails when the code under test has another.",
         "",
-        f"**{c['types']} types: {c['built']} built, {c['ok']} ok, {c['wrong']} wrong, {c['crash']} crash, "
-        f"{c['refused']} refused, {c['n/a']} n/a, {c['not built']} not built.**",
+        "## Counts",
         "",
-        _stream_line(c),
+        *counts_table(c),
         "",
-        "| type | status | stream | past eviction | detail |",
-        "|---|---|---|---|---|",
+        "## Types",
+        "",
+        "| type | " + " | ".join(COLUMNS) + " | detail |",
+        "|---" * (len(COLUMNS) + 2) + "|",
     ]
     for r in rows:
-        details = [str(r.get("detail", ""))] + [f"{heading}: {r[key]['detail']}" for key, heading in STREAM_COLUMNS
-                                                if key in r and r[key]["status"] != "ok"]
+        if r["status"] == "not built":
+            cells = " | ".join(["not built"] + ["—"] * (len(COLUMNS) - 1))
+            details = [str(r.get("detail", ""))]
+        else:
+            cells = " | ".join(cell_status(r, column) for column in COLUMNS)
+            details = [str(r.get("detail", ""))] + [f"{column}: {r[column]['detail']}" for column in COLUMNS[1:]
+                                                    if column in r and r[column]["status"] != "ok"]
         detail = " ".join(" — ".join(details).split()).replace("|", "\\|")
-        streams = " | ".join(r[key]["status"] if key in r else "—" for key, _ in STREAM_COLUMNS)
-        lines.append(f"| `{html.escape(r['type'])}` | {r['status']} | {streams} | {html.escape(detail)} |")
+        lines.append(f"| `{html.escape(r['type'])}` | {cells} | {html.escape(detail)} |")
     return "\n".join(lines) + "\n"
 
 

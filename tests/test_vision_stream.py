@@ -17,7 +17,8 @@ from sinklab.errors import UnsupportedModelError
 from sinklab.stream import StreamSession
 from sinklab.testing import vlm_conformance as vc
 from sinklab.testing.reference import Reference
-from sinklab.vision_stream import VideoMemory, check_vision_stream, feed_vision, image_pins, video_frames
+from sinklab.vision_stream import (VideoMemory, check_vision_stream, feed_vision, image_pins, native_positions,
+                                   video_frames)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -116,23 +117,33 @@ def test_image_pins_offset_and_framing(models):
     assert framed[0][0] - 7 == bare[0][0] - 1
 
 
-def test_multimodal_rotary_is_refused(models):
-    """Qwen2-VL: refused before anything runs, and a SinkCache given its image positions refuses them (text alone,
-    every axis the same position, still streams)."""
+def test_multimodal_rotary_positions_the_model_lays_out_itself(models):
+    """Qwen2-VL called with a SinkCache directly (no feed_vision): the model lays out the image's (time, height,
+    width) positions itself and the stream takes them as given — the prompt's logits and the next steps equal the
+    model's own forward with its default cache; text alone (every axis the same position) too."""
+    from transformers import DynamicCache
+
     from sinklab.stream import SinkCache
 
     model = built(models, "qwen2_vl")
-    with pytest.raises(UnsupportedModelError, match="re-base the temporal index"):
-        check_vision_stream(model)
+    check_vision_stream(model)  # no refusal: its layout comes from its own get_rope_index
     batch = vision_inputs.config_inputs(model, vc.test_image(), TEXT).batches[0]
-    with torch.no_grad(), SinkCache(model, num_sinks=2, window=64) as cache:
-        with pytest.raises(UnsupportedModelError, match="re-base the temporal index"):
-            model(**batch, cache=cache)
+    follow = torch.tensor([[30, 31]])
+    with torch.no_grad():
+        dense = DynamicCache(config=model.config)
+        own = [model(**batch, cache=dense).logits[0, -1]]
+        own += [model(input_ids=follow[:, i : i + 1], cache=dense).logits[0, -1] for i in range(2)]
+        with SinkCache(model, num_sinks=2, window=64) as cache:
+            ours = [model(**batch, cache=cache).logits[0, -1]]
+            ours += [model(input_ids=follow[:, i : i + 1], cache=cache).logits[0, -1] for i in range(2)]
+            assert int(cache.positions.offset[0]) == -12  # the text after the image: 12 positions before its index
+    for a, b in zip(ours, own, strict=True):
+        assert _rel(a, b) < 1e-5
     text = torch.tensor([TEXT])
     with torch.no_grad():
-        own = model(input_ids=text).logits[0, -1]
+        own_text = model(input_ids=text).logits[0, -1]
         with SinkCache(model, num_sinks=2, window=64) as cache:
-            assert _rel(model(input_ids=text, cache=cache).logits[0, -1], own) < 1e-5
+            assert _rel(model(input_ids=text, cache=cache).logits[0, -1], own_text) < 1e-5
 
 
 def frame_kept(memory: VideoMemory, frames: int) -> set[int]:
@@ -147,17 +158,35 @@ def frame_kept(memory: VideoMemory, frames: int) -> set[int]:
     return keep
 
 
-@pytest.mark.parametrize("model_type", ["llava", "gemma3"])
+def whole_sequence_offsets(model, prompt: torch.Tensor, blocks) -> torch.Tensor | None:
+    """An M-RoPE model's offsets for the float64 reference, recomputed from scratch: its own ``get_rope_index`` over
+    the prompt and every frame as one sequence (every grid in order), minus each token's index."""
+    batches = [b.batches[0] for b in blocks]
+    if "mm_token_type_ids" not in batches[0]:
+        return None
+    ids = torch.cat([prompt] + [b["input_ids"] for b in batches], 1)
+    whole = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "mm_token_type_ids": torch.cat([torch.zeros_like(prompt)] + [b["mm_token_type_ids"] for b in batches], 1),
+             "image_grid_thw": torch.cat([b["image_grid_thw"] for b in batches])}
+    native = native_positions(model, whole)
+    return None if native is None else native[:, 0] - torch.arange(ids.shape[1])
+
+
+@pytest.mark.parametrize("model_type", ["llava", "gemma3", "qwen2_vl"])
 def test_video_memory_keeps_its_definition_and_matches_the_float64_reference(models, model_type):
     """A prompt, then frames fed one by one (each its pixels through the vision tower and a forward of its block of
     tokens through the stream): at every frame the kept set is the sinks + prompt + pinned first frame + the newest
-    frames, and the logits equal the float64 reference over the kept tokens."""
+    frames, and the logits equal the float64 reference over the kept tokens. Qwen2-VL (M-RoPE): each frame's
+    (time, height, width) positions counted on from the stream, against offsets laid out from scratch over the
+    whole sequence."""
     model = built(models, model_type)
     blocks = video_frames(model, [vc.video_frame(i) for i in range(7)], text_ids=[11, 12])
     prompt = torch.tensor([[20, 21, 22]])
     memory = VideoMemory(frame_tokens=int(blocks[0].batches[0]["input_ids"].shape[1]), recent_frames=2,
                          pinned_frames=(0,), num_sinks=2, prompt_tokens=3)
-    ref = Reference(model, memory.num_sinks, memory.config().window, memory.pinned())
+    offsets = whole_sequence_offsets(model, prompt, blocks)
+    assert (offsets is not None) == (model_type == "qwen2_vl")
+    ref = Reference(model, memory.num_sinks, memory.config().window, memory.pinned(), offsets=offsets)
     embeds = [vc.decoder_embeds(model, block.batches[0]) for block in blocks]  # before the stream holds the model
     worst = 0.0
     with StreamSession(model, config=memory.config()) as s:

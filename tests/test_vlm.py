@@ -219,16 +219,19 @@ def test_the_committed_sweep_table_matches_its_json():
     page = (root / "docs" / "vlm_architectures.md").read_text()
     c = data["counts"]
     assert c["types"] == len(data["rows"]) == len(vc.all_types())
-    assert (f"**{c['types']} types: {c['built']} built, {c['ok']} ok, {c['wrong']} wrong, {c['crash']} crash, "
-            f"{c['refused']} refused, {c['n/a']} n/a, {c['not built']} not built.**") in page
-    for key, heading in (("stream", "stream"), ("stream_evicted", "past eviction")):
+    assert f"{c['types']} types, {c['built']} built, {c['not built']} not built" in page
+    columns = ("scan", "stream", "stream_evicted", "diagnose", "circuit")  # the causal-LM matrix's columns
+    assert "| cell | ok | refused | crash | wrong | n/a |" in page
+    assert f"| scan | {c['ok']} | {c['refused']} | {c['crash']} | {c['wrong']} | {c['n/a']} |" in page
+    for key in columns[1:]:
         k = c[key]
-        assert (f"{heading}: {k['ok']} ok, {k['wrong']} wrong, {k['crash']} crash, {k['refused']} refused, "
-                f"{k['n/a']} n/a") in page
-        assert sum(k.values()) == c["built"]  # every built type has both stream cells
+        assert f"| {key} | {k['ok']} | {k['refused']} | {k['crash']} | {k['wrong']} | {k['n/a']} |" in page
+        assert sum(k.values()) == c["built"]  # every built type has every cell
+    assert "| type | " + " | ".join(columns) + " | detail |" in page
     for row in data["rows"]:
-        streams = " | ".join(row[key]["status"] if key in row else "—" for key in ("stream", "stream_evicted"))
-        assert f"| `{row['type']}` | {row['status']} | {streams} |" in page
+        cells = (["not built"] + ["—"] * 4 if row["status"] == "not built"
+                 else [row["status"]] + [row[key]["status"] for key in columns[1:]])
+        assert f"| `{row['type']}` | {' | '.join(cells)} |" in page
 
 
 def test_committed_sweep_was_made_from_the_sources_under_test():
@@ -248,13 +251,14 @@ def test_committed_sweep_was_made_from_the_sources_under_test():
 
 
 def test_sweep_stream_cells():
-    """The sweep's stream cells: a 1-D rotary model streams, before eviction and past it with its image pinned; an
-    M-RoPE model is refused with what would lift it."""
+    """The sweep's stream cells: a 1-D rotary model streams, before eviction and past it with its image pinned; so
+    does an M-RoPE model (Qwen2-VL), its float64 reference given each token's 3-D offset from the model's own layout
+    of the whole prompt."""
     llava, qwen = vc.run_row("llava"), vc.run_row("qwen2_vl")
     assert llava["stream"]["status"] == llava["stream_evicted"]["status"] == "ok", llava
     assert "16 image tokens pinned" in llava["stream_evicted"]["detail"]
-    for key in ("stream", "stream_evicted"):
-        assert qwen[key]["status"] == "refused" and "re-base the temporal index" in qwen[key]["detail"]
+    assert qwen["stream"]["status"] == qwen["stream_evicted"]["status"] == "ok", qwen
+    assert "18 image tokens pinned" in qwen["stream_evicted"]["detail"]
     # Cohere 2's full-attention layers carry no position (RoPE on its sliding layers only): the reference knows it
     cohere = vc.run_row("cohere2_vision")
     assert cohere["stream_evicted"]["status"] == "ok", cohere
@@ -264,20 +268,58 @@ def test_sweep_stream_cells():
     assert kimi["stream_evicted"]["status"] == "ok", kimi
 
 
-def test_a_model_that_lays_out_multimodal_positions_itself_is_refused():
-    """MiniCPM-V 4.7 computes M-RoPE positions from its token types although its config names no rotary sections:
-    its own forward differs from sequential positions, so a stream would be silently wrong — refused."""
-    from sinklab.errors import UnsupportedModelError
-    from sinklab.vision_stream import check_vision_stream
-
-    model = built(models={}, model_type="minicpmv4_7").model
+@pytest.mark.parametrize("model_type", ["minicpmv4_7", "qwen3_vl"])
+def test_models_that_lay_out_multimodal_positions_stream_by_their_own_layout(model_type):
+    """MiniCPM-V 4.7 computes M-RoPE positions from its token types although its config names no rotary sections,
+    and Qwen3-VL interleaves its axes and adds vision features inside its first layers (deepstack): their own
+    forwards differ from sequential positions, and the stream, fed by their own layout, equals them before eviction
+    and the float64 reference after."""
+    model = built(models={}, model_type=model_type).model
     batch = vision_inputs.config_inputs(model, vc.test_image(), vc.TEXT_IDS[:12]).batches[0]
     with torch.no_grad():
         own = model(**batch).logits[0, -1]
         sequential = model(**batch, position_ids=torch.arange(batch["input_ids"].shape[1])[None]).logits[0, -1]
     assert float((own - sequential).abs().max()) > 1e-4  # its positions are not the sequence's
-    with pytest.raises(UnsupportedModelError, match="re-base the temporal index"):
-        check_vision_stream(model)
+    row = vc.run_row(model_type)
+    assert row["stream"]["status"] == row["stream_evicted"]["status"] == "ok", row
+
+
+def test_multimodal_positions_rebase_and_survive_save_and_load(tmp_path):
+    """An M-RoPE stream's time index is re-based with the slots (the decoder's positions stay within the re-base
+    span, one index on every axis for text) and gives the logits of a stream that never re-based; a saved and
+    loaded stream continues with the next text token's offset: the same logits as the uninterrupted one."""
+    from sinklab.stream import StreamSession
+    from sinklab.vision_stream import feed_vision
+
+    model = built(models={}, model_type="qwen2_vl").model
+    inputs = vision_inputs.config_inputs(model, vc.test_image(), vc.TEXT_IDS[:12])
+    tokens = vc.TEXT_IDS[12:40]
+    seen: list[torch.Tensor] = []
+
+    def run(rebase_every: int | None, save: Path | None = None) -> list[torch.Tensor]:
+        with StreamSession(model, num_sinks=2, window=6, rebase_every=rebase_every) as s:
+            out = [feed_vision(s, inputs)[0]] + [s.step(torch.tensor([t]))[0] for t in tokens]
+            assert int(s.cache.positions.offset[0]) == -12  # 18 image tokens on a 3 × 3 position grid
+            if save is not None:
+                s.save(save)
+            return out + [s.step(torch.tensor([t]))[0] for t in (5, 6, 7)]
+
+    rotary = _compat.language_model(model).rotary_emb
+    handle = rotary.register_forward_pre_hook(lambda m, args: seen.append(args[1].detach().clone()))
+    try:
+        rebased = run(16, tmp_path / "qwen.safetensors")
+    finally:
+        handle.remove()
+    steps = [p for p in seen if p.shape[-1] == 1 and int(p.max()) < 1000]  # (1000: the rotary probe's)
+    assert len(steps) == len(tokens) + 3 and all(bool((p == p[:1]).all()) for p in steps)
+    assert max(abs(int(p.max())) for p in steps) <= 16, "the time index grew with the stream"
+    for a, b in zip(rebased, run(None), strict=True):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-5
+    with StreamSession.load(model, tmp_path / "qwen.safetensors") as resumed:
+        assert int(resumed.cache.positions.offset[0]) == -12
+        again = [resumed.step(torch.tensor([t]))[0] for t in (5, 6, 7)]
+    for a, b in zip(again, rebased[-3:], strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("model_type, layout, grid", [
@@ -389,7 +431,10 @@ def test_cli_diagnose_with_an_image(llava_folder, tmp_path):
     data = json.loads((out / "diagnosis.json").read_text())
     assert data["meta"]["images"] == 1 and data["meta"]["image_grids"] == [[[4, 4]]]
     assert "by modality (16 image tokens" in " ".join(result.output.split())  # the scan's table, split by modality
-    assert (out / "report.html").exists() and data["records"]
+    assert data["records"]
+    report = " ".join((out / "report.html").read_text().split())
+    assert "<h2>By modality</h2><p>Positions: 26 text, 16 image" in report  # the split, as in the scan's report
+    assert "alt='image_sinks'" in report and (out / "image_sinks.png").exists()  # the sink patches over the picture
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from sinklab.diagnose import diagnose_images

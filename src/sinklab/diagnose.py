@@ -455,6 +455,8 @@ def diagnose_images(
     inputs, meta = image_inputs(model, images, text, processor=processor, text_ids=text_ids, source=source,
                                 revision=revision)
     tokenizer = getattr(processor, "tokenizer", processor)
-    return diagnose_inputs(model, inputs.batches, inputs.tokens, rules=rules, edits=edits, edit_layers=edit_layers,
-                           special=special_tokens(tokenizer) if tokenizer is not None else None, meta=meta,
-                           progress=progress, seed=seed, modality=inputs.modality)
+    d = diagnose_inputs(model, inputs.batches, inputs.tokens, rules=rules, edits=edits, edit_layers=edit_layers,
+                        special=special_tokens(tokenizer) if tokenizer is not None else None, meta=meta,
+                        progress=progress, seed=seed, modality=inputs.modality)
+    d.scan.images = list(images)  # the report draws the sink patches over the picture
+    return d

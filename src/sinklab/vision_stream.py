@@ -4,12 +4,14 @@ with the video memory plan (sinks, pinned frames, the most recent frames and the
 
 The vision tower runs on the model's own attention, once per image or frame; only the text decoder streams
 (``SinkCache`` installs its attention on ``_compat.language_model``). Positions are by cache slot, one index per token
-(1-D rotary: Llava, Gemma 3, PaliGemma, Idefics3 …); a model that rotates by (time, height, width) positions
-(M-RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V) is refused by :func:`check_vision_stream`.
+(1-D rotary: Llava, Gemma 3, PaliGemma, Idefics3 …). A model that rotates by (time, height, width) positions
+(M-RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V …) keeps each token's 3-D offset from its cache-slot index
+(:mod:`sinklab.stream.mrope`): the time index is re-based with the stream, height and width kept.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,11 +23,11 @@ from torch import Tensor, nn
 from . import _compat
 from .errors import InputError, UnsupportedModelError, check_int
 from .stream import StreamSession
-from .stream.cache import MROPE_REFUSAL
 from .stream.config import StreamConfig
+from .stream.mrope import lays_out_positions
 from .vision_inputs import IMAGE, IMAGE_SPECIAL, TEXT, VisionInputs, check_vision_model, config_inputs, image_spans
 
-__all__ = ["image_pins", "check_vision_stream", "feed_vision", "VideoMemory", "video_frames", "frame_files",
+__all__ = ["image_pins", "check_vision_stream", "native_positions", "feed_vision", "VideoMemory", "video_frames", "frame_files",
            "stream_video"]
 
 
@@ -52,17 +54,20 @@ def image_pins(inputs: VisionInputs, *, offset: int = 0, sample: int = 0,
 
 
 def check_vision_stream(model: nn.Module) -> None:
-    """Refuse what a stream with images cannot reproduce: no vision tower (an :class:`InputError`), and multimodal
-    rotary positions (M-RoPE)."""
+    """Refuse what a stream with images cannot reproduce: no vision tower (an :class:`InputError`)."""
     check_vision_model(model, "images in a stream")
-    config = getattr(model, "config", None)
-    for cfg in (config, getattr(config, "text_config", None)):
-        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
-        if isinstance(rope, dict) and rope.get("mrope_section"):
-            raise UnsupportedModelError(f"{type(model).__name__}: {MROPE_REFUSAL}.")
-    # a model that lays out multimodal positions itself (MiniCPM-V 4.7 from its token types) whatever its config says
-    if any(callable(getattr(m, "get_rope_index", None)) for m in (model, _compat.base_model(model))):
-        raise UnsupportedModelError(f"{type(model).__name__}: {MROPE_REFUSAL}.")
+
+
+def native_positions(model: nn.Module, batch: dict[str, Any]) -> Tensor | None:
+    """The multimodal positions ``(axes, B, C)`` the model's own ``get_rope_index`` gives ``batch`` on its own
+    (counted from 0), or ``None`` for a model with one position per token."""
+    if not lays_out_positions(model):
+        return None
+    index: Any = next(m.get_rope_index for m in (_compat.base_model(model), model)
+                      if callable(getattr(m, "get_rope_index", None)))
+    named = inspect.signature(index).parameters
+    positions, _ = index(**{k: v for k, v in batch.items() if k in named})
+    return positions
 
 
 @torch.no_grad()
@@ -87,6 +92,12 @@ def feed_vision(session: StreamSession, inputs: VisionInputs, *, causal_images: 
                 "the stream's prefill to mask each image's tokens bidirectionally (or pass causal_images=True to "
                 "stream the image causally).")
         batch.pop("token_type_ids")
+    positions = native_positions(session.model, batch)  # M-RoPE: counted on from the stream's last position
+    if positions is not None:
+        cache = session.cache
+        offset = cache.positions.offset if cache.positions is not None else None
+        seen = cache.get_seq_length() + (offset[:, None] if offset is not None else 0)
+        batch["position_ids"] = positions + seen
     batch.pop("attention_mask", None)  # every column real: the stream masks by its own metadata
     kwargs = {"use_cache": True, _compat.cache_kwarg_name(session.model): session.cache}
     logits = session.model(**batch, **kwargs).logits[:, -1]

@@ -85,5 +85,8 @@ def edit_bars(d: Diagnosis) -> Figure | None:
 
 
 def diagnosis_figures(d: Diagnosis) -> dict:
-    figs = {"diagnostic_scatter": diagnostic_scatter(d), "class_counts": class_counts(d), "causal_edits": edit_bars(d)}
+    from .vlm_figures import image_sinks
+
+    figs = {"diagnostic_scatter": diagnostic_scatter(d), "class_counts": class_counts(d), "causal_edits": edit_bars(d),
+            "image_sinks": image_sinks(d.scan)}
     return {k: v for k, v in figs.items() if v is not None}

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from ..recommend import Recommendation
 from ..scan import layer_label
 from .diagnose_figures import diagnosis_figures
-from .html import images_html, page, write_outputs
+from .html import IMAGE_CAPTIONS, images_html, modality_html, page, write_outputs
 from .recommend_html import render_recommendation
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,8 +59,8 @@ NOP if r_out ≤ {d.rules['nop_max_ratio']}; broadcast if r_out ≥ {d.rules['br
 <th>dominant</th><th>top sink (role@position)</th><th>there %</th><th>its usual token</th><th>median r_out</th><th>median srank</th>{gate_head}</tr>{layer_rows}</table>
 <h2>Causal value edits (relative RMS change of the final hidden states)</h2>
 <table><tr><th>head</th><th>class</th>{edit_head}</tr>{edit_rows}</table>
-{render_recommendation(rec) if rec is not None else ''}
-<h2>Figures</h2>{images_html(images)}
+{modality_html(d.scan)}{render_recommendation(rec) if rec is not None else ''}
+<h2>Figures</h2>{images_html(images, IMAGE_CAPTIONS)}
 <h2>Rules and provenance</h2><pre>{esc(json.dumps({'rules': d.rules, 'meta': meta}, indent=2, default=str))}</pre>"""
     return page(f"sinklab diagnose — {meta.get('model')}", body)
 

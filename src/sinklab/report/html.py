@@ -18,7 +18,7 @@ from .figures import png_bytes, scan_figures
 if TYPE_CHECKING:  # pragma: no cover
     from ..scan import ScanResult
 
-__all__ = ["write_report", "write_outputs", "render_html", "page", "images_html"]
+__all__ = ["write_report", "write_outputs", "render_html", "page", "images_html", "modality_html", "IMAGE_CAPTIONS"]
 
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:1100px;color:#222}
@@ -62,7 +62,7 @@ def _gate_html(result: ScanResult) -> str:
             + "".join(rows) + "</table>")
 
 
-def _modality_html(result: ScanResult) -> str:
+def modality_html(result: ScanResult) -> str:
     """A vision-language scan: sink rate and strength by modality, the visual sink share, the top sinks."""
     if result.modality is None:
         return ""
@@ -110,7 +110,7 @@ def render_html(result: ScanResult, images: dict[str, bytes]) -> str:
 <p>{result.num_samples} samples × {result.seq_len} tokens, {result.num_layers} layers × {result.num_heads} heads.
 Sink<sub>0</sub><sup>ε={meta['thresholds']['eps']}</sup> = <b>{result.sink_rate(0):.1f} %</b> of layer×head pairs
 (T = {meta['seq_len']}). Most common sink: position {pos} (<code>{esc(label)}</code>).</p>
-{_hybrid_html(result)}{_gate_html(result)}{_modality_html(result)}<h2>Per layer</h2><table><tr><th>layer</th>{head}</tr>{''.join(rows)}</table>
+{_hybrid_html(result)}{_gate_html(result)}{modality_html(result)}<h2>Per layer</h2><table><tr><th>layer</th>{head}</tr>{''.join(rows)}</table>
 <h3>What the columns mean</h3><dl>{legend}</dl>
 <h2>Sample 0 tokens (shaded by mean column mass)</h2><p>{''.join(toks)}</p>
 <h2>Figures</h2>{figs}

@@ -23,6 +23,7 @@ from ..errors import InputError, ModelWeightsError, UnsupportedModelError
 from .activation import streams_of
 from .config import KV_GROUP_SIZE, StreamConfig, resolve_config
 from .layer import SinkWindowLayer
+from .mrope import MultimodalPositions, lays_out_positions
 from .plan import RetentionPlan
 from .policy import RetentionPolicy
 from .quantized import QuantizedSinkWindowLayer
@@ -30,12 +31,6 @@ from .scored import ScoredLayer, ScoredState
 from .state import StreamState
 
 __all__ = ["KV_GROUP_SIZE", "LAYER_KINDS", "LayerSpec", "SinkCache", "build_layers"]
-
-
-#: Why a stream refuses multimodal rotary positions (M-RoPE), and what would lift it.
-MROPE_REFUSAL = ("it rotates image tokens by (time, height, width) positions (M-RoPE, with a per-sequence rope_deltas), "
-                 "and the stream positions every kept token by one cache-slot index; lifting it needs the stream to "
-                 "re-base the temporal index and keep each kept token's height and width")
 
 
 def _real_columns(mask, b: int, c: int, device: torch.device) -> torch.Tensor:
@@ -172,6 +167,8 @@ class SinkCache(Cache):
         self._pending_ids: torch.Tensor | bool = False
         self._pending_hidden: torch.Tensor | bool = False
         self._checked = 0  # columns checked so far
+        #: Multimodal rotary positions (M-RoPE), or None: each token's 3-D position offset from its virtual one.
+        self.positions = MultimodalPositions() if lays_out_positions(model) else None
         super().__init__(layers=layers)
         self._streams = streams_of(model)
         self._streams.add(self)
@@ -215,9 +212,11 @@ class SinkCache(Cache):
         b, c = ref.shape[0], ref.shape[1]  # type: ignore[union-attr]  # (the model takes ids or embeddings)
         if ids is not None:
             self.check_ids(ids)
-        given = kwargs.get("position_ids")  # M-RoPE's (axes, B, C) positions: text-only when every axis agrees
-        if isinstance(given, torch.Tensor) and given.dim() == 3 and not bool((given == given[-1:]).all()):
-            raise UnsupportedModelError(f"{type(self.model).__name__}: {MROPE_REFUSAL}.")
+        given, seen = kwargs.get("position_ids"), self.state.columns
+        if self.positions is None and isinstance(given, torch.Tensor) and given.dim() == 3 \
+                and not bool((given == given[-1:]).all()):
+            raise UnsupportedModelError(f"{type(self.model).__name__}: it hands its decoder positions by axis, which "
+                                        "sinklab did not detect from its config (no mrope_section, no get_rope_index)")
         mask = kwargs.get("attention_mask")
         if isinstance(mask, dict):  # generate() on a hybrid model: one prepared mask per layer type, same padding
             mask = next((m for m in mask.values() if isinstance(m, torch.Tensor)), None)
@@ -225,6 +224,8 @@ class SinkCache(Cache):
         # Every column real, known on the host: no mask, or a CPU mask (on an accelerator the read would synchronise).
         all_valid = not isinstance(mask, torch.Tensor) or (valid.device.type == "cpu" and bool(valid.all()))
         positions = [s.begin(valid, all_valid) for s in self.states][0]
+        if self.positions is not None:
+            positions = self.positions.plan(given, positions, seen, all_valid)
         kwargs["position_ids"] = positions
         kwargs.pop("cache_position", None)
         return args, kwargs
@@ -289,6 +290,8 @@ class SinkCache(Cache):
 
     # ------------------------------------------------------------------ generate modes (rows, crop)
     def _select_rows(self, index: torch.Tensor) -> None:
+        if self.positions is not None:
+            self.positions.select_rows(index)
         for state in self.states:
             if state.batch is not None:
                 state.select_rows(index)
@@ -365,7 +368,8 @@ class SinkCache(Cache):
         config on the same model continues exactly after :meth:`load_state_dict`."""
         return {"states": {str(g): s.state_dict() for g, s in enumerate(self.states)},
                 "layers": {str(i): self._layer_state(i) for i in range(len(self.layers))},
-                "recurrent": list(self.recurrent_layers)}
+                "recurrent": list(self.recurrent_layers),
+                **({"positions": self.positions.state_dict()} if self.positions is not None else {})}
 
     def _layer_state(self, i: int) -> dict:
         if i in self.recurrent_layers:
@@ -395,6 +399,8 @@ class SinkCache(Cache):
                 load_recurrent_state_dict(layer, saved["layers"][str(i)])
             elif self.layer_states[i] is not None:
                 layer.load_state_dict(saved["layers"][str(i)])
+        if self.positions is not None:
+            self.positions.load_state_dict(saved.get("positions", {}))
         self._checked = self.state.columns
 
 

@@ -433,14 +433,14 @@ def cell_stream_evicted(built: Built, config: Configuration | None = None) -> Ce
     return Cell("ok", f"float32 {err32:.1e}, float64 {err64:.1e}")
 
 
-def _finite_json(obj: object) -> bool:
+def finite_json(obj: object) -> bool:
     """Whether every float in a JSON-ready structure is finite (None for missing values is fine)."""
     if isinstance(obj, float):
         return math.isfinite(obj)
     if isinstance(obj, dict):
-        return all(_finite_json(v) for v in obj.values())
+        return all(finite_json(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return all(_finite_json(v) for v in obj)
+        return all(finite_json(v) for v in obj)
     return True
 
 
@@ -454,7 +454,7 @@ def cell_diagnose(built: Built, tok) -> Cell:
         d = diagnose(built.model, tok, texts(), seq_len=TEXT_LEN, samples=2, batch_size=2, edit_samples=1,
                              edit_layers=1)
     data = json.loads(json.dumps(d.to_json()))
-    if not _finite_json(data["edits"]):
+    if not finite_json(data["edits"]):
         return Cell("wrong", "non-finite causal-edit results")
     return Cell("ok", f"{len(d.records)} sinks, {len(d.edits)} edited heads")
 

@@ -55,7 +55,11 @@ def _native_windows(model) -> list:
 class Reference:
     """Teacher-forced StreamingLLM in float64: ``step(token)`` returns the next-token logits."""
 
-    def __init__(self, model, num_sinks: int, window: int, pinned=(), sliding_sinks: bool = False):
+    def __init__(self, model, num_sinks: int, window: int, pinned=(), sliding_sinks: bool = False, offsets=None):
+        """``offsets`` ``(axes, T)``: a multimodal rotary model's (M-RoPE) position of each stream token minus its
+        stream index, from its own layout of the uncompressed sequence; a kept token sits at its slot plus its
+        offset."""
+        self.offsets = offsets
         self.model = copy.deepcopy(model).double()
         if hasattr(self.model, "set_experts_implementation"):  # MoE (gpt-oss): grouped_mm has no float64 kernel
             try:
@@ -142,7 +146,10 @@ class Reference:
         n = len(store)
         keys = torch.stack([e[1] for e in store], dim=1)[None]  # (1, Hkv, n, dh)
         values = torch.stack([e[2] for e in store], dim=1)[None]
-        cos, sin, _ = self._rope(layer, keys, torch.arange(n)[None])
+        slots = torch.arange(n)[None]
+        if self.offsets is not None:  # (axes, 1, n): every axis by slot, plus the token's own offset
+            slots = slots + self.offsets[:, [e[0] for e in store]][:, None]
+        cos, sin, _ = self._rope(layer, keys, slots)
         q = (query / mscale).expand(1, -1, n, -1)  # the query sits at the last slot
         q_rot, k_rot = (q, keys) if self.rotary is None or layer in self.nope else self._rotate(q, keys, cos, sin)
         q_rot = q_rot[:, :, -1:]
@@ -197,16 +204,30 @@ class Reference:
         return out
 
     @torch.no_grad()
-    def step_embeds(self, vector: torch.Tensor) -> torch.Tensor:
+    def step_embeds(self, vector: torch.Tensor, deepstack: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Step one input embedding ``[D]`` in (an image token of a vision-language model: the projected vision
-        feature the model's own forward puts at that position); returns the next-token logits."""
+        feature the model's own forward puts at that position; ``deepstack``: what it adds to that position's hidden
+        state after each of its first layers, Qwen3-VL); returns the next-token logits."""
         self.t += 1
         extra = {}
         if self.per_layer_pad is not None:
             per_layer: Any = _compat.language_model(self.model).get_per_layer_inputs
             extra["per_layer_inputs"] = per_layer(torch.tensor([[self.per_layer_pad]]))
-        out = self.model(inputs_embeds=vector.double().view(1, 1, -1), position_ids=torch.zeros(1, 1, dtype=torch.long),
-                         **extra, **self._cache_kwargs()).logits[0, -1]
+
+        def visual(module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            kwargs["visual_pos_masks"] = torch.ones(1, 1, dtype=torch.bool)
+            kwargs["deepstack_visual_embeds"] = [d.double().view(1, -1) for d in deepstack]  # type: ignore[union-attr]
+            return args, kwargs
+
+        decoder = _compat.language_model(self.model)
+        handle = decoder.register_forward_pre_hook(visual, with_kwargs=True) if deepstack else None
+        try:
+            out = self.model(inputs_embeds=vector.double().view(1, 1, -1),
+                             position_ids=torch.zeros(1, 1, dtype=torch.long), **extra,
+                             **self._cache_kwargs()).logits[0, -1]
+        finally:
+            if handle is not None:
+                handle.remove()
         self._drop_attention_keys()
         return out
 

@@ -12,7 +12,9 @@ forward fails, so there is no reference). ``benchmarks/vlm_architectures.py`` wr
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 import inspect
+import json
 import math
 import warnings
 from typing import Any
@@ -25,9 +27,9 @@ from torch import Tensor, nn
 from .. import _compat, vision_inputs
 from ..scan import ScanResult, scan_images
 from . import tiny
-from .conformance import Cell, NotApplicable, reference, run_cell
+from .conformance import Cell, NotApplicable, finite_json, reference, run_cell
 
-__all__ = ["all_types", "build", "OVERRIDES", "TOKEN_OVERRIDES", "test_image", "video_frame", "decoder_embeds", "reference_feed", "cell_scan", "run_row", "modality_reference", "TEXT_IDS",
+__all__ = ["all_types", "build", "OVERRIDES", "TOKEN_OVERRIDES", "test_image", "video_frame", "DecoderFeed", "decoder_embeds", "reference_feed", "cell_scan", "run_row", "modality_reference", "TEXT_IDS",
            "TOLERANCE", "STATUSES"]
 
 STATUSES = ("ok", "wrong", "crash", "refused", "n/a", "not built")
@@ -190,13 +192,29 @@ def video_frame(index: int) -> Any:
     return Image.fromarray(array.astype(np.uint8))
 
 
-def decoder_embeds(model: nn.Module, batch: dict) -> Tensor:
-    """``[T, D]``: what the model's own forward on ``batch`` hands its text decoder (the projected vision features
-    at the image positions), read by a pre-hook on the decoder; run it outside any stream on the model."""
-    seen = {}
+@dataclass(frozen=True)
+class DecoderFeed:
+    """What the model's own forward hands its text decoder: the input embeddings ``[T, D]`` (the projected vision
+    features at the image positions) and, for a model that adds vision features inside its first layers (Qwen3-VL's
+    deepstack), each visual position's per-layer additions."""
+
+    embeds: Tensor
+    deepstack: dict[int, list[Tensor]]
+    #: Positions whose decoder input is not their token's embedding (image tokens; Ovis 2.5's image markers too).
+    replaced: frozenset[int] = frozenset()
+
+
+def decoder_embeds(model: nn.Module, batch: dict) -> DecoderFeed:
+    """:class:`DecoderFeed` of the model's own forward on ``batch``, read by a pre-hook on the decoder; run it
+    outside any stream on the model."""
+    seen: dict[str, Any] = {}
 
     def grab(module: nn.Module, args: tuple, kwargs: dict) -> None:
         seen["x"] = kwargs["inputs_embeds"][0].detach().clone()
+        masks, stack = kwargs.get("visual_pos_masks"), kwargs.get("deepstack_visual_embeds")
+        if masks is not None and stack:
+            where = masks[0].nonzero().flatten().tolist()
+            seen["deep"] = {p: [layer[k].detach().clone() for layer in stack] for k, p in enumerate(where)}
 
     handle = _compat.language_model(model).register_forward_pre_hook(grab, with_kwargs=True)
     try:
@@ -204,17 +222,25 @@ def decoder_embeds(model: nn.Module, batch: dict) -> Tensor:
             model(**batch)
     finally:
         handle.remove()
-    return seen["x"]
+    table: Any = model.get_input_embeddings()  # type: ignore[operator]
+    with torch.no_grad():
+        own = table(batch["input_ids"][0].clamp(0, table.num_embeddings - 1))
+    differs = (seen["x"] - own.to(seen["x"].dtype)).abs().amax(-1) > 1e-6 * own.abs().max()
+    return DecoderFeed(seen["x"], seen.get("deep", {}), frozenset(differs.nonzero().flatten().tolist()))
 
 
-def reference_feed(ref: Any, inputs: vision_inputs.VisionInputs, embeds: Tensor) -> Tensor:
+def reference_feed(ref: Any, inputs: vision_inputs.VisionInputs, feed: DecoderFeed) -> Tensor:
     """Feed ``inputs``' first sample token by token into the float64 stream reference (``testing.reference``): the
-    image positions as ``embeds`` (:func:`decoder_embeds`), the rest as ids; the logits after its last token."""
+    image positions (and any other the model's forward replaced) as ``feed``'s embeddings (:func:`decoder_embeds`),
+    the rest as ids; the logits after its last token."""
     batch = inputs.batches[0]
     codes, ids = inputs.modality[0][0], batch["input_ids"][0]
     out: Any = None
     for p in range(ids.shape[0]):
-        out = ref.step_embeds(embeds[p]) if int(codes[p]) == vision_inputs.IMAGE else ref.step(int(ids[p]))
+        if int(codes[p]) == vision_inputs.IMAGE or p in feed.replaced:
+            out = ref.step_embeds(feed.embeds[p], deepstack=feed.deepstack.get(p))
+        else:
+            out = ref.step(int(ids[p]))
     return out
 
 
@@ -426,6 +452,21 @@ def cell_stream(built: tiny.Built) -> Cell:
     return Cell("ok" if error <= TOLERANCE and same else "wrong", msg + " to generate() with the image")
 
 
+def native_offsets(model: nn.Module, batch: dict, steps: int) -> Tensor | None:
+    """A multimodal rotary model's (M-RoPE) offsets ``(axes, T + steps)`` for the float64 reference: each prompt
+    token's position in the model's own layout of the whole prompt minus its index, then ``steps`` text tokens
+    counted on from the prompt's largest position; ``None`` for one position per token."""
+    from ..vision_stream import native_positions
+
+    native = native_positions(model, batch)
+    if native is None:
+        return None
+    native = native[:, 0]
+    t = native.shape[1]
+    following = (native.max() + 1 - t).expand(native.shape[0], steps)
+    return torch.cat([native - torch.arange(t), following], 1)
+
+
 def cell_stream_evicted(built: tiny.Built) -> Cell:
     """The image pinned, a window smaller than the text after it: the prompt's and :data:`EVICT_STEPS` decoded
     tokens' logits against the float64 stream reference over the kept tokens (fed the decoder's own image
@@ -443,8 +484,10 @@ def cell_stream_evicted(built: tiny.Built) -> Cell:
     embeds = reference("the model's own forward", lambda: decoder_embeds(model, inputs.batches[0]))
     steps = TEXT_IDS[12:12 + EVICT_STEPS]
 
+    offsets = native_offsets(model, inputs.batches[0], EVICT_STEPS)
+
     def teacher_forced() -> list[Tensor]:
-        ref = Reference(model, EVICT_SINKS, EVICT_WINDOW, pins)
+        ref = Reference(model, EVICT_SINKS, EVICT_WINDOW, pins, offsets=offsets)
         return [reference_feed(ref, inputs, embeds)] + [ref.step(token) for token in steps]
 
     expected = reference("the float64 stream reference", teacher_forced)
@@ -460,8 +503,39 @@ def cell_stream_evicted(built: tiny.Built) -> Cell:
     return Cell("ok" if worst <= TOLERANCE and not lost else "wrong", msg)
 
 
+def cell_diagnose(built: tiny.Built) -> Cell:
+    """``sinklab.diagnose.diagnose_images`` on the test image and text, one edited layer: it serialises, its causal
+    edits are finite and its scan is split by modality (as the causal-LM matrix's diagnose cell, with the image)."""
+    from ..diagnose import diagnose_images
+
+    d = diagnose_images(built.model, [test_image()], text_ids=TEXT_IDS[:12], edit_layers=1)
+    data = json.loads(json.dumps(d.to_json()))
+    if not finite_json(data["edits"]):
+        return Cell("wrong", "non-finite causal-edit results")
+    if d.scan.modality is None:
+        return Cell("wrong", "the diagnosis's scan is not split by modality")
+    images = int((d.scan.modality[0] == vision_inputs.IMAGE).sum())
+    return Cell("ok", f"{len(d.records)} sinks, {len(d.edits)} edited heads, {images} image tokens")
+
+
+def cell_circuit(built: tiny.Built) -> Cell:
+    """``sinklab.circuit.circuit_images`` on the test image: the three first-token conditions and the causal
+    patches, every forward with the pixels; it serialises."""
+    from ..circuit import circuit_images
+
+    r = circuit_images(built.model, [test_image()], text_ids=TEXT_IDS[1:12], bos_id=TEXT_IDS[0])
+    json.dumps(r.to_json())
+    return Cell("ok", "")
+
+
+#: The cells after the scan, as in the causal-LM matrix: (row key, cell).
+CELLS = (("stream", cell_stream), ("stream_evicted", cell_stream_evicted), ("diagnose", cell_diagnose),
+         ("circuit", cell_circuit))
+
+
 def run_row(model_type: str, stream: bool = True) -> dict:
-    """One row: how the tiny model was built (or why not), the scan cell and (``stream``) the two stream cells."""
+    """One row: how the tiny model was built (or why not), the scan cell and (``stream``) the cells after it
+    (:data:`CELLS`: the stream, past eviction, diagnose and circuit)."""
     try:
         built = build(model_type)
     except tiny.NotBuilt as exc:
@@ -473,7 +547,7 @@ def run_row(model_type: str, stream: bool = True) -> dict:
     row = {"type": model_type, "class": type(built.model).__name__, "status": cell.status, "detail": cell.message,
            "attn": built.attn, "attempt": built.attempt, "parameters": params, "seconds": cell.seconds}
     if stream:
-        for name, fn in (("stream", cell_stream), ("stream_evicted", cell_stream_evicted)):
+        for name, fn in CELLS:
             got = run_cell(lambda fn=fn: fn(built))  # type: ignore[misc]
             row[name] = {"status": got.status, "detail": got.message}
     return row

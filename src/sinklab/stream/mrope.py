@@ -1,0 +1,67 @@
+"""Multimodal rotary positions (M-RoPE: Qwen2-VL's time, height and width axes) in a stream.
+
+A model with M-RoPE rotates each frequency band of a head by one axis of a token's 3-D position. Text tokens have
+the same index on every axis; an image's tokens share a time index and spread over height and width, and the text
+after an image continues from the image's largest index plus one. Adding the same amount to all three axes rotates
+every band by that amount, which is exactly a 1-D rotary shift: so the stream keeps its one virtual position per
+token (by cache slot) and adds each token's **offset**, its 3-D position minus its virtual one, fixed when it is
+written. Every later move of a kept key is then the stream's usual 1-D re-rotation, and the time index is re-based
+with everything else: kept frames stay inside the positions the model was trained on, whatever the stream's length.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .. import _compat
+from ..errors import UnsupportedModelError
+
+__all__ = ["lays_out_positions", "MultimodalPositions"]
+
+
+def lays_out_positions(model: nn.Module) -> bool:
+    """Whether ``model`` lays out multimodal positions: a ``get_rope_index`` of its own (on the model or its base
+    model). A config that names rotary sections (``mrope_section``) without one hands its decoder one position
+    per token, and streams as any 1-D rotary model."""
+    return any(callable(getattr(m, "get_rope_index", None)) for m in (model, _compat.base_model(model)))
+
+
+class MultimodalPositions:
+    """The per-row offset of the next text token (its position on every axis minus its virtual one), and the 3-D
+    positions of each forward. Positions a model hands the decoder are read as **absolute** (what its own forward
+    over the whole stream would give: its ``get_rope_index`` for a first chunk, its ``rope_deltas`` after);
+    :func:`sinklab.vision_stream.native_positions` gives them for a later chunk with an image."""
+
+    axes = 3
+
+    def __init__(self) -> None:
+        self.offset: Tensor | None = None  # [B] long
+
+    def plan(self, given: object, virtual: Tensor, seen: int, all_valid: bool) -> Tensor:
+        """``(3, B, C)`` positions for a forward whose virtual positions are ``virtual`` ``[B, C]``, after ``seen``
+        columns; ``given``: the positions the model handed its decoder (``(axes, B, C)``, or ``None`` / 1-D ones for
+        text), each token keeping its offset from the index the model counted it at."""
+        b, c = virtual.shape
+        if self.offset is None or self.offset.shape[0] != b:
+            self.offset = torch.zeros(b, dtype=torch.long, device=virtual.device)
+        if not (isinstance(given, Tensor) and given.dim() == 3):
+            return (virtual + self.offset[:, None]).expand(self.axes, b, c)
+        given = given[-self.axes:].to(virtual.device)  # four rows: a text row first (packed inputs), then the axes
+        if not all_valid:
+            raise UnsupportedModelError(
+                "padded rows with multimodal rotary positions: the stream cannot tell which of the model's positions "
+                "belong to real tokens; feed one row, or rows of equal length")
+        counted = seen + torch.arange(c, device=virtual.device)
+        self.offset = given.amax(dim=(0, 2)) + 1 - (seen + c)
+        return virtual[None] + (given - counted)
+
+    def select_rows(self, index: Tensor) -> None:
+        if self.offset is not None:
+            self.offset = self.offset[index.to(self.offset.device)]
+
+    def state_dict(self) -> dict:
+        return {} if self.offset is None else {"offset": self.offset.clone()}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.offset = saved["offset"].clone() if "offset" in saved else None
