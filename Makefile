@@ -67,7 +67,7 @@ check-package: venv
 
 # The architecture matrix (every transformers causal-LM type as a tiny random model through scan, stream, diagnose
 # and circuit) into docs/architectures.md and benchmarks/results/architectures.json, and the vision-language sweep
-# (every image-text-to-text type: scan with an image, stream, past eviction) into docs/vlm_architectures.md and its
+# (every image-text-to-text type, the same columns with an image) into the same page's vision-language section and its
 # JSON, each with the fingerprint of the sources it exercises: tests/test_architectures.py and tests/test_vlm.py
 # fail until this is rerun after a change to them.
 architectures: venv

@@ -41,6 +41,8 @@ from sinklab.testing.conformance import CELLS, STATUSES, Cell, crash_text, run_r
 
 DEFAULT_JSON = RESULTS / "architectures.json"
 DEFAULT_DOCS = DOCS / "architectures.md"
+#: The vision-language sweep's JSON (``benchmarks/vlm_architectures.py``): its rows share this page and its columns.
+VLM_JSON = RESULTS / "vlm_architectures.json"
 
 
 # ----------------------------------------------------------------------------- many types, one process each
@@ -192,9 +194,79 @@ def _types_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def render_markdown(rows: list[dict], meta: dict) -> str:
+def vlm_rows(rows: list[dict]) -> list[dict]:
+    """The vision-language sweep's rows in this matrix's shape: the scan's status is the row's own, the cells after
+    it are the row's ``stream`` … ``circuit``."""
+    out = []
+    for r in rows:
+        if r["status"] == "not built":
+            out.append({"type": r["type"], "built": False, "not_built": r.get("detail", "")})
+            continue
+        cells = {"scan": {"status": r["status"], "message": r.get("detail", "")}}
+        for cell in CELLS[1:]:
+            got = r.get(cell, {"status": "crash", "detail": "no result"})
+            cells[cell] = {"status": got["status"], "message": got["detail"]}
+        out.append({"type": r["type"], "built": True, "cells": cells})
+    return out
+
+
+def vlm_section(data: dict) -> list[str]:
+    """The page's section on the vision-language sweep: the same columns, each with an image, its counts and types."""
+    rows, meta = vlm_rows(data["rows"]), data["meta"]
+    return [
+        "## Vision-language models",
+        "",
+        "Every image-text-to-text model type of transformers " + str(meta["transformers"]) + " (its "
+        "`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`), built as a tiny random model from its own default config "
+        "(text and vision sizes shrunk, multimodal token ids moved into the tiny vocabulary; "
+        "`sinklab.testing.vlm_conformance`), with one drawn image and a short text. The same columns, each with the "
+        "image:",
+        "",
+        "* **scan** — `sinklab.scan.scan_images`: the language model's attention maps against the eager twin's "
+        "`output_attentions` on every decoder layer, and the per-modality statistics (text and image sink strength, "
+        "the share of text→image attention on visual sink tokens) against a float64 loop over those weights "
+        "(≤ 1e-4). The vision tower runs on its own attention (`sinklab scan --vision-tower` scans it).",
+        "* **stream** — the prompt, image and all, through a `StreamSession` (nothing evicted) against the model's "
+        "own forward with the image (≤ 1e-4 relative) and its own `generate()` (the same 4 greedy tokens).",
+        "* **stream_evicted** — the image pinned and a window of 5 text tokens: the logits of the prompt and 6 "
+        "decoded tokens against the float64 stream reference over the kept tokens, fed the embeddings the model's "
+        "own forward hands its decoder (an M-RoPE model's tokens at their slot plus their offset in its own layout "
+        "of the whole prompt; Qwen3-VL's deepstack additions too), and the image kept at every step.",
+        "* **diagnose** — `sinklab.diagnose.diagnose_images`, one edited layer: it serialises, its causal edits are "
+        "finite and its scan is split by modality.",
+        "* **circuit** — `sinklab.circuit.circuit_images`: the three first-token conditions and the causal patches, "
+        "every forward with the pixels; it serialises.",
+        "",
+        f"Made by `PYTHONPATH=src python benchmarks/vlm_architectures.py --jobs 2` in "
+        f"{float(meta.get('wall_seconds', 0)) / 60:.1f} min ({str(meta.get('timestamp', ''))[:10]}). The JSON with "
+        "every message in full: `benchmarks/results/vlm_architectures.json`.",
+        "",
+        f"Vision-language source fingerprint: `{meta['source']['fingerprint']}` — SHA-256 over the "
+        f"{meta['source']['files']} sinklab source files the sweep exercises (from "
+        "`sinklab.testing.vlm_conformance`); `tests/test_vlm.py` fails when the code under test has another.",
+        "",
+        "### Vision-language counts",
+        "",
+        summary_table(rows),
+        "",
+        "### Vision-language types",
+        "",
+        *_types_table(rows),
+    ]
+
+
+def write_page(causal: Path = DEFAULT_JSON, vlm: Path = VLM_JSON, docs: Path = DEFAULT_DOCS) -> Path:
+    """Write the one page of both sweeps from their JSON files (the vision-language section where its JSON exists)."""
+    data = json.loads(causal.read_text())
+    vlm_data = json.loads(vlm.read_text()) if vlm.exists() else None
+    write_text(docs, render_markdown(data["rows"], data["meta"], vlm_data))
+    return docs
+
+
+def render_markdown(rows: list[dict], meta: dict, vlm: dict | None = None) -> str:
     """``docs/architectures.md``: what each column checks and against what, how it was made (with the source
-    fingerprint the suite checks), the counts, one row per type, then the extra configurations."""
+    fingerprint the suite checks), the counts, one row per type, then the extra configurations; then ``vlm`` (the
+    vision-language sweep's JSON) in the same columns."""
     versions = meta["versions"]
     source = meta["source"]
     extra = {c.name: c for c in conformance.CONFIGURATIONS}
@@ -275,6 +347,7 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
         *[f"| {c.name} | {c.why} |" for c in conformance.CONFIGURATIONS],
         "",
         *_types_table(configs),
+        *(["", *vlm_section(vlm)] if vlm is not None else []),
     ]
     return "\n".join(out) + "\n"
 
@@ -309,7 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docs", type=Path, default=None, help="where the Markdown page goes (same defaults)")
     parser.add_argument("--merge", action="store_true",
                         help="with --types: replace those rows in the existing --json and keep the others")
+    parser.add_argument("--page-only", action="store_true",
+                        help="only write the page again from the committed JSON files of both sweeps")
     args = parser.parse_args(argv)
+    if args.page_only:
+        print(f"wrote {write_page()}")
+        return 0
     scratch = Path(tempfile.mkdtemp(prefix="sinklab-architectures-")) if args.types and not args.merge else None
     args.json = args.json or (scratch / "architectures.json" if scratch else DEFAULT_JSON)
     args.docs = args.docs or (scratch / "architectures.md" if scratch else DEFAULT_DOCS)
@@ -343,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             meta["source"] = {**meta["source"], "fingerprint": "mixed (a --merge over other sources)"}
         meta = {**old["meta"], "merged": meta, "source": meta["source"]}
     write_result(args.json, {"meta": meta, "counts": counts(rows), "rows": rows}, quiet=True)
-    write_text(args.docs, render_markdown(rows, meta))
+    write_page(args.json, VLM_JSON, args.docs)
     print()
     print(summary_table(rows))
     print()

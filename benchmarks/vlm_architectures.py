@@ -1,9 +1,10 @@
 """The vision-language sweep: every image-text-to-text model type transformers registers, as a tiny random model,
 scanned on one drawn image and a short text and checked against its own eager attention weights.
 
-A thin command line over :mod:`sinklab.testing.vlm_conformance` (what the cell checks is written there). Each type
+A thin command line over :mod:`sinklab.testing.vlm_conformance` (what the cells check is written there). Each type
 runs in its own forked process with a timeout, ``--jobs`` at a time. Writes ``benchmarks/results/vlm_architectures.json``
-and ``docs/vlm_architectures.md``:
+and the page of both sweeps, ``docs/architectures.md`` (its vision-language section, by ``architectures.write_page``:
+one generator, the causal-LM matrix's columns):
 
     PYTHONPATH=src python benchmarks/vlm_architectures.py [--types llava qwen2_vl …] [--jobs 2] [--timeout 120]
 
@@ -13,7 +14,6 @@ and ``docs/vlm_architectures.md``:
 from __future__ import annotations
 
 import argparse
-import html
 import json
 import multiprocessing as mp
 import os
@@ -29,15 +29,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from _common import DOCS, RESULTS, run_metadata, write_result  # noqa: E402
+from architectures import DEFAULT_JSON as CAUSAL_JSON  # noqa: E402
+from architectures import write_page  # noqa: E402
 
-from sinklab.atomic import write_text  # noqa: E402
-from sinklab.testing.conformance import crash_text, source_files, source_fingerprint  # noqa: E402
+from sinklab.testing.conformance import CELLS, crash_text, source_files, source_fingerprint  # noqa: E402
 from sinklab.testing.vlm_conformance import STATUSES, all_types, run_row  # noqa: E402
 
 DEFAULT_JSON = RESULTS / "vlm_architectures.json"
 #: The module whose sinklab imports (followed) the sweep's fingerprint covers.
 ROOT_MODULE = "sinklab.testing.vlm_conformance"
-DEFAULT_DOCS = DOCS / "vlm_architectures.md"
+DEFAULT_DOCS = DOCS / "architectures.md"
 
 
 def _child(name: str, conn: Connection) -> None:
@@ -82,88 +83,18 @@ def run_all(names: list[str], jobs: int, timeout: float) -> list[dict]:
     return [rows[n] for n in names]
 
 
-#: The columns, as in the causal-LM matrix (docs/architectures.md): scan, then the cells after it.
-COLUMNS = ("scan", "stream", "stream_evicted", "diagnose", "circuit")
-#: A cell's statuses, in the causal-LM matrix's order.
-CELL_STATUSES = ("ok", "refused", "crash", "wrong", "n/a")
-
-
 def cell_status(row: dict, column: str) -> str:
-    """A built row's status in one column (the scan's is the row's own)."""
+    """A built row's status in one column of the causal-LM matrix's (the scan's is the row's own)."""
     return row["status"] if column == "scan" else row.get(column, {}).get("status", "—")
 
 
 def counts(rows: list[dict]) -> dict:
     built = [r for r in rows if r["status"] != "not built"]
     out: dict = {"types": len(rows), "built": len(built), **{s: sum(r["status"] == s for r in rows) for s in STATUSES}}
-    for column in COLUMNS[1:]:
+    for column in CELLS[1:]:
         cells = [cell_status(r, column) for r in built]
         out[column] = {s: cells.count(s) for s in STATUSES if s != "not built"}
     return out
-
-
-def counts_table(c: dict) -> list[str]:
-    """The causal-LM matrix's counts table: one line per column, one count per status."""
-    lines = [f"{c['types']} types, {c['built']} built, {c['not built']} not built", "",
-             "| cell | " + " | ".join(CELL_STATUSES) + " |", "|---" * (len(CELL_STATUSES) + 1) + "|"]
-    for column in COLUMNS:
-        k = c if column == "scan" else c[column]
-        lines.append(f"| {column} | " + " | ".join(str(k[s]) for s in CELL_STATUSES) + " |")
-    return lines
-
-
-def markdown(rows: list[dict], meta: dict) -> str:
-    c = counts(rows)
-    lines = [
-        "# Vision-language models: the sweep",
-        "",
-        "Every image-text-to-text model type of transformers "
-        f"{html.escape(str(meta['transformers']))} (`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`), built as a tiny "
-        "random model from its own default config (text and vision sizes shrunk, multimodal token ids moved into the "
-        "tiny vocabulary), with one drawn image and a short text; the columns of the causal-LM matrix "
-        "([architectures.md](architectures.md)), each with the image:",
-        "",
-        "* **scan** — `sinklab.scan.scan_images`: the language model's attention maps against the eager twin's "
-        "`output_attentions` on every decoder layer, and the per-modality statistics (text and image sink strength, "
-        "the share of text→image attention on visual sink tokens) against a float64 loop over those weights. The "
-        "vision tower is not scanned here (it runs on its own attention).",
-        "* **stream** — the prompt, image and all, through a `StreamSession` (nothing evicted) against the model's "
-        "own forward with the image and its `generate()`.",
-        "* **stream_evicted** — the image pinned and a window of 5 text tokens: the logits of the prompt and 6 "
-        "decoded tokens against the float64 stream reference over the kept tokens (an M-RoPE model's tokens at "
-        "their slot plus their offset from its own layout of the whole prompt), the image kept at every step.",
-        "* **diagnose** — `sinklab.diagnose.diagnose_images`, one edited layer: it serialises, its causal edits are "
-        "finite, its scan is split by modality.",
-        "* **circuit** — `sinklab.circuit.circuit_images`: the three first-token conditions and the causal patches "
-        "with the pixels; it serialises.",
-        "",
-        "Cells are `ok`, `refused` (with the reason a user sees), `crash`, `wrong` or `n/a` "
-        "(`sinklab.testing.vlm_conformance`). Regenerate: `make architectures` (with the causal-LM matrix) or "
-        "`PYTHONPATH=src python benchmarks/vlm_architectures.py --jobs 2`.",
-        "",
-        f"Source fingerprint: `{meta['source']['fingerprint']}` — SHA-256 over the {meta['source']['files']} sinklab "
-        "source files the sweep exercises; `tests/test_vlm.py` fails when the code under test has another.",
-        "",
-        "## Counts",
-        "",
-        *counts_table(c),
-        "",
-        "## Types",
-        "",
-        "| type | " + " | ".join(COLUMNS) + " | detail |",
-        "|---" * (len(COLUMNS) + 2) + "|",
-    ]
-    for r in rows:
-        if r["status"] == "not built":
-            cells = " | ".join(["not built"] + ["—"] * (len(COLUMNS) - 1))
-            details = [str(r.get("detail", ""))]
-        else:
-            cells = " | ".join(cell_status(r, column) for column in COLUMNS)
-            details = [str(r.get("detail", ""))] + [f"{column}: {r[column]['detail']}" for column in COLUMNS[1:]
-                                                    if column in r and r[column]["status"] != "ok"]
-        detail = " ".join(" — ".join(details).split()).replace("|", "\\|")
-        lines.append(f"| `{html.escape(r['type'])}` | {cells} | {html.escape(detail)} |")
-    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -187,12 +118,11 @@ def main() -> None:
             source = {**source, "fingerprint": "mixed (a --merge over other sources)"}
     elif args.types:
         folder = Path(tempfile.mkdtemp(prefix="sinklab-vlm-"))
-        out_json, out_docs = folder / "vlm_architectures.json", folder / "vlm_architectures.md"
+        out_json, out_docs = folder / "vlm_architectures.json", folder / "architectures.md"
     meta = run_metadata(wall_seconds=round(time.monotonic() - t0, 1), transformers=transformers.__version__,
                         source=source)
     write_result(out_json, {"meta": meta, "counts": counts(rows), "rows": rows})
-    write_text(out_docs, markdown(rows, meta))
-    print(f"wrote {out_docs}")
+    print(f"wrote {write_page(CAUSAL_JSON, out_json, out_docs)}")
     print(json.dumps(counts(rows)))
 
 

@@ -24,6 +24,7 @@ from sinklab.errors import InputError
 from sinklab.scan import scan_images
 from sinklab.testing import tiny
 from sinklab.testing import vlm_conformance as vc
+from sinklab.testing.conformance import CELLS
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore::sinklab.scan.ShortSequenceWarning")]  # one short sample
@@ -214,40 +215,42 @@ def test_cli_image_errors(llava_folder, tmp_path):
 
 
 def test_the_committed_sweep_table_matches_its_json():
+    """The sweep's section of the one page of both sweeps (docs/architectures.md): the causal-LM matrix's columns
+    and counts table, one row per type, from its JSON."""
     root = Path(__file__).resolve().parents[1]
     data = json.loads((root / "benchmarks" / "results" / "vlm_architectures.json").read_text())
-    page = (root / "docs" / "vlm_architectures.md").read_text()
+    page = (root / "docs" / "architectures.md").read_text()
+    section = page[page.index("## Vision-language models"):]
     c = data["counts"]
     assert c["types"] == len(data["rows"]) == len(vc.all_types())
-    assert f"{c['types']} types, {c['built']} built, {c['not built']} not built" in page
-    columns = ("scan", "stream", "stream_evicted", "diagnose", "circuit")  # the causal-LM matrix's columns
-    assert "| cell | ok | refused | crash | wrong | n/a |" in page
-    assert f"| scan | {c['ok']} | {c['refused']} | {c['crash']} | {c['wrong']} | {c['n/a']} |" in page
-    for key in columns[1:]:
+    assert f"{c['types']} types, {c['built']} built, {c['not built']} not built" in section
+    assert "| cell | ok | refused | crash | wrong | n/a |" in section
+    assert f"| scan | {c['ok']} | {c['refused']} | {c['crash']} | {c['wrong']} | {c['n/a']} |" in section
+    for key in CELLS[1:]:
         k = c[key]
-        assert f"| {key} | {k['ok']} | {k['refused']} | {k['crash']} | {k['wrong']} | {k['n/a']} |" in page
+        assert f"| {key} | {k['ok']} | {k['refused']} | {k['crash']} | {k['wrong']} | {k['n/a']} |" in section
         assert sum(k.values()) == c["built"]  # every built type has every cell
-    assert "| type | " + " | ".join(columns) + " | detail |" in page
+    assert "| type | " + " | ".join(CELLS) + " |" in page[: page.index("## Vision-language models")]  # same columns
+    assert "| type | " + " | ".join(CELLS) + " |" in section
     for row in data["rows"]:
-        cells = (["not built"] + ["—"] * 4 if row["status"] == "not built"
-                 else [row["status"]] + [row[key]["status"] for key in columns[1:]])
-        assert f"| `{row['type']}` | {' | '.join(cells)} |" in page
+        first = "not built" if row["status"] == "not built" else row["status"]
+        assert f"| {row['type']} | {first}" in section
 
 
 def test_committed_sweep_was_made_from_the_sources_under_test():
-    """The sweep's JSON and page record the fingerprint of the sinklab sources its cells run; a change to any of them
-    makes the committed page stale until `make architectures` reruns it."""
+    """The sweep's JSON and its section of the page record the fingerprint of the sinklab sources its cells run; a
+    change to any of them makes the committed page stale until `make architectures` reruns it."""
     from sinklab.testing.conformance import source_fingerprint
 
     root = Path(__file__).resolve().parents[1]
     data = json.loads((root / "benchmarks" / "results" / "vlm_architectures.json").read_text())
-    page = (root / "docs" / "vlm_architectures.md").read_text()
+    page = (root / "docs" / "architectures.md").read_text()
     recorded = data["meta"]["source"]["fingerprint"]
-    assert f"Source fingerprint: `{recorded}`" in page, "docs/vlm_architectures.md and its JSON are from different runs"
+    assert f"Vision-language source fingerprint: `{recorded}`" in page, "the page and the sweep's JSON differ"
     current = source_fingerprint("sinklab.testing.vlm_conformance")
-    assert recorded == current, (f"docs/vlm_architectures.md was made from other sinklab sources (fingerprint "
-                                 f"{recorded}, the code under test is {current}): regenerate it with "
-                                 "`make architectures`")
+    assert recorded == current, (f"docs/architectures.md's vision-language section was made from other sinklab "
+                                 f"sources (fingerprint {recorded}, the code under test is {current}): regenerate "
+                                 "it with `make architectures`")
 
 
 def test_sweep_stream_cells():

@@ -1,7 +1,8 @@
 """How to add a vision-language type: ask the sweep what already holds before teaching sinklab anything.
 
 ``python benchmarks/vlm_architectures.py --types TYPE`` builds a tiny random model of an image-text-to-text type from
-its default config (``sinklab.testing.vlm_conformance.build``), scans it on a drawn image and a short text
+its default config (``sinklab.testing.vlm_conformance.build``) and runs the causal-LM matrix's columns on it with an
+image (docs/architectures.md, "Vision-language models"); its scan cell scans it on a drawn image and a short text
 (``sinklab.scan.scan_images``) and compares the decoder's attention maps and the statistics by modality with the
 model's own eager weights. This example runs that cell on one type, then checks the image tokens' sink strength
 against a float64 loop written here (``python docs/examples/add_vision_language_type.py [TYPE]``). A ``refused`` cell

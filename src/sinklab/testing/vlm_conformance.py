@@ -3,10 +3,11 @@ random model from its own default config, scanned on one procedurally drawn imag
 against the model's own eager attention weights.
 
 One row per type (:func:`run_row`): ``not built`` (the tiny model could not be built or run at all: not sinklab's
-doing), or one scan cell — ``ok`` (the language model's attention maps match ``output_attentions=True`` of an eager
-twin on every layer that returns weights, and the modality statistics match a float64 loop over those weights),
-``wrong``, ``crash``, ``refused`` (sinklab's own refusal, with what would lift it) or ``n/a`` (the model's own eager
-forward fails, so there is no reference). ``benchmarks/vlm_architectures.py`` writes the table.
+doing), or the causal-LM matrix's cells with an image — the scan (``ok``: the language model's attention maps match
+``output_attentions=True`` of an eager twin on every layer that returns weights, and the modality statistics match a
+float64 loop over those weights), then :data:`CELLS` (stream, past eviction, diagnose, circuit) — each ``ok``,
+``wrong``, ``crash``, ``refused`` (sinklab's own refusal, with what would lift it) or ``n/a``.
+``benchmarks/vlm_architectures.py`` writes the JSON and the vision-language section of ``docs/architectures.md``.
 """
 
 from __future__ import annotations
