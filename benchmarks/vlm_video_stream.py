@@ -42,7 +42,8 @@ def cache_bytes(session) -> int:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--type", default="llava", help="the tiny vision-language type (1-D rotary)")
+    parser.add_argument("--type", default="llava", help="the tiny vision-language type (1-D rotary, or M-RoPE: "
+                        "qwen2_vl …)")
     parser.add_argument("--frames", type=int, default=10_000)
     parser.add_argument("--recent", type=int, default=4, help="the newest frames kept (K)")
     parser.add_argument("--sinks", type=int, default=4)
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from sinklab.testing import vlm_conformance as vc
     from sinklab.testing.reference import Reference
-    from sinklab.vision_stream import stream_video, video_frames
+    from sinklab.vision_stream import native_positions, stream_video, video_frames
 
     torch.set_num_threads(1)
     model = vc.build(args.type).model
@@ -82,8 +83,16 @@ def main(argv: list[str] | None = None) -> dict:
                             "seconds": time.perf_counter() - start})
     wall = time.perf_counter() - start
     rows = []
+    def offsets(fed: list[int]) -> torch.Tensor | None:
+        """M-RoPE: each frame laid out from its own first slot (the prompt's text has none)."""
+        if native_positions(model, blocks[0].batches[0]) is None:
+            return None
+        local = native_positions(model, blocks[0].batches[0])[:, 0] - torch.arange(memory.frame_tokens)
+        return torch.cat([torch.zeros(local.shape[0], len(prompt), dtype=torch.long)] + [local] * len(fed), 1)
+
     for c in checks:
-        ref = Reference(model, args.sinks, memory.config().window, memory.pinned())
+        fed = [0, *range(max(1, c - span + 1), c + 1)]
+        ref = Reference(model, args.sinks, memory.config().window, memory.pinned(), offsets=offsets(fed))
         for t in prompt:
             ref.step(t)
         vc.reference_feed(ref, blocks[0], embeds[0])
@@ -107,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  wall_seconds=wall, memory="RSS (psutil) and the stream's tensors (SinkCache.state_dict)",
                                  note="a shared, loaded 2-core VM: seconds and RSS are indicative"),
             "summary": summary, "memory": samples, "reference": rows}
-    write_result("vlm_video_stream.json", data)
+    write_result("vlm_video_stream.json" if args.type == "llava" else f"vlm_video_stream_{args.type}.json", data)
     return data
 
 

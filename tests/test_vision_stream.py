@@ -158,18 +158,15 @@ def frame_kept(memory: VideoMemory, frames: int) -> set[int]:
     return keep
 
 
-def whole_sequence_offsets(model, prompt: torch.Tensor, blocks) -> torch.Tensor | None:
-    """An M-RoPE model's offsets for the float64 reference, recomputed from scratch: its own ``get_rope_index`` over
-    the prompt and every frame as one sequence (every grid in order), minus each token's index."""
+def chunk_offsets(model, prompt: torch.Tensor, blocks) -> torch.Tensor | None:
+    """An M-RoPE model's offsets for the float64 reference, recomputed from scratch: the prompt's text none, each
+    frame's tokens their position in the model's own ``get_rope_index`` of that frame alone minus their index in it
+    (every chunk laid out from its own first slot)."""
     batches = [b.batches[0] for b in blocks]
-    if "mm_token_type_ids" not in batches[0]:
+    if native_positions(model, batches[0]) is None:
         return None
-    ids = torch.cat([prompt] + [b["input_ids"] for b in batches], 1)
-    whole = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-             "mm_token_type_ids": torch.cat([torch.zeros_like(prompt)] + [b["mm_token_type_ids"] for b in batches], 1),
-             "image_grid_thw": torch.cat([b["image_grid_thw"] for b in batches])}
-    native = native_positions(model, whole)
-    return None if native is None else native[:, 0] - torch.arange(ids.shape[1])
+    local = [native_positions(model, b)[:, 0] - torch.arange(b["input_ids"].shape[1]) for b in batches]
+    return torch.cat([torch.zeros(local[0].shape[0], prompt.shape[1], dtype=torch.long), *local], 1)
 
 
 @pytest.mark.parametrize("model_type", ["llava", "gemma3", "qwen2_vl"])
@@ -177,14 +174,13 @@ def test_video_memory_keeps_its_definition_and_matches_the_float64_reference(mod
     """A prompt, then frames fed one by one (each its pixels through the vision tower and a forward of its block of
     tokens through the stream): at every frame the kept set is the sinks + prompt + pinned first frame + the newest
     frames, and the logits equal the float64 reference over the kept tokens. Qwen2-VL (M-RoPE): each frame's
-    (time, height, width) positions counted on from the stream, against offsets laid out from scratch over the
-    whole sequence."""
+    (time, height, width) positions laid out from its own first slot, against offsets recomputed from scratch."""
     model = built(models, model_type)
     blocks = video_frames(model, [vc.video_frame(i) for i in range(7)], text_ids=[11, 12])
     prompt = torch.tensor([[20, 21, 22]])
     memory = VideoMemory(frame_tokens=int(blocks[0].batches[0]["input_ids"].shape[1]), recent_frames=2,
                          pinned_frames=(0,), num_sinks=2, prompt_tokens=3)
-    offsets = whole_sequence_offsets(model, prompt, blocks)
+    offsets = chunk_offsets(model, prompt, blocks)
     assert (offsets is not None) == (model_type == "qwen2_vl")
     ref = Reference(model, memory.num_sinks, memory.config().window, memory.pinned(), offsets=offsets)
     embeds = [vc.decoder_embeds(model, block.batches[0]) for block in blocks]  # before the stream holds the model
@@ -200,6 +196,41 @@ def test_video_memory_keeps_its_definition_and_matches_the_float64_reference(mod
         capacity = s.state.capacity
     assert capacity == 3 + memory.frame_tokens * 3 and s.tokens_seen == 3 + 7 * memory.frame_tokens
     assert worst < 1e-4, worst
+
+
+def test_an_endless_multimodal_rotary_video_keeps_its_positions_bounded(models):
+    """Qwen2-VL, 40 frames through a 2-frame memory with the first frame pinned and a re-base every 64 tokens: the
+    positions the decoder rotates by stay within one re-base span and one frame of zero, every frame, and the last
+    frame's logits equal the float64 reference fed the prompt, the pinned frame and the last (layers + 1) × 2 frames
+    (a kept token's state at a layer depends on the window below it; offsets per chunk). Offsets carried over every frame would drift by each frame's compression, past any bound."""
+    from sinklab import _compat
+    from sinklab.vision_stream import stream_video
+
+    model = built(models, "qwen2_vl")
+    frames = 40
+    span = (int(model.config.get_text_config().num_hidden_layers) + 1) * 2
+    blocks = video_frames(model, [vc.video_frame(i) for i in (0, *range(frames - span, frames))], text_ids=[11, 12])
+    feeds = [vc.decoder_embeds(model, block.batches[0]) for block in blocks]
+    seen: list[torch.Tensor] = []
+    rotary = _compat.language_model(model).rotary_emb
+    handle = rotary.register_forward_pre_hook(lambda m, args: seen.append(args[1].detach().clone()))
+    try:
+        for index, logits, session, memory in stream_video(model, (vc.video_frame(i) for i in range(frames)),
+                                                           prompt_ids=[20, 21, 22], text_ids=[11, 12], num_sinks=2,
+                                                           recent_frames=2, rebase_every=64):
+            last = logits[0].clone()
+    finally:
+        handle.remove()
+    positions = [p for p in seen if int(p.abs().max()) < 1000]  # (1000: the rotary probe's)
+    bound = 64 + 2 * memory.frame_tokens
+    assert max(int(p.abs().max()) for p in positions) <= bound, "the positions drifted with the stream"
+    offsets = chunk_offsets(model, torch.tensor([[20, 21, 22]]), blocks)
+    ref = Reference(model, memory.num_sinks, memory.config().window, memory.pinned(), offsets=offsets)
+    for t in (20, 21, 22):
+        ref.step(t)
+    for block, feed in zip(blocks, feeds, strict=True):
+        expected = vc.reference_feed(ref, block, feed)
+    assert _rel(last, expected) < 1e-4
 
 
 def test_frames_take_the_image_processors_pixels(models):

@@ -6,14 +6,15 @@ The vision tower runs on the model's own attention, once per image or frame; onl
 (``SinkCache`` installs its attention on ``_compat.language_model``). Positions are by cache slot, one index per token
 (1-D rotary: Llava, Gemma 3, PaliGemma, Idefics3 …). A model that rotates by (time, height, width) positions
 (M-RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V …) keeps each token's 3-D offset from its cache-slot index
-(:mod:`sinklab.stream.mrope`): the time index is re-based with the stream, height and width kept.
+(:mod:`sinklab.stream.mrope`): the time index is re-based with the stream, height and width kept, and each chunk with
+an image is laid out from its own first slot.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 from pathlib import Path
 
@@ -92,12 +93,9 @@ def feed_vision(session: StreamSession, inputs: VisionInputs, *, causal_images: 
                 "the stream's prefill to mask each image's tokens bidirectionally (or pass causal_images=True to "
                 "stream the image causally).")
         batch.pop("token_type_ids")
-    positions = native_positions(session.model, batch)  # M-RoPE: counted on from the stream's last position
+    positions = native_positions(session.model, batch)  # M-RoPE: the chunk laid out from its own first slot
     if positions is not None:
-        cache = session.cache
-        offset = cache.positions.offset if cache.positions is not None else None
-        seen = cache.get_seq_length() + (offset[:, None] if offset is not None else 0)
-        batch["position_ids"] = positions + seen
+        batch["position_ids"] = positions + session.cache.get_seq_length()
     batch.pop("attention_mask", None)  # every column real: the stream masks by its own metadata
     kwargs = {"use_cache": True, _compat.cache_kwarg_name(session.model): session.cache}
     logits = session.model(**batch, **kwargs).logits[:, -1]
@@ -202,7 +200,8 @@ def stream_video(model: nn.Module, frames: Iterable, *, prompt_ids: Sequence[int
     """Stream ``frames`` (PIL images, possibly endless) through ``model`` under a :class:`VideoMemory`: the prompt
     (pinned) first, then each frame's block (its image tokens, then ``text_ids``); yields ``(frame index, logits
     [1, V] after it, the open session, the memory)`` after every frame; ``image_processor``: as
-    :func:`video_frames`."""
+    :func:`video_frames`; ``session_settings``: :class:`~sinklab.stream.StreamConfig` fields (``rebase_every`` …)
+    and :class:`~sinklab.stream.StreamSession`'s own."""
     check_vision_stream(model)
     iterator = iter(frames)
     try:
@@ -212,7 +211,10 @@ def stream_video(model: nn.Module, frames: Iterable, *, prompt_ids: Sequence[int
     block = video_frames(model, [first], text_ids, image_processor=image_processor)[0]
     memory = VideoMemory(frame_tokens=int(block.batches[0]["input_ids"].shape[1]), recent_frames=recent_frames,
                          pinned_frames=pinned_frames, num_sinks=num_sinks, prompt_tokens=len(prompt_ids))
-    with StreamSession(model, config=memory.config(), **session_settings) as session:
+    names = {f.name for f in fields(StreamConfig)}  # the stream's own settings go into the memory's config
+    config = memory.config(**{k: v for k, v in session_settings.items() if k in names})
+    session_settings = {k: v for k, v in session_settings.items() if k not in names}
+    with StreamSession(model, config=config, **session_settings) as session:
         if prompt_ids:
             session.feed(torch.tensor([list(prompt_ids)]))
         index = 0

@@ -7,6 +7,13 @@ every band by that amount, which is exactly a 1-D rotary shift: so the stream ke
 token (by cache slot) and adds each token's **offset**, its 3-D position minus its virtual one, fixed when it is
 written. Every later move of a kept key is then the stream's usual 1-D re-rotation, and the time index is re-based
 with everything else: kept frames stay inside the positions the model was trained on, whatever the stream's length.
+
+Offsets do not accumulate over chunks: a chunk with an image fed after others (a video frame) is laid out by the
+model's own ``get_rope_index`` from the chunk's own first slot, so each token's offset is its deviation inside its
+chunk, and the text after a chunk carries that chunk's offset only. (Carried over every frame, the offsets of an
+endless video would grow without bound, and a query would come to sit before the pinned frames it reads, since the
+slot distance drops an evicted frame's tokens but not its offset.) The first chunk is laid out exactly as the
+model's own forward lays out the whole prompt.
 """
 
 from __future__ import annotations
@@ -29,9 +36,9 @@ def lays_out_positions(model: nn.Module) -> bool:
 
 class MultimodalPositions:
     """The per-row offset of the next text token (its position on every axis minus its virtual one), and the 3-D
-    positions of each forward. Positions a model hands the decoder are read as **absolute** (what its own forward
-    over the whole stream would give: its ``get_rope_index`` for a first chunk, its ``rope_deltas`` after);
-    :func:`sinklab.vision_stream.native_positions` gives them for a later chunk with an image."""
+    positions of each forward. Positions a model hands the decoder are read against the columns fed before the
+    chunk (its ``get_rope_index`` for a first chunk, its ``rope_deltas`` after;
+    :func:`sinklab.vision_stream.feed_vision` lays out a later chunk with an image from its own first slot)."""
 
     axes = 3
 
