@@ -215,10 +215,9 @@ def test_an_endless_multimodal_rotary_video_keeps_its_positions_bounded(models):
     rotary = _compat.language_model(model).rotary_emb
     handle = rotary.register_forward_pre_hook(lambda m, args: seen.append(args[1].detach().clone()))
     try:
-        for index, logits, session, memory in stream_video(model, (vc.video_frame(i) for i in range(frames)),
-                                                           prompt_ids=[20, 21, 22], text_ids=[11, 12], num_sinks=2,
-                                                           recent_frames=2, rebase_every=64):
-            last = logits[0].clone()
+        for step in stream_video(model, (vc.video_frame(i) for i in range(frames)), prompt_ids=[20, 21, 22],
+                                 text_ids=[11, 12], num_sinks=2, recent_frames=2, rebase_every=64):
+            last, memory = step[1][0].clone(), step[3]
     finally:
         handle.remove()
     positions = [p for p in seen if int(p.abs().max()) < 1000]  # (1000: the rotary probe's)
