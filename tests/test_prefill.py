@@ -128,6 +128,32 @@ def test_budgets_from_scores_give_the_total_to_the_best_scored_tokens_of_any_hea
     assert budgets_from_scores(scores, replace(plan, budgets=[None, [12, 12], None]), length) == [None, [12, 12], None]
 
 
+def test_a_model_with_sliding_layers_shares_its_budget_by_window_and_one_kept_set_over_its_global_layers():
+    """Sliding-window layers keep the plan's share of their own window, the global layers split the rest equally
+    (written out here for a 4-layer layout), the total kept; and every global layer gets the same scores: the most,
+    over the global layers, of each layer's scores over its own largest (a loop here). Without sliding layers
+    neither changes anything."""
+    from sinklab.stream.plan import RetentionPlan
+    from sinklab.stream.prefill import budgets_from_scores, shared_scores
+
+    length, windows = 64, [16, None, 16, None]
+    plan = RetentionPlan("gemma3", 4, 1, 2, 10, 2, 8, 0.9, [[20], [20], [20], [20]], [[0.0]] * 4, [[False]] * 4)
+    got = budgets_from_scores({}, plan, length, windows)
+    share = 80 / (16 + 64 + 16 + 64)  # the plan's total over every layer's dense size
+    sliding = int(share * 16)
+    assert got == [[sliding], [(80 - 2 * sliding) // 2], [sliding], [(80 - 2 * sliding) // 2]]
+    assert sum(b[0] for b in got) == 80
+    g = torch.Generator().manual_seed(5)
+    scores = {i: torch.rand(1, length, generator=g) * (i + 1) for i in range(4)}
+    shared = shared_scores(scores, windows)
+    for t in range(length):
+        want = max(float(scores[i][0, t]) / float(scores[i][0].max()) for i in (1, 3))
+        assert float(shared[1][0, t]) == pytest.approx(want) and float(shared[3][0, t]) == pytest.approx(want)
+    assert torch.equal(shared[0], scores[0]) and torch.equal(shared[2], scores[2])  # sliding layers: their own
+    assert shared_scores(scores, [None] * 4) is scores
+    assert budgets_from_scores({}, plan, length, [None] * 4) == plan.budgets
+
+
 def test_prescored_saves_as_snapkv_and_bad_arguments_are_refused(model):
     pol = Prescored(recent=4, given={0: torch.ones(2, 5)})
     assert pol.as_row() == SnapKV(recent=4)
