@@ -134,10 +134,10 @@ def hybrid_budgets(plan: RetentionPlan, length: int, windows: Sequence[int | Non
 
 def shared_scores(scores: dict[int, Tensor], windows: Sequence[int | None]) -> dict[int, Tensor]:
     """One kept set for the global layers of a model with sliding-window layers: each global layer's scores are
-    replaced by the most, over the global layers, of each layer's scores scaled to its own largest. (On Gemma 3 270M
-    at a quarter of the entries, each global layer keeping its own best tokens kept 12, 8 and 5 of a needle's 18 and
-    misread one digit; one set for all three kept 11 in each and read it: docs/retention.md.) A model without
-    sliding layers, or whose global layers differ in heads, keeps its scores."""
+    replaced by the most, over the global layers, of each layer's scores scaled to its own largest: global layers
+    that each keep their own best tokens keep different parts of what a question reads (docs/retention.md, "Gemma 3:
+    sliding layers, one kept set"). A model without sliding layers, or whose global layers differ in heads, keeps
+    its scores."""
     glob = [i for i in sorted(scores) if windows[i] is None]
     if not glob or all(w is None for w in windows) or len({tuple(scores[i].shape) for i in glob}) != 1:
         return scores
