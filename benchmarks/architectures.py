@@ -286,7 +286,9 @@ def render_markdown(rows: list[dict], meta: dict, vlm: dict | None = None) -> st
         "some types (other layer counts, mixed layer kinds). Random weights: this checks that sinklab runs and "
         "computes the right numbers on each architecture, not what sinks a trained model has. The models come from "
         "`sinklab.testing.tiny.build`, the cells from `sinklab.testing.conformance` — the same code the test "
-        "suite's slice of this matrix (`tests/test_architectures.py`) runs.",
+        "suite's slice of this matrix (`tests/test_architectures.py`) runs." + (
+            " Every image-text-to-text type follows in the same columns, each with an image: "
+            "[vision-language models](#vision-language-models)." if vlm is not None else ""),
         "",
         "Columns (each cell: `ok`, `refused` — sinklab's `UnsupportedModelError`/`InputError`, with the message a "
         "user sees —, `crash` — any other exception, with its last frame —, `wrong` — a measured error past the "
