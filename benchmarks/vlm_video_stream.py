@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from sinklab.testing import vlm_conformance as vc
     from sinklab.testing.reference import Reference
-    from sinklab.vision_stream import native_positions, stream_video, video_frames
+    from sinklab.vision_stream import stream_video, video_frames
 
     torch.set_num_threads(1)
     model = vc.build(args.type).model
@@ -83,16 +83,10 @@ def main(argv: list[str] | None = None) -> dict:
                             "seconds": time.perf_counter() - start})
     wall = time.perf_counter() - start
     rows = []
-    def offsets(fed: list[int]) -> torch.Tensor | None:
-        """M-RoPE: each frame laid out from its own first slot (the prompt's text has none)."""
-        if native_positions(model, blocks[0].batches[0]) is None:
-            return None
-        local = native_positions(model, blocks[0].batches[0])[:, 0] - torch.arange(memory.frame_tokens)
-        return torch.cat([torch.zeros(local.shape[0], len(prompt), dtype=torch.long)] + [local] * len(fed), 1)
-
     for c in checks:
         fed = [0, *range(max(1, c - span + 1), c + 1)]
-        ref = Reference(model, args.sinks, memory.config().window, memory.pinned(), offsets=offsets(fed))
+        offsets = vc.frame_offsets(model, len(prompt), [blocks[f].batches[0] for f in fed])  # M-RoPE: per frame
+        ref = Reference(model, args.sinks, memory.config().window, memory.pinned(), offsets=offsets)
         for t in prompt:
             ref.step(t)
         vc.reference_feed(ref, blocks[0], embeds[0])

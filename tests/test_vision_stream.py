@@ -17,8 +17,7 @@ from sinklab.errors import UnsupportedModelError
 from sinklab.stream import StreamSession
 from sinklab.testing import vlm_conformance as vc
 from sinklab.testing.reference import Reference
-from sinklab.vision_stream import (VideoMemory, check_vision_stream, feed_vision, image_pins, native_positions,
-                                   video_frames)
+from sinklab.vision_stream import VideoMemory, check_vision_stream, feed_vision, image_pins, video_frames
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -159,14 +158,9 @@ def frame_kept(memory: VideoMemory, frames: int) -> set[int]:
 
 
 def chunk_offsets(model, prompt: torch.Tensor, blocks) -> torch.Tensor | None:
-    """An M-RoPE model's offsets for the float64 reference, recomputed from scratch: the prompt's text none, each
-    frame's tokens their position in the model's own ``get_rope_index`` of that frame alone minus their index in it
-    (every chunk laid out from its own first slot)."""
-    batches = [b.batches[0] for b in blocks]
-    if native_positions(model, batches[0]) is None:
-        return None
-    local = [native_positions(model, b)[:, 0] - torch.arange(b["input_ids"].shape[1]) for b in batches]
-    return torch.cat([torch.zeros(local[0].shape[0], prompt.shape[1], dtype=torch.long), *local], 1)
+    """An M-RoPE model's offsets for the float64 reference, recomputed from scratch for the prompt then every frame
+    (:func:`sinklab.testing.vlm_conformance.frame_offsets`)."""
+    return vc.frame_offsets(model, prompt.shape[1], [b.batches[0] for b in blocks])
 
 
 @pytest.mark.parametrize("model_type", ["llava", "gemma3", "qwen2_vl"])

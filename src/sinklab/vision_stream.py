@@ -25,7 +25,7 @@ from . import _compat
 from .errors import InputError, UnsupportedModelError, check_int
 from .stream import StreamSession
 from .stream.config import StreamConfig
-from .stream.mrope import lays_out_positions
+from .stream.mrope import rope_index
 from .vision_inputs import IMAGE, IMAGE_SPECIAL, TEXT, VisionInputs, check_vision_model, config_inputs, image_spans
 
 __all__ = ["image_pins", "check_vision_stream", "native_positions", "feed_vision", "VideoMemory", "video_frames", "frame_files",
@@ -62,10 +62,9 @@ def check_vision_stream(model: nn.Module) -> None:
 def native_positions(model: nn.Module, batch: dict[str, Any]) -> Tensor | None:
     """The multimodal positions ``(axes, B, C)`` the model's own ``get_rope_index`` gives ``batch`` on its own
     (counted from 0), or ``None`` for a model with one position per token."""
-    if not lays_out_positions(model):
+    index = rope_index(model)
+    if index is None:
         return None
-    index: Any = next(m.get_rope_index for m in (_compat.base_model(model), model)
-                      if callable(getattr(m, "get_rope_index", None)))
     named = inspect.signature(index).parameters
     positions, _ = index(**{k: v for k, v in batch.items() if k in named})
     return positions

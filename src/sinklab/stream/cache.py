@@ -215,8 +215,9 @@ class SinkCache(Cache):
         given, seen = kwargs.get("position_ids"), self.state.columns
         if self.positions is None and isinstance(given, torch.Tensor) and given.dim() == 3 \
                 and not bool((given == given[-1:]).all()):
-            raise UnsupportedModelError(f"{type(self.model).__name__}: it hands its decoder positions by axis, which "
-                                        "sinklab did not detect from its config (no mrope_section, no get_rope_index)")
+            raise UnsupportedModelError(f"{type(self.model).__name__}: it hands its decoder different positions per "
+                                        "axis (multimodal rotary) but has no get_rope_index, which the stream needs "
+                                        "to lay out a chunk's positions; stream it without images, or add the method")
         mask = kwargs.get("attention_mask")
         if isinstance(mask, dict):  # generate() on a hybrid model: one prepared mask per layer type, same padding
             mask = next((m for m in mask.values() if isinstance(m, torch.Tensor)), None)

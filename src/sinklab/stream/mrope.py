@@ -18,20 +18,32 @@ model's own forward lays out the whole prompt.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
 from .. import _compat
 from ..errors import UnsupportedModelError
 
-__all__ = ["lays_out_positions", "MultimodalPositions"]
+__all__ = ["rope_index", "lays_out_positions", "MultimodalPositions"]
+
+
+def rope_index(model: nn.Module) -> Callable[..., Any] | None:
+    """The model's own ``get_rope_index`` (on its base model or itself), which lays out multimodal positions; None
+    for a model with one position per token. A config that names rotary sections (``mrope_section``) without one
+    hands its decoder one position per token, and streams as any 1-D rotary model."""
+    for owner in (_compat.base_model(model), model):
+        method: Any = getattr(owner, "get_rope_index", None)
+        if callable(method):
+            return method
+    return None
 
 
 def lays_out_positions(model: nn.Module) -> bool:
-    """Whether ``model`` lays out multimodal positions: a ``get_rope_index`` of its own (on the model or its base
-    model). A config that names rotary sections (``mrope_section``) without one hands its decoder one position
-    per token, and streams as any 1-D rotary model."""
-    return any(callable(getattr(m, "get_rope_index", None)) for m in (model, _compat.base_model(model)))
+    """Whether ``model`` lays out multimodal positions (:func:`rope_index`)."""
+    return rope_index(model) is not None
 
 
 class MultimodalPositions:

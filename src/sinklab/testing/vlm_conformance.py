@@ -30,7 +30,7 @@ from ..scan import ScanResult, scan_images
 from . import tiny
 from .conformance import Cell, NotApplicable, finite_json, reference, run_cell
 
-__all__ = ["all_types", "build", "OVERRIDES", "TOKEN_OVERRIDES", "test_image", "video_frame", "DecoderFeed", "decoder_embeds", "reference_feed", "cell_scan", "run_row", "modality_reference", "TEXT_IDS",
+__all__ = ["all_types", "build", "OVERRIDES", "TOKEN_OVERRIDES", "test_image", "video_frame", "DecoderFeed", "decoder_embeds", "reference_feed", "frame_offsets", "cell_scan", "run_row", "modality_reference", "TEXT_IDS",
            "TOLERANCE", "STATUSES"]
 
 STATUSES = ("ok", "wrong", "crash", "refused", "n/a", "not built")
@@ -466,6 +466,22 @@ def native_offsets(model: nn.Module, batch: dict, steps: int) -> Tensor | None:
     t = native.shape[1]
     following = (native.max() + 1 - t).expand(native.shape[0], steps)
     return torch.cat([native - torch.arange(t), following], 1)
+
+
+def frame_offsets(model: nn.Module, prompt_tokens: int, batches: list[dict]) -> Tensor | None:
+    """A multimodal rotary model's offsets ``(axes, T)`` for the float64 reference over a text prompt of
+    ``prompt_tokens`` then the chunks ``batches`` (video frames), each laid out from its own first slot as
+    :func:`sinklab.vision_stream.feed_vision` lays it out: the prompt's text none, each chunk's tokens their position
+    in the model's own layout of that chunk alone minus their index in it; ``None`` for one position per token."""
+    from ..vision_stream import native_positions
+
+    rows = []
+    for batch in batches:
+        positions = native_positions(model, batch)
+        if positions is None:
+            return None
+        rows.append(positions[:, 0] - torch.arange(positions.shape[-1]))
+    return torch.cat([torch.zeros(rows[0].shape[0], prompt_tokens, dtype=torch.long), *rows], 1)
 
 
 def cell_stream_evicted(built: tiny.Built) -> Cell:
