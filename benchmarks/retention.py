@@ -32,9 +32,13 @@ Methods: ``dense``; sinklab (``SinkCache(model, policy=…)``): ``streaming``, `
 grid's filler — at the cell's context length: :func:`sinklab.evaluation.calibration.calibrate_plan`; the prompt
 scored by what the model attends to when asked to repeat it, :func:`sinklab.stream.prefill.compressed_prompt`),
 ``auto_uniform`` (the same scoring with every head at the uniform budget: what the fitted budgets themselves add) and
-``auto_snapkv`` (the fitted budgets with SnapKV scoring the prompt: what the reconstruction scores add). sinklab's budget holds at
-every step, the question and answer included. kvpress 0.5.5 (transformers 5.2.0, in a throwaway virtualenv:
-``benchmarks/_kvpress_env.py``; the worker ``_kvpress_worker.py``): ``streaming``, ``snapkv``, ``tova``,
+``auto_snapkv`` (the fitted budgets with SnapKV scoring the prompt: what the reconstruction scores add; on a model
+with sliding-window layers the budgets split by window as ``auto``'s are, :func:`sinklab.stream.prefill.
+hybrid_budgets`). sinklab's budget holds at
+every step, the question and answer included (``--decode held``, the default); ``--decode appended`` grows it by
+every token fed after the prompt (:meth:`sinklab.stream.SinkCache.grow`), so they are kept whole as kvpress keeps
+them (the row's ``decode``; a perplexity continuation is one forward that sees every kept token either way).
+kvpress 0.5.5 (transformers 5.2.0, in a throwaway virtualenv: ``benchmarks/_kvpress_env.py``; the worker ``_kvpress_worker.py``): ``streaming``, ``snapkv``, ``tova``,
 ``expected_attention``, ``kvzip`` (refuses Gemma 3), ``adakv_expected_attention`` (its per-head Ada-KV wrapper)
 and ``pyramidkv`` (per-layer budgets); its presses compress the prompt once, at prefill, and the question and
 answer are then appended uncompressed.
@@ -55,12 +59,13 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from sinklab.atomic import write_json
-from sinklab.evaluation.retention import (ANSWER_TOKENS, NUM_SINKS, PPL_TOKENS, REGIMES, TASKS, cell_row,
+from sinklab.evaluation.retention import (ANSWER_TOKENS, DECODES, NUM_SINKS, PPL_TOKENS, REGIMES, TASKS, cell_row,
                                          filler_ids, layer_holds, make_cache, make_cell, run_prompt,
                                          uniform_budget)
 from sinklab.report.figures import save_png
@@ -86,9 +91,21 @@ def scan_for_plan(model, tokenizer):
                        split=False)
 
 
+def decode_of(row: dict) -> str:
+    """How a row decoded after the compressed prompt: ``appended`` (kvpress always; sinklab rows that say so) or
+    ``held`` (sinklab's rows from before the field: the budget held at every step)."""
+    return row.get("decode") or ("held" if row["source"] == "sinklab" else "appended")
+
+
+def label(row: dict) -> str:
+    """``source:method``, with `` (held)`` for a sinklab row whose budget held while decoding."""
+    held = row["source"] == "sinklab" and decode_of(row) == "held"
+    return f"{row['source']}:{row['method']}" + (" (held)" if held else "")
+
+
 def _key(row: dict) -> tuple:
     return (row["model"], row["method"], row["source"], row["kv_fraction"], row["task"], row["context"],
-            row["regime"])
+            row["regime"], decode_of(row))
 
 
 class Results:
@@ -129,6 +146,9 @@ def main() -> None:
     ap.add_argument("--tasks", default="ppl,needle,multikey,vartrack", help="in the order they are run")
     ap.add_argument("--regimes", default=",".join(REGIMES))
     ap.add_argument("--prompts", type=int, default=10, help="contexts per cell")
+    ap.add_argument("--decode", default="held", choices=DECODES,
+                    help="sinklab's decoding after the compressed prompt: held (the budget holds at every step) or "
+                         "appended (what follows kept whole, as kvpress keeps it: SinkCache.grow)")
     ap.add_argument("--methods", default=",".join(("dense",) + SINKLAB_METHODS), help="sinklab's methods")
     ap.add_argument("--kvpress-methods", default=",".join(KVPRESS_METHODS))
     ap.add_argument("--sources", default="sinklab,kvpress", help="sinklab (dense included), kvpress, or both")
@@ -187,7 +207,8 @@ def grid_model(args, res: Results, name: str, context: int, sources: set[str], k
                                 continue
                             src = "dense" if method == "dense" else source
                             yield {"model": name, "method": method, "source": src, "kv_fraction": fraction,
-                                   "task": task, "context": context, "regime": regime}
+                                   "task": task, "context": context, "regime": regime,
+                                   "decode": args.decode if src == "sinklab" else "appended"}
 
     todo = [k for k in keys() if _key(k) not in res.done]
     if not todo:
@@ -229,11 +250,11 @@ def sinklab_outcomes(model, tok, key: dict, budget: int | None, cells: list[dict
         plan = _auto_plan(model, tok, key["method"], budget, key["context"], plans)
     except Exception as exc:  # noqa: BLE001 - a plan that cannot be made is a row with its error
         return [{"error": f"{type(exc).__name__}: {exc}"} for _ in cells]
-    prefill = make_cache(model, key["method"], budget, plan, tok)
+    prefill = make_cache(model, key["method"], budget, plan, tok, key["decode"])
     outcomes = []
     for cell in cells:
         try:
-            outcomes.append(run_prompt(model, cell, key["regime"], prefill))
+            outcomes.append(run_prompt(model, cell, key["regime"], prefill, key["decode"]))
         except Exception as exc:  # noqa: BLE001 - a method that cannot run is a row with its error
             outcomes.append({"error": f"{type(exc).__name__}: {exc}"})
     return outcomes
@@ -257,8 +278,10 @@ def _auto_plan(model, tok, method: str, budget: int | None, context: int, plans:
     (:func:`sinklab.evaluation.calibration.calibrate_plan`); ``auto_uniform``: the same plan, every head at ``budget``."""
     if method not in ("auto", "auto_uniform", "auto_snapkv"):
         return None
+    from sinklab._compat import layer_sliding_windows
     from sinklab.evaluation.calibration import calibrate_plan
     from sinklab.stream.plan import plan_from_scan
+    from sinklab.stream.prefill import hybrid_budgets
 
     if "scan" not in plans:
         plans["scan"] = scan_for_plan(model, tok)
@@ -269,6 +292,9 @@ def _auto_plan(model, tok, method: str, budget: int | None, context: int, plans:
         t0 = time.perf_counter()
         plans[budget] = calibrate_plan(model, plan, calibration_ids(tok, context), context)
         plans[budget].source["calibration"]["seconds"] = round(time.perf_counter() - t0, 1)
+    windows = layer_sliding_windows(model)
+    if method == "auto_snapkv" and any(w is not None for w in windows):  # as compressed_prompt splits it (auto)
+        return replace(plans[budget], budgets=hybrid_budgets(plans[budget], context, windows))
     return plans[budget]
 
 
@@ -321,9 +347,9 @@ def print_table(rows: list[dict]) -> None:
         value = "ppl" if task == "ppl" else "accuracy"
         print(f"\n{model} · {context} tokens · {task} · {regime} ({value}; kept share of dense entries)")
         print("method".ljust(34) + "".join(f"{f:g}".rjust(26) for f in fracs))
-        for source, method in sorted({(r["source"], r["method"]) for r in sel}, key=lambda m: (m[0] != "dense", m)):
-            cells = {r["kv_fraction"]: r for r in sel if (r["source"], r["method"]) == (source, method)}
-            print(f"{source}:{method}".ljust(34) + "".join(_fmt(cells.get(f), value).rjust(26) for f in fracs))
+        for name in sorted({label(r) for r in sel}, key=lambda m: (not m.startswith("dense"), m)):
+            cells = {r["kv_fraction"]: r for r in sel if label(r) == name}
+            print(name.ljust(34) + "".join(_fmt(cells.get(f), value).rjust(26) for f in fracs))
 
 
 def _fmt(row: dict | None, value: str) -> str:
@@ -353,7 +379,7 @@ def _bars(ax, sel: list[dict], value: str) -> None:
     if value == "accuracy" and all(r.get("interval") for r in bars):
         errors = [[r[value] - r["interval"][0] for r in bars], [r["interval"][1] - r[value] for r in bars]]
     ax.barh(list(ys), widths, color=colours, xerr=errors, error_kw={"lw": 0.6, "capsize": 1.5, "ecolor": "grey"})
-    ax.set_yticks(list(ys), [f"{r['source']}:{r['method']}" for r in bars], fontsize=6)
+    ax.set_yticks(list(ys), [label(r) for r in bars], fontsize=6)
     ax.invert_yaxis()
     for r in sel:
         if r["source"] == "dense" and r[value] is not None:
@@ -382,7 +408,7 @@ def figure(rows: list[dict], path: Path) -> None:
     cols = min(4, len(panels))
     nrows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
-    names = sorted({(r["source"], r["method"]) for r in rows if r["source"] != "dense"})
+    names = sorted({label(r) for r in rows if r["source"] != "dense"})
     colour = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(names)}  # one colour per method, every panel
     for ax, panel in zip(axes.flat, panels):
         model, context, task, regime = panel
@@ -395,12 +421,12 @@ def figure(rows: list[dict], path: Path) -> None:
         for r in sel:
             if r["source"] == "dense" and r[value] is not None:
                 ax.axhline(r[value], color="black", lw=1, label="dense")
-        for source, method in sorted({(r["source"], r["method"]) for r in sel if r["source"] != "dense"}):
-            pts = sorted((r["kept_share"], r[value]) for r in sel if (r["source"], r["method"]) == (source, method)
+        for name in sorted({label(r) for r in sel if r["source"] != "dense"}):
+            pts = sorted((r["kept_share"], r[value]) for r in sel if label(r) == name
                          and r[value] is not None and r.get("kept_share") is not None)
             if pts:
-                ax.plot(*zip(*pts), marker="o", ls="-" if source == "sinklab" else "--", label=f"{source}:{method}",
-                        color=colour[(source, method)])
+                ax.plot(*zip(*pts), marker="o", ls="-" if name.startswith("sinklab") else "--", label=name,
+                        color=colour[name])
         ax.set_xlabel("share of dense KV entries held")
         ax.set_ylabel(value)
         ax.legend(fontsize=5, loc="best")

@@ -20,10 +20,11 @@ with the machine's native CPU flags: a few minutes on 2 cores, once). Methods, a
   full, keep 4 and drop half of the rest at once, decode on until full again; the cost per token averaged over
   one cycle (``_llamacpp_worker.py`` says how);
 * ``sinklab stream-default`` — what ``StreamSession(model, …)`` and ``sinklab stream`` run told nothing (F32 on a
-  CPU: ``torch.compile`` without freezing, its kernels in inductor's on-disk cache; other precisions: eager);
-  also its time to first token — the ``cached``-token prompt prefilled and one token decoded — cold (an empty
-  compile cache: the compile) and warm (dynamo reset, the cache filled: what a later process pays, less its
-  imports and model load);
+  CPU: the weights in the decode layout, ``fastpath.decode_layout``, and past its first ``fastpath.EAGER_STEPS``
+  eager steps ``torch.compile`` without freezing, its kernels in inductor's on-disk cache; other precisions:
+  eager): ms per token past the switch; its time to first token (the ``cached``-token prompt prefilled and one
+  token decoded, before the switch); and its first compiled step cold (an empty compile cache: the compile) and
+  warm (dynamo reset, the cache filled: what a later process pays, less its imports and model load);
 * ``sinklab stream``   — ``SinkCache(num_sinks=4, window=cached − 4)`` past eviction, eager (``--eager``);
 * ``sinklab stream-compiled`` — the same through ``torch.compile`` with inductor's freezing, what
   ``StreamSession(compile=True)`` does on a CPU (``--no-compile`` leaves it out);
@@ -141,8 +142,11 @@ AUTOTUNE = {"dynamic": False, "mode": "max-autotune-no-cudagraphs"}
 
 
 def default_rows(model, precision: str, threads: int, cached: int, steps: int) -> list[dict]:
-    """sinklab's default path (``StreamSession`` told nothing) at ``cached`` tokens: the time to first token with
-    an empty compile cache, then with a filled one after ``torch._dynamo.reset()``, then ms per decoded token."""
+    """sinklab's default path (``StreamSession`` told nothing) at ``cached`` tokens: the time to first token a user
+    waits (the prompt prefilled and one step decoded — eagerly, since the automatic compile waits
+    ``fastpath.EAGER_STEPS`` steps), then the path past that switch (``EAGER_STEPS`` set to 0 here): its first
+    compiled step with an empty compile cache (cold) and, after ``torch._dynamo.reset()``, with the cache filled
+    (warm: what a later process pays), then ms per decoded token."""
     import tempfile
 
     from sinklab import fastpath
@@ -152,17 +156,23 @@ def default_rows(model, precision: str, threads: int, cached: int, steps: int) -
     os.environ.pop(fastpath.COMPILE_ENV, None)
     base = {"engine": "sinklab", "precision": precision, "threads": threads, "cached": cached}
     prompt = torch.randint(10, model.config.vocab_size - 1, (1, cached), generator=torch.Generator().manual_seed(0))
-    saved = os.environ.get(fastpath.INDUCTOR_DIR_ENV)
-    firsts = {}
+    saved, eager_steps = os.environ.get(fastpath.INDUCTOR_DIR_ENV), fastpath.EAGER_STEPS
+    firsts: dict[str, float] = {}
     try:
+        torch._dynamo.reset()
+        with torch.no_grad(), StreamSession(model, num_sinks=NUM_SINKS, window=cached - NUM_SINKS) as session:
+            t = time.perf_counter()
+            session.step(session.feed(prompt).argmax(-1))
+            firsts["ttft"] = time.perf_counter() - t
+        fastpath.EAGER_STEPS = 0
         with tempfile.TemporaryDirectory(prefix="sinklab-inductor-") as tmp:
             os.environ[fastpath.INDUCTOR_DIR_ENV] = tmp  # cold: an empty compile cache
             for kind in ("cold", "warm"):
                 torch._dynamo.reset()
                 session = StreamSession(model, num_sinks=NUM_SINKS, window=cached - NUM_SINKS)
                 with torch.no_grad(), session:
-                    t = time.perf_counter()
                     logits = session.feed(prompt)
+                    t = time.perf_counter()
                     logits = session.step(logits.argmax(-1))
                     firsts[kind] = time.perf_counter() - t
                     if kind == "warm":
@@ -175,13 +185,15 @@ def default_rows(model, precision: str, threads: int, cached: int, steps: int) -
                             times.append(1e3 * (time.perf_counter() - t))
             compiled = session.compile_options is not None
     finally:
+        fastpath.EAGER_STEPS = eager_steps
         if saved is None:
             os.environ.pop(fastpath.INDUCTOR_DIR_ENV, None)
         else:
             os.environ[fastpath.INDUCTOR_DIR_ENV] = saved
         torch._dynamo.reset()
     return [{**base, "method": "stream-default", "phase": "decode", "ms_per_token": statistics.median(times),
-             "compiled": compiled, "ttft_cold_s": firsts["cold"], "ttft_warm_s": firsts["warm"]}]
+             "compiled": compiled, "ttft_s": firsts["ttft"], "compile_cold_s": firsts["cold"],
+             "compile_warm_s": firsts["warm"]}]
 
 
 def cpu_flags() -> dict:
@@ -199,10 +211,13 @@ def cpu_flags() -> dict:
 
 def sinklab_rows(model, precision: str, threads: int, cached: int, steps: int, compiled: bool,
                  autotuned: bool = False) -> list[dict]:
-    """sinklab at ``cached`` tokens: the prompt's prefill (one forward into the SinkCache), then eager decode
-    steps past eviction, then (``compiled``) the same through ``torch.compile`` with freezing, then
+    """sinklab at ``cached`` tokens, the weights in the decode layout an open ``StreamSession`` holds
+    (``fastpath.decode_layout``): the prompt's prefill (one forward into the SinkCache), then eager decode steps
+    past eviction (``--eager``), then (``compiled``) the same through ``torch.compile`` with freezing, then
     (``autotuned``) with freezing and inductor's max-autotune GEMM choice."""
     from _stream_compile import Sink, time_steps
+
+    from sinklab import fastpath
 
     torch.set_num_threads(threads)
     base = {"engine": "sinklab", "precision": precision, "threads": threads, "cached": cached}
@@ -211,6 +226,7 @@ def sinklab_rows(model, precision: str, threads: int, cached: int, steps: int, c
     eager = None
     methods = ([("stream", False, {})] + ([("stream-compiled", True, {"dynamic": False})] if compiled else [])
                + ([("stream-autotuned", True, AUTOTUNE)] if autotuned else []))
+    fastpath.decode_layout(model)
     for name, comp, options in methods:
         # Sink's prompt is its `cached` + 64 tokens: here `cached` in all, the SinkCache's S + W
         m = Sink(f"sinklab {name}", model, cached - 64, vocab, options, compiled=comp,
@@ -235,6 +251,7 @@ def sinklab_rows(model, precision: str, threads: int, cached: int, steps: int, c
             m.close()
             torch._inductor.config.freezing = False
             torch._dynamo.reset()
+    fastpath.restore_layout(model)
     return rows
 
 
@@ -289,7 +306,7 @@ def main() -> None:
                      rounds=[r["ms_per_token"] for r in v])
         if "max_rel_vs_eager" in v[0]:  # the first decoded step's logits against the eager stream's, worst round
             entry["max_rel_vs_eager"] = max(r["max_rel_vs_eager"] for r in v)
-        for extra in ("ttft_s", "ttft_cold_s", "ttft_warm_s", "load_s"):  # seconds: the median over the rounds
+        for extra in ("ttft_s", "compile_cold_s", "compile_warm_s", "load_s"):  # seconds: the median over the rounds
             if extra in v[0]:
                 entry[extra] = statistics.median(r[extra] for r in v)
         if "compiled" in v[0]:
@@ -321,23 +338,25 @@ def print_table(table: list[dict]) -> None:
     index = {(r["engine"], r["method"], r["precision"], r["threads"], r["cached"]): r for r in table}
     headers = ["precision", "threads", "cached", "llama.cpp plain", "llama.cpp shift (per token)",
                "llama.cpp CLI shift (cycle)", "sinklab default", "sinklab --eager", "sinklab compiled (frozen)",
-               "sinklab autotuned", "default ÷ CLI shift", "first token: llama.cpp / default cold / warm / eager (s)",
+               "sinklab autotuned", "default ÷ plain", "default ÷ CLI shift",
+               "first token: llama.cpp / default / eager (s)", "default's first compiled step: cold / warm (s)",
                "prefill llama.cpp / sinklab (ms/token)"]
     rows = []
     for p, t, c in keys:
         got = [index.get((e, m, p, t, c)) for e, m in cols]
         v = [None if r is None else r["ms_per_token"] for r in got]
-        ratio = f"**{v[3] / v[2]:.2f}×**" if v[2] and v[3] else "—"
+        plain = f"**{v[3] / v[0]:.2f}×**" if v[0] and v[3] else "—"
+        ratio = f"{v[3] / v[2]:.2f}×" if v[2] and v[3] else "—"
         cells = ["—" if x is None else f"{x:.1f}" for x in v]
 
         def sec(row, key):
             return "—" if row is None or row.get(key) is None else f"{row[key]:.1f}"
 
-        first = " / ".join([sec(got[0], "ttft_s"), sec(got[3], "ttft_cold_s"), sec(got[3], "ttft_warm_s"),
-                            sec(got[4], "ttft_s")])
+        first = " / ".join([sec(got[0], "ttft_s"), sec(got[3], "ttft_s"), sec(got[4], "ttft_s")])
+        switch = " / ".join([sec(got[3], "compile_cold_s"), sec(got[3], "compile_warm_s")])
         pre = [index.get((e, "prefill", p, t, c)) for e in ("llama.cpp", "sinklab")]
         prefill = " / ".join("—" if r is None else f"{r['ms_per_token']:.1f}" for r in pre)
-        rows.append(dict(zip(headers, [p.upper(), t, f"{c:,}", *cells, ratio, first, prefill])))
+        rows.append(dict(zip(headers, [p.upper(), t, f"{c:,}", *cells, plain, ratio, first, switch, prefill])))
     print(markdown_table(rows, headers))
 
 

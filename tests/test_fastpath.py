@@ -261,3 +261,72 @@ def test_cli_chat_eager_decodes_without_compiling(monkeypatch):
                            input="hi\n")
     assert r.exit_code == 0, r.output
     assert "compiling" not in r.output
+
+
+def _tied_llama():
+    from sinklab.models import tiny_llama
+
+    model = tiny_llama(seed=3).eval()
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as SmolLM2's are
+    return model
+
+
+def test_decode_layout_keeps_every_value_and_moves_only_the_memory_order(tmp_path):
+    model = _tied_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 1000, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert fastpath.decode_layout(model) == len(linears)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name  # bit for bit
+    for m in linears:
+        assert m.weight.stride() == (1, m.weight.shape[0])  # input-major in memory, the [out, in] shape kept
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)  # float32 summation order only
+    assert fastpath.decode_layout(model) == 0  # a second holder: nothing moves
+    assert fastpath.restore_layout(model) == 0  # ... nor when it lets go
+    assert not model.lm_head.weight.is_contiguous()
+    assert fastpath.restore_layout(model) == len(linears)  # the last holder puts every weight back
+    assert all(p.is_contiguous() for p in model.parameters())
+    assert fastpath.restore_layout(model) == 0
+    model.save_pretrained(tmp_path)  # what the layout would break (transformers reads each weight as one block)
+    from transformers import AutoModelForCausalLM
+
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for name, value in again.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_decode_layout_leaves_other_dtypes_and_the_opt_out(monkeypatch):
+    model = _tied_llama().to(torch.bfloat16)
+    assert fastpath.decode_layout(model) == 0
+    assert all(p.is_contiguous() for p in model.parameters())
+    monkeypatch.setenv(fastpath.LAYOUT_ENV, "0")
+    model = _tied_llama()
+    with StreamSession(model, num_sinks=2, window=16, compile=False):
+        assert model.lm_head.weight.is_contiguous()
+
+
+def test_an_open_session_holds_the_decode_layout_and_gives_it_back():
+    model = _tied_llama()
+    weight = model.model.layers[0].mlp.down_proj.weight
+    ids = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits[0, -1]
+    first = StreamSession(model, num_sinks=2, window=16, compile=False)
+    assert weight.is_contiguous()  # made, not yet open
+    with first as s:
+        assert not weight.is_contiguous()
+        with torch.no_grad():
+            got = s.feed(ids)[0]
+    assert weight.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    fastpath.decode_layout(model)  # a holder of the user's own outlives the session's
+    with StreamSession(model, num_sinks=2, window=16, compile=False):
+        assert not weight.is_contiguous()
+    assert not weight.is_contiguous()
+    fastpath.restore_layout(model)
+    assert weight.is_contiguous()

@@ -15,7 +15,7 @@ from sinklab.scan import scan_inputs
 from sinklab.stream import SinkCache
 from sinklab.stream.plan import plan_from_scan
 from sinklab.stream.policy import Prescored, SnapKV
-from sinklab.stream.prefill import compressed_prompt, reconstruction_scores
+from sinklab.stream.prefill import compressed_prompt, prompt_scores, reconstruction_scores
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -56,6 +56,24 @@ def test_reconstruction_scores_match_the_models_own_attention(model, chunk):
     assert sorted(got) == sorted(want)
     for i in want:
         torch.testing.assert_close(got[i].double(), want[i], atol=2e-6, rtol=1e-4)
+
+
+def test_prompt_scores_give_snapkv_of_the_prompt_from_the_same_passes(model):
+    """The second part: the prompt's last ``window`` queries' attention (query heads of each key-value head averaged),
+    averaged, then a mean over the ``kernel`` neighbours (fewer at the ends), from the model's own eager weights."""
+    prompt, instruction = _ids(60, 8), _ids(5, 9)
+    recon, snapped = prompt_scores(model, prompt, instruction, num_sinks=2)
+    assert recon.keys() == reconstruction_scores(model, prompt, instruction, num_sinks=2).keys() == snapped.keys()
+    twin = copy.deepcopy(model)
+    twin.set_attn_implementation("eager")
+    with torch.no_grad():
+        att = twin(input_ids=torch.tensor([prompt]), output_attentions=True).attentions
+    hkv, w, k = model.config.num_key_value_heads, SnapKV().window, SnapKV().kernel
+    for i, a in enumerate(att):
+        a = a[0].double()
+        mean = a.view(hkv, a.shape[0] // hkv, *a.shape[1:]).mean(1)[:, -w:].mean(1)  # (Hkv, T)
+        want = torch.stack([mean[:, max(0, j - k // 2):j + k // 2 + 1].mean(-1) for j in range(len(prompt))], -1)
+        torch.testing.assert_close(snapped[i].double(), want, atol=2e-6, rtol=1e-4)
 
 
 def test_compressed_prompt_keeps_sinks_newest_and_best_scored(model):
@@ -152,6 +170,28 @@ def test_a_model_with_sliding_layers_shares_its_budget_by_window_and_one_kept_se
     assert torch.equal(shared[0], scores[0]) and torch.equal(shared[2], scores[2])  # sliding layers: their own
     assert shared_scores(scores, [None] * 4) is scores
     assert budgets_from_scores({}, plan, length, [None] * 4) == plan.budgets
+
+
+def test_united_scores_keep_the_top_of_either_ranking():
+    """Each token scores the better of its two rank shares (a loop over every token), the first lowered by
+    ``lead``; a budget of ``k`` then keeps the tokens in the top of either list (written out for one head)."""
+    from sinklab.stream.prefill import united_scores
+
+    g = torch.Generator().manual_seed(7)
+    first = {0: torch.rand(2, 30, generator=g), 1: torch.rand(2, 30, generator=g)}
+    second = {0: torch.rand(2, 30, generator=g)}
+    for lead in (0.0, 0.1):
+        got = united_scores(first, second, lead)
+        for h in range(2):
+            for t in range(30):
+                r1 = sum(float(x) < float(first[0][h, t]) for x in first[0][h]) / 29
+                r2 = sum(float(x) < float(second[0][h, t]) for x in second[0][h]) / 29
+                assert float(got[0][h, t]) == pytest.approx(max(r1 - lead, r2))
+        assert got[1] is first[1]  # a layer the second scores miss: its own
+    top = set(torch.topk(united_scores(first, second)[0][0], 10).indices.tolist())
+    best1 = set(torch.topk(first[0][0], 5).indices.tolist())
+    best2 = set(torch.topk(second[0][0], 5).indices.tolist())
+    assert best1 | best2 <= top
 
 
 def test_prescored_saves_as_snapkv_and_bad_arguments_are_refused(model):

@@ -89,6 +89,42 @@ def test_snapkv_prefill_compression_matches_reference():
             assert kept == [sorted(h) for h in ref.kept(i)]
 
 
+@pytest.mark.parametrize("grow_before", [False, True], ids=["after-prompt", "before-prompt"])
+def test_grow_keeps_the_next_tokens_whole_then_holds_the_budget_again(grow_before):
+    """A 48-token prompt compressed to 16 per head, ``grow(6)``: the next 6 tokens evict nothing (the kept set is the
+    compressed prompt's plus them), later ones hold 22 per head — logits and kept sets equal the float64 reference
+    whose budget is raised by 6 at the same point. Grown before the first forward, the prompt itself keeps 22."""
+    model = _model()
+    policy = SnapKV(recent=4, window=8, kernel=5)
+    ref = RetentionReference(model, "snapkv", 4, 16, 4, window=8, kernel=5)
+    ids = _ids(64, seed=11)
+    with torch.no_grad(), SinkCache(model, num_sinks=4, window=12, policy=policy) as cache:
+        if grow_before:
+            cache.grow(6)
+            ref.budget = 22
+        ours = model(input_ids=torch.tensor([ids[:48]]), cache=cache).logits[0]
+        torch.testing.assert_close(ours.double(), ref.forward(ids[:48]), rtol=1e-4, atol=1e-4)
+        before = [layer.kept_indices() for layer in cache.layers]
+        if not grow_before:
+            cache.grow(6)
+            ref.budget = 22
+        ref.window = 1
+        for t, tok in enumerate(ids[48:]):
+            ours = model(input_ids=torch.tensor([[tok]]), cache=cache).logits[0, -1]
+            torch.testing.assert_close(ours.double(), ref.forward([tok])[-1], rtol=1e-4, atol=1e-4)
+            if t == 5 and not grow_before:  # six tokens appended whole
+                for layer, kept in zip(cache.layers, before):
+                    assert layer.kept_indices() == [h + list(range(48, 54)) for h in kept]
+        for i, layer in enumerate(cache.layers):
+            assert layer.kept_indices() == [sorted(h) for h in ref.kept(i)]
+            assert layer.kept_tokens().tolist() == [[22, 22]]
+    with SinkCache(model, num_sinks=4, window=12) as ring:
+        with pytest.raises(InputError, match="score-based"):
+            ring.grow(6)
+        with pytest.raises(InputError, match="tokens"):
+            SinkCache(model, num_sinks=4, window=12, policy="tova").grow(-1)
+
+
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_every_policy_equals_the_dense_forward_until_it_evicts(name):
     model = _model()

@@ -34,8 +34,8 @@ from .compile import frozen
 from .errors import InputError
 from .gguf import cache_root
 
-__all__ = ["COMPILE_ENV", "FirstCall", "compile_pays", "compiled_step", "default_compile", "resolve_compile",
-           "use_compile_cache"]
+__all__ = ["COMPILE_ENV", "LAYOUT_ENV", "FirstCall", "compile_pays", "compiled_step", "decode_layout",
+           "default_compile", "resolve_compile", "restore_layout", "use_compile_cache"]
 
 #: The environment variable that sets the default: ``auto`` (or unset), ``1``/``on``, ``0``/``off``.
 COMPILE_ENV = "SINKLAB_COMPILE"
@@ -47,6 +47,8 @@ MIN_PARAMETERS = 50_000_000
 #: Decode steps an automatic compile runs eagerly first: a run shorter than this never waits for a compile
 #: (docs/stream.md has the break-even it comes from).
 EAGER_STEPS = 1024
+#: The environment variable that turns the decode weight layout off (``0``/``off``): :func:`decode_layout`.
+LAYOUT_ENV = "SINKLAB_DECODE_LAYOUT"
 #: Inductor's own variable for its cache folder; when set, sinklab leaves the folder to it.
 INDUCTOR_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -103,6 +105,56 @@ def resolve_compile(compile: bool | dict | None, model: torch.nn.Module) -> tupl
     if compile is not None:
         return compile, False
     return (True if default_compile(*_weights(model)) else False), True
+
+
+def decode_layout(model: torch.nn.Module) -> int:
+    """Store every float32 ``nn.Linear`` weight of ``model`` that sits on the CPU input-major — the same values, the
+    same ``[out, in]`` shape, as the transposed view of a contiguous ``[in, out]`` tensor — so that a one-token
+    step's ``F.linear`` reaches the BLAS's fast matrix-vector kernel over the weights as they lie in memory (the
+    default layout makes it read them across; docs/stream.md measures both). Eager and compiled (unfrozen) steps
+    gain; a prefill chunk and transformers' own forward give the same numbers (to float32 rounding). A weight
+    tied to the input embedding moves with it. Weights already laid out so, or on another device or dtype, are left
+    as they are; ``$SINKLAB_DECODE_LAYOUT=0`` turns it off. Counted per model: every call is matched by one
+    :func:`restore_layout` (an open :class:`~sinklab.stream.StreamSession` holds one), and the last one puts the
+    weights back as they were. Returns the number of weights moved by this call."""
+    held = _LAID_OUT.get(model)
+    if held is not None:
+        held[0] += 1
+        return 0
+    moved: list[torch.Tensor] = []
+    if os.environ.get(LAYOUT_ENV, "").strip().lower() not in _OFF:
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if not isinstance(module, torch.nn.Linear) or not isinstance(weight, torch.Tensor):
+                continue
+            if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 \
+                    or min(weight.shape) < 2 or not weight.is_contiguous():
+                continue
+            with torch.no_grad():
+                weight.data = weight.data.t().contiguous().t()
+            moved.append(weight)
+    _LAID_OUT[model] = [1, moved]
+    return len(moved)
+
+
+def restore_layout(model: torch.nn.Module) -> int:
+    """Undo one :func:`decode_layout` of ``model``; the last one stores the weights it moved contiguous again (what
+    ``save_pretrained`` and safetensors expect). Returns the number of weights put back (0 while others hold it)."""
+    held = _LAID_OUT.get(model)
+    if held is None:
+        return 0
+    held[0] -= 1
+    if held[0] > 0:
+        return 0
+    del _LAID_OUT[model]
+    for weight in held[1]:
+        with torch.no_grad():
+            weight.data = weight.data.contiguous()
+    return len(held[1])
+
+
+#: Models laid out by :func:`decode_layout`: ``[holders, the weights moved]``.
+_LAID_OUT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def use_compile_cache() -> Path:

@@ -7,7 +7,10 @@ one compressed prompt answers: the cells of ``benchmarks/retention.py``'s grid.
   context); the filler is the Python documentation's prose (:func:`filler_ids`).
 * :func:`run_prompt` — compress a prompt with a fresh cache and answer it in one of two regimes: ``agnostic`` (the
   context is compressed before any question is seen, and every question it holds is asked of a copy of the
-  compressed cache) or ``aware`` (the question is part of the compressed prompt).
+  compressed cache) or ``aware`` (the question is part of the compressed prompt); and in one of two ways of
+  decoding after it (:data:`DECODES`): ``appended`` (the prompt is compressed once and what follows — question,
+  answer, continuation — is kept whole, as kvpress's presses do: :meth:`sinklab.stream.SinkCache.grow`) or ``held``
+  (the budget holds at every step).
 * :func:`held` — the key-value entries and bytes a cache holds, counted over every attention layer and key-value
   head; :func:`uniform_budget` — the per-head budget that holds a given number of entries in all.
 * :func:`cell_row` — one row of the grid (accuracy with its Wilson interval, or perplexity).
@@ -22,11 +25,15 @@ import time
 
 import torch
 
-__all__ = ["ANSWER_TOKENS", "NUM_SINKS", "PPL_TOKENS", "REGIMES", "TASKS", "answers_of", "cell_row", "filler_ids",
+from ..errors import InputError
+from ..stream.policy import Observation, ScoredPolicy
+
+__all__ = ["ANSWER_TOKENS", "DECODES", "NUM_SINKS", "PPL_TOKENS", "REGIMES", "TASKS", "answers_of", "cell_row", "filler_ids",
            "held", "layer_holds", "make_cache", "make_cell", "run_prompt", "uniform_budget", "wilson"]
 
 TASKS = ("needle", "multikey", "vartrack", "ppl")
 REGIMES = ("agnostic", "aware")
+DECODES = ("appended", "held")
 ANSWER_TOKENS = 10
 PPL_TOKENS = 256
 NUM_SINKS = 4
@@ -147,13 +154,27 @@ def uniform_budget(holds: list[tuple[int, int]], target: float) -> int:
 REPEAT_INSTRUCTION = "\n\nRepeat the previous context exactly.\n"
 
 
-def make_cache(model, method: str, budget: int | None, plan=None, tokenizer=None):
+class _Newest(ScoredPolicy):
+    """StreamingLLM as a score-based policy: every candidate scores the same, so each head keeps its sinks and its
+    newest tokens (ties go to the newer) — the recency ring's kept set, in a stream whose budget can grow."""
+
+    name = "streaming"
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        return torch.zeros(obs.real.shape, dtype=torch.float32, device=obs.real.device)
+
+
+def make_cache(model, method: str, budget: int | None, plan=None, tokenizer=None, decode: str = "held"):
     """``prefill(prompt) → (cache, logits of the prompt's last token)`` for ``method`` at ``budget`` tokens per head:
     ``dense`` (transformers' own cache), a named policy, or ``auto``/``auto_uniform`` (the plan's budgets, per head or
     uniform; the prompt compressed by :func:`sinklab.stream.prefill.compressed_prompt`, which needs ``tokenizer``
-    for its instruction); ``auto_snapkv``: the plan's budgets with SnapKV scoring the prompt."""
+    for its instruction); ``auto_snapkv``: the plan's budgets with SnapKV scoring the prompt. ``decode="appended"``:
+    ``streaming`` as a score-based stream (:class:`_Newest`), whose budget :func:`run_prompt` can grow."""
     from sinklab.stream import SinkCache
     from sinklab.stream.prefill import compressed_prompt
+
+    if decode not in DECODES:
+        raise InputError(f"decode is one of {', '.join(DECODES)}, got {decode!r}")
 
     def forward(cache, prompt):
         return cache, model(input_ids=torch.tensor([list(prompt)]), cache=cache, logits_to_keep=1).logits[0, -1]
@@ -167,8 +188,9 @@ def make_cache(model, method: str, budget: int | None, plan=None, tokenizer=None
         return lambda prompt: compressed_prompt(model, prompt, instruction, plan=plan)
     if method == "auto_snapkv":
         return lambda prompt: forward(SinkCache(model, policy="auto", plan=plan), prompt)
+    policy = _Newest(recent=1) if method == "streaming" and decode == "appended" else method
     return lambda prompt: forward(SinkCache(model, num_sinks=NUM_SINKS, window=budget - NUM_SINKS,  # type: ignore[operator]
-                                            policy=method), prompt)
+                                            policy=policy), prompt)
 
 
 def _close(cache) -> None:
@@ -187,9 +209,18 @@ def _greedy(model, cache, logits: torch.Tensor, steps: int) -> list[int]:
 
 
 @torch.no_grad()
-def run_prompt(model, cell: dict, regime: str, prefill) -> dict:
+def run_prompt(model, cell: dict, regime: str, prefill, decode: str = "held") -> dict:
     """Compress one prompt with ``prefill(prompt)`` (:func:`make_cache`) and answer it: ``{seconds, entries,
-    bytes}`` plus ``generated`` (one id list per question asked) or ``nll``/``count`` (``ppl``)."""
+    bytes}`` plus ``generated`` (one id list per question asked) or ``nll``/``count`` (``ppl``). ``decode="appended"``:
+    a sinklab stream's budget grows by every token fed after the prompt (:meth:`~sinklab.stream.SinkCache.grow`), so
+    they are all kept, as kvpress keeps them; ``"held"``: the budget holds."""
+    if decode not in DECODES:
+        raise InputError(f"decode is one of {', '.join(DECODES)}, got {decode!r}")
+
+    def grow(c, tokens: int) -> None:
+        if decode == "appended" and getattr(c, "is_sinklab_stream", False):
+            c.grow(tokens)
+
     prompt = list(cell["context_ids"])
     if regime == "aware":
         prompt += cell["questions"][cell["aware"]]["question_ids"]
@@ -200,17 +231,20 @@ def run_prompt(model, cell: dict, regime: str, prefill) -> dict:
         out["entries"], out["bytes"] = held(cache)
         if "continuation_ids" in cell:
             cont = torch.tensor(cell["continuation_ids"])
+            grow(cache, cont.shape[0])
             logits = model(input_ids=cont[None, :-1], cache=cache).logits[0]
             preds = torch.cat([last[None], logits]).double()
             out["nll"] = float(torch.nn.functional.cross_entropy(preds, cont, reduction="sum"))
             out["count"] = int(cont.shape[0])
         elif regime == "aware":
+            grow(cache, ANSWER_TOKENS)
             out["generated"] = [_greedy(model, cache, last, ANSWER_TOKENS)]
         else:  # every question of the context, each on a copy of the compressed cache
             out["generated"] = []
             for q in cell["questions"]:
                 fork = copy.deepcopy(cache, {id(model): model})  # the model is shared, never copied
                 try:
+                    grow(fork, len(q["question_ids"]) + ANSWER_TOKENS)
                     logits = model(input_ids=torch.tensor([q["question_ids"]]), cache=fork,
                                    logits_to_keep=1).logits[0, -1]
                     out["generated"].append(_greedy(model, fork, logits, ANSWER_TOKENS))

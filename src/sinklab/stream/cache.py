@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache
 
 from .. import _compat
 from ..checks import check_model
-from ..errors import InputError, ModelWeightsError, UnsupportedModelError
+from ..errors import InputError, ModelWeightsError, UnsupportedModelError, check_int
 from .activation import streams_of
 from .config import KV_GROUP_SIZE, StreamConfig, resolve_config
 from .layer import SinkWindowLayer
@@ -344,6 +344,23 @@ class SinkCache(Cache):
             layer.crop(-n)  # type: ignore[union-attr]
         for state in self.states if n else ():
             state.drop_last(n)
+
+    def grow(self, tokens: int) -> None:
+        """Raise every head's budget by ``tokens`` under a score-based policy: the next ``tokens`` tokens are kept
+        without evicting any, and the budget holds again after them. A prompt compressed once, then its question and
+        answer appended whole — what kvpress's presses do — is ``cache.grow(n)`` after the prompt
+        (docs/retention.md). A layer with its own sliding window kept whole (a ring of that window) keeps it; a
+        recency (StreamingLLM) stream keeps a fixed window: refused."""
+        check_int("tokens", tokens, 0)
+        if not self.policy.scored:
+            raise InputError(f"grow() raises the budgets of a score-based stream; the {self.policy.name!r} policy "
+                             "keeps a fixed window: give a score-based policy, e.g. SinkCache(model, ..., "
+                             "policy='snapkv')")
+        for state in self.states:
+            if state.scored:
+                for layer in state.layers:
+                    layer.grow(tokens)
+                state.set_rebase(self.config.rebase_every, state.rebase_keep + tokens)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns fed so far (padding included), whichever layer is asked: every layer of a stream has seen them

@@ -99,7 +99,11 @@ class SnapKV(ScoredPolicy):
         k = self.kernel
         if k <= 1:
             return mean
-        return along_stream(mean, obs, lambda x: F.avg_pool1d(x, k, stride=1, padding=k // 2, count_include_pad=False))
+
+        def pool(x: Tensor) -> Tensor:
+            return F.avg_pool1d(x, k, stride=1, padding=k // 2, count_include_pad=False)
+        # The mean over the real neighbours only: empty slots after the newest token are not neighbours.
+        return along_stream(mean, obs, pool) / along_stream(obs.real.float(), obs, pool).clamp_min(1e-12)
 
 
 @dataclass

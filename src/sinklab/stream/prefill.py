@@ -4,7 +4,10 @@
 query gives it while the model is fed ``prompt ⧺ instruction ⧺ prompt`` (the idea of KVzip, Kim et al., 2025: a
 cache that can reconstruct its context keeps what any later question may ask of it). :func:`compressed_prompt`
 prefills a score-based :class:`~sinklab.stream.SinkCache` with those scores (:class:`~sinklab.stream.policy.
-Prescored`), per-head budgets from a plan where one is given; later forwards score by SnapKV. docs/retention.md.
+Prescored`), per-head budgets from a plan where one is given; later forwards score by SnapKV. On a model with
+sliding-window layers the few global layers keep the union of what the reconstruction and SnapKV's own scoring of
+the prompt rank highest (:func:`united_scores`): the first keeps far facts, the second what the next tokens read.
+docs/retention.md.
 """
 
 from __future__ import annotations
@@ -19,9 +22,14 @@ from .. import _compat
 from ..errors import InputError, check_int
 from .cache import SinkCache
 from .plan import RetentionPlan
-from .policy import Observation, Prescored, ScoredPolicy
+from .policy import Observation, Prescored, ScoredPolicy, SnapKV
 
-__all__ = ["reconstruction_scores", "budgets_from_scores", "hybrid_budgets", "shared_scores", "compressed_prompt"]
+__all__ = ["reconstruction_scores", "prompt_scores", "united_scores", "budgets_from_scores", "hybrid_budgets", "shared_scores", "compressed_prompt"]
+
+
+#: On a model with sliding-window layers, how far SnapKV's ranking leads the reconstruction ranking in the global
+#: layers' one kept set (:func:`united_scores`; docs/retention.md has the measurements it was chosen from).
+SNAPKV_LEAD = 0.1
 
 
 class _MostAttention(ScoredPolicy):
@@ -35,6 +43,10 @@ class _MostAttention(ScoredPolicy):
         self.length = length
         self.needs_weights = False  # the attention weights are computed only while recording (``active``)
         self.best: dict[int, Tensor] = {}
+        #: While set, the forward's scores by this SnapKV (its last queries' pooled attention) are recorded instead,
+        #: into :attr:`snapped`.
+        self.snapkv: SnapKV | None = None
+        self.snapped: dict[int, Tensor] = {}
 
     @property
     def active(self) -> bool:
@@ -45,7 +57,12 @@ class _MostAttention(ScoredPolicy):
         self.needs_weights = on
 
     def score(self, obs: Observation) -> Tensor:
-        if self.active and obs.layer is not None and obs.index is not None:
+        if self.active and obs.layer is not None and obs.index is not None and self.snapkv is not None:
+            idx = obs.index[0]
+            got = self.snapkv.score(obs)[0]  # (Hkv, N)
+            self.snapped[obs.layer] = torch.zeros(got.shape[0], self.length, dtype=torch.float32).scatter(
+                -1, idx.clamp(0, self.length - 1), torch.where(idx >= 0, got.float(), torch.zeros_like(got.float())))
+        elif self.active and obs.layer is not None and obs.index is not None:
             w = obs.weights[0].amax(1)  # type: ignore[index]  # (Hkv, N); needs_weights: given
             idx = obs.index[0]
             inside = (idx >= 0) & (idx < self.length)
@@ -63,6 +80,14 @@ def reconstruction_scores(model: nn.Module, prompt: Sequence[int], instruction: 
     repeated prompt gives each of the ``T`` prompt tokens, with ``prompt ⧺ instruction`` prefilled and the repeated
     prompt fed ``chunk`` tokens at a time (so the weights held at once are ``chunk × (2T + len(instruction))`` per
     head). ``instruction``: the tokens that ask for the prompt again (e.g. "Repeat the previous context:")."""
+    return prompt_scores(model, prompt, instruction, num_sinks=num_sinks, chunk=chunk)[0]
+
+
+@torch.no_grad()
+def prompt_scores(model: nn.Module, prompt: Sequence[int], instruction: Sequence[int], *, num_sinks: int = 4,
+                  chunk: int = 512) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+    """:func:`reconstruction_scores`, and from the same passes SnapKV's scores of the prompt (its last queries'
+    pooled attention, :class:`~sinklab.stream.policy.SnapKV` with its defaults): both per layer, ``[Hkv, T]``."""
     prompt, instruction = [int(t) for t in prompt], [int(t) for t in instruction]
     if not prompt:
         raise InputError("reconstruction_scores needs a non-empty prompt")
@@ -71,13 +96,18 @@ def reconstruction_scores(model: nn.Module, prompt: Sequence[int], instruction: 
     recorder = _MostAttention(window=chunk, length=len(prompt))
     cache = SinkCache(model, num_sinks=num_sinks, window=max(total, num_sinks + 1), policy=recorder)
     try:
-        model(input_ids=torch.tensor([prompt + instruction]), cache=cache, logits_to_keep=1)
+        recorder.snapkv = SnapKV()
+        recorder.window, recorder.active = recorder.snapkv.window, True
+        model(input_ids=torch.tensor([prompt]), cache=cache, logits_to_keep=1)
+        recorder.snapkv, recorder.window, recorder.active = None, chunk, False
+        if instruction:
+            model(input_ids=torch.tensor([instruction]), cache=cache, logits_to_keep=1)
         recorder.active = True
         for at in range(0, len(prompt), chunk):
             model(input_ids=torch.tensor([prompt[at:at + chunk]]), cache=cache, logits_to_keep=1)
     finally:
         cache.close()
-    return recorder.best
+    return recorder.best, recorder.snapped
 
 
 def budgets_from_scores(scores: dict[int, Tensor], plan: RetentionPlan, length: int,
@@ -146,6 +176,17 @@ def shared_scores(scores: dict[int, Tensor], windows: Sequence[int | None]) -> d
     return {**scores, **{i: one.clone() for i in glob}}
 
 
+def united_scores(first: dict[int, Tensor], second: dict[int, Tensor], lead: float = 0.0) -> dict[int, Tensor]:
+    """Per layer of ``first``, each token's rank among its head's tokens by either score, as a share of the head's
+    tokens (``0`` worst, ``1`` best), the better of the two — ``first``'s lowered by ``lead`` — so a budget keeps the
+    tokens near the top of either list: the union of two kept sets of one size (``lead > 0``: ``second`` first).
+    Layers missing from ``second`` keep ``first``'s scores."""
+    def share(x: Tensor) -> Tensor:
+        return torch.argsort(torch.argsort(x.float(), dim=-1, stable=True), dim=-1).float() / max(x.shape[-1] - 1, 1)
+
+    return {i: torch.maximum(share(s) - lead, share(second[i])) if i in second else s for i, s in first.items()}
+
+
 @torch.no_grad()
 def compressed_prompt(model: nn.Module, prompt: Sequence[int], instruction: Sequence[int], *, num_sinks: int = 4,
                       window: int | None = None, plan: RetentionPlan | None = None, spread: bool = True,
@@ -153,15 +194,19 @@ def compressed_prompt(model: nn.Module, prompt: Sequence[int], instruction: Sequ
     """A :class:`SinkCache` holding ``prompt`` compressed by :func:`reconstruction_scores` — each head's sinks, its
     newest tokens and the best-scored others up to its budget — and the logits of the prompt's last token. Budgets:
     ``num_sinks + window`` tokens for every head, or a plan's total shared out by the scores
-    (:func:`budgets_from_scores`; ``spread=False``: the plan's own per-head budgets). Later forwards score by
+    (:func:`budgets_from_scores`; ``spread=False``: the plan's own per-head budgets). With a plan, on a model with
+    sliding-window layers, the scores are :func:`united_scores` of the reconstruction and SnapKV's (SnapKV leading
+    by :data:`SNAPKV_LEAD`), one set over the global layers (:func:`shared_scores`). Later forwards score by
     SnapKV."""
     if (plan is None) == (window is None):
         raise InputError("give either window (one budget for every head) or plan (per-head budgets)")
     prompt = [int(t) for t in prompt]
     sinks = plan.num_sinks if plan is not None else num_sinks
-    scores = reconstruction_scores(model, prompt, instruction, num_sinks=sinks, chunk=chunk)
+    scores, snapped = prompt_scores(model, prompt, instruction, num_sinks=sinks, chunk=chunk)
     if plan is not None:
         windows = _compat.layer_sliding_windows(model)
+        if any(w is not None for w in windows):  # few global layers: they keep what either scorer needs
+            scores = united_scores(scores, snapped, SNAPKV_LEAD)
         scores = shared_scores(scores, windows)
         if spread:
             plan = replace(plan, budgets=budgets_from_scores(scores, plan, len(prompt), windows),

@@ -125,13 +125,14 @@ class ScoredLayer(StreamLayerBase):
         self.sliding = sliding
         self.keeps_anchors = sliding is None or bool(sliding_sinks)
         self.plan_budgets = budgets  # per key-value head (a plan); None: the state's capacity for every head
+        self.extra = 0  # tokens added to every head's budget by grow() before the first forward
         self.pending: tuple | None = None
         self.moving = False  # host flag: some stored key sits at another position than it was received at
         state.layers.append(self)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         b, hkv, _, dh = key_states.shape
-        budgets = self.plan_budgets or [self.state.capacity] * hkv
+        budgets = [b + self.extra for b in self.plan_budgets or [self.state.capacity] * hkv]
         if len(budgets) != hkv:
             raise InputError(f"the plan gives {len(budgets)} budgets for a layer with {hkv} key-value heads")
         least = self.state.anchor_capacity + self.state.policy.recent
@@ -167,6 +168,19 @@ class ScoredLayer(StreamLayerBase):
         c_moved = torch.cat([self.moved, torch.zeros_like(c_pos[:, :, self.moved.shape[2]:])], 2)
         self.pending = (keys, values, c_sidx, c_pos, c_moved)
         return torch.cat([self.rotated_keys(), key_states], 2), values
+
+    def grow(self, tokens: int) -> None:
+        """Raise every head's budget by ``tokens``; the buffers grow by as many empty slots."""
+        if not self.is_initialized:
+            self.extra += tokens
+            return
+        self.budgets = self.budgets + tokens
+
+        def wider(t: Tensor, fill: int) -> Tensor:
+            return torch.cat([t, t.new_full((*t.shape[:2], tokens, *t.shape[3:]), fill)], 2)
+
+        self.keys, self.values = wider(self.keys, 0), wider(self.values, 0)
+        self.sidx, self.pos, self.moved = wider(self.sidx, -1), wider(self.pos, 0), wider(self.moved, 0)
 
     def rotated_keys(self) -> Tensor:
         """``[B, Hkv, cap, dh]``: the stored keys at the positions they sit at now (each rotated once, in float64

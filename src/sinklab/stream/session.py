@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from .. import _compat
 from ..atomic import atomic_file
 from ..compile import compile_options
-from ..fastpath import compiled_step, resolve_compile
+from ..fastpath import compiled_step, decode_layout, resolve_compile, restore_layout
 from ..errors import InputError, check_int, is_int
 from ..variants import register_count
 from .cache import SinkCache
@@ -89,6 +89,7 @@ class StreamSession:
         self._cache_kwarg = _compat.cache_kwarg_name(model)
         self._device = _compat.input_device(model)
         self.tokens_seen = 0
+        self._laid_out = False  # this session holds the model's decode layout (fastpath.decode_layout)
         self._restore: dict | None = None  # a loaded stream's state, put back on __enter__
         # Decoding (``step``) through torch.compile; chunks (``feed``) stay eager. Compiled once per model forward.
         self.compile_options = options  # what torch.compile was given for step() (None: eager)
@@ -110,10 +111,16 @@ class StreamSession:
         if self._restore is not None:
             self.sink.load_state_dict(self._restore)
             self._restore = None
+        if not self._laid_out:  # float32 CPU projections stored as a one-token step reads them, until __exit__
+            decode_layout(self.model)
+            self._laid_out = True
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.sink.__exit__(*exc)
+        if self._laid_out:
+            restore_layout(self.model)
+            self._laid_out = False
 
     @property
     def state(self):
