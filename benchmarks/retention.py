@@ -34,7 +34,7 @@ scored by what the model attends to when asked to repeat it, :func:`sinklab.stre
 ``auto_uniform`` (the same scoring with every head at the uniform budget: what the fitted budgets themselves add) and
 ``auto_snapkv`` (the fitted budgets with SnapKV scoring the prompt: what the reconstruction scores add; on a model
 with sliding-window layers the budgets split by window as ``auto``'s are, :func:`sinklab.stream.prefill.
-hybrid_budgets`). sinklab's budget holds at
+windowed_plan`). sinklab's budget holds at
 every step, the question and answer included (``--decode held``, the default); ``--decode appended`` grows it by
 every token fed after the prompt (:meth:`sinklab.stream.SinkCache.grow`), so they are kept whole as kvpress keeps
 them (the row's ``decode``; a perplexity continuation is one forward that sees every kept token either way).
@@ -59,7 +59,6 @@ import os
 import platform
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -278,10 +277,9 @@ def _auto_plan(model, tok, method: str, budget: int | None, context: int, plans:
     (:func:`sinklab.evaluation.calibration.calibrate_plan`); ``auto_uniform``: the same plan, every head at ``budget``."""
     if method not in ("auto", "auto_uniform", "auto_snapkv"):
         return None
-    from sinklab._compat import layer_sliding_windows
     from sinklab.evaluation.calibration import calibrate_plan
     from sinklab.stream.plan import plan_from_scan
-    from sinklab.stream.prefill import hybrid_budgets
+    from sinklab.stream.prefill import windowed_plan
 
     if "scan" not in plans:
         plans["scan"] = scan_for_plan(model, tok)
@@ -292,9 +290,8 @@ def _auto_plan(model, tok, method: str, budget: int | None, context: int, plans:
         t0 = time.perf_counter()
         plans[budget] = calibrate_plan(model, plan, calibration_ids(tok, context), context)
         plans[budget].source["calibration"]["seconds"] = round(time.perf_counter() - t0, 1)
-    windows = layer_sliding_windows(model)
-    if method == "auto_snapkv" and any(w is not None for w in windows):  # as compressed_prompt splits it (auto)
-        return replace(plans[budget], budgets=hybrid_budgets(plans[budget], context, windows))
+    if method == "auto_snapkv":  # split by window on a model with sliding layers, as compressed_prompt splits it
+        return windowed_plan(model, plans[budget], context)
     return plans[budget]
 
 

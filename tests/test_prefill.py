@@ -172,6 +172,32 @@ def test_a_model_with_sliding_layers_shares_its_budget_by_window_and_one_kept_se
     assert budgets_from_scores({}, plan, length, [None] * 4) == plan.budgets
 
 
+def test_windowed_plan_splits_by_window_only_where_the_model_has_sliding_layers(model):
+    """A plan for a model with a sliding layer takes :func:`hybrid_budgets` at the prompt's length (its one local
+    and one global layer: Gemma 3 shrunk); a model without sliding layers keeps the very plan."""
+    from sinklab import _compat
+    from sinklab.stream.plan import RetentionPlan
+    from sinklab.stream.prefill import hybrid_budgets, windowed_plan
+    from sinklab.testing import tiny
+
+    gemma = tiny.build("gemma3_text").model
+    windows = _compat.layer_sliding_windows(gemma)
+    assert windows[0] is not None and windows[1] is None
+    heads = gemma.config.num_key_value_heads
+    plan = RetentionPlan("gemma3_text", 2, heads, 2, 10, 2, 8, 0.9, [[12] * heads] * 2, [[0.0] * heads] * 2,
+                         [[False] * heads] * 2)
+    split = windowed_plan(gemma, plan, 40)
+    assert split.budgets == hybrid_budgets(plan, 40, windows) != plan.budgets
+    assert "40 tokens" in split.source["budgets"]
+    llama_plan = RetentionPlan("llama", model.config.num_hidden_layers, model.config.num_key_value_heads, 2, 10, 2,
+                               8, 0.9, [[12] * model.config.num_key_value_heads] * model.config.num_hidden_layers,
+                               [[0.0] * model.config.num_key_value_heads] * model.config.num_hidden_layers,
+                               [[False] * model.config.num_key_value_heads] * model.config.num_hidden_layers)
+    assert windowed_plan(model, llama_plan, 40) is llama_plan
+    with pytest.raises(InputError):
+        windowed_plan(model, llama_plan, 0)
+
+
 def test_united_scores_keep_the_top_of_either_ranking():
     """Each token scores the better of its two rank shares (a loop over every token), the first lowered by
     ``lead``; a budget of ``k`` then keeps the tokens in the top of either list (written out for one head)."""

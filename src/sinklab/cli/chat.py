@@ -138,9 +138,9 @@ def chat(
     device_map: Annotated[str | None, device_map_option()] = None,
     policy: Annotated[str, policy_option()] = "streaming",
     plan: Annotated[Path | None, plan_option()] = None,
-    eager: Annotated[bool, typer.Option("--eager", help="decode without torch.compile (default: compiled where it "
-                                        "pays, a CPU and float32 weights; the first run per model and machine waits "
-                                        "for the compile, later runs load it from the cache)")] = False,
+    eager: Annotated[bool, typer.Option("--eager", help="decode without torch.compile (default: eager for the first "
+                                        "1,024 steps, then compiled where it pays, a CPU and float32 weights; "
+                                        "the compile is cached per model and machine)")] = False,
 ) -> None:
     """Chat with a model through one stream in constant memory: /reset, /save FILE, /load FILE, /quit.
 

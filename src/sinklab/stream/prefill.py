@@ -24,7 +24,7 @@ from .cache import SinkCache
 from .plan import RetentionPlan
 from .policy import Observation, Prescored, ScoredPolicy, SnapKV
 
-__all__ = ["reconstruction_scores", "prompt_scores", "united_scores", "budgets_from_scores", "hybrid_budgets", "shared_scores", "compressed_prompt"]
+__all__ = ["reconstruction_scores", "prompt_scores", "united_scores", "windowed_plan", "budgets_from_scores", "hybrid_budgets", "shared_scores", "compressed_prompt"]
 
 
 #: On a model with sliding-window layers, how far SnapKV's ranking leads the reconstruction ranking in the global
@@ -160,6 +160,18 @@ def hybrid_budgets(plan: RetentionPlan, length: int, windows: Sequence[int | Non
         if windows[i] is None:
             budgets[i] = [max(floor, rest // max(global_heads, 1))] * h
     return budgets
+
+
+def windowed_plan(model: nn.Module, plan: RetentionPlan, length: int) -> RetentionPlan:
+    """``plan`` with its budgets split by window (:func:`hybrid_budgets`) for an ``length``-token prompt when ``model``
+    has sliding-window layers; ``plan`` itself otherwise. ``SinkCache(model, policy="auto", plan=windowed_plan(model,
+    plan, len(prompt)))`` is SnapKV over that split."""
+    check_int("length", length, 1)
+    windows = _compat.layer_sliding_windows(model)
+    if not any(w is not None for w in windows):
+        return plan
+    return replace(plan, budgets=hybrid_budgets(plan, length, windows),
+                   source={**plan.source, "budgets": f"split by window for {length} tokens"})
 
 
 def shared_scores(scores: dict[int, Tensor], windows: Sequence[int | None]) -> dict[int, Tensor]:
