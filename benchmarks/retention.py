@@ -97,9 +97,9 @@ def decode_of(row: dict) -> str:
 
 
 def label(row: dict) -> str:
-    """``source:method``, with `` (held)`` for a sinklab row whose budget held while decoding."""
-    held = row["source"] == "sinklab" and decode_of(row) == "held"
-    return f"{row['source']}:{row['method']}" + (" (held)" if held else "")
+    """``source:method``, with `` (appended)`` for a sinklab row run with ``--decode appended``."""
+    appended = row["source"] == "sinklab" and decode_of(row) == "appended"
+    return f"{row['source']}:{row['method']}" + (" (appended)" if appended else "")
 
 
 def _key(row: dict) -> tuple:
