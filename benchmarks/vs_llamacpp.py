@@ -227,31 +227,33 @@ def sinklab_rows(model, precision: str, threads: int, cached: int, steps: int, c
     methods = ([("stream", False, {})] + ([("stream-compiled", True, {"dynamic": False})] if compiled else [])
                + ([("stream-autotuned", True, AUTOTUNE)] if autotuned else []))
     fastpath.decode_layout(model)
-    for name, comp, options in methods:
-        # Sink's prompt is its `cached` + 64 tokens: here `cached` in all, the SinkCache's S + W
-        m = Sink(f"sinklab {name}", model, cached - 64, vocab, options, compiled=comp,
-                 num_sinks=NUM_SINKS, window=cached - NUM_SINKS)
-        torch._inductor.config.freezing = comp  # what StreamSession(compile=True) does on a CPU
-        try:
-            with torch.no_grad():
-                t = time.perf_counter()
-                m.setup()  # the SinkCache, and the prompt in one forward
-                if not comp:
-                    rows.append({**base, "method": "prefill", "phase": "prefill",
-                                 "ms_per_token": 1e3 * (time.perf_counter() - t) / cached})
-                first = m.step().float()  # the first decoded step (compiles), against the eager one
-                first_token_s = time.perf_counter() - t
-                for _ in range(2):  # warm-up
-                    m.step()
-            eager = first if not comp else eager
-            rows.append({**base, "method": name, "phase": "decode", "ttft_s": first_token_s,
-                         "ms_per_token": statistics.median(time_steps(m, steps)),
-                         "max_rel_vs_eager": float((first - eager).abs().max() / eager.abs().max())})
-        finally:
-            m.close()
-            torch._inductor.config.freezing = False
-            torch._dynamo.reset()
-    fastpath.restore_layout(model)
+    try:
+        for name, comp, options in methods:
+            # Sink's prompt is its `cached` + 64 tokens: here `cached` in all, the SinkCache's S + W
+            m = Sink(f"sinklab {name}", model, cached - 64, vocab, options, compiled=comp,
+                     num_sinks=NUM_SINKS, window=cached - NUM_SINKS)
+            torch._inductor.config.freezing = comp  # what StreamSession(compile=True) does on a CPU
+            try:
+                with torch.no_grad():
+                    t = time.perf_counter()
+                    m.setup()  # the SinkCache, and the prompt in one forward
+                    if not comp:
+                        rows.append({**base, "method": "prefill", "phase": "prefill",
+                                     "ms_per_token": 1e3 * (time.perf_counter() - t) / cached})
+                    first = m.step().float()  # the first decoded step (compiles), against the eager one
+                    first_token_s = time.perf_counter() - t
+                    for _ in range(2):  # warm-up
+                        m.step()
+                eager = first if not comp else eager
+                rows.append({**base, "method": name, "phase": "decode", "ttft_s": first_token_s,
+                             "ms_per_token": statistics.median(time_steps(m, steps)),
+                             "max_rel_vs_eager": float((first - eager).abs().max() / eager.abs().max())})
+            finally:
+                m.close()
+                torch._inductor.config.freezing = False
+                torch._dynamo.reset()
+    finally:
+        fastpath.restore_layout(model)
     return rows
 
 

@@ -306,26 +306,30 @@ def test_decode_layout_leaves_other_dtypes_and_the_opt_out(monkeypatch):
     assert all(p.is_contiguous() for p in model.parameters())
     monkeypatch.setenv(fastpath.LAYOUT_ENV, "0")
     model = _tied_llama()
-    with StreamSession(model, num_sinks=2, window=16, compile=False):
+    with StreamSession(model, num_sinks=2, window=16, compile=False) as s, torch.no_grad():
+        s.step(s.feed(torch.tensor([[1, 2, 3]])).argmax(-1))
         assert model.lm_head.weight.is_contiguous()
 
 
-def test_an_open_session_holds_the_decode_layout_and_gives_it_back():
+def test_a_session_holds_the_decode_layout_from_its_first_step_and_gives_it_back():
     model = _tied_llama()
     weight = model.model.layers[0].mlp.down_proj.weight
     ids = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(1))
+    nxt = torch.tensor([7])
     with torch.no_grad():
-        want = model(ids).logits[0, -1]
+        want = model(torch.cat([ids, nxt[None]], 1)).logits[0, -1]  # nothing evicted: the dense forward
     first = StreamSession(model, num_sinks=2, window=16, compile=False)
-    assert weight.is_contiguous()  # made, not yet open
-    with first as s:
+    with first as s, torch.no_grad():
+        s.feed(ids)
+        assert weight.is_contiguous()  # a prefill gains nothing from it: not yet
+        got = s.step(nxt)[0]
         assert not weight.is_contiguous()
-        with torch.no_grad():
-            got = s.feed(ids)[0]
     assert weight.is_contiguous()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     fastpath.decode_layout(model)  # a holder of the user's own outlives the session's
-    with StreamSession(model, num_sinks=2, window=16, compile=False):
+    with StreamSession(model, num_sinks=2, window=16, compile=False) as s, torch.no_grad():
+        s.feed(ids)
+        s.step(nxt)
         assert not weight.is_contiguous()
     assert not weight.is_contiguous()
     fastpath.restore_layout(model)

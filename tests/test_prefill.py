@@ -198,6 +198,37 @@ def test_windowed_plan_splits_by_window_only_where_the_model_has_sliding_layers(
         windowed_plan(model, llama_plan, 0)
 
 
+def test_a_model_with_sliding_layers_compresses_its_global_layer_by_the_united_scores():
+    """Gemma 3 shrunk (one sliding, one global layer): the global layer keeps its sinks, its ``recent`` newest and the
+    best others by :func:`united_scores` of the reconstruction and SnapKV (SnapKV leading by ``SNAPKV_LEAD``), made
+    one set by :func:`shared_scores` — the kept set written out here from the scores themselves."""
+    from sinklab import _compat
+    from sinklab.stream.plan import RetentionPlan
+    from sinklab.stream.prefill import SNAPKV_LEAD, shared_scores, united_scores
+    from sinklab.testing import tiny
+
+    gemma = tiny.build("gemma3_text").model.eval()
+    windows = _compat.layer_sliding_windows(gemma)
+    heads = gemma.config.num_key_value_heads
+    plan = RetentionPlan("gemma3_text", 2, heads, 2, 10, 2, 8, 0.9, [[12] * heads] * 2, [[0.0] * heads] * 2,
+                         [[False] * heads] * 2)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, gemma.config.vocab_size, (40,), generator=g).tolist()
+    instruction = torch.randint(0, gemma.config.vocab_size, (3,), generator=g).tolist()
+    cache, _ = compressed_prompt(gemma, prompt, instruction, plan=plan)
+    try:
+        kept, budgets = cache.layers[1].kept_indices(), cache.config.plan.budgets[1]
+    finally:
+        cache.close()
+    recon, snapped = prompt_scores(gemma, prompt, instruction, num_sinks=2)
+    scores = shared_scores(united_scores(recon, snapped, SNAPKV_LEAD), windows)[1]
+    assert not torch.equal(scores, recon[1])
+    for h in range(heads):
+        protected = {0, 1, len(prompt) - 2, len(prompt) - 1}
+        rest = sorted((j for j in range(len(prompt)) if j not in protected), key=lambda j: (-float(scores[h, j]), -j))
+        assert kept[h] == sorted(protected | set(rest[:budgets[h] - len(protected)])), h
+
+
 def test_united_scores_keep_the_top_of_either_ranking():
     """Each token scores the better of its two rank shares (a loop over every token), the first lowered by
     ``lead``; a budget of ``k`` then keeps the tokens in the top of either list (written out for one head)."""

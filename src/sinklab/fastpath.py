@@ -110,13 +110,13 @@ def resolve_compile(compile: bool | dict | None, model: torch.nn.Module) -> tupl
 def decode_layout(model: torch.nn.Module) -> int:
     """Store every float32 ``nn.Linear`` weight of ``model`` that sits on the CPU input-major — the same values, the
     same ``[out, in]`` shape, as the transposed view of a contiguous ``[in, out]`` tensor — so that a one-token
-    step's ``F.linear`` reaches the BLAS's fast matrix-vector kernel over the weights as they lie in memory (the
-    default layout makes it read them across; docs/stream.md measures both). Eager and compiled (unfrozen) steps
-    gain; a prefill chunk and transformers' own forward give the same numbers (to float32 rounding). A weight
-    tied to the input embedding moves with it. Weights already laid out so, or on another device or dtype, are left
-    as they are; ``$SINKLAB_DECODE_LAYOUT=0`` turns it off. Counted per model: every call is matched by one
-    :func:`restore_layout` (an open :class:`~sinklab.stream.StreamSession` holds one), and the last one puts the
-    weights back as they were. Returns the number of weights moved by this call."""
+    step's ``F.linear`` (``x @ W.T``, ``W.T`` now contiguous) takes the library's faster matrix-vector kernel
+    (docs/stream.md measures both layouts). Eager and compiled (unfrozen) steps gain; a prefill chunk and
+    transformers' own forward give the same numbers (to float32 rounding). A weight tied to the input embedding
+    moves with it. Weights already laid out so, or on another device or dtype, are left as they are;
+    ``$SINKLAB_DECODE_LAYOUT=0`` turns it off. Counted per model: every call is matched by one
+    :func:`restore_layout` (a :class:`~sinklab.stream.StreamSession` holds one from its first step until it closes),
+    and the last one puts the weights back as they were. Returns the number of weights moved by this call."""
     held = _LAID_OUT.get(model)
     if held is not None:
         held[0] += 1

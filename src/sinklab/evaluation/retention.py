@@ -154,6 +154,11 @@ def uniform_budget(holds: list[tuple[int, int]], target: float) -> int:
 REPEAT_INSTRUCTION = "\n\nRepeat the previous context exactly.\n"
 
 
+def _check_decode(decode: str) -> None:
+    if decode not in DECODES:
+        raise InputError(f"decode is one of {', '.join(DECODES)}, got {decode!r}")
+
+
 class _Newest(ScoredPolicy):
     """StreamingLLM as a score-based policy: every candidate scores the same, so each head keeps its sinks and its
     newest tokens (ties go to the newer) — the recency ring's kept set, in a stream whose budget can grow."""
@@ -173,8 +178,7 @@ def make_cache(model, method: str, budget: int | None, plan=None, tokenizer=None
     from sinklab.stream import SinkCache
     from sinklab.stream.prefill import compressed_prompt
 
-    if decode not in DECODES:
-        raise InputError(f"decode is one of {', '.join(DECODES)}, got {decode!r}")
+    _check_decode(decode)
 
     def forward(cache, prompt):
         return cache, model(input_ids=torch.tensor([list(prompt)]), cache=cache, logits_to_keep=1).logits[0, -1]
@@ -214,8 +218,7 @@ def run_prompt(model, cell: dict, regime: str, prefill, decode: str = "held") ->
     bytes}`` plus ``generated`` (one id list per question asked) or ``nll``/``count`` (``ppl``). ``decode="appended"``:
     a sinklab stream's budget grows by every token fed after the prompt (:meth:`~sinklab.stream.SinkCache.grow`), so
     they are all kept, as kvpress keeps them; ``"held"``: the budget holds."""
-    if decode not in DECODES:
-        raise InputError(f"decode is one of {', '.join(DECODES)}, got {decode!r}")
+    _check_decode(decode)
 
     def grow(c, tokens: int) -> None:
         if decode == "appended" and getattr(c, "is_sinklab_stream", False):

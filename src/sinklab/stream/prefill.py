@@ -24,7 +24,7 @@ from .cache import SinkCache
 from .plan import RetentionPlan
 from .policy import Observation, Prescored, ScoredPolicy, SnapKV
 
-__all__ = ["reconstruction_scores", "prompt_scores", "united_scores", "windowed_plan", "budgets_from_scores", "hybrid_budgets", "shared_scores", "compressed_prompt"]
+__all__ = ["reconstruction_scores", "prompt_scores", "united_scores", "windowed_plan", "has_sliding_layers", "budgets_from_scores", "hybrid_budgets", "shared_scores", "compressed_prompt"]
 
 
 #: On a model with sliding-window layers, how far SnapKV's ranking leads the reconstruction ranking in the global
@@ -57,20 +57,22 @@ class _MostAttention(ScoredPolicy):
         self.needs_weights = on
 
     def score(self, obs: Observation) -> Tensor:
-        if self.active and obs.layer is not None and obs.index is not None and self.snapkv is not None:
-            idx = obs.index[0]
-            got = self.snapkv.score(obs)[0]  # (Hkv, N)
-            self.snapped[obs.layer] = torch.zeros(got.shape[0], self.length, dtype=torch.float32).scatter(
-                -1, idx.clamp(0, self.length - 1), torch.where(idx >= 0, got.float(), torch.zeros_like(got.float())))
-        elif self.active and obs.layer is not None and obs.index is not None:
-            w = obs.weights[0].amax(1)  # type: ignore[index]  # (Hkv, N); needs_weights: given
-            idx = obs.index[0]
-            inside = (idx >= 0) & (idx < self.length)
-            most = torch.zeros(w.shape[0], self.length, dtype=w.dtype).scatter_reduce(
-                -1, idx.clamp(0, self.length - 1), torch.where(inside, w, torch.zeros_like(w)), "amax")
-            prev = self.best.get(obs.layer)
-            self.best[obs.layer] = most if prev is None else torch.maximum(prev, most)
+        if self.active and obs.layer is not None and obs.index is not None:
+            if self.snapkv is not None:
+                self.snapped[obs.layer] = self._by_index(self.snapkv.score(obs)[0], obs.index[0])
+            else:
+                most = self._by_index(obs.weights[0].amax(1), obs.index[0])  # type: ignore[index]  # needs_weights
+                prev = self.best.get(obs.layer)
+                self.best[obs.layer] = most if prev is None else torch.maximum(prev, most)
         return torch.zeros(obs.real.shape, dtype=torch.float32, device=obs.real.device)
+
+    def _by_index(self, values: Tensor, idx: Tensor) -> Tensor:
+        """``values`` ``[Hkv, N]`` (≥ 0) of the candidates at stream indices ``idx`` ``[Hkv, N]`` (-1: empty), laid out
+        on indices ``0 … length−1`` (the most where several candidates share one; 0 where none is)."""
+        inside = (idx >= 0) & (idx < self.length)
+        return torch.zeros(values.shape[0], self.length, dtype=torch.float32).scatter_reduce(
+            -1, idx.clamp(0, self.length - 1), torch.where(inside, values.float(), torch.zeros_like(values.float())),
+            "amax")
 
 
 @torch.no_grad()
@@ -80,24 +82,25 @@ def reconstruction_scores(model: nn.Module, prompt: Sequence[int], instruction: 
     repeated prompt gives each of the ``T`` prompt tokens, with ``prompt ⧺ instruction`` prefilled and the repeated
     prompt fed ``chunk`` tokens at a time (so the weights held at once are ``chunk × (2T + len(instruction))`` per
     head). ``instruction``: the tokens that ask for the prompt again (e.g. "Repeat the previous context:")."""
-    return prompt_scores(model, prompt, instruction, num_sinks=num_sinks, chunk=chunk)[0]
+    return prompt_scores(model, prompt, instruction, num_sinks=num_sinks, chunk=chunk, snapkv=False)[0]
 
 
 @torch.no_grad()
 def prompt_scores(model: nn.Module, prompt: Sequence[int], instruction: Sequence[int], *, num_sinks: int = 4,
-                  chunk: int = 512) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+                  chunk: int = 512, snapkv: bool = True) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
     """:func:`reconstruction_scores`, and from the same passes SnapKV's scores of the prompt (its last queries'
-    pooled attention, :class:`~sinklab.stream.policy.SnapKV` with its defaults): both per layer, ``[Hkv, T]``."""
+    pooled attention, :class:`~sinklab.stream.policy.SnapKV` with its defaults): both per layer, ``[Hkv, T]``
+    (``snapkv=False``: the second empty, its weights not computed)."""
     prompt, instruction = [int(t) for t in prompt], [int(t) for t in instruction]
     if not prompt:
-        raise InputError("reconstruction_scores needs a non-empty prompt")
+        raise InputError("scoring a prompt needs a non-empty prompt")
     check_int("chunk", chunk, 1)
     total = 2 * len(prompt) + len(instruction)
     recorder = _MostAttention(window=chunk, length=len(prompt))
     cache = SinkCache(model, num_sinks=num_sinks, window=max(total, num_sinks + 1), policy=recorder)
     try:
-        recorder.snapkv = SnapKV()
-        recorder.window, recorder.active = recorder.snapkv.window, True
+        recorder.snapkv = SnapKV() if snapkv else None
+        recorder.window, recorder.active = SnapKV.window, snapkv
         model(input_ids=torch.tensor([prompt]), cache=cache, logits_to_keep=1)
         recorder.snapkv, recorder.window, recorder.active = None, chunk, False
         if instruction:
@@ -110,6 +113,11 @@ def prompt_scores(model: nn.Module, prompt: Sequence[int], instruction: Sequence
     return recorder.best, recorder.snapped
 
 
+def has_sliding_layers(windows: Sequence[int | None]) -> bool:
+    """Whether a model whose layers have these sliding windows (None: global attention) has any sliding layer."""
+    return any(w is not None for w in windows)
+
+
 def budgets_from_scores(scores: dict[int, Tensor], plan: RetentionPlan, length: int,
                         windows: Sequence[int | None] | None = None) -> list[list[int] | None]:
     """The plan's total over the layers ``scores`` covers, shared out by the scores themselves: every head keeps its
@@ -117,7 +125,7 @@ def budgets_from_scores(scores: dict[int, Tensor], plan: RetentionPlan, length: 
     those heads (a token the model needs wins wherever it is). Layers without scores keep the plan's budgets.
     ``windows``: the model's own sliding window per layer (None: global attention); a model with sliding-window
     layers gets :func:`hybrid_budgets` instead."""
-    if windows is not None and any(w is not None for w in windows):
+    if windows is not None and has_sliding_layers(windows):
         return hybrid_budgets(plan, length, windows)
     layers = [i for i in sorted(scores) if plan.budgets[i] is not None]
     budgets = [list(b) if b is not None else None for b in plan.budgets]
@@ -168,7 +176,7 @@ def windowed_plan(model: nn.Module, plan: RetentionPlan, length: int) -> Retenti
     plan, len(prompt)))`` is SnapKV over that split."""
     check_int("length", length, 1)
     windows = _compat.layer_sliding_windows(model)
-    if not any(w is not None for w in windows):
+    if not has_sliding_layers(windows):
         return plan
     return replace(plan, budgets=hybrid_budgets(plan, length, windows),
                    source={**plan.source, "budgets": f"split by window for {length} tokens"})
@@ -181,7 +189,7 @@ def shared_scores(scores: dict[int, Tensor], windows: Sequence[int | None]) -> d
     sliding layers, one kept set"). A model without sliding layers, or whose global layers differ in heads, keeps
     its scores."""
     glob = [i for i in sorted(scores) if windows[i] is None]
-    if not glob or all(w is None for w in windows) or len({tuple(scores[i].shape) for i in glob}) != 1:
+    if not glob or not has_sliding_layers(windows) or len({tuple(scores[i].shape) for i in glob}) != 1:
         return scores
     scaled = torch.stack([scores[i].float() / scores[i].float().amax(-1, keepdim=True).clamp_min(1e-30) for i in glob])
     one = scaled.amax(0)
@@ -214,10 +222,11 @@ def compressed_prompt(model: nn.Module, prompt: Sequence[int], instruction: Sequ
         raise InputError("give either window (one budget for every head) or plan (per-head budgets)")
     prompt = [int(t) for t in prompt]
     sinks = plan.num_sinks if plan is not None else num_sinks
-    scores, snapped = prompt_scores(model, prompt, instruction, num_sinks=sinks, chunk=chunk)
+    windows = _compat.layer_sliding_windows(model)
+    unite = plan is not None and has_sliding_layers(windows)  # few global layers: they keep what either scorer needs
+    scores, snapped = prompt_scores(model, prompt, instruction, num_sinks=sinks, chunk=chunk, snapkv=unite)
     if plan is not None:
-        windows = _compat.layer_sliding_windows(model)
-        if any(w is not None for w in windows):  # few global layers: they keep what either scorer needs
+        if unite:
             scores = united_scores(scores, snapped, SNAPKV_LEAD)
         scores = shared_scores(scores, windows)
         if spread:

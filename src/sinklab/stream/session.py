@@ -89,7 +89,7 @@ class StreamSession:
         self._cache_kwarg = _compat.cache_kwarg_name(model)
         self._device = _compat.input_device(model)
         self.tokens_seen = 0
-        self._laid_out = False  # this session holds the model's decode layout (fastpath.decode_layout)
+        self._laid_out = False  # this session holds the model's decode layout (fastpath.decode_layout), from its first step
         self._restore: dict | None = None  # a loaded stream's state, put back on __enter__
         # Decoding (``step``) through torch.compile; chunks (``feed``) stay eager. Compiled once per model forward.
         self.compile_options = options  # what torch.compile was given for step() (None: eager)
@@ -111,9 +111,6 @@ class StreamSession:
         if self._restore is not None:
             self.sink.load_state_dict(self._restore)
             self._restore = None
-        if not self._laid_out:  # float32 CPU projections stored as a one-token step reads them, until __exit__
-            decode_layout(self.model)
-            self._laid_out = True
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -163,6 +160,9 @@ class StreamSession:
         if not _token_ids(token_ids):
             raise InputError(f"token_ids must be an integer tensor [batch], got {_describe(token_ids)}")
         self.tokens_seen += 1
+        if not self._laid_out:  # before the first (compiled) step: float32 CPU projections stored for one-token steps
+            decode_layout(self.model)
+            self._laid_out = True
         graphs = self.compile_options is not None and self._device.type == "cuda"
         if graphs:  # a new step: CUDA graphs (mode="reduce-overhead") may reuse the last step's output memory
             torch.compiler.cudagraph_mark_step_begin()
