@@ -15,7 +15,8 @@ from sinklab.scan import scan_inputs
 from sinklab.stream import SinkCache
 from sinklab.stream.plan import plan_from_scan
 from sinklab.stream.policy import Prescored, SnapKV
-from sinklab.stream.prefill import compressed_prompt, prompt_scores, reconstruction_scores
+from sinklab.stream.prefill import (SNAPKV_LEAD, budgets_from_scores, compressed_prompt, prompt_scores,
+                                    reconstruction_scores, united_scores)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -110,10 +111,13 @@ def test_compressed_prompt_with_a_plan_matches_the_float64_reference(model):
     finally:
         cache.close()
     assert budgets != plan.budgets and sum(map(sum, budgets)) == sum(map(sum, plan.budgets))
-    # The reference: the same scores for the prompt (checked against the eager weights above), then SnapKV per step.
+    # The budgets follow the reconstruction scores; the kept tokens, the union of the reconstruction's and SnapKV's
+    # rankings (both checked against the eager weights above); then SnapKV per step.
+    recon, snapped = prompt_scores(model, prompt, instruction, num_sinks=plan.num_sinks)
+    assert budgets == budgets_from_scores(recon, plan, len(prompt))
     ref = RetentionReference(model, "snapkv", num_sinks=plan.num_sinks, budget=budgets, recent=plan.recent,
                              window=SnapKV().window)
-    ref.given = reconstruction_scores(model, prompt, instruction, num_sinks=plan.num_sinks)
+    ref.given = united_scores(recon, snapped, SNAPKV_LEAD)
     want = [ref.forward(prompt)[-1]] + [ref.forward([t])[-1] for t in later]
     assert kept == [ref.kept(i) for i in range(len(kept))]
     for a, b in zip(got, want):
@@ -126,7 +130,6 @@ def test_budgets_from_scores_give_the_total_to_the_best_scored_tokens_of_any_hea
     from dataclasses import replace
 
     from sinklab.stream.plan import RetentionPlan
-    from sinklab.stream.prefill import budgets_from_scores
 
     g = torch.Generator().manual_seed(4)
     length, sinks, recent = 30, 2, 3
@@ -152,7 +155,7 @@ def test_a_model_with_sliding_layers_shares_its_budget_by_window_and_one_kept_se
     over the global layers, of each layer's scores over its own largest (a loop here). Without sliding layers
     neither changes anything."""
     from sinklab.stream.plan import RetentionPlan
-    from sinklab.stream.prefill import budgets_from_scores, shared_scores
+    from sinklab.stream.prefill import shared_scores
 
     length, windows = 64, [16, None, 16, None]
     plan = RetentionPlan("gemma3", 4, 1, 2, 10, 2, 8, 0.9, [[20], [20], [20], [20]], [[0.0]] * 4, [[False]] * 4)
@@ -204,7 +207,7 @@ def test_a_model_with_sliding_layers_compresses_its_global_layer_by_the_united_s
     one set by :func:`shared_scores` — the kept set written out here from the scores themselves."""
     from sinklab import _compat
     from sinklab.stream.plan import RetentionPlan
-    from sinklab.stream.prefill import SNAPKV_LEAD, shared_scores, united_scores
+    from sinklab.stream.prefill import shared_scores
     from sinklab.testing import tiny
 
     gemma = tiny.build("gemma3_text").model.eval()
@@ -232,7 +235,6 @@ def test_a_model_with_sliding_layers_compresses_its_global_layer_by_the_united_s
 def test_united_scores_keep_the_top_of_either_ranking():
     """Each token scores the better of its two rank shares (a loop over every token), the first lowered by
     ``lead``; a budget of ``k`` then keeps the tokens in the top of either list (written out for one head)."""
-    from sinklab.stream.prefill import united_scores
 
     g = torch.Generator().manual_seed(7)
     first = {0: torch.rand(2, 30, generator=g), 1: torch.rand(2, 30, generator=g)}

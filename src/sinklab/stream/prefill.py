@@ -4,10 +4,10 @@
 query gives it while the model is fed ``prompt ⧺ instruction ⧺ prompt`` (the idea of KVzip, Kim et al., 2025: a
 cache that can reconstruct its context keeps what any later question may ask of it). :func:`compressed_prompt`
 prefills a score-based :class:`~sinklab.stream.SinkCache` with those scores (:class:`~sinklab.stream.policy.
-Prescored`), per-head budgets from a plan where one is given; later forwards score by SnapKV. On a model with
-sliding-window layers the few global layers keep the union of what the reconstruction and SnapKV's own scoring of
-the prompt rank highest (:func:`united_scores`): the first keeps far facts, the second what the next tokens read.
-docs/retention.md.
+Prescored`), per-head budgets from a plan where one is given; later forwards score by SnapKV. With a plan, each head
+keeps the union of what the reconstruction and SnapKV's own scoring of the prompt rank highest
+(:func:`united_scores`): the first keeps far facts, the second what the next tokens read; on a model with
+sliding-window layers the few global layers keep one such set together (:func:`shared_scores`). docs/retention.md.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from .policy import Observation, Prescored, ScoredPolicy, SnapKV
 __all__ = ["reconstruction_scores", "prompt_scores", "united_scores", "windowed_plan", "has_sliding_layers", "budgets_from_scores", "hybrid_budgets", "shared_scores", "compressed_prompt"]
 
 
-#: On a model with sliding-window layers, how far SnapKV's ranking leads the reconstruction ranking in the global
-#: layers' one kept set (:func:`united_scores`; docs/retention.md has the measurements it was chosen from).
+#: How far SnapKV's ranking leads the reconstruction ranking in a compressed prompt's kept sets
+#: (:func:`united_scores`; docs/retention.md has the measurements it was chosen from).
 SNAPKV_LEAD = 0.1
 
 
@@ -214,24 +214,21 @@ def compressed_prompt(model: nn.Module, prompt: Sequence[int], instruction: Sequ
     """A :class:`SinkCache` holding ``prompt`` compressed by :func:`reconstruction_scores` — each head's sinks, its
     newest tokens and the best-scored others up to its budget — and the logits of the prompt's last token. Budgets:
     ``num_sinks + window`` tokens for every head, or a plan's total shared out by the scores
-    (:func:`budgets_from_scores`; ``spread=False``: the plan's own per-head budgets). With a plan, on a model with
-    sliding-window layers, the scores are :func:`united_scores` of the reconstruction and SnapKV's (SnapKV leading
-    by :data:`SNAPKV_LEAD`), one set over the global layers (:func:`shared_scores`). Later forwards score by
-    SnapKV."""
+    (:func:`budgets_from_scores`; ``spread=False``: the plan's own per-head budgets). With a plan, the tokens each
+    head keeps are ranked by :func:`united_scores` of the reconstruction and SnapKV's (SnapKV leading by
+    :data:`SNAPKV_LEAD`), on a model with sliding-window layers one set over the global layers
+    (:func:`shared_scores`). Later forwards score by SnapKV."""
     if (plan is None) == (window is None):
         raise InputError("give either window (one budget for every head) or plan (per-head budgets)")
     prompt = [int(t) for t in prompt]
     sinks = plan.num_sinks if plan is not None else num_sinks
     windows = _compat.layer_sliding_windows(model)
-    unite = plan is not None and has_sliding_layers(windows)  # few global layers: they keep what either scorer needs
-    scores, snapped = prompt_scores(model, prompt, instruction, num_sinks=sinks, chunk=chunk, snapkv=unite)
+    scores, snapped = prompt_scores(model, prompt, instruction, num_sinks=sinks, chunk=chunk, snapkv=plan is not None)
     if plan is not None:
-        if unite:
-            scores = united_scores(scores, snapped, SNAPKV_LEAD)
-        scores = shared_scores(scores, windows)
-        if spread:
-            plan = replace(plan, budgets=budgets_from_scores(scores, plan, len(prompt), windows),
-                           source={**plan.source, "budgets": "reconstruction scores"})
+        if spread:  # the budgets follow the reconstruction scores; the kept tokens, either scorer's best
+            budgets = budgets_from_scores(shared_scores(scores, windows), plan, len(prompt), windows)
+            plan = replace(plan, budgets=budgets, source={**plan.source, "budgets": "reconstruction scores"})
+        scores = shared_scores(united_scores(scores, snapped, SNAPKV_LEAD), windows)
         cache = SinkCache(model, policy=Prescored(recent=plan.recent, given=scores), plan=plan)
     else:
         cache = SinkCache(model, num_sinks=num_sinks, window=window, policy=Prescored(given=scores))
