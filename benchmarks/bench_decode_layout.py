@@ -5,7 +5,9 @@ model's own projections, stored as transformers loads them and input-major.
 
 Per "token": one ``F.linear`` of a random vector with every ``nn.Linear`` weight of the model in turn (the tied
 output head included), as a decode step does them; the median ms per token over ``steps`` tokens, rounds
-alternating the layouts (the machine is shared). Also the time ``decode_layout`` and ``restore_layout`` take.
+alternating the layouts (the machine is shared). Two more rows: the same products compiled by inductor with
+``fastpath.matvec_options`` (what sinklab's default compiled step does: each one a C++ reduction over the weight's
+rows, the weights as loaded), and every weight read once (``weight.sum()``: the memory's own floor). Also the time ``decode_layout`` and ``restore_layout`` take.
 Prints a table; writes ``benchmarks/results/bench_decode_layout.json``. Not a test.
 """
 
@@ -26,13 +28,17 @@ from _common import RESULTS, markdown_table, run_metadata, write_result  # noqa:
 
 
 @torch.no_grad()
-def one_token(linears: list[torch.nn.Linear]) -> float:
+def one_token(linears: list[torch.nn.Linear], product=F.linear) -> float:
     """Seconds for one vector through every projection (each with an input of its own width)."""
     inputs = {m.in_features: torch.randn(1, m.in_features) for m in linears}
     t = time.perf_counter()
     for m in linears:
-        F.linear(inputs[m.in_features], m.weight)
+        product(inputs[m.in_features], m.weight)
     return time.perf_counter() - t
+
+
+def read_once(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return weight.sum()
 
 
 def main() -> None:
@@ -50,17 +56,20 @@ def main() -> None:
     model = sinklab.load_model(args.model).model.eval().float()
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in {id(m.weight): m for m in linears}.values())
-    times: dict[str, list[float]] = {"as loaded": [], "decode layout": []}
+    compiled = torch.compile(F.linear, options=fastpath.matvec_options(), dynamic=False)
+    products = {"as loaded": F.linear, "decode layout": F.linear, "compiled, matvec_options (as loaded)": compiled,
+                "every weight read once (weight.sum)": read_once}
+    times: dict[str, list[float]] = {k: [] for k in products}
     moves: dict[str, list[float]] = {"decode_layout": [], "restore_layout": []}
     for r in range(args.rounds):
-        order = ["as loaded", "decode layout"] if r % 2 == 0 else ["decode layout", "as loaded"]
+        order = list(products) if r % 2 == 0 else list(reversed(products))
         for layout in order:
             if layout == "decode layout":
                 t = time.perf_counter()
                 fastpath.decode_layout(model)
                 moves["decode_layout"].append(time.perf_counter() - t)
-            one_token(linears)  # warm-up
-            times[layout] += [1e3 * one_token(linears) for _ in range(args.steps)]
+            one_token(linears, products[layout])  # warm-up (and the compile, once per shape)
+            times[layout] += [1e3 * one_token(linears, products[layout]) for _ in range(args.steps)]
             if layout == "decode layout":
                 t = time.perf_counter()
                 fastpath.restore_layout(model)

@@ -156,11 +156,19 @@ def main() -> None:
     ap.add_argument("--restart", action="store_true", help="discard the rows already in --out")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--table", action="store_true", help="only print the table of the results file")
-    ap.add_argument("--figure", type=Path, default=None, help="only draw the results file's figure into this PNG")
+    ap.add_argument("--figure", type=Path, default=None,
+                    help="only draw the results file's figure into this PNG ('{model}' in the name: one per model)")
     args = ap.parse_args()
     if args.table or args.figure is not None:
         rows = Results(args.out, False).rows
-        print_table(rows) if args.table else figure(rows, args.figure)
+        if args.table:
+            print_table(rows)
+        elif "{model}" in str(args.figure):  # one figure per model
+            for name in sorted({r["model"] for r in rows}):
+                short = name.split(":")[-1].replace("/", "_")
+                figure([r for r in rows if r["model"] == name], Path(str(args.figure).replace("{model}", short)))
+        else:
+            figure(rows, args.figure)
         return
     torch.set_num_threads(args.threads)
     import transformers
@@ -407,6 +415,7 @@ def figure(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
     names = sorted({label(r) for r in rows if r["source"] != "dense"})
     colour = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(names)}  # one colour per method, every panel
+    colour["sinklab:auto"] = "#08306b"  # as in the bar panels
     for ax, panel in zip(axes.flat, panels):
         model, context, task, regime = panel
         value = "ppl" if task == "ppl" else "accuracy"
@@ -419,11 +428,16 @@ def figure(rows: list[dict], path: Path) -> None:
             if r["source"] == "dense" and r[value] is not None:
                 ax.axhline(r[value], color="black", lw=1, label="dense")
         for name in sorted({label(r) for r in sel if r["source"] != "dense"}):
-            pts = sorted((r["kept_share"], r[value]) for r in sel if label(r) == name
+            pts = sorted((r["kept_share"], r[value], r.get("interval")) for r in sel if label(r) == name
                          and r[value] is not None and r.get("kept_share") is not None)
             if pts:
-                ax.plot(*zip(*pts), marker="o", ls="-" if name.startswith("sinklab") else "--", label=name,
-                        color=colour[name])
+                xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+                err = None
+                if value == "accuracy" and all(p[2] for p in pts):  # the 95 % interval of each accuracy
+                    err = [[y - p[2][0] for y, p in zip(ys, pts)], [p[2][1] - y for y, p in zip(ys, pts)]]
+                ax.errorbar(xs, ys, yerr=err, marker="o", ms=3, lw=1.6 if name == "sinklab:auto" else 0.9,
+                            capsize=1.5, elinewidth=0.5, ls="-" if name.startswith("sinklab") else "--",
+                            label=name, color=colour[name])
         ax.set_xlabel("share of dense KV entries held")
         ax.set_ylabel(value)
         ax.legend(fontsize=5, loc="best")

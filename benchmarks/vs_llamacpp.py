@@ -20,9 +20,9 @@ with the machine's native CPU flags: a few minutes on 2 cores, once). Methods, a
   full, keep 4 and drop half of the rest at once, decode on until full again; the cost per token averaged over
   one cycle (``_llamacpp_worker.py`` says how);
 * ``sinklab stream-default`` — what ``StreamSession(model, …)`` and ``sinklab stream`` run told nothing (F32 on a
-  CPU: the weights in the decode layout, ``fastpath.decode_layout``, and past its first ``fastpath.EAGER_STEPS``
-  eager steps ``torch.compile`` without freezing, its kernels in inductor's on-disk cache; other precisions:
-  eager): ms per token past the switch; its time to first token (the ``cached``-token prompt prefilled and one
+  CPU: its first ``fastpath.EAGER_STEPS`` steps eager in the decode layout, ``fastpath.decode_layout``, then
+  ``torch.compile`` without freezing with ``fastpath.matvec_options``, its kernels in inductor's on-disk cache;
+  other precisions: eager): ms per token past the switch; its time to first token (the ``cached``-token prompt prefilled and one
   token decoded, before the switch); and its first compiled step cold (an empty compile cache: the compile) and
   warm (dynamo reset, the cache filled: what a later process pays, less its imports and model load);
 * ``sinklab stream``   — ``SinkCache(num_sinks=4, window=cached − 4)`` past eviction, eager (``--eager``);
@@ -211,9 +211,9 @@ def cpu_flags() -> dict:
 
 def sinklab_rows(model, precision: str, threads: int, cached: int, steps: int, compiled: bool,
                  autotuned: bool = False) -> list[dict]:
-    """sinklab at ``cached`` tokens, the weights in the decode layout an open ``StreamSession`` holds
-    (``fastpath.decode_layout``): the prompt's prefill (one forward into the SinkCache), then eager decode steps
-    past eviction (``--eager``), then (``compiled``) the same through ``torch.compile`` with freezing, then
+    """sinklab at ``cached`` tokens: the prompt's prefill (one forward into the SinkCache), then eager decode steps
+    past eviction (``--eager``; the weights in the decode layout a ``StreamSession``'s eager steps hold,
+    ``fastpath.decode_layout``), then (``compiled``) the same through ``torch.compile`` with freezing, then
     (``autotuned``) with freezing and inductor's max-autotune GEMM choice."""
     from _stream_compile import Sink, time_steps
 
@@ -226,34 +226,34 @@ def sinklab_rows(model, precision: str, threads: int, cached: int, steps: int, c
     eager = None
     methods = ([("stream", False, {})] + ([("stream-compiled", True, {"dynamic": False})] if compiled else [])
                + ([("stream-autotuned", True, AUTOTUNE)] if autotuned else []))
-    fastpath.decode_layout(model)
-    try:
-        for name, comp, options in methods:
-            # Sink's prompt is its `cached` + 64 tokens: here `cached` in all, the SinkCache's S + W
-            m = Sink(f"sinklab {name}", model, cached - 64, vocab, options, compiled=comp,
-                     num_sinks=NUM_SINKS, window=cached - NUM_SINKS)
-            torch._inductor.config.freezing = comp  # what StreamSession(compile=True) does on a CPU
-            try:
-                with torch.no_grad():
-                    t = time.perf_counter()
-                    m.setup()  # the SinkCache, and the prompt in one forward
-                    if not comp:
-                        rows.append({**base, "method": "prefill", "phase": "prefill",
-                                     "ms_per_token": 1e3 * (time.perf_counter() - t) / cached})
-                    first = m.step().float()  # the first decoded step (compiles), against the eager one
-                    first_token_s = time.perf_counter() - t
-                    for _ in range(2):  # warm-up
-                        m.step()
-                eager = first if not comp else eager
-                rows.append({**base, "method": name, "phase": "decode", "ttft_s": first_token_s,
-                             "ms_per_token": statistics.median(time_steps(m, steps)),
-                             "max_rel_vs_eager": float((first - eager).abs().max() / eager.abs().max())})
-            finally:
-                m.close()
-                torch._inductor.config.freezing = False
-                torch._dynamo.reset()
-    finally:
-        fastpath.restore_layout(model)
+    for name, comp, options in methods:
+        if not comp:  # an eager step reads the weights in the decode layout, as a StreamSession's eager steps do
+            fastpath.decode_layout(model)
+        # Sink's prompt is its `cached` + 64 tokens: here `cached` in all, the SinkCache's S + W
+        m = Sink(f"sinklab {name}", model, cached - 64, vocab, options, compiled=comp,
+                 num_sinks=NUM_SINKS, window=cached - NUM_SINKS)
+        torch._inductor.config.freezing = comp  # what StreamSession(compile=True) does on a CPU
+        try:
+            with torch.no_grad():
+                t = time.perf_counter()
+                m.setup()  # the SinkCache, and the prompt in one forward
+                if not comp:
+                    rows.append({**base, "method": "prefill", "phase": "prefill",
+                                 "ms_per_token": 1e3 * (time.perf_counter() - t) / cached})
+                first = m.step().float()  # the first decoded step (compiles), against the eager one
+                first_token_s = time.perf_counter() - t
+                for _ in range(2):  # warm-up
+                    m.step()
+            eager = first if not comp else eager
+            rows.append({**base, "method": name, "phase": "decode", "ttft_s": first_token_s,
+                         "ms_per_token": statistics.median(time_steps(m, steps)),
+                         "max_rel_vs_eager": float((first - eager).abs().max() / eager.abs().max())})
+        finally:
+            m.close()
+            torch._inductor.config.freezing = False
+            torch._dynamo.reset()
+            if not comp:
+                fastpath.restore_layout(model)
     return rows
 
 

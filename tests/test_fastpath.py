@@ -49,7 +49,7 @@ def test_auto_leaves_a_tiny_model_eager(monkeypatch, can_build):
     monkeypatch.setenv(fastpath.COMPILE_ENV, "auto")
     assert fastpath.resolve_compile(None, build("llama-gqa")) == (False, True)
     monkeypatch.setattr(fastpath, "MIN_PARAMETERS", 1)
-    assert fastpath.resolve_compile(None, build("llama-gqa")) == (True, True)
+    assert fastpath.resolve_compile(None, build("llama-gqa")) == ({"options": fastpath.matvec_options()}, True)
 
 
 def test_auto_is_eager_where_inductor_cannot_build(monkeypatch):
@@ -81,7 +81,7 @@ def test_an_explicit_choice_wins_over_the_variable(monkeypatch):
     monkeypatch.setenv(fastpath.COMPILE_ENV, "1")
     assert fastpath.resolve_compile(False, model) == (False, False)
     assert fastpath.resolve_compile({"backend": "eager"}, model) == ({"backend": "eager"}, False)
-    assert fastpath.resolve_compile(None, model) == (True, True)
+    assert fastpath.resolve_compile(None, model) == ({"options": fastpath.matvec_options()}, True)
     monkeypatch.setenv(fastpath.COMPILE_ENV, "0")
     assert fastpath.resolve_compile(True, model) == (True, False)
     assert fastpath.resolve_compile(None, model) == (False, True)
@@ -92,7 +92,8 @@ def test_session_default_follows_the_variable_without_compiling(monkeypatch):
     model = build("llama-gqa")
     monkeypatch.setenv(fastpath.COMPILE_ENV, "1")
     auto = StreamSession(model, num_sinks=2, window=8)
-    assert auto.compile_options == {} and isinstance(auto._step_forward, fastpath.FirstCall)
+    assert auto.compile_options == {"options": fastpath.matvec_options()}  # on a CPU: the one-row products decomposed
+    assert isinstance(auto._step_forward, fastpath.FirstCall)
     assert auto._step_forward.fallback is not None  # sinklab's own choice: a failed compile decodes eagerly
     assert auto.freezing is False  # frozen graphs bypass inductor's on-disk caches
     assert StreamSession(model, num_sinks=2, window=8, compile=True).freezing is True  # asked for: as before
@@ -111,26 +112,26 @@ def test_chat_passes_its_choice_to_the_session(monkeypatch):
     tiny_lm = sinklab.load_model("builtin:tiny-lm")
     monkeypatch.setenv(fastpath.COMPILE_ENV, "1")
     assert ChatStream(tiny_lm.model, tiny_lm.tokenizer, window=8, compile=False)._session.compile_options is None
-    assert ChatStream(tiny_lm.model, tiny_lm.tokenizer, window=8)._session.compile_options == {}
+    assert ChatStream(tiny_lm.model, tiny_lm.tokenizer, window=8)._session.compile_options == {"options": fastpath.matvec_options()}
 
 
 def test_the_cache_folder_is_sinklabs_unless_the_user_set_one(monkeypatch, tmp_path):
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
-    monkeypatch.setattr(functorch_config, "enable_autograd_cache", False)
-    for name in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("SINKLAB_CACHE", str(tmp_path / "sl"))
-    assert fastpath.use_compile_cache() == tmp_path / "sl" / "inductor"
-    import os
+    # the config modules' own patch() puts their values back (monkeypatch's undo would delete the attributes)
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        for name in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("SINKLAB_CACHE", str(tmp_path / "sl"))
+        assert fastpath.use_compile_cache() == tmp_path / "sl" / "inductor"
+        import os
 
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "sl" / "inductor")
-    assert inductor_config.fx_graph_cache is True and functorch_config.enable_autograd_cache is True
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    assert fastpath.use_compile_cache() == tmp_path / "mine"  # the user's own folder stays
-    inductor_config.fx_graph_cache = False
-    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
-    fastpath.use_compile_cache()
-    assert inductor_config.fx_graph_cache is False  # the user's own switch stays
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "sl" / "inductor")
+        assert inductor_config.fx_graph_cache is True and functorch_config.enable_autograd_cache is True
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+        assert fastpath.use_compile_cache() == tmp_path / "mine"  # the user's own folder stays
+        inductor_config.fx_graph_cache = False
+        monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+        fastpath.use_compile_cache()
+        assert inductor_config.fx_graph_cache is False  # the user's own switch stays
 
 
 def test_first_call_says_it_compiles_and_how_long_it_took():
@@ -334,3 +335,53 @@ def test_a_session_holds_the_decode_layout_from_its_first_step_and_gives_it_back
     assert not weight.is_contiguous()
     fastpath.restore_layout(model)
     assert weight.is_contiguous()
+
+
+def test_matvec_options_compile_every_one_row_product_to_a_reduction_of_the_same_values():
+    """Inductor with :func:`fastpath.matvec_options`: a one-row product by a weight wider than the pass's own CPU
+    limit, with and without a bias, is decomposed (inductor's counters) and matches the float64 product."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(1, 48, generator=gen), torch.randn(3000, 48, generator=gen), torch.randn(3000, generator=gen)
+    counters.clear()
+    step = torch.compile(lambda x: (torch.nn.functional.linear(x, w), torch.nn.functional.linear(x, w, b)),
+                         options=fastpath.matvec_options(), dynamic=False)
+    with torch.no_grad(), inductor_config.patch(fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):  # a cache hit would skip the pass and its counters
+        plain, biased = step(x)
+    decomposed = counters["inductor"]["decompose_mm"] + counters["inductor"]["decompose_addmm"]
+    torch._dynamo.reset()
+    assert decomposed == 2
+    want = x.double() @ w.double().T
+    torch.testing.assert_close(plain.double(), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(biased.double(), want + b.double(), rtol=1e-5, atol=1e-4)
+
+
+def test_a_sessions_eager_steps_hold_the_decode_layout_and_its_compiled_steps_do_not(monkeypatch):
+    """sinklab's own compile (dynamo's eager backend here): the first ``EAGER_STEPS`` steps run eagerly on the
+    input-major weights, the compiled ones on the weights as stored; every step's logits are the dense forward's."""
+    from sinklab.stream import session as session_module
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(fastpath, "EAGER_STEPS", 2)
+    monkeypatch.setattr(session_module, "resolve_compile", lambda compile, model: ({"backend": "eager"}, True))
+    model = _tied_llama()
+    weight = model.model.layers[0].mlp.down_proj.weight
+    ids = torch.randint(0, 1000, (1, 10), generator=torch.Generator().manual_seed(2))
+    nxt = [5, 9, 11, 3]
+    with torch.no_grad():
+        want = [model(torch.cat([ids, torch.tensor([nxt[:i + 1]])], 1)).logits[0, -1] for i in range(len(nxt))]
+    contiguous, got = [], []
+    with StreamSession(model, num_sinks=2, window=24) as s, torch.no_grad():
+        s.feed(ids)
+        for t in nxt:
+            got.append(s.step(torch.tensor([t]))[0])
+            contiguous.append(weight.is_contiguous())
+        assert not s._step_forward.pending  # the compiled forward ran
+    torch._dynamo.reset()
+    assert contiguous == [False, False, True, True]
+    assert weight.is_contiguous()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

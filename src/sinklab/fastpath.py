@@ -9,6 +9,10 @@ A stream that is not told how to decode (``StreamSession(compile=None)``, ``stre
   eager (docs/stream.md); eager elsewhere.
 * ``compile=False`` (``--eager``) is eager and ``compile=True`` or a dict of options compiles, whatever the variable.
 
+On a CPU sinklab's own compile also passes :func:`matvec_options`: each one-token product of a row by a weight is
+inductor's own C++ reduction over the weight's rows instead of a BLAS call. The eager steps read the weights in the
+decode layout (:func:`decode_layout`), which a session gives back before its step compiles.
+
 A compiled step keeps inductor's on-disk caches (its FX graph cache and AOTAutograd's cache) under sinklab's cache
 folder, ``<cache>/inductor`` (:func:`use_compile_cache`; ``$TORCHINDUCTOR_CACHE_DIR`` if the user set one), so
 the compile runs once per model, dtype, torch version and machine; a later process loads the compiled kernels
@@ -34,8 +38,8 @@ from .compile import frozen
 from .errors import InputError
 from .gguf import cache_root
 
-__all__ = ["COMPILE_ENV", "LAYOUT_ENV", "FirstCall", "compile_pays", "compiled_step", "decode_layout",
-           "default_compile", "resolve_compile", "restore_layout", "use_compile_cache"]
+__all__ = ["COMPILE_ENV", "LAYOUT_ENV", "MATVEC_WIDTH", "FirstCall", "compile_pays", "compiled_step", "decode_layout",
+           "default_compile", "matvec_options", "resolve_compile", "restore_layout", "use_compile_cache"]
 
 #: The environment variable that sets the default: ``auto`` (or unset), ``1``/``on``, ``0``/``off``.
 COMPILE_ENV = "SINKLAB_COMPILE"
@@ -101,21 +105,47 @@ def _weights(model: torch.nn.Module) -> tuple[torch.device, torch.dtype, int]:
 
 def resolve_compile(compile: bool | dict | None, model: torch.nn.Module) -> tuple[bool | dict | None, bool]:
     """``compile`` as given, or (None) the default for ``model``'s weights: ``(compile, automatic)``, where
-    ``automatic`` says the choice was sinklab's (a failed automatic compile falls back to eager)."""
+    ``automatic`` says the choice was sinklab's (a failed automatic compile falls back to eager). sinklab's own
+    compile on a CPU is ``{"options": matvec_options()}``; elsewhere ``True``."""
     if compile is not None:
         return compile, False
-    return (True if default_compile(*_weights(model)) else False), True
+    device, dtype, count = _weights(model)
+    if not default_compile(device, dtype, count):
+        return False, True
+    return ({"options": matvec_options()} if torch.device(device).type == "cpu" else True), True
+
+
+#: The widest weight (rows or columns) whose one-row product :func:`matvec_options` decomposes: every projection and
+#: LM head of the models sinklab streams.
+MATVEC_WIDTH = 1 << 20
+
+
+def matvec_options() -> dict:
+    """Inductor settings for a compiled one-token step on a CPU: each product of one row by a weight (every
+    projection, the LM head) is decomposed into a multiply and a sum over the weight's rows, which inductor emits as
+    one streaming C++ reduction per weight, instead of calling the BLAS matrix product (docs/stream.md, "The
+    matrix-vector products"). The pass is inductor's ``decompose_mm_pass``; its width limit on a CPU is a module
+    setting read once, so it is raised here to :data:`MATVEC_WIDTH` (only compiles that turn the pass on read it).
+    Pass ``compile={"options": matvec_options()}`` to get it on a compile of your own."""
+    try:
+        from torch._inductor.fx_passes import decompose_mem_bound_mm as decompose
+    except ImportError:  # pragma: no cover - a torch without the pass: the settings below are then ignored
+        decompose = None
+    if decompose is not None and getattr(decompose, "cpu_max_other_dimension_decomposition", MATVEC_WIDTH) < MATVEC_WIDTH:
+        decompose.cpu_max_other_dimension_decomposition = MATVEC_WIDTH
+    return {"post_grad_fusion_options": {"decompose_mm_pass": {"cpu_max_other_dimension_decomposition": MATVEC_WIDTH}}}
 
 
 def decode_layout(model: torch.nn.Module) -> int:
     """Store every float32 ``nn.Linear`` weight of ``model`` that sits on the CPU input-major — the same values, the
     same ``[out, in]`` shape, as the transposed view of a contiguous ``[in, out]`` tensor — so that a one-token
     step's ``F.linear`` (``x @ W.T``, ``W.T`` now contiguous) takes the library's faster matrix-vector kernel
-    (docs/stream.md measures both layouts). Eager and compiled (unfrozen) steps gain; a prefill chunk and
+    (docs/stream.md measures both layouts). Eager steps gain; a compiled step with :func:`matvec_options` reads the
+    weights as stored and is slower on these (a session gives the layout back before it compiles); a prefill chunk and
     transformers' own forward give the same numbers (to float32 rounding). A weight tied to the input embedding
     moves with it. Weights already laid out so, or on another device or dtype, are left as they are;
     ``$SINKLAB_DECODE_LAYOUT=0`` turns it off. Counted per model: every call is matched by one
-    :func:`restore_layout` (a :class:`~sinklab.stream.StreamSession` holds one from its first step until it closes),
+    :func:`restore_layout` (a :class:`~sinklab.stream.StreamSession` holds one while it decodes eagerly),
     and the last one puts the weights back as they were. Returns the number of weights moved by this call."""
     held = _LAID_OUT.get(model)
     if held is not None:
@@ -208,6 +238,13 @@ class FirstCall:
         self.pending = True
         self.seconds: float | None = None  # how long the first call took
         self.from_cache: bool | None = None  # whether inductor's cache served it (None: no inductor graph)
+
+    @property
+    def runs_eager(self) -> bool:
+        """Whether the next call runs the eager forward: an eager call still to come, or a compile that failed."""
+        if self.pending:
+            return self.eager_left > 0
+        return self.fallback is not None and self.forward is self.fallback
 
     def __call__(self, *args, **kwargs):
         if not self.pending:

@@ -89,7 +89,7 @@ class StreamSession:
         self._cache_kwarg = _compat.cache_kwarg_name(model)
         self._device = _compat.input_device(model)
         self.tokens_seen = 0
-        self._laid_out = False  # this session holds the model's decode layout (fastpath.decode_layout), from its first step
+        self._laid_out = False  # this session holds the model's decode layout (fastpath.decode_layout): eager steps
         self._restore: dict | None = None  # a loaded stream's state, put back on __enter__
         # Decoding (``step``) through torch.compile; chunks (``feed``) stay eager. Compiled once per model forward.
         self.compile_options = options  # what torch.compile was given for step() (None: eager)
@@ -160,9 +160,15 @@ class StreamSession:
         if not _token_ids(token_ids):
             raise InputError(f"token_ids must be an integer tensor [batch], got {_describe(token_ids)}")
         self.tokens_seen += 1
-        if not self._laid_out:  # before the first (compiled) step: float32 CPU projections stored for one-token steps
-            decode_layout(self.model)
-            self._laid_out = True
+        # An eager step reads float32 CPU projections stored input-major (fastpath.decode_layout); a compiled step
+        # reads them as stored (its products are inductor's own reductions over the weight's rows).
+        eager = self.compile_options is None or getattr(self._step_forward, "runs_eager", False)
+        if eager != self._laid_out:
+            if eager:
+                decode_layout(self.model)
+            else:
+                restore_layout(self.model)
+            self._laid_out = eager
         graphs = self.compile_options is not None and self._device.type == "cuda"
         if graphs:  # a new step: CUDA graphs (mode="reduce-overhead") may reuse the last step's output memory
             torch.compiler.cudagraph_mark_step_begin()
