@@ -127,12 +127,15 @@ def matvec_options() -> dict:
     matrix-vector products"). The pass is inductor's ``decompose_mm_pass``; its width limit on a CPU is a module
     setting read once, so it is raised here to :data:`MATVEC_WIDTH` (only compiles that turn the pass on read it).
     Pass ``compile={"options": matvec_options()}`` to get it on a compile of your own."""
+    import importlib
+
     try:
-        from torch._inductor.fx_passes import decompose_mem_bound_mm as decompose
+        decompose = importlib.import_module("torch._inductor.fx_passes.decompose_mem_bound_mm")
     except ImportError:  # pragma: no cover - a torch without the pass: the settings below are then ignored
-        decompose = None
-    if decompose is not None and getattr(decompose, "cpu_max_other_dimension_decomposition", MATVEC_WIDTH) < MATVEC_WIDTH:
-        decompose.cpu_max_other_dimension_decomposition = MATVEC_WIDTH
+        pass
+    else:
+        if getattr(decompose, "cpu_max_other_dimension_decomposition", MATVEC_WIDTH) < MATVEC_WIDTH:
+            setattr(decompose, "cpu_max_other_dimension_decomposition", MATVEC_WIDTH)  # noqa: B010
     return {"post_grad_fusion_options": {"decompose_mm_pass": {"cpu_max_other_dimension_decomposition": MATVEC_WIDTH}}}
 
 
