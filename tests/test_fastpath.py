@@ -168,7 +168,7 @@ def test_an_automatic_compile_that_fails_decodes_eagerly():
     with pytest.warns(RuntimeWarning, match=r"automatic compile of the decode step failed \(RuntimeError: no C\+\+ "
                                             r"compiler\); decoding eagerly \(set SINKLAB_COMPILE=0"):
         assert first(2) == 20
-    assert first(3) == 30  # eager from then on
+    assert first(3) == 30 and first.runs_eager  # eager from then on (a session lays the weights out for it)
     asked = fastpath.FirstCall(broken, say=lambda _: None)
     with pytest.raises(RuntimeError, match="no C"):  # a compile the caller asked for: its error
         asked(1)
@@ -338,16 +338,17 @@ def test_a_session_holds_the_decode_layout_from_its_first_step_and_gives_it_back
 
 
 def test_matvec_options_compile_every_one_row_product_to_a_reduction_of_the_same_values():
-    """Inductor with :func:`fastpath.matvec_options`: a one-row product by a weight wider than the pass's own CPU
-    limit, with and without a bias, is decomposed (inductor's counters) and matches the float64 product."""
+    """A compiled step with :func:`fastpath.matvec_options`: a one-row product by a weight wider than the pass's own
+    CPU limit, with and without a bias, is decomposed (inductor's counters) and matches the float64 product."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(1, 48, generator=gen), torch.randn(3000, 48, generator=gen), torch.randn(3000, generator=gen)
     counters.clear()
-    step = torch.compile(lambda x: (torch.nn.functional.linear(x, w), torch.nn.functional.linear(x, w, b)),
-                         options=fastpath.matvec_options(), dynamic=False)
+    step = fastpath.compiled_step(lambda x: (torch.nn.functional.linear(x, w), torch.nn.functional.linear(x, w, b)),
+                                  {"options": fastpath.matvec_options(), "dynamic": False}, freezing=False,
+                                  say=lambda _: None)
     with torch.no_grad(), inductor_config.patch(fx_graph_cache=False), \
             functorch_config.patch(enable_autograd_cache=False):  # a cache hit would skip the pass and its counters
         plain, biased = step(x)
@@ -385,3 +386,15 @@ def test_a_sessions_eager_steps_hold_the_decode_layout_and_its_compiled_steps_do
     assert weight.is_contiguous()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_default_choice_does_not_import_inductor():
+    """Choosing the default (a session's construction) leaves inductor unimported: its import waits for the compile,
+    so a run that decodes eagerly (the first ``EAGER_STEPS``) never pays it before its first token."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from sinklab import fastpath; fastpath.matvec_options(); "
+            "print('torch._inductor.fx_passes.decompose_mem_bound_mm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False"

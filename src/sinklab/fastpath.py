@@ -38,8 +38,9 @@ from .compile import frozen
 from .errors import InputError
 from .gguf import cache_root
 
-__all__ = ["COMPILE_ENV", "LAYOUT_ENV", "MATVEC_WIDTH", "FirstCall", "compile_pays", "compiled_step", "decode_layout",
-           "default_compile", "matvec_options", "resolve_compile", "restore_layout", "use_compile_cache"]
+__all__ = ["COMPILE_ENV", "LAYOUT_ENV", "MATVEC_WIDTH", "FirstCall", "apply_matvec_width", "compile_pays",
+           "compiled_step", "decode_layout", "default_compile", "matvec_options", "resolve_compile", "restore_layout",
+           "use_compile_cache"]
 
 #: The environment variable that sets the default: ``auto`` (or unset), ``1``/``on``, ``0``/``off``.
 COMPILE_ENV = "SINKLAB_COMPILE"
@@ -124,19 +125,31 @@ def matvec_options() -> dict:
     """Inductor settings for a compiled one-token step on a CPU: each product of one row by a weight (every
     projection, the LM head) is decomposed into a multiply and a sum over the weight's rows, which inductor emits as
     one streaming C++ reduction per weight, instead of calling the BLAS matrix product (docs/stream.md, "The
-    matrix-vector products"). The pass is inductor's ``decompose_mm_pass``; its width limit on a CPU is a module
-    setting read once, so it is raised here to :data:`MATVEC_WIDTH` (only compiles that turn the pass on read it).
-    Pass ``compile={"options": matvec_options()}`` to get it on a compile of your own."""
+    matrix-vector products"). The pass is inductor's ``decompose_mm_pass``, its width limit raised to
+    :data:`MATVEC_WIDTH` so that the LM head is decomposed too. A plain dict: importing inductor waits for the
+    compile (:func:`compiled_step` applies the width, :func:`apply_matvec_width`).
+    ``StreamSession(model, compile={"options": matvec_options()})`` asks for it explicitly."""
+    return {"post_grad_fusion_options": {"decompose_mm_pass": {"cpu_max_other_dimension_decomposition": MATVEC_WIDTH}}}
+
+
+def apply_matvec_width(options: dict) -> None:
+    """Make the CPU width limit that ``options`` (``torch.compile``'s keyword arguments) give inductor's
+    ``decompose_mm_pass`` hold: the pass's module reads that setting once, when it is first imported, so a limit
+    given to one compile is otherwise ignored. Raises the module's limit to the one asked for (never lowers it; only
+    compiles that turn the pass on read it). Imports inductor: call it when compiling."""
+    extra = options.get("options") or {}
+    asked = (extra.get("post_grad_fusion_options") or {}).get("decompose_mm_pass", {}).get(
+        "cpu_max_other_dimension_decomposition")
+    if asked is None:
+        return
     import importlib
 
     try:
         decompose = importlib.import_module("torch._inductor.fx_passes.decompose_mem_bound_mm")
-    except ImportError:  # pragma: no cover - a torch without the pass: the settings below are then ignored
-        pass
-    else:
-        if getattr(decompose, "cpu_max_other_dimension_decomposition", MATVEC_WIDTH) < MATVEC_WIDTH:
-            setattr(decompose, "cpu_max_other_dimension_decomposition", MATVEC_WIDTH)  # noqa: B010
-    return {"post_grad_fusion_options": {"decompose_mm_pass": {"cpu_max_other_dimension_decomposition": MATVEC_WIDTH}}}
+    except ImportError:  # pragma: no cover - a torch without the pass: the option is then ignored
+        return
+    if getattr(decompose, "cpu_max_other_dimension_decomposition", asked) < asked:
+        setattr(decompose, "cpu_max_other_dimension_decomposition", asked)  # noqa: B010
 
 
 def decode_layout(model: torch.nn.Module) -> int:
@@ -292,6 +305,7 @@ def compiled_step(forward: Callable, options: dict, *, freezing: bool, automatic
     cache = use_compile_cache() if inductor else None
 
     def build() -> Callable:
+        apply_matvec_width(options)
         step = torch.compile(forward, **options)
         return frozen(step) if freezing else step
     # A model's forward compiled before in this process: dynamo reuses its graph (a chat's /reset), nothing to say.
