@@ -10,7 +10,8 @@ same way (SmolLM2, one thread, a CPU).
   the call: one dynamo frame and one graph per step; what ``StreamSession.step`` runs);
 * ``static`` — transformers' StaticCache, filled to the same length, each step cropped back (``_stream_compile``).
 
-No freezing (the default path's compile), inductor's defaults. S 4, W ``cached − 4``: every step past eviction.
+No freezing (the default path's compile), inductor's defaults; ``--matvec`` compiles all three with
+``fastpath.matvec_options()`` (what sinklab's own CPU compile passes; writes ``compile_routes_matvec.json``). S 4, W ``cached − 4``: every step past eviction.
 Rounds alternate the methods; the median ms per step. Writes ``benchmarks/results/compile_routes.json``. Not a
 test.
 """
@@ -45,16 +46,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--matvec", action="store_true",
+                    help="compile all three with fastpath.matvec_options() (what sinklab's own CPU compile passes)")
     args = ap.parse_args()
     import sinklab
+    from sinklab import fastpath
 
     torch.set_num_threads(args.threads)
     model = sinklab.load_model("builtin:smollm2").model.eval()
     vocab = model.config.vocab_size
+    options: dict = {}
+    if args.matvec:
+        options = {"options": fastpath.matvec_options()}
+        fastpath.apply_matvec_width(options)
     sink = dict(compiled=True, num_sinks=4, window=args.cached - 4)
-    methods = {"sinklab forward": SinkForward("sinklab forward", model, args.cached - 64, vocab, {}, **sink),
-               "sinklab planned": Sink("sinklab planned", model, args.cached - 64, vocab, {}, **sink),
-               "static": Static("static", model, args.cached - 1, vocab, {})}
+    methods = {"sinklab forward": SinkForward("sinklab forward", model, args.cached - 64, vocab, options, **sink),
+               "sinklab planned": Sink("sinklab planned", model, args.cached - 64, vocab, options, **sink),
+               "static": Static("static", model, args.cached - 1, vocab, options)}
     warm = {}
     for name, m in methods.items():
         warm[name] = m.warm()
@@ -68,13 +76,14 @@ def main() -> None:
     rows = [{"method": k, "ms/step": med[k], "÷ static": med[k] / med["static"], "warm-up (s)": warm[k]}
             for k in methods]
     print(markdown_table(rows, digits=4))
-    write_result(RESULTS / "compile_routes.json", {
+    out = RESULTS / ("compile_routes_matvec.json" if args.matvec else "compile_routes.json")
+    write_result(out, {
         "benchmark": "compile-routes", "model": "builtin:smollm2", "cached": args.cached, "threads": args.threads,
-        "steps": args.steps, "rounds": args.rounds, "median_ms": med, "warm_s": warm, "samples": ms,
+        "steps": args.steps, "rounds": args.rounds, "matvec": args.matvec, "median_ms": med, "warm_s": warm, "samples": ms,
         "load_average": os.getloadavg(), "meta": run_metadata(model="builtin:smollm2")}, quiet=True)
     for m in methods.values():
         m.close()
-    print(f"wrote {RESULTS / 'compile_routes.json'} at {time.strftime('%H:%M')}")
+    print(f"wrote {out} at {time.strftime('%H:%M')}")
 
 
 if __name__ == "__main__":

@@ -19,10 +19,10 @@ with the machine's native CPU flags: a few minutes on 2 cores, once). Methods, a
 * ``llama.cpp cli-shift`` — llama.cpp's context shift as its CLI does it: with the context (``cached`` tokens)
   full, keep 4 and drop half of the rest at once, decode on until full again; the cost per token averaged over
   one cycle (``_llamacpp_worker.py`` says how);
-* ``sinklab stream-default`` — what ``StreamSession(model, …)`` and ``sinklab stream`` run told nothing (F32 on a
-  CPU: its first ``fastpath.EAGER_STEPS`` steps eager in the decode layout, ``fastpath.decode_layout``, then
-  ``torch.compile`` without freezing with ``fastpath.matvec_options``, its kernels in inductor's on-disk cache;
-  other precisions: eager): ms per token past the switch; its time to first token (the ``cached``-token prompt prefilled and one
+* ``sinklab stream-default`` — what ``StreamSession(model, …)`` and ``sinklab stream`` run told nothing (on a CPU
+  at F32, BF16 and F16: its first ``fastpath.EAGER_STEPS`` steps eager — at F32 in the decode layout,
+  ``fastpath.decode_layout`` — then ``torch.compile`` without freezing with ``fastpath.matvec_options``, its kernels
+  in inductor's on-disk cache): ms per token past the switch; its time to first token (the ``cached``-token prompt prefilled and one
   token decoded, before the switch); and its first compiled step cold (an empty compile cache: the compile) and
   warm (dynamo reset, the cache filled: what a later process pays, less its imports and model load);
 * ``sinklab stream``   — ``SinkCache(num_sinks=4, window=cached − 4)`` past eviction, eager (``--eager``);

@@ -34,12 +34,14 @@ def test_the_variable_decides_when_set(monkeypatch, value, expected):
 
 
 @pytest.mark.parametrize("value", ["auto", "", "AUTO"])
-def test_auto_compiles_on_a_cpu_for_float32_only(monkeypatch, can_build, value):
+def test_auto_compiles_on_a_cpu_for_float_weights_only(monkeypatch, can_build, value):
     monkeypatch.setenv(fastpath.COMPILE_ENV, value)
     assert fastpath.default_compile("cpu", torch.float32) is True
-    assert fastpath.default_compile(torch.device("cpu"), torch.bfloat16) is False
-    assert fastpath.default_compile("cpu", torch.float16) is False
+    assert fastpath.default_compile(torch.device("cpu"), torch.bfloat16) is True
+    assert fastpath.default_compile("cpu", torch.float16) is True
+    assert fastpath.default_compile("cpu", torch.float64) is False
     assert fastpath.default_compile("cuda:0", torch.float32) is False
+    assert fastpath.default_compile("cuda:0", torch.bfloat16) is False
     monkeypatch.delenv(fastpath.COMPILE_ENV)
     assert fastpath.default_compile("cpu", torch.float32) is True  # unset is auto
     assert fastpath.default_compile("cpu", torch.float32, fastpath.MIN_PARAMETERS - 1) is False  # a tiny model
@@ -337,14 +339,16 @@ def test_a_session_holds_the_decode_layout_from_its_first_step_and_gives_it_back
     assert weight.is_contiguous()
 
 
-def test_matvec_options_compile_every_one_row_product_to_a_reduction_of_the_same_values():
+@pytest.mark.parametrize("dtype, rtol, atol", [(torch.float32, 1e-5, 1e-4), (torch.bfloat16, 2e-2, 1e-1)])
+def test_matvec_options_compile_every_one_row_product_to_a_reduction_of_the_same_values(dtype, rtol, atol):
     """A compiled step with :func:`fastpath.matvec_options`: a one-row product by a weight wider than the pass's own
-    CPU limit, with and without a bias, is decomposed (inductor's counters) and matches the float64 product."""
+    CPU limit, with and without a bias, is decomposed (inductor's counters) and matches the float64 product of the
+    same (rounded) values — in float32 and in bfloat16, the automatic choice's half-precision case."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(0)
-    x, w, b = torch.randn(1, 48, generator=gen), torch.randn(3000, 48, generator=gen), torch.randn(3000, generator=gen)
+    x, w, b = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((1, 48), (3000, 48), (3000,)))
     counters.clear()
     step = fastpath.compiled_step(lambda x: (torch.nn.functional.linear(x, w), torch.nn.functional.linear(x, w, b)),
                                   {"options": fastpath.matvec_options(), "dynamic": False}, freezing=False,
@@ -355,9 +359,10 @@ def test_matvec_options_compile_every_one_row_product_to_a_reduction_of_the_same
     decomposed = counters["inductor"]["decompose_mm"] + counters["inductor"]["decompose_addmm"]
     torch._dynamo.reset()
     assert decomposed == 2
+    assert plain.dtype == biased.dtype == dtype
     want = x.double() @ w.double().T
-    torch.testing.assert_close(plain.double(), want, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(biased.double(), want + b.double(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(plain.double(), want, rtol=rtol, atol=atol)
+    torch.testing.assert_close(biased.double(), want + b.double(), rtol=rtol, atol=atol)
 
 
 def test_a_sessions_eager_steps_hold_the_decode_layout_and_its_compiled_steps_do_not(monkeypatch):

@@ -38,7 +38,7 @@ from .compile import frozen
 from .errors import InputError
 from .gguf import cache_root
 
-__all__ = ["COMPILE_ENV", "LAYOUT_ENV", "MATVEC_WIDTH", "FirstCall", "apply_matvec_width", "compile_pays",
+__all__ = ["COMPILE_ENV", "CPU_COMPILE_DTYPES", "LAYOUT_ENV", "MATVEC_WIDTH", "FirstCall", "apply_matvec_width", "compile_pays",
            "compiled_step", "decode_layout", "default_compile", "matvec_options", "resolve_compile", "restore_layout",
            "use_compile_cache"]
 
@@ -72,13 +72,17 @@ def python_headers() -> bool:
     return include is not None and (Path(include) / "Python.h").is_file()
 
 
+#: Weight dtypes the automatic choice compiles on a CPU (each measured faster compiled with :func:`matvec_options`
+#: than eager: docs/stream.md, "The matrix-vector products").
+CPU_COMPILE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def compile_pays(device: torch.device | str, dtype: torch.dtype, parameters: int = MIN_PARAMETERS) -> bool:
-    """The automatic choice: compile on a CPU for float32 weights of a model of ``parameters`` ≥
-    :data:`MIN_PARAMETERS` when inductor can build there. Other devices and dtypes decode eagerly unless asked
-    (``compile=True``, ``--compile``): their default compile is not measured faster here (a GPU's fast step is
-    ``compile={"mode": "reduce-overhead"}``, half precision on a CPU gains with
-    ``mode="max-autotune-no-cudagraphs"``, whose compile is minutes)."""
-    return (torch.device(device).type == "cpu" and dtype == torch.float32 and parameters >= MIN_PARAMETERS
+    """The automatic choice: compile on a CPU for float32, bfloat16 or float16 weights
+    (:data:`CPU_COMPILE_DTYPES`) of a model of ``parameters`` ≥ :data:`MIN_PARAMETERS` when inductor can build
+    there. Other devices and dtypes decode eagerly unless asked (``compile=True``, ``--compile``): their default
+    compile is not measured faster here (a GPU's fast step is ``compile={"mode": "reduce-overhead"}``)."""
+    return (torch.device(device).type == "cpu" and dtype in CPU_COMPILE_DTYPES and parameters >= MIN_PARAMETERS
             and cxx_compiler() is not None and python_headers())
 
 

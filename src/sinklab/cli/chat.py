@@ -139,7 +139,8 @@ def chat(
     policy: Annotated[str, policy_option()] = "streaming",
     plan: Annotated[Path | None, plan_option()] = None,
     eager: Annotated[bool, typer.Option("--eager", help="decode without torch.compile (default: eager for the first "
-                                        "1,024 steps, then compiled where it pays, a CPU and float32 weights; "
+                                        "1,024 steps, then compiled where it pays, a CPU and float32/bfloat16/"
+                                        "float16 weights; "
                                         "the compile is cached per model and machine)")] = False,
 ) -> None:
     """Chat with a model through one stream in constant memory: /reset, /save FILE, /load FILE, /quit.

@@ -14,7 +14,7 @@ from ._common import (MODEL_HELP, app, device_map_option, err, load_for_command,
 
 COMPILE_HELP = ("decode through torch.compile (on a CPU with inductor's freezing: compiled again in every run), or "
                 "eagerly; default: eager for the first 1,024 steps, then compiled without freezing where it pays (a "
-                "CPU, float32 weights, a model of 50M+ parameters; $SINKLAB_COMPILE=0/1 sets it), loaded from the "
+                "CPU, float32/bfloat16/float16 weights, a model of 50M+ parameters; $SINKLAB_COMPILE=0/1 sets it), loaded from the "
                 "compile cache after the first run per model and machine, each one-token matrix product an inductor "
                 "reduction; eager steps read float32 CPU weights stored for one-token steps "
                 "($SINKLAB_DECODE_LAYOUT=0 turns that off)")
