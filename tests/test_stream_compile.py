@@ -388,3 +388,44 @@ def test_a_compiled_session_step_is_one_frame_and_one_graph(make):
         hooked = _count_step(lambda: forward(input_ids=tok[None], **{name: cache}))
     cache.close()
     assert hooked[0] > 1 and hooked[1] > 1, hooked  # the hooks' eager bookkeeping between graphs
+
+
+@pytest.mark.long
+def test_a_forward_compiled_with_matvec_options_through_planned_forward_equals_eager():
+    """The route docs/stream.md gives a user who compiles ``model.forward`` with a SinkCache: the options sinklab's
+    own CPU compile passes (``fastpath.matvec_options`` after ``fastpath.apply_matvec_width``) and
+    ``SinkCache.planned_forward``. Inductor decomposes the step's one-row products (its counters), the logits equal
+    the eager stream's (≤ 1e-5) past eviction and re-bases, and nothing recompiles after 2 warm-up steps."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    from sinklab import fastpath
+
+    model = build("llama-gqa")
+    name = sinklab._compat.cache_kwarg_name(model)
+    prompt, follow = _tokens(9, seed=5)[None], _tokens(12, seed=7)
+    opts = {"options": fastpath.matvec_options()}
+    fastpath.apply_matvec_width(opts)
+    forward = torch.compile(model.forward, **opts)
+    counters.clear()
+    out = {}
+    for compiled in (False, True):
+        cache = SinkCache(model, num_sinks=2, window=6, rebase_every=5)
+        steps = []
+        # a compile-cache hit would skip the pass and its counters
+        with torch.no_grad(), inductor_config.patch(fx_graph_cache=False), \
+                functorch_config.patch(enable_autograd_cache=False):
+            model(input_ids=prompt, **{name: cache})
+            for i, t in enumerate(follow):
+                kwargs = {"input_ids": t[None, None], name: cache}
+                if compiled:
+                    with torch._dynamo.config.patch(error_on_recompile=i >= 2):
+                        steps.append(cache.planned_forward(forward, **kwargs).logits[:, -1])
+                else:
+                    steps.append(model(**kwargs).logits[:, -1])
+        assert cache.state.rebases >= 2
+        cache.close()
+        out[compiled] = torch.stack(steps)
+    assert counters["inductor"]["decompose_mm"] + counters["inductor"]["decompose_addmm"] > 0
+    assert _rel(out[True], out[False]) <= 1e-5
