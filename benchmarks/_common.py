@@ -9,7 +9,8 @@ write_result``, this folder being the script's own on ``sys.path`` when it runs)
   wall time; every result's ``meta``;
 * :func:`write_result` — a JSON file under :data:`RESULTS` (or any path) through ``sinklab.atomic.write_json``:
   a run that fails leaves the previous file as it was;
-* :func:`markdown_table` / :func:`print_table` — rows (dicts) as a Markdown table, for the terminal and docs.
+* :func:`markdown_table` / :func:`print_table` — rows (dicts) as a Markdown table, for the terminal and docs;
+* :func:`greedy_steps` — a stream session's greedy decode steps, timed one by one.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
 
-__all__ = ["DOCS", "RESULTS", "ROOT", "git_state", "markdown_table", "print_table", "run_metadata", "write_result"]
+__all__ = ["DOCS", "RESULTS", "ROOT", "git_state", "greedy_steps", "markdown_table", "print_table", "run_metadata",
+           "write_result"]
 
 
 def git_state() -> str:
@@ -109,3 +111,18 @@ def print_table(rows: Sequence[dict], columns: Sequence[str] | dict[str, str] | 
     if title:
         print(f"\n{title}\n")
     print(markdown_table(rows, columns, digits), flush=True)
+
+
+def greedy_steps(session: Any, logits: Any, steps: int, warm: int = 0) -> tuple[Any, list[float]]:
+    """``warm`` untimed, then ``steps`` timed greedy decode steps of a ``StreamSession`` from ``logits`` (the last
+    step's or the prompt's): the last logits and each timed step's milliseconds."""
+    import time
+
+    for _ in range(warm):
+        logits = session.step(logits.argmax(-1))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        logits = session.step(logits.argmax(-1))
+        times.append(1e3 * (time.perf_counter() - start))
+    return logits, times

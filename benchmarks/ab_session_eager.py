@@ -25,30 +25,25 @@ sys.path.insert(0, str(HERE))
 from _common import RESULTS, markdown_table, run_metadata, write_result  # noqa: E402
 
 WORKER = """
-import json, statistics, sys, time
+import json, statistics, sys
 import torch
 import sinklab
 from sinklab.stream import StreamSession
+sys.path.insert(0, sys.argv[4])
+from _common import greedy_steps
 cached, steps, threads = (int(a) for a in sys.argv[1:4])
 torch.set_num_threads(threads)
 model = sinklab.load_model("builtin:smollm2").model.eval()
 prompt = torch.randint(10, model.config.vocab_size - 1, (1, cached), generator=torch.Generator().manual_seed(0))
 with torch.no_grad(), StreamSession(model, num_sinks=4, window=cached - 4, compile=False) as s:
-    logits = s.feed(prompt)
-    for _ in range(2):
-        logits = s.step(logits.argmax(-1))
-    ms = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        logits = s.step(logits.argmax(-1))
-        ms.append(1e3 * (time.perf_counter() - t))
+    _, ms = greedy_steps(s, s.feed(prompt), steps, warm=2)
 print(json.dumps({"ms": statistics.median(ms)}))
 """
 
 
 def measure(src: str, cached: int, steps: int, threads: int) -> float:
     env = {**os.environ, "PYTHONPATH": src, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.run([sys.executable, "-c", WORKER, str(cached), str(steps), str(threads)], env=env,
+    proc = subprocess.run([sys.executable, "-c", WORKER, str(cached), str(steps), str(threads), str(HERE)], env=env,
                           capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"the worker failed on {src}: {proc.stderr[-2000:]}")

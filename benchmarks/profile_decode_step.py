@@ -36,7 +36,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import RESULTS, markdown_table, run_metadata, write_result  # noqa: E402
+from _common import RESULTS, greedy_steps, markdown_table, run_metadata, write_result  # noqa: E402
 
 NUM_SINKS = 4
 WRAPPERS = ("## Call CompiledFxGraph", "Torch-Compiled Region")  # their totals hold the kernels; self time is kept
@@ -83,14 +83,7 @@ def profile(model, cached: int, steps: int) -> dict:
     try:
         with torch.no_grad(), inductor_config.patch({"cpp.enable_kernel_profile": True}), \
                 StreamSession(model, num_sinks=NUM_SINKS, window=cached - NUM_SINKS) as session:
-            logits = session.feed(prompt)
-            for _ in range(4):  # the compile, then warm steps
-                logits = session.step(logits.argmax(-1))
-            times = []
-            for _ in range(steps):
-                t = time.perf_counter()
-                logits = session.step(logits.argmax(-1))
-                times.append(1e3 * (time.perf_counter() - t))
+            logits, times = greedy_steps(session, session.feed(prompt), steps, warm=4)  # the compile, warm steps
             with torch_profile() as prof:
                 for _ in range(steps):
                     logits = session.step(logits.argmax(-1))

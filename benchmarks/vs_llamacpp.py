@@ -58,7 +58,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import RESULTS, markdown_table, run_metadata, write_result  # noqa: E402
+from _common import RESULTS, greedy_steps, markdown_table, run_metadata, write_result  # noqa: E402
 LLAMA_CPP = "llama-cpp-python==0.3.36"
 VENV = HERE / ".peer-venvs" / "llamacpp-0.3.36"
 WORKER = HERE / "_llamacpp_worker.py"
@@ -176,13 +176,7 @@ def default_rows(model, precision: str, threads: int, cached: int, steps: int) -
                     logits = session.step(logits.argmax(-1))
                     firsts[kind] = time.perf_counter() - t
                     if kind == "warm":
-                        for _ in range(2):  # warm-up
-                            logits = session.step(logits.argmax(-1))
-                        times = []
-                        for _ in range(steps):
-                            t = time.perf_counter()
-                            logits = session.step(logits.argmax(-1))
-                            times.append(1e3 * (time.perf_counter() - t))
+                        logits, times = greedy_steps(session, logits, steps, warm=2)
             compiled = session.compile_options is not None
     finally:
         fastpath.EAGER_STEPS = eager_steps
