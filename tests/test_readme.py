@@ -347,3 +347,21 @@ def test_readme_llamacpp_and_graph_counts_are_the_committed_benchmarks():
              for p in ("f32", "bf16", "f16")}  # a compiled stream's first logits against the eager stream's
     # float32 to rounding; the 16-bit formats within two units in the last place of bfloat16 (2 · 2⁻⁷)
     assert worst["f32"] <= 1e-5 and max(worst["bf16"], worst["f16"]) <= 2**-6, worst
+
+
+def test_readme_half_precision_default_numbers_are_the_committed_benchmark():
+    """vs_llamacpp_default_half.json: the default path in BF16 and F16 against llama.cpp's plain decode, as README
+    quotes it (ms per token and the one ratio)."""
+    rows = _json("vs_llamacpp_default_half.json")["rows"]
+    ms = {(r["engine"], r["method"], r["precision"], r["threads"], r["cached"]): r["ms_per_token"] for r in rows}
+    quoted = _find(r"BF16 and\s+F16 weights now compile by default too: ([\d.]+) against llama.cpp's ([\d.]+) ms in BF16 "
+                   r"\(([\d.]+)×; `--eager` ([\d.]+)\) and\s+([\d.]+) against ([\d.]+) in F16 at 1,024 cached tokens, one "
+                   r"thread, and ([\d.]+) against ([\d.]+) in BF16 at 4,096 on two\s+threads \(([\d.]+)×")
+    bf1, f1, bf2 = ("bf16", 1, 1024), ("f16", 1, 1024), ("bf16", 2, 4096)
+
+    def pair(cell):
+        return [round(ms[("sinklab", "stream-default", *cell)], 1), round(ms[("llama.cpp", "plain", *cell)], 1)]
+
+    ratio = [round(ms[("sinklab", "stream-default", *c)] / ms[("llama.cpp", "plain", *c)], 2) for c in (bf1, bf2)]
+    assert pair(bf1) + [ratio[0], round(ms[("sinklab", "stream", *bf1)], 1)] + pair(f1) + pair(bf2) + [ratio[1]] == quoted
+    assert all(r["compiled"] for r in rows if r["method"] == "stream-default")  # the default did compile
