@@ -4,9 +4,9 @@ A stream that is not told how to decode (``StreamSession(compile=None)``, ``stre
 ``sinklab stream`` / ``sinklab chat`` without ``--compile`` or ``--eager``) asks :func:`resolve_compile`:
 
 * ``$SINKLAB_COMPILE`` (:data:`COMPILE_ENV`) ``0``/``off`` — eager; ``1``/``on`` — compiled; ``auto`` or unset —
-  :func:`compile_pays`: compiled on a CPU for float32 weights of a model of at least :data:`MIN_PARAMETERS`
-  when inductor can build its C++ kernels (a C++ compiler and Python's headers), the case measured faster than
-  eager (docs/stream.md); eager elsewhere.
+  :func:`compile_pays`: compiled on a CPU for float32, bfloat16 or float16 weights (:data:`CPU_COMPILE_DTYPES`) of
+  a model of at least :data:`MIN_PARAMETERS` when inductor can build its C++ kernels (a C++ compiler and Python's
+  headers), the cases measured faster than eager (docs/stream.md); eager elsewhere.
 * ``compile=False`` (``--eager``) is eager and ``compile=True`` or a dict of options compiles, whatever the variable.
 
 On a CPU sinklab's own compile also passes :func:`matvec_options`: each one-token product of a row by a weight is
